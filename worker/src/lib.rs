@@ -1,0 +1,15 @@
+//! Supervisor of codex app-server worker processes: spawn, watch, restart, drain, stop.
+
+pub mod control;
+pub mod error;
+pub mod leg;
+pub mod metrics;
+pub mod restart;
+pub mod supervisor;
+pub mod worker;
+
+pub use error::{ConfigError, ControlError, LegError, PoolError, StartError};
+pub use leg::{connect, LegStream};
+pub use metrics::WorkerMetrics;
+pub use supervisor::{Pool, PoolConfig, PoolEvent, WorkerHandle, WorkerInfo, WorkerState};
+pub use worker::{ExitReport, WorkerId};

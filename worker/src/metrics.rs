@@ -1,0 +1,137 @@
+//! Prometheus metrics of the worker supervisor, registered on an explicit registry.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use tokio::time::Duration;
+
+use crate::supervisor::WorkerState;
+
+const STARTS_TOTAL: &str = "codex_fleet_worker_starts_total";
+const EXITS_TOTAL: &str = "codex_fleet_worker_exits_total";
+const RESTARTS_TOTAL: &str = "codex_fleet_worker_restarts_total";
+const WORKERS: &str = "codex_fleet_workers";
+const START_SECONDS: &str = "codex_fleet_worker_start_seconds";
+
+const LABEL_TENANT: &str = "tenant";
+const LABEL_REASON: &str = "reason";
+const LABEL_STATE: &str = "state";
+
+const START_BUCKETS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+/// Why a worker process ended; the `reason` label of `codex_fleet_worker_exits_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitReason {
+    /// It exited (or lost its control leg) while it was expected to run.
+    Crash,
+    /// It missed a health deadline and was killed.
+    Hang,
+    /// It was stopped on purpose (shutdown).
+    Stopped,
+    /// It never became ready.
+    StartFail,
+}
+
+impl ExitReason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExitReason::Crash => "crash",
+            ExitReason::Hang => "hang",
+            ExitReason::Stopped => "stopped",
+            ExitReason::StartFail => "startfail",
+        }
+    }
+}
+
+/// Metrics of every worker pool; cheap to clone, labelled by configured tenant id.
+#[derive(Debug, Clone)]
+pub struct WorkerMetrics {
+    starts: IntCounterVec,
+    exits: IntCounterVec,
+    restarts: IntCounterVec,
+    workers: IntGaugeVec,
+    start_seconds: HistogramVec,
+}
+
+// === impl WorkerMetrics ===
+
+impl WorkerMetrics {
+    /// Creates the metrics and registers them on `registry`.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let starts = IntCounterVec::new(
+            Opts::new(STARTS_TOTAL, "Worker processes spawned."),
+            &[LABEL_TENANT],
+        )?;
+        let exits = IntCounterVec::new(
+            Opts::new(EXITS_TOTAL, "Worker processes that ended, by reason."),
+            &[LABEL_TENANT, LABEL_REASON],
+        )?;
+        let restarts = IntCounterVec::new(
+            Opts::new(
+                RESTARTS_TOTAL,
+                "Worker processes started in a slot that had run one before.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        let workers = IntGaugeVec::new(
+            Opts::new(WORKERS, "Worker slots by state."),
+            &[LABEL_TENANT, LABEL_STATE],
+        )?;
+        let start_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                START_SECONDS,
+                "Time from spawn to the initialize answer on the control leg.",
+            )
+            .buckets(START_BUCKETS.to_vec()),
+            &[LABEL_TENANT],
+        )?;
+        registry.register(Box::new(starts.clone()))?;
+        registry.register(Box::new(exits.clone()))?;
+        registry.register(Box::new(restarts.clone()))?;
+        registry.register(Box::new(workers.clone()))?;
+        registry.register(Box::new(start_seconds.clone()))?;
+        Ok(Self {
+            starts,
+            exits,
+            restarts,
+            workers,
+            start_seconds,
+        })
+    }
+
+    pub(crate) fn started(&self, tenant: &str) {
+        self.starts.with_label_values(&[tenant]).inc();
+    }
+
+    pub(crate) fn restarted(&self, tenant: &str) {
+        self.restarts.with_label_values(&[tenant]).inc();
+    }
+
+    pub(crate) fn exited(&self, tenant: &str, reason: ExitReason) {
+        self.exits
+            .with_label_values(&[tenant, reason.as_str()])
+            .inc();
+    }
+
+    pub(crate) fn ready_after(&self, tenant: &str, elapsed: Duration) {
+        self.start_seconds
+            .with_label_values(&[tenant])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Moves one slot between states in the `codex_fleet_workers` gauge.
+    pub(crate) fn transition(
+        &self,
+        tenant: &str,
+        from: Option<WorkerState>,
+        to: Option<WorkerState>,
+    ) {
+        if let Some(from) = from {
+            self.workers
+                .with_label_values(&[tenant, from.as_str()])
+                .dec();
+        }
+        if let Some(to) = to {
+            self.workers.with_label_values(&[tenant, to.as_str()]).inc();
+        }
+    }
+}

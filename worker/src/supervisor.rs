@@ -1,0 +1,500 @@
+//! A tenant's pool of workers: placement, readiness, restart and graceful shutdown.
+
+mod slot;
+mod state;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use tokio::sync::{broadcast, watch};
+use tokio::time::{timeout, timeout_at, Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
+use tracing::{error, info, info_span, warn, Instrument};
+
+use crate::error::{ConfigError, PoolError};
+use crate::metrics::WorkerMetrics;
+use crate::restart::RestartPolicy;
+use crate::worker::{self, intern_tenant, ExitReport, WorkerId};
+
+use self::state::{Pick, PoolState};
+
+/// Socket paths must be shorter than this (the kernel allows 107 bytes; keep a margin).
+pub const MAX_SOCKET_PATH: usize = 100;
+/// Upper bound on `max_workers` for one tenant.
+pub const MAX_WORKERS_PER_POOL: usize = 256;
+/// Capacity of a pool's event broadcast; a subscriber that falls this far behind skips events.
+pub const EVENT_CAPACITY: usize = 1024;
+/// After SIGKILL at shutdown, how long to wait for the processes to be reaped.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How to run one tenant's workers.
+#[derive(Clone)]
+pub struct PoolConfig {
+    /// Tenant id: a metric label and part of socket file names (1–64 of `[A-Za-z0-9_-]`).
+    pub tenant: String,
+    /// The native codex binary.
+    pub program: PathBuf,
+    /// Leading arguments, e.g. `["app-server"]`. The pool appends `--listen unix://<sock>`,
+    /// `-c thread_unload_delay_secs=<n>` and one `-c <o>` per config override.
+    pub args: Vec<String>,
+    /// The worker's `CODEX_HOME`; created 0700 if missing. Absolute.
+    pub codex_home: PathBuf,
+    /// The worker's working directory; created 0700 if missing. Absolute.
+    pub cwd: PathBuf,
+    /// Folder of the workers' sockets (`<socket_dir>/<tenant>-<slot>.sock`); kept at 0700. Absolute.
+    pub socket_dir: PathBuf,
+    /// Passed as `-c thread_unload_delay_secs=<n>`.
+    pub thread_unload_delay_secs: u64,
+    /// Extra `-c key=value` overrides, passed in order.
+    pub config_overrides: Vec<String>,
+    /// The child's complete environment, besides `CODEX_HOME` (the caller builds the allowlist).
+    pub env: Vec<(String, String)>,
+    /// Workers started eagerly and kept running.
+    pub min_workers: usize,
+    /// Most workers this tenant may run.
+    pub max_workers: usize,
+    /// Spawn → socket accepts → `initialize` answered.
+    pub ready_timeout: Duration,
+    /// Period of the control-leg health probe.
+    pub health_interval: Duration,
+    /// Deadline of each probe; a miss means hung: the group is killed and the exit handled as a crash.
+    pub health_timeout: Duration,
+    /// First restart backoff (before jitter).
+    pub restart_backoff_initial: Duration,
+    /// Largest restart backoff (before jitter).
+    pub restart_backoff_max: Duration,
+    /// Grace between SIGTERM and SIGKILL for callers of [`Pool::shutdown`] (and the idle stop to come).
+    pub stop_grace: Duration,
+}
+
+// === impl PoolConfig ===
+
+impl PoolConfig {
+    /// Checks the configuration; [`Pool::new`] refuses to start workers for an invalid one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !valid_tenant(&self.tenant) {
+            return Err(ConfigError::InvalidTenant(self.tenant.clone()));
+        }
+        if self.max_workers == 0
+            || self.max_workers > MAX_WORKERS_PER_POOL
+            || self.min_workers > self.max_workers
+        {
+            return Err(ConfigError::Caps {
+                min: self.min_workers,
+                max: self.max_workers,
+            });
+        }
+        for (name, path) in [
+            ("codex_home", &self.codex_home),
+            ("cwd", &self.cwd),
+            ("socket_dir", &self.socket_dir),
+        ] {
+            if !path.is_absolute() {
+                return Err(ConfigError::RelativePath(name));
+            }
+        }
+        let longest = self.socket_path(slot_number(self.max_workers - 1));
+        let len = longest.as_os_str().len();
+        if len >= MAX_SOCKET_PATH {
+            return Err(ConfigError::SocketPathTooLong {
+                path: longest,
+                len,
+                max: MAX_SOCKET_PATH,
+            });
+        }
+        for (name, value) in [
+            ("ready_timeout", self.ready_timeout),
+            ("health_interval", self.health_interval),
+            ("health_timeout", self.health_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::ZeroDuration(name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The socket path of `slot`.
+    pub fn socket_path(&self, slot: u32) -> PathBuf {
+        worker::socket_path(&self.socket_dir, &self.tenant, slot)
+    }
+
+    /// The restart policy these settings describe.
+    pub fn restart_policy(&self) -> RestartPolicy {
+        RestartPolicy::new(self.restart_backoff_initial, self.restart_backoff_max)
+    }
+
+    /// The full argument list for a worker listening on `socket`.
+    pub fn worker_args(&self, socket: &Path) -> Vec<OsString> {
+        let mut args: Vec<OsString> = self.args.iter().map(OsString::from).collect();
+        args.push("--listen".into());
+        args.push(worker::listen_arg(socket));
+        args.push("-c".into());
+        args.push(format!("thread_unload_delay_secs={}", self.thread_unload_delay_secs).into());
+        for o in &self.config_overrides {
+            args.push("-c".into());
+            args.push(o.into());
+        }
+        args
+    }
+}
+
+impl fmt::Debug for PoolConfig {
+    /// Environment values may hold secrets; only their names are shown.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolConfig")
+            .field("tenant", &self.tenant)
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("codex_home", &self.codex_home)
+            .field("cwd", &self.cwd)
+            .field("socket_dir", &self.socket_dir)
+            .field("thread_unload_delay_secs", &self.thread_unload_delay_secs)
+            .field("config_overrides", &self.config_overrides)
+            .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
+            .field("min_workers", &self.min_workers)
+            .field("max_workers", &self.max_workers)
+            .field("ready_timeout", &self.ready_timeout)
+            .field("health_interval", &self.health_interval)
+            .field("health_timeout", &self.health_timeout)
+            .field("restart_backoff_initial", &self.restart_backoff_initial)
+            .field("restart_backoff_max", &self.restart_backoff_max)
+            .field("stop_grace", &self.stop_grace)
+            .finish()
+    }
+}
+
+fn valid_tenant(tenant: &str) -> bool {
+    (1..=64).contains(&tenant.len())
+        && tenant
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+fn slot_number(index: usize) -> u32 {
+    u32::try_from(index).unwrap_or(u32::MAX)
+}
+
+/// The lifecycle state of a worker slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WorkerState {
+    /// Spawned (or about to be), not yet answering `initialize`.
+    Starting,
+    /// Initialized and passing health checks.
+    Ready,
+    /// SIGTERM sent; finishing running turns.
+    Draining,
+    /// Failed; waiting before the next start.
+    Backoff,
+    /// Crash-looped; held down for a cool-down.
+    Quarantined,
+    /// No process, none wanted.
+    Stopped,
+}
+
+impl WorkerState {
+    /// The `state` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Starting => "starting",
+            WorkerState::Ready => "ready",
+            WorkerState::Draining => "draining",
+            WorkerState::Backoff => "backoff",
+            WorkerState::Quarantined => "quarantined",
+            WorkerState::Stopped => "stopped",
+        }
+    }
+}
+
+/// A snapshot of one slot, for `/readyz` detail and operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// The current (or last) worker of the slot.
+    pub id: WorkerId,
+    /// Slot index.
+    pub slot: u32,
+    /// Process id while a process exists.
+    pub pid: Option<u32>,
+    /// Slot state.
+    pub state: WorkerState,
+    /// Starts after the first one.
+    pub restarts: u32,
+    /// The most recent failure, if any.
+    pub last_error: Option<String>,
+    /// Handles outstanding for the current worker.
+    pub handles: usize,
+}
+
+/// What happens in a pool; delivered on a bounded broadcast.
+#[derive(Debug, Clone)]
+pub enum PoolEvent {
+    /// A notification the worker sent to the control leg (e.g. `thread/started`, `thread/closed`,
+    /// `thread/status/changed`), as received.
+    Notification {
+        /// The worker.
+        worker: WorkerId,
+        /// The whole JSON-RPC message.
+        message: Arc<Value>,
+    },
+    /// A worker answered `initialize` and takes work.
+    WorkerReady {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// A worker process is gone.
+    WorkerExited {
+        /// The worker.
+        worker: WorkerId,
+        /// Like `exit status: 1` or `signal: 9 (SIGKILL)`.
+        status: String,
+    },
+}
+
+/// Marker whose reference count is the number of outstanding handles of one worker.
+#[derive(Debug)]
+pub(crate) struct Load;
+
+/// A ready worker, as handed to the router. Cloning counts as another outstanding handle.
+#[derive(Debug, Clone)]
+pub struct WorkerHandle {
+    /// The worker.
+    pub id: WorkerId,
+    /// Its process id.
+    pub pid: u32,
+    /// Where to open legs ([`crate::leg::connect`]).
+    pub socket_path: PathBuf,
+    exit: watch::Receiver<Option<ExitReport>>,
+    _load: Arc<Load>,
+}
+
+// === impl WorkerHandle ===
+
+impl WorkerHandle {
+    /// Resolves when the worker process is gone (reaped, its process group killed).
+    pub async fn exited(&self) {
+        worker::wait_exit(self.exit.clone()).await;
+    }
+
+    /// The exit status once the process is gone.
+    pub fn exit_status(&self) -> Option<String> {
+        self.exit
+            .borrow()
+            .as_ref()
+            .map(|report| report.status.clone())
+    }
+}
+
+/// State shared by the pool and its slot tasks.
+struct Shared {
+    cfg: PoolConfig,
+    tenant: &'static str,
+    invalid: Option<ConfigError>,
+    policy: RestartPolicy,
+    metrics: WorkerMetrics,
+    events: broadcast::Sender<PoolEvent>,
+    /// Bumped after every change of [`PoolState`]; waiters re-check on change.
+    epoch: watch::Sender<u64>,
+    stop: CancellationToken,
+    tracker: TaskTracker,
+    state: Mutex<PoolState>,
+}
+
+// === impl Shared ===
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn bump(&self) {
+        self.epoch
+            .send_modify(|epoch| *epoch = epoch.wrapping_add(1));
+    }
+
+    /// Runs `f` under the lock, then wakes waiters.
+    fn update<R>(&self, f: impl FnOnce(&mut PoolState) -> R) -> R {
+        let result = f(&mut self.lock());
+        self.bump();
+        result
+    }
+
+    fn is_stopping(&self) -> bool {
+        self.lock().stopping
+    }
+
+    fn publish(&self, event: PoolEvent) {
+        // Without subscribers there is nobody to tell.
+        self.events.send(event).ok();
+    }
+
+    /// Adds a slot and starts its task. Called under the lock, so caps hold.
+    fn add_slot(self: &Arc<Self>, state: &mut PoolState) {
+        let index = state.push_slot();
+        let span = info_span!("slot", tenant = self.tenant, slot = index);
+        let task = self
+            .tracker
+            .spawn(slot::run(self.clone(), index).instrument(span));
+        state.slots[index].task = Some(AbortOnDropHandle::new(task));
+    }
+
+    /// One placement attempt; see [`PoolState::pick`].
+    fn pick(self: &Arc<Self>, deadline: Instant) -> Result<Option<WorkerHandle>, PoolError> {
+        let mut state = self.lock();
+        let pick = state.pick(&self.cfg, Instant::now(), deadline);
+        if matches!(pick, Pick::Grow) {
+            self.add_slot(&mut state);
+        }
+        drop(state);
+        match pick {
+            Pick::Ready(handle) => Ok(Some(handle)),
+            Pick::Wait { changed: false } => Ok(None),
+            Pick::Wait { changed: true } | Pick::Grow => {
+                self.bump();
+                Ok(None)
+            }
+            Pick::Fail(e) => Err(e),
+        }
+    }
+}
+
+/// One tenant's workers. Dropping the pool kills every worker's process group.
+pub struct Pool {
+    shared: Arc<Shared>,
+}
+
+// === impl Pool ===
+
+impl Pool {
+    /// Creates the pool and starts `min_workers` workers in the background. Must be called within a
+    /// Tokio runtime. An invalid configuration starts nothing; `acquire` then reports it.
+    pub fn new(cfg: PoolConfig, metrics: WorkerMetrics) -> Arc<Pool> {
+        let invalid = cfg.validate().err();
+        let tenant = intern_tenant(&cfg.tenant);
+        if let Some(e) = &invalid {
+            error!(tenant, error = %e, "invalid worker pool configuration; no worker will start");
+        }
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let shared = Arc::new(Shared {
+            policy: cfg.restart_policy(),
+            state: Mutex::new(PoolState::new(tenant, metrics.clone())),
+            cfg,
+            tenant,
+            invalid,
+            metrics,
+            events,
+            epoch: watch::Sender::new(0),
+            stop: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+        });
+        if shared.invalid.is_none() {
+            let mut state = shared.lock();
+            for _ in 0..shared.cfg.min_workers {
+                shared.add_slot(&mut state);
+            }
+        }
+        Arc::new(Pool { shared })
+    }
+
+    /// The tenant this pool serves.
+    pub fn tenant(&self) -> &'static str {
+        self.shared.tenant
+    }
+
+    /// The configuration the pool was created with (e.g. `stop_grace` for [`Pool::shutdown`]).
+    pub fn config(&self) -> &PoolConfig {
+        &self.shared.cfg
+    }
+
+    /// A ready worker (the least loaded by outstanding handles). Starts one if none is ready and the
+    /// cap allows; waits at most `ready_timeout`, and fails early when no start can succeed in time.
+    pub async fn acquire(&self) -> Result<WorkerHandle, PoolError> {
+        if let Some(e) = &self.shared.invalid {
+            return Err(PoolError::Config {
+                tenant: self.shared.cfg.tenant.clone(),
+                source: e.clone(),
+            });
+        }
+        let ready_timeout = self.shared.cfg.ready_timeout;
+        let deadline = Instant::now() + ready_timeout;
+        let mut epoch = self.shared.epoch.subscribe();
+        loop {
+            epoch.borrow_and_update();
+            if let Some(handle) = self.shared.pick(deadline)? {
+                return Ok(handle);
+            }
+            if !matches!(timeout_at(deadline, epoch.changed()).await, Ok(Ok(()))) {
+                return Err(PoolError::Timeout {
+                    tenant: self.shared.tenant,
+                    after: ready_timeout,
+                    last_error: self.shared.lock().last_error(),
+                });
+            }
+        }
+    }
+
+    /// A snapshot of every slot.
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.shared.lock().infos()
+    }
+
+    /// Subscribes to pool events (bounded; a lagging receiver skips).
+    pub fn subscribe(&self) -> broadcast::Receiver<PoolEvent> {
+        self.shared.events.subscribe()
+    }
+
+    /// Graceful stop: SIGTERM every worker's process group, wait up to `grace` for them to exit, then
+    /// SIGKILL the groups and wait for the reaps. No worker starts afterwards. Idempotent: a later
+    /// call only waits (a second SIGTERM would force app-server out of its drain).
+    pub async fn shutdown(&self, grace: Duration) {
+        let shared = &self.shared;
+        let first = shared.update(PoolState::begin_stop);
+        shared.stop.cancel();
+        shared.tracker.close();
+        if let Some(groups) = first {
+            info!(
+                tenant = shared.tenant,
+                workers = groups.len(),
+                "stopping workers"
+            );
+            for group in &groups {
+                group.signal(Signal::SIGTERM);
+            }
+        }
+        if timeout(grace, shared.tracker.wait()).await.is_ok() {
+            return;
+        }
+        let groups = shared.lock().live_groups();
+        warn!(
+            tenant = shared.tenant,
+            workers = groups.len(),
+            ?grace,
+            "grace expired; killing workers"
+        );
+        for group in &groups {
+            group.signal(Signal::SIGKILL);
+        }
+        if timeout(KILL_WAIT, shared.tracker.wait()).await.is_err() {
+            error!(tenant = shared.tenant, "workers not reaped after SIGKILL");
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.stop.cancel();
+        let (groups, tasks) = self.shared.lock().detach();
+        for group in &groups {
+            group.signal(Signal::SIGKILL);
+        }
+        // Aborts the slot tasks; their processes' own Drop kills again (a no-op by then).
+        drop(tasks);
+    }
+}
+
+#[cfg(test)]
+mod tests;

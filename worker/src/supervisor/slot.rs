@@ -1,0 +1,278 @@
+//! The task that runs one slot: start a worker, watch it, decide on restart, repeat.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use nix::sys::signal::Signal;
+use tokio::time::{sleep_until, timeout, Duration, Instant};
+use tracing::{info, info_span, warn, Instrument};
+
+use super::state::Live;
+use super::{Load, PoolEvent, Shared, WorkerState};
+use crate::control::{ControlEnd, ControlLeg, Health};
+use crate::error::StartError;
+use crate::metrics::ExitReason;
+use crate::restart::{RestartDecision, RestartTracker};
+use crate::worker::{self, Spawn, WorkerId, WorkerProcess};
+
+/// How one worker process ended.
+struct Ended {
+    id: WorkerId,
+    reason: ExitReason,
+    error: String,
+    /// Exit status, if a process was spawned.
+    status: Option<String>,
+}
+
+/// Runs slot `index` until the pool stops.
+pub(super) async fn run(shared: Arc<Shared>, index: usize) {
+    let mut restarts = RestartTracker::default();
+    while wait_until_wanted(&shared, index).await {
+        let id = begin_start(&shared, index);
+        let ended = run_worker(&shared, index, id)
+            .instrument(info_span!("worker", worker = %id))
+            .await;
+        let Some(retry_at) = finish(&shared, index, ended, &mut restarts) else {
+            break;
+        };
+        tokio::select! {
+            () = sleep_until(retry_at) => {}
+            () = shared.stop.cancelled() => break,
+        }
+    }
+    shared.update(|state| state.enter(index, WorkerState::Stopped));
+}
+
+/// Waits until the slot should run a worker: it is within `min_workers`, or an `acquire` asked.
+/// Idle slots show as `Stopped`. Returns `false` once the pool stops.
+async fn wait_until_wanted(shared: &Shared, index: usize) -> bool {
+    let mut epoch = shared.epoch.subscribe();
+    loop {
+        epoch.borrow_and_update();
+        let idle = {
+            let mut state = shared.lock();
+            if state.stopping {
+                return false;
+            }
+            if index < shared.cfg.min_workers || state.slots[index].requested {
+                return true;
+            }
+            let idle = state.slots[index].state != WorkerState::Stopped;
+            state.enter(index, WorkerState::Stopped);
+            idle
+        };
+        if idle {
+            shared.bump();
+        }
+        tokio::select! {
+            changed = epoch.changed() => if changed.is_err() { return false },
+            () = shared.stop.cancelled() => return false,
+        }
+    }
+}
+
+fn begin_start(shared: &Shared, index: usize) -> WorkerId {
+    shared.update(|state| {
+        let slot = &mut state.slots[index];
+        slot.generation += 1;
+        slot.retry_at = None;
+        if slot.generation > 1 {
+            slot.restarts += 1;
+            shared.metrics.restarted(shared.tenant);
+        }
+        shared.metrics.started(shared.tenant);
+        state.enter(index, WorkerState::Starting);
+        state.id(index)
+    })
+}
+
+async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
+    let socket = shared.cfg.socket_path(id.slot());
+    let spawned_at = Instant::now();
+    let process = match spawn(shared, id, &socket).await {
+        Ok(process) => process,
+        Err(e) => return Ended::start_failed(id, &e, None),
+    };
+    register(shared, index, &process);
+    let control = match process.wait_ready(&socket, shared.cfg.ready_timeout).await {
+        Ok(control) => control,
+        Err(e) => {
+            process.kill();
+            let report = process.exited().await;
+            return Ended::start_failed(id, &e, Some(report.status));
+        }
+    };
+    let elapsed = spawned_at.elapsed();
+    // Book the start before `Ready` wakes acquirers, so metrics never lag a handed-out worker.
+    shared.metrics.ready_after(shared.tenant, elapsed);
+    shared.update(|state| {
+        state.slots[index].requested = false;
+        state.enter(index, WorkerState::Ready);
+    });
+    info!(pid = process.pid(), ?elapsed, "worker ready");
+    shared.publish(PoolEvent::WorkerReady { worker: id });
+    supervise(shared, &process, control).await
+}
+
+async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerProcess, StartError> {
+    let cfg = &shared.cfg;
+    worker::ensure_private_dir(&cfg.codex_home, false).await?;
+    worker::ensure_private_dir(&cfg.cwd, false).await?;
+    worker::ensure_private_dir(&cfg.socket_dir, true).await?;
+    worker::clean_socket_path(socket).await?;
+    WorkerProcess::spawn(Spawn {
+        id,
+        program: &cfg.program,
+        args: cfg.worker_args(socket),
+        env: &cfg.env,
+        codex_home: &cfg.codex_home,
+        cwd: &cfg.cwd,
+    })
+}
+
+/// Records the process in its slot, so shutdown and drop can signal it. If shutdown began while it
+/// was spawning, it is told to stop at once.
+fn register(shared: &Shared, index: usize, process: &WorkerProcess) {
+    let stopping = shared.update(|state| {
+        state.slots[index].live = Some(Live {
+            id: process.id(),
+            pid: process.pid(),
+            group: process.group().clone(),
+            exit: process.exit_watch(),
+            load: Arc::new(Load),
+        });
+        state.stopping
+    });
+    if stopping {
+        process.group().signal(Signal::SIGTERM);
+    }
+}
+
+/// Relays the control leg until the worker exits, hangs or drops its control leg.
+async fn supervise(shared: &Shared, process: &WorkerProcess, control: ControlLeg) -> Ended {
+    let id = process.id();
+    let health = Health {
+        interval: shared.cfg.health_interval,
+        timeout: shared.cfg.health_timeout,
+    };
+    let end = tokio::select! {
+        report = process.exited() => {
+            return Ended::crashed(id, format!("worker exited unexpectedly ({})", report.status), report.status);
+        }
+        end = control.run(id, health, &shared.events) => end,
+    };
+    if shared.is_stopping() {
+        // Draining: the worker drops its connections and exits; shutdown kills it after the grace.
+        let report = process.exited().await;
+        return Ended::crashed(id, "stopped".to_owned(), report.status);
+    }
+    match end {
+        ControlEnd::Hung => {
+            warn!(timeout = ?health.timeout, "worker missed its health deadline; killing its process group");
+            process.kill();
+            let report = process.exited().await;
+            Ended {
+                id,
+                reason: ExitReason::Hang,
+                error: format!(
+                    "worker hung: no health answer within {:?}; killed ({})",
+                    health.timeout, report.status
+                ),
+                status: Some(report.status),
+            }
+        }
+        ControlEnd::Lost(e) => lost_control(process, health.timeout, &e.to_string()).await,
+    }
+}
+
+/// The control leg ended: normally because the process is exiting. Gives it `wait` to do so.
+async fn lost_control(process: &WorkerProcess, wait: Duration, cause: &str) -> Ended {
+    let id = process.id();
+    match timeout(wait, process.exited()).await {
+        Ok(report) => Ended::crashed(
+            id,
+            format!("worker exited unexpectedly ({})", report.status),
+            report.status,
+        ),
+        Err(_elapsed) => {
+            warn!(
+                cause,
+                "control leg lost but worker still running; killing its process group"
+            );
+            process.kill();
+            let report = process.exited().await;
+            Ended::crashed(
+                id,
+                format!("control leg lost ({cause}); killed ({})", report.status),
+                report.status,
+            )
+        }
+    }
+}
+
+/// Books the end of a worker and decides what comes next: `Some(retry_at)` to back off (or sit out a
+/// quarantine) until then, `None` when the pool stops.
+fn finish(
+    shared: &Shared,
+    index: usize,
+    ended: Ended,
+    restarts: &mut RestartTracker,
+) -> Option<Instant> {
+    let now = Instant::now();
+    let next = shared.update(|state| {
+        state.slots[index].live = None;
+        if state.stopping {
+            shared.metrics.exited(shared.tenant, ExitReason::Stopped);
+            state.enter(index, WorkerState::Stopped);
+            return None;
+        }
+        shared.metrics.exited(shared.tenant, ended.reason);
+        let (to, wait) = match restarts.record_failure(&shared.policy, now, rand::random::<f64>()) {
+            RestartDecision::Backoff(wait) => (WorkerState::Backoff, wait),
+            RestartDecision::Quarantine(wait) => (WorkerState::Quarantined, wait),
+        };
+        let slot = &mut state.slots[index];
+        slot.last_error = Some(ended.error.clone());
+        slot.retry_at = Some(now + wait);
+        state.enter(index, to);
+        Some((to, wait))
+    });
+    match next {
+        Some((WorkerState::Quarantined, wait)) => {
+            warn!(worker = %ended.id, error = %ended.error, ?wait, "worker slot quarantined after repeated failures");
+        }
+        Some((_, wait)) => {
+            warn!(worker = %ended.id, reason = ended.reason.as_str(), error = %ended.error, ?wait, "worker failed; restarting after backoff");
+        }
+        None => info!(worker = %ended.id, "worker stopped"),
+    }
+    if let Some(status) = ended.status {
+        shared.publish(PoolEvent::WorkerExited {
+            worker: ended.id,
+            status,
+        });
+    }
+    next.map(|(_, wait)| now + wait)
+}
+
+// === impl Ended ===
+
+impl Ended {
+    fn start_failed(id: WorkerId, error: &StartError, status: Option<String>) -> Self {
+        Self {
+            id,
+            reason: ExitReason::StartFail,
+            error: error.to_string(),
+            status,
+        }
+    }
+
+    fn crashed(id: WorkerId, error: String, status: String) -> Self {
+        Self {
+            id,
+            reason: ExitReason::Crash,
+            error,
+            status: Some(status),
+        }
+    }
+}

@@ -1,0 +1,560 @@
+//! One codex app-server process: clean spawn, output forwarding, reaping, readiness, group kill.
+//!
+//! The child leads its own process group, so every signal targets the whole group. It gets
+//! `PR_SET_PDEATHSIG=SIGKILL`, which the kernel ties to the *thread* that spawned it: spawn from a
+//! runtime worker thread (any async task), never from `spawn_blocking`, whose threads retire.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use nix::errno::Errno;
+use nix::sys::signal::{killpg, Signal};
+use nix::sys::stat::Mode;
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::net::UnixStream;
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+use tokio::time::{sleep, timeout, Duration};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
+use crate::error::StartError;
+use crate::leg;
+
+/// Longest stdout/stderr line forwarded to tracing; the rest of a longer line is dropped.
+const MAX_LINE: usize = 4096;
+/// stderr lines kept for error reports.
+const STDERR_TAIL_LINES: usize = 8;
+/// Longest stderr line kept in the tail.
+const STDERR_TAIL_LINE: usize = 512;
+/// Pause between connection attempts while a worker starts.
+const CONNECT_POLL: Duration = Duration::from_millis(10);
+/// How long to wait for a leftover socket to answer before calling it live.
+const LIVE_PROBE: Duration = Duration::from_millis(200);
+/// How long to let the exit status and the last stderr lines arrive after a failed start.
+const EXIT_SETTLE: Duration = Duration::from_millis(300);
+
+/// Identifies one worker process: tenant, slot and the slot's start count. Displays as `acme#0.g3`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId {
+    tenant: &'static str,
+    slot: u32,
+    generation: u32,
+}
+
+// === impl WorkerId ===
+
+impl WorkerId {
+    /// An id from its parts (the pool makes them; tests and simulators may too).
+    pub fn new(tenant: &'static str, slot: u32, generation: u32) -> Self {
+        Self {
+            tenant,
+            slot,
+            generation,
+        }
+    }
+
+    /// The tenant the worker belongs to.
+    pub fn tenant(&self) -> &'static str {
+        self.tenant
+    }
+
+    /// The slot within the tenant's pool (0-based).
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// How many processes this slot has started, this one included (0: none yet).
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}.g{}", self.tenant, self.slot, self.generation)
+    }
+}
+
+/// Interns a configured tenant id so [`WorkerId`] can be `Copy`. Tenant ids come from configuration,
+/// so the set stays small.
+pub(crate) fn intern_tenant(tenant: &str) -> &'static str {
+    static INTERNED: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    let mut set = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(&known) = set.get(tenant) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(tenant.to_owned().into_boxed_str());
+    set.insert(leaked);
+    leaked
+}
+
+/// How a worker process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    /// Like `exit status: 1` or `signal: 9 (SIGKILL)`.
+    pub status: String,
+}
+
+/// A worker's process group; signals go to the whole group until the leader has been reaped.
+#[derive(Debug)]
+pub(crate) struct ProcessGroup {
+    pgid: Pid,
+    gone: AtomicBool,
+}
+
+// === impl ProcessGroup ===
+
+impl ProcessGroup {
+    /// Signals every process in the group. A no-op once the leader is reaped and the group was swept,
+    /// so a recycled process-group id is never hit.
+    pub(crate) fn signal(&self, signal: Signal) {
+        if self.gone.load(Ordering::Acquire) {
+            return;
+        }
+        match killpg(self.pgid, signal) {
+            Ok(()) | Err(Errno::ESRCH) => {}
+            Err(e) => warn!(pgid = %self.pgid, %signal, error = %e, "killpg failed"),
+        }
+    }
+
+    /// The leader was reaped: kill whatever it left in the group, then stop signalling.
+    fn sweep(&self) {
+        self.signal(Signal::SIGKILL);
+        self.gone.store(true, Ordering::Release);
+    }
+}
+
+/// What to run.
+pub(crate) struct Spawn<'a> {
+    pub id: WorkerId,
+    pub program: &'a Path,
+    pub args: Vec<OsString>,
+    pub env: &'a [(String, String)],
+    pub codex_home: &'a Path,
+    pub cwd: &'a Path,
+}
+
+/// A running worker process. Dropping it kills its process group.
+pub(crate) struct WorkerProcess {
+    id: WorkerId,
+    pid: u32,
+    group: Arc<ProcessGroup>,
+    exit: watch::Receiver<Option<ExitReport>>,
+    stderr_tail: Arc<StderrTail>,
+    stderr_done: CancellationToken,
+    _reaper: AbortOnDropHandle<()>,
+    _stdout: Option<AbortOnDropHandle<()>>,
+    _stderr: Option<AbortOnDropHandle<()>>,
+}
+
+// === impl WorkerProcess ===
+
+impl WorkerProcess {
+    /// Spawns the process with exactly `env` plus `CODEX_HOME`, in its own process group.
+    pub(crate) fn spawn(spec: Spawn<'_>) -> Result<Self, StartError> {
+        let mut command = Command::new(spec.program);
+        command
+            .args(&spec.args)
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .env("CODEX_HOME", spec.codex_home)
+            .current_dir(spec.cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        child_hygiene(&mut command);
+        let mut child = command.spawn().map_err(|source| StartError::Spawn {
+            program: spec.program.to_path_buf(),
+            source,
+        })?;
+        let pid = child.id().ok_or_else(|| StartError::Spawn {
+            program: spec.program.to_path_buf(),
+            source: io::Error::other("child exited before its pid was read"),
+        })?;
+        let group = Arc::new(ProcessGroup {
+            pgid: Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX)),
+            gone: AtomicBool::new(false),
+        });
+        let span = info_span!("worker", worker = %spec.id, pid);
+        let stderr_tail = Arc::new(StderrTail::default());
+        let stderr_done = CancellationToken::new();
+        let stdout = child.stdout.take().map(|out| {
+            AbortOnDropHandle::new(tokio::spawn(forward_stdout(out).instrument(span.clone())))
+        });
+        let stderr = child.stderr.take().map(|err| {
+            let forward = forward_stderr(err, stderr_tail.clone(), stderr_done.clone());
+            AbortOnDropHandle::new(tokio::spawn(forward.instrument(span.clone())))
+        });
+        let (exit_tx, exit) = watch::channel(None);
+        let reaper = tokio::spawn(reap(child, group.clone(), exit_tx).instrument(span));
+        Ok(Self {
+            id: spec.id,
+            pid,
+            group,
+            exit,
+            stderr_tail,
+            stderr_done,
+            _reaper: AbortOnDropHandle::new(reaper),
+            _stdout: stdout,
+            _stderr: stderr,
+        })
+    }
+
+    pub(crate) fn id(&self) -> WorkerId {
+        self.id
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub(crate) fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
+    }
+
+    /// A receiver that turns `Some` when the process has been reaped.
+    pub(crate) fn exit_watch(&self) -> watch::Receiver<Option<ExitReport>> {
+        self.exit.clone()
+    }
+
+    /// Kills the whole process group with SIGKILL.
+    pub(crate) fn kill(&self) {
+        self.group.signal(Signal::SIGKILL);
+    }
+
+    /// Resolves when the process has been reaped.
+    pub(crate) async fn exited(&self) -> ExitReport {
+        wait_exit(self.exit.clone()).await
+    }
+
+    /// Polls the socket until it accepts, then initializes the control leg; fails early, with the exit
+    /// status and last stderr lines, if the process exits first.
+    pub(crate) async fn wait_ready(
+        &self,
+        socket: &Path,
+        ready_timeout: Duration,
+    ) -> Result<ControlLeg, StartError> {
+        let attempt = async {
+            let ws = connect_when_listening(socket).await?;
+            Ok::<_, StartError>(ControlLeg::initialize(ws).await?)
+        };
+        let result = tokio::select! {
+            result = timeout(ready_timeout, attempt) => match result {
+                Ok(result) => result,
+                Err(_elapsed) => Err(StartError::ReadyTimeout {
+                    after: ready_timeout,
+                    stderr: self.stderr_summary(),
+                }),
+            },
+            report = self.exited() => return Err(self.exited_before_ready(report).await),
+        };
+        match result {
+            Ok(leg) => Ok(leg),
+            Err(e @ StartError::ReadyTimeout { .. }) => Err(e),
+            // The leg broke; if the process is dying, its exit status is the better error.
+            Err(e) => match timeout(EXIT_SETTLE, self.exited()).await {
+                Ok(report) => Err(self.exited_before_ready(report).await),
+                Err(_elapsed) => Err(e),
+            },
+        }
+    }
+
+    async fn exited_before_ready(&self, report: ExitReport) -> StartError {
+        // stderr may still hold the reason; let the forwarder drain it (bounded: a grandchild may
+        // keep the pipe open).
+        if timeout(EXIT_SETTLE, self.stderr_done.cancelled())
+            .await
+            .is_err()
+        {
+            debug!("stderr still open after exit");
+        }
+        StartError::ExitedBeforeReady {
+            status: report.status,
+            stderr: self.stderr_summary(),
+        }
+    }
+
+    fn stderr_summary(&self) -> String {
+        self.stderr_tail.summary()
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.group.signal(Signal::SIGKILL);
+    }
+}
+
+/// Waits until the reaper reports the exit. If the reaper is gone (its owner was dropped, which kills
+/// the group), the process is gone too.
+pub(crate) async fn wait_exit(mut exit: watch::Receiver<Option<ExitReport>>) -> ExitReport {
+    match exit.wait_for(Option::is_some).await {
+        Ok(report) => report.clone().unwrap_or_else(killed_by_owner),
+        Err(_closed) => killed_by_owner(),
+    }
+}
+
+fn killed_by_owner() -> ExitReport {
+    ExitReport {
+        status: "killed: supervisor dropped".to_owned(),
+    }
+}
+
+/// Installs the one `pre_exec` hook: parent-death signal, parent check, umask.
+fn child_hygiene(command: &mut Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
+    // system calls (prctl, getppid, umask); it allocates nothing and takes no locks.
+    #[allow(unsafe_code)]
+    unsafe {
+        command.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // The parent may have died between fork and prctl; then nobody would kill us later.
+            if nix::unistd::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(Errno::ESRCH as i32));
+            }
+            nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
+            Ok(())
+        });
+    }
+}
+
+async fn reap(mut child: Child, group: Arc<ProcessGroup>, exit: watch::Sender<Option<ExitReport>>) {
+    let status = match child.wait().await {
+        Ok(status) => status.to_string(),
+        Err(e) => format!("wait failed: {e}"),
+    };
+    group.sweep();
+    debug!(%status, "worker process reaped");
+    exit.send_replace(Some(ExitReport { status }));
+}
+
+async fn forward_stdout(out: impl AsyncRead + Unpin) {
+    let mut reader = BufReader::new(out);
+    let mut line = Vec::with_capacity(256);
+    loop {
+        match read_line_bounded(&mut reader, &mut line, MAX_LINE).await {
+            Ok(true) => debug!(line = %String::from_utf8_lossy(&line), "stdout"),
+            Ok(false) => break,
+            Err(e) => {
+                debug!(error = %e, "stdout read failed");
+                break;
+            }
+        }
+    }
+}
+
+async fn forward_stderr(
+    err: impl AsyncRead + Unpin,
+    tail: Arc<StderrTail>,
+    done: CancellationToken,
+) {
+    let _done = done.drop_guard();
+    let mut reader = BufReader::new(err);
+    let mut line = Vec::with_capacity(256);
+    loop {
+        match read_line_bounded(&mut reader, &mut line, MAX_LINE).await {
+            Ok(true) => {
+                let text = strip_ansi(&String::from_utf8_lossy(&line));
+                if looks_like_warning(&text) {
+                    warn!(line = %text, "stderr");
+                } else {
+                    info!(line = %text, "stderr");
+                }
+                tail.push(text);
+            }
+            Ok(false) => break,
+            Err(e) => {
+                debug!(error = %e, "stderr read failed");
+                break;
+            }
+        }
+    }
+}
+
+/// Reads one line (without its newline) into `line`, keeping at most `max` bytes of it.
+/// Returns `false` at end of input.
+async fn read_line_bounded<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<bool> {
+    line.clear();
+    let mut read_any = false;
+    loop {
+        let buf = reader.fill_buf().await?;
+        if buf.is_empty() {
+            return Ok(read_any);
+        }
+        read_any = true;
+        let (chunk, consumed, complete) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], i + 1, true),
+            None => (buf, buf.len(), false),
+        };
+        let room = max.saturating_sub(line.len());
+        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        reader.consume(consumed);
+        if complete {
+            return Ok(true);
+        }
+    }
+}
+
+/// Removes ANSI escape sequences (app-server colours its log lines).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c != '\u{1b}' {
+            out.push(c);
+            continue;
+        }
+        if chars.next() == Some('[') {
+            for c in chars.by_ref() {
+                if ('\u{40}'..='\u{7e}').contains(&c) {
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// app-server logs as `<timestamp> LEVEL target: message`; a few lines start with `WARNING:`.
+fn looks_like_warning(text: &str) -> bool {
+    text.split_whitespace()
+        .take(2)
+        .any(|word| word.starts_with("WARN") || word.starts_with("ERROR"))
+}
+
+/// The last few stderr lines of a worker, for error reports.
+#[derive(Debug, Default)]
+struct StderrTail(Mutex<VecDeque<String>>);
+
+impl StderrTail {
+    fn push(&self, mut line: String) {
+        if line.len() > STDERR_TAIL_LINE {
+            let mut cut = STDERR_TAIL_LINE;
+            while !line.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            line.truncate(cut);
+        }
+        let mut tail = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if tail.len() == STDERR_TAIL_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(line);
+    }
+
+    fn summary(&self) -> String {
+        let tail = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if tail.is_empty() {
+            return "(none)".to_owned();
+        }
+        tail.iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(" | ")
+    }
+}
+
+/// Connects as soon as the socket accepts; retries while it is missing or refusing.
+async fn connect_when_listening(socket: &Path) -> Result<leg::LegStream, StartError> {
+    loop {
+        match leg::connect(socket, CONTROL_MAX_MESSAGE).await {
+            Ok(ws) => return Ok(ws),
+            Err(e) if e.is_not_listening() => sleep(CONNECT_POLL).await,
+            Err(e) => return Err(StartError::Control(e.into())),
+        }
+    }
+}
+
+/// Creates `dir` (and missing parents) with mode 0700. With `enforce`, also tightens an existing one.
+pub(crate) async fn ensure_private_dir(dir: &Path, enforce: bool) -> Result<(), StartError> {
+    let prepare = |source| StartError::Prepare {
+        path: dir.to_path_buf(),
+        source,
+    };
+    tokio::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .await
+        .map_err(prepare)?;
+    if enforce {
+        tokio::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .await
+            .map_err(prepare)?;
+    }
+    Ok(())
+}
+
+/// Clears a leftover socket path (facts §11): a regular file, a dangling or stale symlink, or a dead
+/// socket would make the new worker exit 1. A live listener or a directory is an error.
+pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
+    let prepare = |source| StartError::Prepare {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = match tokio::fs::symlink_metadata(path).await {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(prepare(e)),
+    };
+    let kind = meta.file_type();
+    if kind.is_dir() {
+        return Err(StartError::SocketInUse {
+            path: path.to_path_buf(),
+            what: "a directory",
+        });
+    }
+    if (kind.is_symlink() || kind.is_socket()) && socket_is_live(path).await {
+        return Err(StartError::SocketInUse {
+            path: path.to_path_buf(),
+            what: "a live listener",
+        });
+    }
+    debug!(path = %path.display(), "removing leftover socket path");
+    match tokio::fs::remove_file(path).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(prepare(e)),
+    }
+}
+
+/// A connect that does not answer promptly counts as live: better to refuse than to steal the path.
+async fn socket_is_live(path: &Path) -> bool {
+    !matches!(
+        timeout(LIVE_PROBE, UnixStream::connect(path)).await,
+        Ok(Err(_))
+    )
+}
+
+/// The socket path argument: `unix://` followed by the path.
+pub(crate) fn listen_arg(socket: &Path) -> OsString {
+    let mut arg = OsString::from("unix://");
+    arg.push(socket);
+    arg
+}
+
+/// Path of a slot's socket.
+pub(crate) fn socket_path(socket_dir: &Path, tenant: &str, slot: u32) -> PathBuf {
+    socket_dir.join(format!("{tenant}-{slot}.sock"))
+}
+
+#[cfg(test)]
+mod tests;
