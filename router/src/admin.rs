@@ -1,0 +1,152 @@
+//! The admin port: `/healthz` (alive), `/readyz` (accepting work, with detail), `/metrics`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use prometheus::{Encoder, Registry, TextEncoder};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::tenants::Tenants;
+
+/// State the admin endpoints read.
+pub struct Admin {
+    /// The bound admin listener.
+    pub tcp: TcpListener,
+    /// Every metric.
+    pub registry: Registry,
+    /// Tenants, for readiness detail.
+    pub tenants: Arc<Tenants>,
+    /// Cancelled when draining starts: `/readyz` turns 503 at once.
+    pub draining: CancellationToken,
+    /// Cancelled when the admin port must close.
+    pub stop: CancellationToken,
+    /// Tracks connection tasks.
+    pub tracker: TaskTracker,
+    /// Warnings an operator should see in `/readyz` detail.
+    pub warnings: Vec<String>,
+}
+
+impl Admin {
+    /// Serves until `stop`.
+    pub async fn run(self) {
+        let this = Arc::new(self);
+        loop {
+            let (tcp, _) = tokio::select! {
+                r = this.tcp.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "admin accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = this.stop.cancelled() => return,
+            };
+            let this2 = this.clone();
+            let stop = this.stop.clone();
+            this.tracker.spawn(async move {
+                let svc = service_fn(move |req| {
+                    let this = this2.clone();
+                    async move { Ok::<_, Infallible>(this.handle(&req)) }
+                });
+                let conn = http1::Builder::new()
+                    .keep_alive(false)
+                    .serve_connection(TokioIo::new(tcp), svc);
+                tokio::select! {
+                    r = conn => if let Err(e) = r { tracing::debug!(error = %e, "admin connection error") },
+                    () = stop.cancelled() => {}
+                }
+            });
+        }
+    }
+
+    fn handle(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed\n".into(),
+                "text/plain",
+            );
+        }
+        match req.uri().path() {
+            "/healthz" => text(StatusCode::OK, "ok\n".into(), "text/plain"),
+            "/readyz" => self.readyz(),
+            "/metrics" => self.metrics(),
+            _ => text(StatusCode::NOT_FOUND, "not found\n".into(), "text/plain"),
+        }
+    }
+
+    fn readyz(&self) -> Response<Full<Bytes>> {
+        let draining = self.draining.is_cancelled();
+        let tenants: Vec<_> = self
+            .tenants
+            .iter()
+            .map(|t| {
+                let workers: Vec<_> = t
+                    .pool
+                    .workers()
+                    .into_iter()
+                    .map(|w| {
+                        json!({
+                            "id": w.id.to_string(),
+                            "slot": w.slot,
+                            "pid": w.pid,
+                            "state": w.state.as_str(),
+                            "restarts": w.restarts,
+                            "lastError": w.last_error,
+                            "handles": w.handles,
+                        })
+                    })
+                    .collect();
+                json!({ "id": t.id, "workers": workers })
+            })
+            .collect();
+        let ready = !draining;
+        let body = json!({
+            "ready": ready,
+            "draining": draining,
+            "warnings": self.warnings,
+            "tenants": tenants,
+        });
+        let status = if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        text(status, format!("{body:#}\n"), "application/json")
+    }
+
+    fn metrics(&self) -> Response<Full<Bytes>> {
+        let encoder = TextEncoder::new();
+        let mut buf = Vec::new();
+        if let Err(e) = encoder.encode(&self.registry.gather(), &mut buf) {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("cannot encode metrics: {e}\n"),
+                "text/plain",
+            );
+        }
+        let mut r = Response::new(Full::new(Bytes::from(buf)));
+        if let Ok(v) = HeaderValue::from_str(encoder.format_type()) {
+            r.headers_mut().insert(header::CONTENT_TYPE, v);
+        }
+        r
+    }
+}
+
+fn text(status: StatusCode, body: String, ctype: &'static str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(ctype));
+    r
+}

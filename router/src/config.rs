@@ -1,0 +1,471 @@
+//! Typed configuration: parsed from TOML, validated before anything binds, passed down by value.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The client-facing wss listener.
+    pub listen: Listen,
+    /// The admin listener (`/healthz`, `/readyz`, `/metrics`).
+    #[serde(default)]
+    pub admin: Admin,
+    /// How workers are started and supervised.
+    pub workers: Workers,
+    /// Limits that protect the service.
+    #[serde(default)]
+    pub limits: Limits,
+    /// The tenants; each has its own workers, home and tokens.
+    #[serde(default)]
+    pub tenants: Vec<Tenant>,
+}
+
+/// `[listen]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// Address of the wss listener, e.g. `0.0.0.0:8443`.
+    pub addr: SocketAddr,
+    /// PEM certificate chain.
+    pub tls_cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub tls_key: PathBuf,
+    /// Deadline for the TLS handshake plus the HTTP upgrade.
+    #[serde(default = "defaults::handshake_timeout_secs")]
+    pub handshake_timeout_secs: u64,
+}
+
+/// `[admin]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Admin {
+    /// Address of the plain-HTTP admin listener; keep it private.
+    #[serde(default = "defaults::admin_addr")]
+    pub addr: SocketAddr,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            addr: defaults::admin_addr(),
+        }
+    }
+}
+
+/// `[workers]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workers {
+    /// The worker command: program and leading arguments, e.g. `["codex", "app-server"]`.
+    /// A program that resolves to the npm package's node shim is replaced by the native binary.
+    #[serde(default = "defaults::command")]
+    pub command: Vec<String>,
+    /// Root of all per-tenant state: `tenants/<id>` (CODEX_HOME), `workspaces/<id>`, `sockets/`.
+    pub state_dir: PathBuf,
+    /// Passed to every worker as `-c thread_unload_delay_secs=N`.
+    #[serde(default = "defaults::idle_secs")]
+    pub thread_unload_delay_secs: u64,
+    /// `-c key=value` overrides given to every worker, before the tenant's own.
+    #[serde(default)]
+    pub config_overrides: Vec<String>,
+    /// Names of codex-fleet's own environment variables passed through to workers.
+    #[serde(default)]
+    pub pass_env: Vec<String>,
+    /// Spawn to `initialize` answered, at most.
+    #[serde(default = "defaults::ready_timeout_secs")]
+    pub ready_timeout_secs: u64,
+    /// Period of the control-leg health ping.
+    #[serde(default = "defaults::health_interval_secs")]
+    pub health_interval_secs: u64,
+    /// Deadline of one health ping; a miss kills the worker as hung.
+    #[serde(default = "defaults::health_timeout_secs")]
+    pub health_timeout_secs: u64,
+    /// SIGTERM to SIGKILL when stopping a worker.
+    #[serde(default = "defaults::stop_grace_secs")]
+    pub stop_grace_secs: u64,
+    /// First restart delay after a crash; doubles up to `restart_backoff_max_ms`.
+    #[serde(default = "defaults::restart_backoff_initial_ms")]
+    pub restart_backoff_initial_ms: u64,
+    /// Largest restart delay.
+    #[serde(default = "defaults::restart_backoff_max_ms")]
+    pub restart_backoff_max_ms: u64,
+}
+
+/// `[limits]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Client connections in total.
+    #[serde(default = "defaults::max_connections")]
+    pub max_connections: usize,
+    /// Largest WebSocket message (and frame) accepted from a client or a worker.
+    #[serde(default = "defaults::max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Messages queued towards one client before it counts as too slow and is closed (1008).
+    #[serde(default = "defaults::client_queue")]
+    pub client_queue: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: defaults::max_connections(),
+            max_message_bytes: defaults::max_message_bytes(),
+            client_queue: defaults::client_queue(),
+        }
+    }
+}
+
+/// `[[tenants]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    /// Short id: `[a-z0-9_-]{1,32}`; names directories and metric labels.
+    pub id: String,
+    /// Hex SHA-256 digests of the bearer tokens that authenticate as this tenant.
+    pub token_sha256: Vec<String>,
+    /// Workers kept running even when idle.
+    #[serde(default)]
+    pub min_workers: usize,
+    /// Most workers this tenant may run.
+    #[serde(default = "defaults::max_workers")]
+    pub max_workers: usize,
+    /// `-c key=value` overrides for this tenant's workers (after `[workers].config_overrides`).
+    #[serde(default)]
+    pub config_overrides: Vec<String>,
+}
+
+mod defaults {
+    use std::net::SocketAddr;
+
+    pub fn handshake_timeout_secs() -> u64 {
+        10
+    }
+    pub fn admin_addr() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 9464))
+    }
+    pub fn command() -> Vec<String> {
+        vec!["codex".into(), "app-server".into()]
+    }
+    pub fn idle_secs() -> u64 {
+        1800
+    }
+    pub fn ready_timeout_secs() -> u64 {
+        20
+    }
+    pub fn health_interval_secs() -> u64 {
+        10
+    }
+    pub fn health_timeout_secs() -> u64 {
+        5
+    }
+    pub fn stop_grace_secs() -> u64 {
+        10
+    }
+    pub fn restart_backoff_initial_ms() -> u64 {
+        250
+    }
+    pub fn restart_backoff_max_ms() -> u64 {
+        30_000
+    }
+    pub fn max_connections() -> usize {
+        10_000
+    }
+    pub fn max_message_bytes() -> usize {
+        32 << 20
+    }
+    pub fn client_queue() -> usize {
+        8192
+    }
+    pub fn max_workers() -> usize {
+        4
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// TOML syntax, a wrong type or an unknown key.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said (names the key and line).
+        message: String,
+    },
+    /// Parsed, but a value is not acceptable.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The longest socket path a client can connect through (sun_path is 108 bytes with its NUL).
+pub const MAX_SOCKET_PATH: usize = 100;
+
+impl Config {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let cfg = Config::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_owned(),
+                message,
+            },
+            other => other,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<config>"),
+            message: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every rule that TOML types cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.workers.command.is_empty() {
+            return bad("workers.command must name a program".into());
+        }
+        if !self.workers.state_dir.is_absolute() {
+            return bad(format!(
+                "workers.state_dir must be an absolute path, got {}",
+                self.workers.state_dir.display()
+            ));
+        }
+        // sockets/<tenant>-<slot>.sock must stay connectable.
+        let longest = self.socket_dir().as_os_str().len() + 1 + 32 + 1 + 4 + 5;
+        if longest > MAX_SOCKET_PATH {
+            return bad(format!(
+                "workers.state_dir is too long for Unix socket paths ({} > {MAX_SOCKET_PATH} bytes with the longest tenant id); use a shorter state_dir",
+                longest
+            ));
+        }
+        if self.workers.thread_unload_delay_secs > 365 * 24 * 3600 {
+            return bad("workers.thread_unload_delay_secs is larger than a year".into());
+        }
+        for (key, v) in [
+            (
+                "workers.ready_timeout_secs",
+                self.workers.ready_timeout_secs,
+            ),
+            (
+                "workers.health_interval_secs",
+                self.workers.health_interval_secs,
+            ),
+            (
+                "workers.health_timeout_secs",
+                self.workers.health_timeout_secs,
+            ),
+            (
+                "listen.handshake_timeout_secs",
+                self.listen.handshake_timeout_secs,
+            ),
+        ] {
+            if v == 0 {
+                return bad(format!("{key} must be at least 1"));
+            }
+        }
+        if self.workers.restart_backoff_initial_ms > self.workers.restart_backoff_max_ms {
+            return bad(
+                "workers.restart_backoff_initial_ms is above restart_backoff_max_ms".into(),
+            );
+        }
+        for o in self
+            .workers
+            .config_overrides
+            .iter()
+            .chain(self.tenants.iter().flat_map(|t| &t.config_overrides))
+        {
+            if !o.contains('=') {
+                return bad(format!(
+                    "config override {o:?} is not of the form key=value"
+                ));
+            }
+        }
+        if self.limits.max_message_bytes < 1024 {
+            return bad("limits.max_message_bytes must be at least 1024".into());
+        }
+        if self.limits.max_connections == 0 || self.limits.client_queue == 0 {
+            return bad("limits.max_connections and limits.client_queue must be at least 1".into());
+        }
+        let mut ids = HashSet::new();
+        let mut digests = HashSet::new();
+        for t in &self.tenants {
+            if !valid_tenant_id(&t.id) {
+                return bad(format!(
+                    "tenant id {:?} must be 1 to 32 characters of a-z, 0-9, '-' or '_'",
+                    t.id
+                ));
+            }
+            if !ids.insert(t.id.as_str()) {
+                return bad(format!("tenant id {:?} appears twice", t.id));
+            }
+            if t.token_sha256.is_empty() {
+                return bad(format!("tenant {:?} has no token_sha256", t.id));
+            }
+            for d in &t.token_sha256 {
+                let digest = parse_digest(d).ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "tenant {:?}: token_sha256 {d:?} is not 64 hex digits",
+                        t.id
+                    ))
+                })?;
+                if !digests.insert(digest) {
+                    return bad(format!(
+                        "tenant {:?}: a token digest is used twice; each token must name one tenant",
+                        t.id
+                    ));
+                }
+            }
+            if t.max_workers == 0 {
+                return bad(format!("tenant {:?}: max_workers must be at least 1", t.id));
+            }
+            if t.min_workers > t.max_workers {
+                return bad(format!(
+                    "tenant {:?}: min_workers is above max_workers",
+                    t.id
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `<state_dir>/sockets`
+    pub fn socket_dir(&self) -> PathBuf {
+        self.workers.state_dir.join("sockets")
+    }
+
+    /// `<state_dir>/tenants/<id>`: the tenant's CODEX_HOME.
+    pub fn tenant_home(&self, id: &str) -> PathBuf {
+        self.workers.state_dir.join("tenants").join(id)
+    }
+
+    /// `<state_dir>/workspaces/<id>`: the workers' working directory.
+    pub fn tenant_workspace(&self, id: &str) -> PathBuf {
+        self.workers.state_dir.join("workspaces").join(id)
+    }
+
+    /// Handshake deadline.
+    pub fn handshake_timeout(&self) -> Duration {
+        Duration::from_secs(self.listen.handshake_timeout_secs)
+    }
+}
+
+fn valid_tenant_id(id: &str) -> bool {
+    (1..=32).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Parses 64 hex digits into a digest.
+pub fn parse_digest(hex_digest: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_digest.trim(), &mut out).ok()?;
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DIGEST: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+    fn minimal(extra: &str) -> String {
+        format!(
+            r#"
+[listen]
+addr = "127.0.0.1:8443"
+tls_cert = "/etc/c.crt"
+tls_key = "/etc/c.key"
+
+[workers]
+state_dir = "/var/lib/codex-fleet"
+{extra}
+[[tenants]]
+id = "acme"
+token_sha256 = ["{DIGEST}"]
+"#
+        )
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let cfg = Config::parse(&minimal("")).expect("valid");
+        assert_eq!(cfg.workers.thread_unload_delay_secs, 1800);
+        assert_eq!(cfg.workers.command, ["codex", "app-server"]);
+        assert_eq!(cfg.limits.max_message_bytes, 32 << 20);
+        assert_eq!(cfg.tenants[0].max_workers, 4);
+        assert_eq!(cfg.admin.addr.port(), 9464);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let err = Config::parse(&minimal("bogus_key = 1\n")).unwrap_err();
+        assert!(err.to_string().contains("bogus_key"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for (extra, needle) in [
+            ("ready_timeout_secs = 0\n", "ready_timeout_secs"),
+            ("config_overrides = [\"novalue\"]\n", "key=value"),
+            (
+                "restart_backoff_initial_ms = 5\nrestart_backoff_max_ms = 1\n",
+                "restart_backoff",
+            ),
+        ] {
+            let err = Config::parse(&minimal(extra)).unwrap_err();
+            assert!(err.to_string().contains(needle), "{extra}: {err}");
+        }
+        let bad_digest = minimal("").replace(DIGEST, "abc");
+        assert!(Config::parse(&bad_digest)
+            .unwrap_err()
+            .to_string()
+            .contains("64 hex"));
+        let bad_id = minimal("").replace("\"acme\"", "\"Acme/..\"");
+        assert!(Config::parse(&bad_id)
+            .unwrap_err()
+            .to_string()
+            .contains("tenant id"));
+        let long_dir = minimal("").replace("/var/lib/codex-fleet", &format!("/{}", "x".repeat(90)));
+        assert!(Config::parse(&long_dir)
+            .unwrap_err()
+            .to_string()
+            .contains("too long"));
+    }
+
+    #[test]
+    fn a_token_names_one_tenant() {
+        let two = format!(
+            "{}\n[[tenants]]\nid = \"other\"\ntoken_sha256 = [\"{DIGEST}\"]\n",
+            minimal("")
+        );
+        assert!(Config::parse(&two)
+            .unwrap_err()
+            .to_string()
+            .contains("used twice"));
+    }
+}

@@ -1,0 +1,303 @@
+//! Accepts TLS connections, authenticates the WebSocket upgrade and hands each one to a session.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::auth::AuthError;
+use crate::metrics::RouterMetrics;
+use crate::session::{self, SessionCtx};
+use crate::tenants::Tenants;
+
+/// The remote address of a client connection.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub SocketAddr);
+
+/// Everything the accept loop shares with connection tasks.
+pub struct Listener {
+    /// The bound TCP listener.
+    pub tcp: TcpListener,
+    /// TLS server side.
+    pub tls: TlsAcceptor,
+    /// Tenants and tokens.
+    pub tenants: Arc<Tenants>,
+    /// Router metrics.
+    pub metrics: RouterMetrics,
+    /// Connection cap.
+    pub connections: Arc<Semaphore>,
+    /// TLS handshake plus upgrade deadline.
+    pub handshake_timeout: std::time::Duration,
+    /// Largest message in either direction.
+    pub max_message_bytes: usize,
+    /// Frames queued towards one client.
+    pub client_queue: usize,
+    /// Cancelled to stop accepting and close sessions with 1001.
+    pub shutdown: CancellationToken,
+    /// Tracks every connection task.
+    pub tracker: TaskTracker,
+}
+
+struct Conn {
+    tenants: Arc<Tenants>,
+    metrics: RouterMetrics,
+    max_message_bytes: usize,
+    client_queue: usize,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+    addr: ClientAddr,
+}
+
+// === impl Listener ===
+
+impl Listener {
+    /// Accepts until shutdown; each connection runs in its own tracked task.
+    pub async fn run(self) {
+        let this = Arc::new(self);
+        loop {
+            let permit = tokio::select! {
+                p = this.connections.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+                () = this.shutdown.cancelled() => return,
+            };
+            let (tcp, addr) = tokio::select! {
+                r = this.tcp.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = this.shutdown.cancelled() => return,
+            };
+            this.metrics.connections_accepted.inc();
+            let _nodelay = tcp.set_nodelay(true);
+            let conn = Arc::new(Conn {
+                tenants: this.tenants.clone(),
+                metrics: this.metrics.clone(),
+                max_message_bytes: this.max_message_bytes,
+                client_queue: this.client_queue,
+                shutdown: this.shutdown.clone(),
+                tracker: this.tracker.clone(),
+                addr: ClientAddr(addr),
+            });
+            let tls = this.tls.clone();
+            let timeout = this.handshake_timeout;
+            let span = tracing::info_span!("conn", client.addr = %addr);
+            this.tracker.spawn(
+                async move {
+                    let _permit = permit;
+                    conn.serve(tls, tcp, timeout).await;
+                }
+                .instrument(span),
+            );
+        }
+    }
+}
+
+// === impl Conn ===
+
+impl Conn {
+    async fn serve(
+        self: Arc<Self>,
+        tls: TlsAcceptor,
+        tcp: tokio::net::TcpStream,
+        timeout: std::time::Duration,
+    ) {
+        let started = tokio::time::Instant::now();
+        let stream = match tokio::time::timeout(timeout, tls.accept(tcp)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "TLS handshake failed");
+                self.refused("tls");
+                return;
+            }
+            Err(_) => {
+                self.refused("handshake_timeout");
+                return;
+            }
+        };
+        let this = self.clone();
+        let service = service_fn(move |req| {
+            let this = this.clone();
+            async move { Ok::<_, Infallible>(this.upgrade(req, started)) }
+        });
+        let conn = http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(timeout)
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "HTTP connection ended with an error");
+        }
+    }
+
+    fn refused(&self, reason: &str) {
+        self.metrics
+            .upgrades_refused
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    fn plain(&self, status: StatusCode, reason: &str, body: &str) -> Response<Full<Bytes>> {
+        self.refused(reason);
+        let mut resp = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
+        *resp.status_mut() = status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        resp
+    }
+
+    /// Checks the upgrade request; on success answers 101 and starts the session task.
+    fn upgrade(
+        self: &Arc<Self>,
+        mut req: Request<Incoming>,
+        started: tokio::time::Instant,
+    ) -> Response<Full<Bytes>> {
+        if req.uri().path() != "/" {
+            return self.plain(
+                StatusCode::NOT_FOUND,
+                "path",
+                "not found: the WebSocket endpoint is /",
+            );
+        }
+        if self.shutdown.is_cancelled() {
+            let mut r = self.plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "draining",
+                "codex-fleet is shutting down",
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            return r;
+        }
+        let key = match websocket_key(&req) {
+            Some(k) => k,
+            None => {
+                let mut r = self.plain(
+                    StatusCode::UPGRADE_REQUIRED,
+                    "not_websocket",
+                    "this endpoint only serves WebSocket upgrades",
+                );
+                r.headers_mut()
+                    .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+                return r;
+            }
+        };
+        let tenant = match self.tenants.tokens().authenticate(req.headers()) {
+            Ok(i) => self.tenants.get(i).cloned(),
+            Err(e) => {
+                let reason = match e {
+                    AuthError::Missing => "auth_missing",
+                    AuthError::Malformed => "auth_malformed",
+                    AuthError::Invalid => "auth_invalid",
+                };
+                tracing::info!(reason, "upgrade refused: {e}");
+                return self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string());
+            }
+        };
+        let Some(tenant) = tenant else {
+            return self.plain(
+                StatusCode::UNAUTHORIZED,
+                "auth_invalid",
+                "invalid bearer token",
+            );
+        };
+        let accept = derive_accept_key(key.as_bytes());
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        let ctx = SessionCtx {
+            tenant,
+            metrics: self.metrics.clone(),
+            max_message_bytes: self.max_message_bytes,
+            client_queue: self.client_queue,
+            shutdown: self.shutdown.clone(),
+        };
+        let max = self.max_message_bytes;
+        let handshake = self.metrics.handshake_seconds.clone();
+        let span =
+            tracing::info_span!("session", tenant = %ctx.tenant.id, client.addr = %self.addr.0);
+        self.tracker.spawn(
+            async move {
+                let upgraded = match on_upgrade.await {
+                    Ok(u) => u,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "upgrade failed");
+                        return;
+                    }
+                };
+                handshake.observe(started.elapsed().as_secs_f64());
+                let ws = WebSocketStream::from_raw_socket(
+                    TokioIo::new(upgraded),
+                    Role::Server,
+                    Some(ws_config(max)),
+                )
+                .await;
+                let (sink, stream) = futures_util::StreamExt::split(ws);
+                tracing::info!("session started");
+                let end = session::serve(sink, stream, ctx).await;
+                tracing::info!(?end, "session ended");
+            }
+            .instrument(span),
+        );
+        // Deliberately no x-codex-app-server-compression echo: clients then send plain text frames.
+        let mut resp = Response::new(Full::new(Bytes::new()));
+        *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        let h = resp.headers_mut();
+        h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        if let Ok(v) = HeaderValue::from_str(&accept) {
+            h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+        }
+        resp
+    }
+}
+
+/// The WebSocket limits used on both sides of the router.
+pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .max_message_size(Some(max_message_bytes))
+        .max_frame_size(Some(max_message_bytes))
+        .max_write_buffer_size(max_message_bytes.saturating_mul(2).max(1 << 20))
+}
+
+/// `Sec-WebSocket-Key` of a valid upgrade request.
+fn websocket_key<B>(req: &Request<B>) -> Option<String> {
+    let h = req.headers();
+    let has_token = |name: header::HeaderName, token: &str| {
+        h.get_all(name).iter().any(|v| {
+            v.to_str()
+                .map(|s| s.split(',').any(|p| p.trim().eq_ignore_ascii_case(token)))
+                .unwrap_or(false)
+        })
+    };
+    if req.method() != http::Method::GET
+        || !has_token(header::CONNECTION, "upgrade")
+        || !has_token(header::UPGRADE, "websocket")
+        || h.get(header::SEC_WEBSOCKET_VERSION).map(|v| v.as_bytes()) != Some(b"13")
+    {
+        return None;
+    }
+    h.get(header::SEC_WEBSOCKET_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}

@@ -1,0 +1,228 @@
+//! The `codex-fleet` binary: parses arguments, sets up tracing, binds sockets, runs the server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use prometheus::Registry;
+use router::config::Config;
+use router::dev::{self, DevOptions};
+use router::mock_model::MockModel;
+use router::Server;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, SignalKind};
+
+/// Exit code for a configuration that does not validate (sysexits EX_CONFIG).
+const EX_CONFIG: u8 = 78;
+
+#[derive(Parser)]
+#[command(
+    name = "codex-fleet",
+    version,
+    about = "Multi-tenant supervisor and router for codex app-server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve clients as the configuration file says.
+    Serve {
+        /// The TOML configuration.
+        #[arg(long, env = "CODEX_FLEET_CONFIG")]
+        config: PathBuf,
+    },
+    /// Validate a configuration file and exit (non-zero with the reason when invalid).
+    CheckConfig {
+        /// The TOML configuration.
+        file: PathBuf,
+    },
+    /// Run locally with an embedded default: a dev tenant, self-signed TLS, a printed token.
+    Dev {
+        /// Where the CA, token, config and tenant state are kept.
+        #[arg(long, env = "CODEX_FLEET_DEV_DIR", default_value = ".codex-fleet/dev")]
+        state_dir: PathBuf,
+        /// Client port on 127.0.0.1.
+        #[arg(long, env = "CODEX_FLEET_DEV_PORT", default_value_t = 8443)]
+        port: u16,
+        /// Admin port on 127.0.0.1.
+        #[arg(long, env = "CODEX_FLEET_DEV_ADMIN_PORT", default_value_t = 9464)]
+        admin_port: u16,
+        /// The codex program (the npm launcher is resolved to its native binary).
+        #[arg(long, env = "CODEX_BIN", default_value = "codex")]
+        codex: String,
+    },
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => match Config::load(&file) {
+            Ok(_) => {
+                println!("{}: ok", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("invalid configuration: {e}");
+                ExitCode::from(EX_CONFIG)
+            }
+        },
+        Command::Serve { config } => {
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("invalid configuration: {e}");
+                    return ExitCode::from(EX_CONFIG);
+                }
+            };
+            run_async(serve(cfg))
+        }
+        Command::Dev {
+            state_dir,
+            port,
+            admin_port,
+            codex,
+        } => run_async(dev_main(state_dir, port, admin_port, codex)),
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CODEX_FLEET_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn run_async(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("codex-fleet: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(cfg.listen.addr).await?;
+    let admin = TcpListener::bind(cfg.admin.addr).await?;
+    let addr = listener.local_addr()?;
+    let admin_addr = admin.local_addr()?;
+    let server = Server::build(cfg, Registry::new())?;
+    // One machine-readable line on stdout: tools and tests read the bound ports from it.
+    println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");
+    server.run(listener, admin, shutdown_signal()).await
+}
+
+/// Resolves on the first SIGTERM or SIGINT; a second one exits at once (workers die with us
+/// through their parent-death signal).
+async fn shutdown_signal() {
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install SIGTERM handler");
+            return std::future::pending().await;
+        }
+    };
+    let mut int = match signal(SignalKind::interrupt()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install SIGINT handler");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("codex-fleet: second signal, exiting now");
+        std::process::exit(130);
+    });
+}
+
+async fn dev_main(
+    state_dir: PathBuf,
+    port: u16,
+    admin_port: u16,
+    codex: String,
+) -> anyhow::Result<()> {
+    let state_dir = std::path::absolute(&state_dir)?;
+    let mut overrides = Vec::new();
+    let mock = if dev::has_model_credentials(&state_dir) {
+        tracing::info!("the dev tenant has its own credentials (auth.json); using the real model");
+        None
+    } else {
+        let mock = MockModel::start(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        tracing::info!(
+            url = %mock.base_url(),
+            "no model credentials configured: the dev tenant uses the built-in offline mock model"
+        );
+        overrides = mock.codex_config_overrides();
+        Some(mock)
+    };
+    let opts = DevOptions {
+        state_dir: state_dir.clone(),
+        listen: SocketAddr::from(([127, 0, 0, 1], port)),
+        admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
+        command: vec![codex, "app-server".into()],
+        overrides,
+    };
+    let setup = dev::prepare(&opts)?;
+    let cfg = Config::load(&setup.config_path)?;
+    let listener = TcpListener::bind(cfg.listen.addr).await?;
+    let admin = TcpListener::bind(cfg.admin.addr).await?;
+    let addr = listener.local_addr()?;
+    let admin_addr = admin.local_addr()?;
+    let server = Server::build(cfg, Registry::new())?;
+    let ca = setup.ca_path.display();
+    let token = &setup.token;
+    let port = addr.port();
+    println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");
+    println!(
+        r#"
+codex-fleet dev is running.
+  tenant:  dev   token (printed once, also in {token_file}, mode 0600):
+           {token}
+  model:   {model}
+
+Connect the Codex TUI:
+  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} codex --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN
+
+Run one prompt:
+  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} codex exec --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN "say hello"
+
+Health and metrics: curl http://{admin_addr}/readyz   curl http://{admin_addr}/metrics
+Stop with Ctrl-C.
+"#,
+        token_file = setup.token_path.display(),
+        model = if mock.is_some() {
+            "built-in offline mock model (no credentials found)"
+        } else {
+            "the tenant's own credentials"
+        },
+    );
+    let result = server.run(listener, admin, shutdown_signal()).await;
+    drop(mock);
+    result
+}

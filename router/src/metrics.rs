@@ -1,0 +1,124 @@
+//! Router metrics: one struct, registered on the registry `main` creates; labels are bounded.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+/// Metric names, written once.
+pub mod names {
+    /// Client connections accepted at TCP level.
+    pub const CONNECTIONS_ACCEPTED: &str = "codex_fleet_connections_accepted_total";
+    /// Upgrades refused, by reason.
+    pub const UPGRADES_REFUSED: &str = "codex_fleet_upgrades_refused_total";
+    /// Open client sessions, by tenant.
+    pub const SESSIONS: &str = "codex_fleet_sessions";
+    /// Client frames received, by tenant.
+    pub const CLIENT_FRAMES: &str = "codex_fleet_client_frames_total";
+    /// Client frames refused, by reason.
+    pub const CLIENT_ERRORS: &str = "codex_fleet_client_errors_total";
+    /// Sessions closed, by reason.
+    pub const SESSIONS_CLOSED: &str = "codex_fleet_sessions_closed_total";
+    /// Legs opened to workers, by tenant.
+    pub const LEGS_OPENED: &str = "codex_fleet_legs_opened_total";
+    /// Client request round trips through a worker, by tenant.
+    pub const REQUEST_SECONDS: &str = "codex_fleet_request_duration_seconds";
+    /// TLS handshake plus upgrade duration.
+    pub const HANDSHAKE_SECONDS: &str = "codex_fleet_handshake_duration_seconds";
+    /// 1 while draining.
+    pub const DRAINING: &str = "codex_fleet_draining";
+}
+
+/// The router's metrics.
+#[derive(Clone)]
+pub struct RouterMetrics {
+    /// See [`names::CONNECTIONS_ACCEPTED`].
+    pub connections_accepted: prometheus::IntCounter,
+    /// See [`names::UPGRADES_REFUSED`]; label `reason`.
+    pub upgrades_refused: IntCounterVec,
+    /// See [`names::SESSIONS`]; label `tenant`.
+    pub sessions: IntGaugeVec,
+    /// See [`names::CLIENT_FRAMES`]; label `tenant`.
+    pub client_frames: IntCounterVec,
+    /// See [`names::CLIENT_ERRORS`]; label `reason`.
+    pub client_errors: IntCounterVec,
+    /// See [`names::SESSIONS_CLOSED`]; label `reason`.
+    pub sessions_closed: IntCounterVec,
+    /// See [`names::LEGS_OPENED`]; label `tenant`.
+    pub legs_opened: IntCounterVec,
+    /// See [`names::REQUEST_SECONDS`]; label `tenant`.
+    pub request_seconds: HistogramVec,
+    /// See [`names::HANDSHAKE_SECONDS`].
+    pub handshake_seconds: Histogram,
+    /// See [`names::DRAINING`].
+    pub draining: IntGauge,
+}
+
+impl RouterMetrics {
+    /// Creates and registers every router metric.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = RouterMetrics {
+            connections_accepted: prometheus::IntCounter::new(
+                names::CONNECTIONS_ACCEPTED,
+                "Client TCP connections accepted.",
+            )?,
+            upgrades_refused: IntCounterVec::new(
+                Opts::new(
+                    names::UPGRADES_REFUSED,
+                    "Client upgrades refused, by reason.",
+                ),
+                &["reason"],
+            )?,
+            sessions: IntGaugeVec::new(
+                Opts::new(names::SESSIONS, "Open client sessions."),
+                &["tenant"],
+            )?,
+            client_frames: IntCounterVec::new(
+                Opts::new(names::CLIENT_FRAMES, "Frames received from clients."),
+                &["tenant"],
+            )?,
+            client_errors: IntCounterVec::new(
+                Opts::new(
+                    names::CLIENT_ERRORS,
+                    "Client frames answered with an error or dropped, by reason.",
+                ),
+                &["reason"],
+            )?,
+            sessions_closed: IntCounterVec::new(
+                Opts::new(names::SESSIONS_CLOSED, "Client sessions closed, by reason."),
+                &["reason"],
+            )?,
+            legs_opened: IntCounterVec::new(
+                Opts::new(names::LEGS_OPENED, "Session legs opened to workers."),
+                &["tenant"],
+            )?,
+            request_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    names::REQUEST_SECONDS,
+                    "Client request to worker response, as seen by the router.",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0,
+                ]),
+                &["tenant"],
+            )?,
+            handshake_seconds: Histogram::with_opts(
+                HistogramOpts::new(names::HANDSHAKE_SECONDS, "TLS handshake and upgrade.").buckets(
+                    vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+                ),
+            )?,
+            draining: IntGauge::new(names::DRAINING, "1 while codex-fleet drains for shutdown.")?,
+        };
+        registry.register(Box::new(m.connections_accepted.clone()))?;
+        registry.register(Box::new(m.upgrades_refused.clone()))?;
+        registry.register(Box::new(m.sessions.clone()))?;
+        registry.register(Box::new(m.client_frames.clone()))?;
+        registry.register(Box::new(m.client_errors.clone()))?;
+        registry.register(Box::new(m.sessions_closed.clone()))?;
+        registry.register(Box::new(m.legs_opened.clone()))?;
+        registry.register(Box::new(m.request_seconds.clone()))?;
+        registry.register(Box::new(m.handshake_seconds.clone()))?;
+        registry.register(Box::new(m.draining.clone()))?;
+        Ok(m)
+    }
+}

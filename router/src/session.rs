@@ -1,0 +1,583 @@
+//! One client connection, bound to one tenant: relays JSON-RPC between the client and the
+//! tenant's workers through the session's legs, rewriting server-request ids on the way.
+
+pub mod legs;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_util::sync::CancellationToken;
+use worker::WorkerId;
+
+use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
+use crate::metrics::RouterMetrics;
+use crate::tenants::Tenant;
+use legs::{Leg, LegEvent};
+
+/// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
+const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
+/// Protocol errors in a row that end a session.
+const MAX_PROTOCOL_ERRORS: u32 = 32;
+/// Server requests remembered per session (oldest forgotten first).
+const MAX_SERVER_REQUESTS: usize = 4096;
+/// Client requests awaiting an answer per session.
+const MAX_IN_FLIGHT: usize = 4096;
+/// Frames from legs buffered before legs wait.
+const LEG_EVENTS: usize = 1024;
+/// How long the closing frame may take to reach the client.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// What a session needs from the rest of the router.
+#[derive(Clone)]
+pub struct SessionCtx {
+    /// The tenant the client authenticated as.
+    pub tenant: Arc<Tenant>,
+    /// Router metrics.
+    pub metrics: RouterMetrics,
+    /// Largest message in either direction.
+    pub max_message_bytes: usize,
+    /// Frames queued towards the client before it counts as too slow.
+    pub client_queue: usize,
+    /// Cancelled when codex-fleet shuts down.
+    pub shutdown: CancellationToken,
+}
+
+/// Why a session ended; decides the close frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// The client closed or vanished.
+    ClientGone,
+    /// codex-fleet is shutting down (1001).
+    Shutdown,
+    /// The client did not read fast enough (1008).
+    SlowClient,
+    /// A message over the size limit (1009).
+    TooBig,
+    /// Too many protocol errors in a row (1008).
+    ProtocolErrors,
+}
+
+impl End {
+    fn label(&self) -> &'static str {
+        match self {
+            End::ClientGone => "client",
+            End::Shutdown => "shutdown",
+            End::SlowClient => "slow_client",
+            End::TooBig => "too_big",
+            End::ProtocolErrors => "protocol_errors",
+        }
+    }
+
+    /// The close frame to send, if any.
+    pub fn close_frame(&self) -> Option<CloseFrame> {
+        let (code, reason) = match self {
+            End::ClientGone => return None,
+            End::Shutdown => (CloseCode::Away, "codex-fleet is shutting down"),
+            End::SlowClient => (CloseCode::Policy, "client is not reading fast enough"),
+            End::TooBig => (CloseCode::Size, "message too big"),
+            End::ProtocolErrors => (CloseCode::Policy, "too many protocol errors"),
+        };
+        Some(CloseFrame {
+            code,
+            reason: reason.into(),
+        })
+    }
+}
+
+/// The client's `initialize`, kept to replay on every further leg.
+struct Init {
+    id: RequestId,
+    text: String,
+    answered: bool,
+    initialized: bool,
+}
+
+/// Server→client requests in flight: session-unique ids mapped to (worker, the worker's id).
+#[derive(Default)]
+struct ServerRequests {
+    next: i64,
+    by_session: BTreeMap<i64, (WorkerId, RequestId)>,
+    by_worker: HashMap<(WorkerId, RequestId), i64>,
+}
+
+impl ServerRequests {
+    fn insert(&mut self, worker: WorkerId, id: RequestId) -> i64 {
+        if let Some(&sid) = self.by_worker.get(&(worker, id.clone())) {
+            return sid; // the same pending request replayed (e.g. after thread/resume)
+        }
+        if self.by_session.len() >= MAX_SERVER_REQUESTS {
+            if let Some((_, key)) = self.by_session.pop_first() {
+                self.by_worker.remove(&key);
+            }
+        }
+        let sid = self.next;
+        self.next += 1;
+        self.by_session.insert(sid, (worker, id.clone()));
+        self.by_worker.insert((worker, id), sid);
+        sid
+    }
+
+    fn take(&mut self, sid: i64) -> Option<(WorkerId, RequestId)> {
+        let key = self.by_session.remove(&sid)?;
+        self.by_worker.remove(&key);
+        Some(key)
+    }
+
+    fn resolved(&mut self, worker: WorkerId, id: RequestId) -> Option<i64> {
+        let sid = self.by_worker.remove(&(worker, id))?;
+        self.by_session.remove(&sid);
+        Some(sid)
+    }
+
+    fn forget_worker(&mut self, worker: WorkerId) {
+        self.by_session.retain(|_, (w, _)| *w != worker);
+        self.by_worker.retain(|(w, _), _| *w != worker);
+    }
+}
+
+struct InFlight {
+    worker: WorkerId,
+    since: Instant,
+}
+
+struct Session {
+    ctx: SessionCtx,
+    out: mpsc::Sender<Message>,
+    legs: HashMap<WorkerId, Leg>,
+    home: Option<WorkerId>,
+    init: Option<Init>,
+    in_flight: HashMap<RequestId, InFlight>,
+    server_requests: ServerRequests,
+    events_tx: mpsc::Sender<LegEvent>,
+    protocol_errors: u32,
+}
+
+/// Serves one upgraded client connection until it ends; generic over the transport so tests
+/// can drive it through channels.
+pub async fn serve<Si, St>(sink: Si, mut stream: St, ctx: SessionCtx) -> End
+where
+    Si: Sink<Message, Error = WsError> + Send + Unpin + 'static,
+    St: Stream<Item = Result<Message, WsError>> + Unpin,
+{
+    let tenant = ctx.tenant.id.clone();
+    let metrics = ctx.metrics.clone();
+    metrics.sessions.with_label_values(&[&tenant]).inc();
+    let (out, out_rx) = mpsc::channel(ctx.client_queue);
+    let writer = tokio::spawn(write_client(sink, out_rx));
+    let (events_tx, mut events_rx) = mpsc::channel(LEG_EVENTS);
+    let mut session = Session {
+        ctx,
+        out,
+        legs: HashMap::new(),
+        home: None,
+        init: None,
+        in_flight: HashMap::new(),
+        server_requests: ServerRequests::default(),
+        events_tx,
+        protocol_errors: 0,
+    };
+    let shutdown = session.ctx.shutdown.clone();
+    let end = loop {
+        let step = tokio::select! {
+            frame = stream.next() => session.on_client_frame(frame).await,
+            Some(ev) = events_rx.recv() => session.on_leg_event(ev).await,
+            () = shutdown.cancelled() => Err(End::Shutdown),
+        };
+        if let Err(end) = step {
+            break end;
+        }
+    };
+    session.legs.clear();
+    if let Some(frame) = end.close_frame() {
+        // A full queue means the client is not reading; the close frame may then be lost.
+        let _queued = session.out.try_send(Message::Close(Some(frame)));
+    }
+    drop(session);
+    let mut writer = writer;
+    if tokio::time::timeout(CLOSE_GRACE, &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
+    metrics.sessions.with_label_values(&[&tenant]).dec();
+    metrics
+        .sessions_closed
+        .with_label_values(&[end.label()])
+        .inc();
+    end
+}
+
+async fn write_client<Si>(mut sink: Si, mut rx: mpsc::Receiver<Message>)
+where
+    Si: Sink<Message, Error = WsError> + Unpin,
+{
+    while let Some(msg) = rx.recv().await {
+        let closing = matches!(msg, Message::Close(_));
+        if sink.send(msg).await.is_err() || closing {
+            break;
+        }
+    }
+    let _flushed = sink.close().await;
+}
+
+fn overloaded(scope: &str, reason: &str, retry_after_ms: u64) -> serde_json::Value {
+    json!({ "retryAfterMs": retry_after_ms, "scope": scope, "reason": reason })
+}
+
+// === impl Session ===
+
+impl Session {
+    fn tenant(&self) -> &str {
+        &self.ctx.tenant.id
+    }
+
+    fn count_error(&self, reason: &str) {
+        self.ctx
+            .metrics
+            .client_errors
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    /// Queues a frame for the client; a client whose queue is full is too slow and is closed.
+    fn to_client(&self, text: String) -> Result<(), End> {
+        self.out
+            .try_send(Message::text(text))
+            .map_err(|_| End::SlowClient)
+    }
+
+    fn reply_error(
+        &self,
+        id: Option<&RequestId>,
+        code: i64,
+        message: &str,
+        data: Option<serde_json::Value>,
+    ) -> Result<(), End> {
+        self.to_client(jsonrpc::error_response(id, code, message, data))
+    }
+
+    async fn on_client_frame(
+        &mut self,
+        frame: Option<Result<Message, WsError>>,
+    ) -> Result<(), End> {
+        let text = match frame {
+            None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
+            Some(Ok(Message::Text(t))) => t,
+            Some(Ok(Message::Binary(_))) => {
+                self.count_error("binary_frame");
+                self.reply_error(
+                    None,
+                    codes::INVALID_REQUEST,
+                    "Invalid request: binary frames are not supported; send JSON-RPC as text frames",
+                    None,
+                )?;
+                return self.protocol_error();
+            }
+            Some(Ok(_)) => return Ok(()), // ping/pong are answered by the WebSocket layer
+            Some(Err(WsError::Capacity(_))) => {
+                self.count_error("too_big");
+                return Err(End::TooBig);
+            }
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "client read error");
+                return Err(End::ClientGone);
+            }
+        };
+        self.ctx
+            .metrics
+            .client_frames
+            .with_label_values(&[self.tenant()])
+            .inc();
+        let msg = match jsonrpc::parse(&text) {
+            Ok(msg) => msg,
+            Err(e) => {
+                self.count_error("invalid_message");
+                self.reply_error(None, e.code(), &e.to_string(), None)?;
+                return self.protocol_error();
+            }
+        };
+        self.protocol_errors = 0;
+        match msg {
+            Rpc::Request { id, method, .. } => self.on_client_request(id, &method, &text).await,
+            Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
+            Rpc::Response { id } => self.on_client_response(id, &text).await,
+        }
+    }
+
+    fn protocol_error(&mut self) -> Result<(), End> {
+        self.protocol_errors += 1;
+        if self.protocol_errors >= MAX_PROTOCOL_ERRORS {
+            return Err(End::ProtocolErrors);
+        }
+        Ok(())
+    }
+
+    async fn on_client_request(
+        &mut self,
+        id: RequestId,
+        method: &str,
+        text: &str,
+    ) -> Result<(), End> {
+        if method == "initialize" && self.init.is_none() {
+            self.init = Some(Init {
+                id: id.clone(),
+                text: text.to_owned(),
+                answered: false,
+                initialized: false,
+            });
+        } else if self.init.is_none() {
+            self.count_error("not_initialized");
+            return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
+        }
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            self.count_error("in_flight");
+            return self.reply_error(
+                Some(&id),
+                codes::OVERLOADED,
+                "Server overloaded; retry later.",
+                Some(overloaded("connection", "tooManyRequestsInFlight", 100)),
+            );
+        }
+        let worker = match self.home_leg().await {
+            Ok(w) => w,
+            Err(reason) => {
+                if method == "initialize" && self.init.as_ref().is_some_and(|i| !i.answered) {
+                    self.init = None;
+                }
+                self.count_error("no_worker");
+                return self.reply_error(
+                    Some(&id),
+                    codes::OVERLOADED,
+                    "Server overloaded; retry later.",
+                    Some(overloaded("worker", &reason, 1000)),
+                );
+            }
+        };
+        self.in_flight.insert(
+            id.clone(),
+            InFlight {
+                worker,
+                since: Instant::now(),
+            },
+        );
+        if !self.send_to_leg(worker, text.to_owned()).await {
+            self.in_flight.remove(&id);
+            return self.worker_gone_reply(&id);
+        }
+        Ok(())
+    }
+
+    async fn on_client_notification(&mut self, method: &str, text: &str) -> Result<(), End> {
+        let Some(init) = self.init.as_mut() else {
+            // app-server ignores notifications before initialize; so do we.
+            return Ok(());
+        };
+        if method == "initialized" {
+            init.initialized = true;
+        }
+        if let Some(home) = self.home {
+            self.send_to_leg(home, text.to_owned()).await;
+        }
+        Ok(())
+    }
+
+    async fn on_client_response(&mut self, id: RequestId, text: &str) -> Result<(), End> {
+        let RequestId::Int(sid) = id else {
+            self.count_error("unknown_response");
+            return Ok(());
+        };
+        let Some((worker, original)) = self.server_requests.take(sid) else {
+            // Never sent, or already answered: app-server would ignore it; we count and drop it.
+            self.count_error("unknown_response");
+            return Ok(());
+        };
+        if let Some(text) = jsonrpc::with_id(text, &original) {
+            self.send_to_leg(worker, text).await;
+        }
+        Ok(())
+    }
+
+    async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
+        match ev {
+            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text),
+            LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
+        }
+    }
+
+    fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
+        let msg = match jsonrpc::parse(text) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(%worker, error = %e, "dropping unparseable frame from worker");
+                return Ok(());
+            }
+        };
+        match msg {
+            Rpc::Response { id } => {
+                if id == RequestId::Str(REPLAY_INIT_ID.into()) {
+                    return Ok(());
+                }
+                if let Some(f) = self.in_flight.remove(&id) {
+                    self.ctx
+                        .metrics
+                        .request_seconds
+                        .with_label_values(&[&self.ctx.tenant.id])
+                        .observe(f.since.elapsed().as_secs_f64());
+                }
+                if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
+                    if text.contains("\"result\"") {
+                        init.answered = true;
+                    } else {
+                        self.init = None; // refused: the client may try again
+                    }
+                }
+                self.to_client(text.to_owned())
+            }
+            Rpc::Request { id, .. } => {
+                let sid = self.server_requests.insert(worker, id);
+                match jsonrpc::with_id(text, &RequestId::Int(sid)) {
+                    Some(t) => self.to_client(t),
+                    None => Ok(()),
+                }
+            }
+            Rpc::Notification { method, params } => {
+                if method == "serverRequest/resolved" {
+                    if let Some(sid) = jsonrpc::params_request_id(params)
+                        .and_then(|rid| self.server_requests.resolved(worker, rid))
+                    {
+                        if let Some(t) = jsonrpc::with_params_request_id(text, &RequestId::Int(sid))
+                        {
+                            return self.to_client(t);
+                        }
+                    }
+                }
+                self.to_client(text.to_owned())
+            }
+        }
+    }
+
+    fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {
+        tracing::info!(%worker, reason, "leg closed");
+        self.legs.remove(&worker);
+        if self.home == Some(worker) {
+            self.home = None;
+        }
+        self.server_requests.forget_worker(worker);
+        let lost: Vec<RequestId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.worker == worker)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lost {
+            self.in_flight.remove(&id);
+            self.worker_gone_reply(&id)?;
+        }
+        if self.init.as_ref().is_some_and(|i| !i.answered) {
+            self.init = None;
+        }
+        Ok(())
+    }
+
+    fn worker_gone_reply(&self, id: &RequestId) -> Result<(), End> {
+        self.count_error("worker_exited");
+        self.reply_error(
+            Some(id),
+            codes::WORKER_UNAVAILABLE,
+            "The worker serving this request exited; retry.",
+            Some(json!({ "reason": "workerExited", "retryable": true })),
+        )
+    }
+
+    async fn send_to_leg(&mut self, worker: WorkerId, text: String) -> bool {
+        match self.legs.get(&worker) {
+            Some(leg) => leg.send(text).await,
+            None => false,
+        }
+    }
+
+    /// The home leg, opened (and the client's initialize replayed) if there is none.
+    async fn home_leg(&mut self) -> Result<WorkerId, String> {
+        if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
+            return Ok(home);
+        }
+        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
+            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for session");
+            "noWorkerAvailable".to_owned()
+        })?;
+        let leg = Leg::open(&handle, self.ctx.max_message_bytes, self.events_tx.clone())
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "cannot open leg");
+                "workerUnreachable".to_owned()
+            })?;
+        self.ctx
+            .metrics
+            .legs_opened
+            .with_label_values(&[&self.ctx.tenant.id])
+            .inc();
+        let worker = leg.worker();
+        if let Some(init) = self.init.as_ref().filter(|i| i.answered) {
+            self.replay_initialize(&leg, init).await;
+        }
+        self.legs.insert(worker, leg);
+        self.home = Some(worker);
+        Ok(worker)
+    }
+
+    async fn replay_initialize(&self, leg: &Leg, init: &Init) {
+        let params = match jsonrpc::parse(&init.text) {
+            Ok(Rpc::Request { params, .. }) => params,
+            _ => None,
+        };
+        let replay = jsonrpc::request(&RequestId::Str(REPLAY_INIT_ID.into()), "initialize", params);
+        leg.send(replay).await;
+        if init.initialized {
+            leg.send(r#"{"method":"initialized"}"#.to_owned()).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_request_ids_are_session_unique_and_mapped_back() {
+        let mut s = ServerRequests::default();
+        let w1 = WorkerId::new("t", 1, 1);
+        let w2 = WorkerId::new("t", 2, 1);
+        let a = s.insert(w1, RequestId::Int(0));
+        let b = s.insert(w2, RequestId::Int(0));
+        assert_ne!(a, b, "the same worker id on two workers must not collide");
+        assert_eq!(s.insert(w1, RequestId::Int(0)), a, "a replay keeps its id");
+        assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+        assert_eq!(
+            s.take(b),
+            None,
+            "a resolved request can no longer be answered"
+        );
+        assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
+        assert_eq!(s.take(a), None, "only the first answer is forwarded");
+    }
+
+    #[test]
+    fn server_requests_stay_bounded() {
+        let mut s = ServerRequests::default();
+        let w = WorkerId::new("t", 1, 1);
+        for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
+            s.insert(w, RequestId::Int(n));
+        }
+        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
+        assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
+    }
+}

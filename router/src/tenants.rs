@@ -1,0 +1,187 @@
+//! Tenants at run time: each configured tenant with its worker pool and its token digests.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use worker::metrics::WorkerMetrics;
+use worker::{Pool, PoolConfig};
+
+use crate::auth::TokenTable;
+use crate::config::{self, Config};
+
+/// One tenant: its id and its pool of workers.
+pub struct Tenant {
+    /// The configured id.
+    pub id: String,
+    /// Its workers.
+    pub pool: Arc<Pool>,
+}
+
+/// Every tenant, and the tokens that name them.
+pub struct Tenants {
+    list: Vec<Arc<Tenant>>,
+    tokens: TokenTable,
+}
+
+/// Environment variables workers get from codex-fleet's own environment, when set.
+const BASE_ENV: &[&str] = &["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR"];
+
+impl Tenants {
+    /// Builds each tenant's pool (min_workers start in the background).
+    pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
+        let program = resolve_program(&cfg.workers.command[0])?;
+        let mut list = Vec::with_capacity(cfg.tenants.len());
+        let mut tokens = TokenTable::default();
+        for (index, t) in cfg.tenants.iter().enumerate() {
+            for d in &t.token_sha256 {
+                if let Some(digest) = config::parse_digest(d) {
+                    tokens.insert(digest, index);
+                }
+            }
+            let pool_cfg = pool_config(cfg, t, &program);
+            list.push(Arc::new(Tenant {
+                id: t.id.clone(),
+                pool: Pool::new(pool_cfg, metrics.clone()),
+            }));
+        }
+        Ok(Tenants { list, tokens })
+    }
+
+    /// The token table.
+    pub fn tokens(&self) -> &TokenTable {
+        &self.tokens
+    }
+
+    /// The tenant at a token-table index.
+    pub fn get(&self, index: usize) -> Option<&Arc<Tenant>> {
+        self.list.get(index)
+    }
+
+    /// All tenants.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.list.iter()
+    }
+
+    /// Stops every tenant's workers: SIGTERM, then SIGKILL after `grace`.
+    pub async fn shutdown(&self, grace: Duration) {
+        let all = self.list.iter().map(|t| t.pool.shutdown(grace));
+        futures_util::future::join_all(all).await;
+    }
+}
+
+fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path) -> PoolConfig {
+    let w = &cfg.workers;
+    let mut overrides = w.config_overrides.clone();
+    overrides.extend(t.config_overrides.iter().cloned());
+    PoolConfig {
+        tenant: t.id.clone(),
+        program: program.to_owned(),
+        args: w.command[1..].to_vec(),
+        codex_home: cfg.tenant_home(&t.id),
+        cwd: cfg.tenant_workspace(&t.id),
+        socket_dir: cfg.socket_dir(),
+        thread_unload_delay_secs: w.thread_unload_delay_secs,
+        config_overrides: overrides,
+        env: worker_env(cfg, t, program),
+        min_workers: t.min_workers,
+        max_workers: t.max_workers,
+        ready_timeout: Duration::from_secs(w.ready_timeout_secs),
+        health_interval: Duration::from_secs(w.health_interval_secs),
+        health_timeout: Duration::from_secs(w.health_timeout_secs),
+        restart_backoff_initial: Duration::from_millis(w.restart_backoff_initial_ms),
+        restart_backoff_max: Duration::from_millis(w.restart_backoff_max_ms),
+        stop_grace: Duration::from_secs(w.stop_grace_secs),
+    }
+}
+
+/// The complete environment of a tenant's workers: an allowlist, never codex-fleet's own.
+fn worker_env(cfg: &Config, t: &config::Tenant, program: &Path) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = Vec::new();
+    let names = BASE_ENV
+        .iter()
+        .copied()
+        .chain(cfg.workers.pass_env.iter().map(String::as_str));
+    for name in names {
+        if env.iter().any(|(k, _)| k == name) {
+            continue;
+        }
+        if let Ok(v) = std::env::var(name) {
+            env.push((name.to_owned(), v));
+        }
+    }
+    // The npm package ships helper tools (rg) beside the native binary; its launcher puts them on PATH.
+    if let Some(tools) = program
+        .parent()
+        .and_then(Path::parent)
+        .map(|vendor| vendor.join("codex-path"))
+        .filter(|p| p.is_dir())
+    {
+        let path = env
+            .iter()
+            .find(|(k, _)| k == "PATH")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        env.retain(|(k, _)| k != "PATH");
+        env.push(("PATH".into(), format!("{}:{path}", tools.display())));
+    }
+    env.push((
+        "HOME".into(),
+        cfg.tenant_workspace(&t.id).display().to_string(),
+    ));
+    env
+}
+
+/// Finds the worker program: a path, or a name on PATH. The npm package's `codex` is a node
+/// launcher; the native binary inside the package is run instead, as the design requires.
+pub fn resolve_program(name: &str) -> anyhow::Result<PathBuf> {
+    let found = if name.contains('/') {
+        PathBuf::from(name)
+    } else {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|p| p.is_file())
+            .ok_or_else(|| anyhow::anyhow!("worker program {name:?} is not on PATH"))?
+    };
+    let real = std::fs::canonicalize(&found)
+        .map_err(|e| anyhow::anyhow!("worker program {}: {e}", found.display()))?;
+    if real.extension().is_some_and(|e| e == "js") {
+        return native_codex_beside_launcher(&real);
+    }
+    Ok(real)
+}
+
+/// `<…>/node_modules/@openai/codex/bin/codex.js` → the platform package's native binary.
+fn native_codex_beside_launcher(launcher: &Path) -> anyhow::Result<PathBuf> {
+    let triple = match std::env::consts::ARCH {
+        "x86_64" => "x86_64-unknown-linux-musl",
+        "aarch64" => "aarch64-unknown-linux-musl",
+        other => anyhow::bail!("no native codex for architecture {other}"),
+    };
+    let platform_pkg = match std::env::consts::ARCH {
+        "x86_64" => "codex-linux-x64",
+        _ => "codex-linux-arm64",
+    };
+    let pkg = launcher
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(|| anyhow::anyhow!("unexpected launcher path {}", launcher.display()))?;
+    let candidates = [
+        pkg.join("node_modules/@openai").join(platform_pkg),
+        pkg.parent()
+            .map(|scope| scope.join(platform_pkg))
+            .unwrap_or_default(),
+        pkg.to_path_buf(),
+    ];
+    candidates
+        .iter()
+        .map(|p| p.join("vendor").join(triple).join("bin/codex"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{} is the node launcher and no native codex binary was found beside it",
+                launcher.display()
+            )
+        })
+}

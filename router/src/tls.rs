@@ -1,0 +1,83 @@
+//! TLS for the client listener: loads PEM files into a rustls server configuration.
+
+use std::io::BufReader;
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::ServerConfig;
+
+/// Why TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The certificate file holds no certificate.
+    #[error("{0}: no PEM certificate found")]
+    NoCertificate(String),
+    /// The key file holds no private key.
+    #[error("{0}: no PEM private key found")]
+    NoKey(String),
+    /// rustls refused the pair.
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// The process-wide crypto provider (ring); installing twice is harmless.
+pub fn install_crypto_provider() {
+    // Err only means another provider was installed first, which is fine for us.
+    let _installed = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Builds the server configuration: TLS 1.2 and 1.3, HTTP/1.1 only (WebSocket upgrades).
+pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsError> {
+    install_crypto_provider();
+    let certs = load_certs(cert)?;
+    let key = load_key(key)?;
+    let mut cfg = ServerConfig::builder_with_protocol_versions(&[
+        &rustls::version::TLS13,
+        &rustls::version::TLS12,
+    ])
+    .with_no_client_auth()
+    .with_single_cert(certs, key)?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Loads every certificate of a PEM chain.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(path)?;
+    let certs: Vec<_> = rustls_pemfile::certs(&mut BufReader::new(&pem[..]))
+        .collect::<Result<_, _>>()
+        .map_err(|source| TlsError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate(path.display().to_string()));
+    }
+    Ok(certs)
+}
+
+fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read(path)?;
+    rustls_pemfile::private_key(&mut BufReader::new(&pem[..]))
+        .map_err(|source| TlsError::Read {
+            path: path.display().to_string(),
+            source,
+        })?
+        .ok_or_else(|| TlsError::NoKey(path.display().to_string()))
+}
