@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs the pinned codex, checks formatting and lints,
+# builds the binary and runs every test (unit, crate and end-to-end with real workers).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+CODEX_BIN="$(bash ops/install-codex.sh)"
+export CODEX_BIN
+echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
+cargo fmt --all -- --check
+cargo clippy --locked --workspace --all-targets -- -D warnings
+cargo build --locked --bins
+cargo test --locked --workspace

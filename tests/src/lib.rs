@@ -1,0 +1,558 @@
+//! End-to-end fixtures: a codex-fleet with real TLS, real `codex app-server` workers and the
+//! offline mock model, and a wss JSON-RPC client that speaks the protocol as a real client does.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
+
+pub use router::mock_model::{reply_text, MockModel};
+
+/// How long a test waits for any one expected message.
+pub const STEP: Duration = Duration::from_secs(30);
+
+/// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
+pub fn codex_bin() -> PathBuf {
+    match std::env::var_os("CODEX_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "CODEX_BIN is not set: run the suite with `bash ops/test.sh`, which installs the pinned \
+             @openai/codex and exports the native binary's path"
+        ),
+    }
+}
+
+/// The `codex-fleet` binary built next to this test (the test command builds it first).
+pub fn fleet_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CODEX_FLEET_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> → target/<profile>/codex-fleet
+    let candidate = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("codex-fleet"))
+        .expect("target dir");
+    assert!(
+        candidate.is_file(),
+        "{} is missing: run `cargo build --bins` first (ops/test.sh does)",
+        candidate.display()
+    );
+    candidate
+}
+
+/// Logs for tests, once (`CODEX_FLEET_LOG` filters).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CODEX_FLEET_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _already = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+/// A tenant of a test fleet.
+#[derive(Clone, Debug)]
+pub struct TenantSpec {
+    /// Its id.
+    pub id: String,
+    /// Its bearer token.
+    pub token: String,
+    /// min_workers.
+    pub min_workers: usize,
+    /// max_workers.
+    pub max_workers: usize,
+}
+
+/// Builds a fleet configuration for tests.
+pub struct FleetBuilder {
+    tenants: Vec<TenantSpec>,
+    extra_workers: String,
+}
+
+impl Default for FleetBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FleetBuilder {
+    /// No tenants yet.
+    pub fn new() -> Self {
+        FleetBuilder {
+            tenants: Vec::new(),
+            extra_workers: String::new(),
+        }
+    }
+
+    /// Adds a tenant with a fresh random token and one worker.
+    pub fn tenant(mut self, id: &str) -> Self {
+        self.tenants.push(TenantSpec {
+            id: id.into(),
+            token: router::dev::random_token(),
+            min_workers: 0,
+            max_workers: 1,
+        });
+        self
+    }
+
+    /// Extra lines for the `[workers]` table.
+    pub fn workers_toml(mut self, lines: &str) -> Self {
+        self.extra_workers.push_str(lines);
+        self.extra_workers.push('\n');
+        self
+    }
+
+    /// Writes TLS material, the mock model and the config into a fresh directory.
+    pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
+        router::tls::install_crypto_provider();
+        let dir = tempfile::Builder::new().prefix("cf").tempdir_in("/tmp")?;
+        let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+        let ca = dir.path().join("ca.pem");
+        let cert = dir.path().join("tls.crt");
+        let key = dir.path().join("tls.key");
+        std::fs::write(&ca, &pki.ca_pem)?;
+        std::fs::write(&cert, &pki.cert_pem)?;
+        router::dev::write_private(&key, &pki.key_pem)?;
+        let mock = MockModel::start(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        let q = |s: &str| serde_json::to_string(s).expect("string");
+        let overrides: Vec<String> = mock.codex_config_overrides().iter().map(|o| q(o)).collect();
+        let mut toml = format!(
+            "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
+             [admin]\naddr = \"127.0.0.1:0\"\n\n\
+             [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n",
+            q(&cert.display().to_string()),
+            q(&key.display().to_string()),
+            q(&codex_bin().display().to_string()),
+            q(&dir.path().join("s").display().to_string()),
+            overrides.join(", "),
+            self.extra_workers,
+        );
+        for t in &self.tenants {
+            toml.push_str(&format!(
+                "[[tenants]]\nid = {}\ntoken_sha256 = [{}]\nmin_workers = {}\nmax_workers = {}\n\n",
+                q(&t.id),
+                q(&router::auth::token_digest_hex(&t.token)),
+                t.min_workers,
+                t.max_workers
+            ));
+        }
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, toml)?;
+        Ok(FleetFiles {
+            dir,
+            ca,
+            config,
+            tenants: self.tenants,
+            mock,
+        })
+    }
+
+    /// Starts codex-fleet in this process, on ephemeral ports.
+    pub async fn start(self) -> anyhow::Result<Fleet> {
+        init_tracing();
+        let files = self.prepare().await?;
+        let cfg = router::config::Config::load(&files.config)?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let admin_addr = admin.local_addr()?;
+        let server = router::Server::build(cfg, prometheus_registry())?;
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(listener, admin, async move {
+            let _stopped = stop_rx.await;
+        }));
+        Ok(Fleet {
+            files,
+            addr,
+            admin_addr,
+            stop: Some(stop_tx),
+            task: Some(task),
+        })
+    }
+}
+
+fn prometheus_registry() -> prometheus::Registry {
+    prometheus::Registry::new()
+}
+
+/// Files of a prepared fleet (kept alive as long as the fleet runs).
+pub struct FleetFiles {
+    /// The temporary directory holding everything.
+    pub dir: tempfile::TempDir,
+    /// The CA clients trust.
+    pub ca: PathBuf,
+    /// The config file.
+    pub config: PathBuf,
+    /// Tenants and their tokens.
+    pub tenants: Vec<TenantSpec>,
+    /// The mock model the workers use.
+    pub mock: MockModel,
+}
+
+impl FleetFiles {
+    /// The token of a tenant.
+    pub fn token(&self, tenant: &str) -> String {
+        self.tenants
+            .iter()
+            .find(|t| t.id == tenant)
+            .map(|t| t.token.clone())
+            .unwrap_or_else(|| panic!("no tenant {tenant}"))
+    }
+}
+
+/// A codex-fleet running inside the test process.
+pub struct Fleet {
+    /// Its files.
+    pub files: FleetFiles,
+    /// The wss address.
+    pub addr: SocketAddr,
+    /// The admin address.
+    pub admin_addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Fleet {
+    /// `wss://localhost:PORT/`
+    pub fn url(&self) -> String {
+        format!("wss://localhost:{}/", self.addr.port())
+    }
+
+    /// Connects as a tenant (no initialize yet).
+    pub async fn connect(&self, tenant: &str) -> anyhow::Result<Client> {
+        Client::connect(&self.url(), &self.files.ca, Some(&self.files.token(tenant))).await
+    }
+
+    /// Connects and initializes as a tenant.
+    pub async fn client(&self, tenant: &str) -> anyhow::Result<Client> {
+        let mut c = self.connect(tenant).await?;
+        c.initialize("e2e-client").await?;
+        Ok(c)
+    }
+
+    /// GETs a path on the admin port: (status, body).
+    pub async fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        http_get(self.admin_addr, path).await
+    }
+
+    /// Stops the fleet and waits for it.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.stop.take() {
+            let _sent = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await??;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _sent = tx.send(());
+        }
+    }
+}
+
+/// A minimal HTTP/1.0 GET over loopback.
+pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("bad HTTP response: {text}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_owned();
+    Ok((status, body))
+}
+
+/// A rustls client configuration that trusts only `ca`.
+pub fn client_tls(ca: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    router::tls::install_crypto_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in router::tls::load_certs(ca)? {
+        roots.add(cert)?;
+    }
+    Ok(Arc::new(
+        rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    ))
+}
+
+/// A JSON-RPC client over wss, as the protocol manual describes one.
+pub struct Client {
+    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    next_id: i64,
+    /// Messages received while waiting for something else, in order.
+    pub backlog: std::collections::VecDeque<Value>,
+}
+
+impl Client {
+    /// Opens the wss connection; `token` goes in `Authorization: Bearer`.
+    pub async fn connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Client> {
+        let mut req = url.into_client_request()?;
+        if let Some(t) = token {
+            req.headers_mut()
+                .insert("authorization", format!("Bearer {t}").parse()?);
+        }
+        req.headers_mut()
+            .insert("x-codex-app-server-compression", "zstd-stream-v1".parse()?);
+        let connector = Connector::Rustls(client_tls(ca)?);
+        let (ws, resp) = tokio::time::timeout(
+            STEP,
+            tokio_tungstenite::connect_async_tls_with_config(req, None, false, Some(connector)),
+        )
+        .await
+        .context("connect timed out")??;
+        if resp
+            .headers()
+            .contains_key("x-codex-app-server-compression")
+        {
+            bail!("the router must not echo x-codex-app-server-compression");
+        }
+        Ok(Client {
+            ws,
+            next_id: 1,
+            backlog: Default::default(),
+        })
+    }
+
+    /// Sends a raw text frame.
+    pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
+        self.ws.send(Message::text(text)).await?;
+        Ok(())
+    }
+
+    /// Sends a JSON value.
+    pub async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
+        self.send_text(&v.to_string()).await
+    }
+
+    /// The next JSON message from the wire (not the backlog); errors on close or timeout.
+    pub async fn recv_wire(&mut self, within: Duration) -> anyhow::Result<Value> {
+        loop {
+            let frame = tokio::time::timeout(within, self.ws.next())
+                .await
+                .context("timed out waiting for a message")?;
+            match frame {
+                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(&t)?),
+                Some(Ok(Message::Close(c))) => bail!("connection closed: {c:?}"),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => bail!("read error: {e}"),
+                None => bail!("connection ended"),
+            }
+        }
+    }
+
+    /// Waits for the close frame (or end) and returns its code.
+    pub async fn recv_close(&mut self, within: Duration) -> anyhow::Result<Option<u16>> {
+        loop {
+            let frame = tokio::time::timeout(within, self.ws.next())
+                .await
+                .context("timed out waiting for close")?;
+            match frame {
+                Some(Ok(Message::Close(c))) => return Ok(c.map(|c| u16::from(c.code))),
+                Some(Ok(Message::Text(t))) => self.backlog.push_back(serde_json::from_str(&t)?),
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return Ok(None),
+            }
+        }
+    }
+
+    /// The next message matching `pred`, from the backlog first; others are kept in the backlog.
+    pub async fn wait_for(
+        &mut self,
+        mut pred: impl FnMut(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        if let Some(pos) = self.backlog.iter().position(&mut pred) {
+            return Ok(self.backlog.remove(pos).expect("position"));
+        }
+        let deadline = tokio::time::Instant::now() + STEP;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let v = self.recv_wire(left).await?;
+            if pred(&v) {
+                return Ok(v);
+            }
+            self.backlog.push_back(v);
+        }
+    }
+
+    /// The next notification named `method`.
+    pub async fn notification(&mut self, method: &str) -> anyhow::Result<Value> {
+        self.wait_for(|v| v["method"] == method && v.get("id").is_none())
+            .await
+            .with_context(|| format!("waiting for {method}"))
+    }
+
+    /// Sends a request and returns its response (result or error object).
+    pub async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        self.wait_for(|v| v["id"] == id && v.get("method").is_none())
+            .await
+            .with_context(|| format!("waiting for the answer to {method}"))
+    }
+
+    /// Sends a request and returns its result, failing on an error response.
+    pub async fn request(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let resp = self.call(method, params).await?;
+        if let Some(e) = resp.get("error") {
+            bail!("{method} failed: {e}");
+        }
+        Ok(resp["result"].clone())
+    }
+
+    /// `initialize` + `initialized`, as the TUI does (string id "initialize").
+    pub async fn initialize(&mut self, name: &str) -> anyhow::Result<Value> {
+        self.send(&json!({
+            "id": "initialize",
+            "method": "initialize",
+            "params": {
+                "clientInfo": { "name": name, "title": null, "version": "0.0.1" },
+                "capabilities": { "experimentalApi": true }
+            }
+        }))
+        .await?;
+        let resp = self
+            .wait_for(|v| v["id"] == "initialize")
+            .await
+            .context("waiting for initialize")?;
+        if resp.get("error").is_some() {
+            bail!("initialize failed: {resp}");
+        }
+        self.send(&json!({ "method": "initialized" })).await?;
+        Ok(resp["result"].clone())
+    }
+
+    /// `thread/start` with defaults; returns the thread id.
+    pub async fn start_thread(&mut self) -> anyhow::Result<String> {
+        let r = self.request("thread/start", json!({})).await?;
+        r["thread"]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("thread/start without thread.id: {r}"))
+    }
+
+    /// `turn/start` with one text input; returns the turn id.
+    pub async fn start_turn(&mut self, thread: &str, text: &str) -> anyhow::Result<String> {
+        let r = self
+            .request(
+                "turn/start",
+                json!({
+                    "threadId": thread,
+                    "input": [{ "type": "text", "text": text, "text_elements": [] }]
+                }),
+            )
+            .await?;
+        r["turn"]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("turn/start without turn.id: {r}"))
+    }
+
+    /// Collects every message until `turn/completed` for `thread`; returns them in order.
+    pub async fn until_turn_completed(&mut self, thread: &str) -> anyhow::Result<Vec<Value>> {
+        let mut seen = Vec::new();
+        loop {
+            let v = self
+                .wait_for(|_| true)
+                .await
+                .context("waiting for turn/completed")?;
+            let done = v["method"] == "turn/completed" && v["params"]["threadId"] == thread;
+            seen.push(v);
+            if done {
+                return Ok(seen);
+            }
+        }
+    }
+
+    /// Closes the connection politely.
+    pub async fn close(mut self) {
+        let _closed = self.ws.close(None).await;
+    }
+}
+
+/// The text of the last completed agent message among `msgs`.
+pub fn agent_text(msgs: &[Value]) -> Option<String> {
+    msgs.iter()
+        .rev()
+        .filter(|m| m["method"] == "item/completed")
+        .find(|m| m["params"]["item"]["type"] == "agentMessage")
+        .and_then(|m| m["params"]["item"]["text"].as_str().map(str::to_owned))
+}
+
+/// Whether a process exists (and is not a zombie).
+pub fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // state is the field after the parenthesised command name
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next());
+            state != Some("Z")
+        }
+        Err(_) => false,
+    }
+}
+
+/// Pids of processes whose executable is `exe`.
+pub fn processes_running(exe: &Path) -> Vec<i32> {
+    let Ok(target) = std::fs::canonicalize(exe) else {
+        return Vec::new();
+    };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == target)
+                && process_alive(*pid)
+        })
+        .collect()
+}
+
+/// Pids of live processes whose CODEX_HOME lies under `dir` (the workers of one test fleet).
+pub fn workers_under(dir: &Path) -> Vec<i32> {
+    let needle = format!("CODEX_HOME={}", dir.display());
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|b| *b == 0)
+                    .any(|kv| kv.starts_with(needle.as_bytes()))
+            }) && process_alive(*pid)
+        })
+        .collect()
+}

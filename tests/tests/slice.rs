@@ -1,0 +1,179 @@
+//! The first end-to-end slice: real wss clients through codex-fleet to real app-server workers.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use e2e::{agent_text, reply_text, Client, FleetBuilder};
+use serde_json::{json, Value};
+
+fn methods(msgs: &[Value]) -> Vec<String> {
+    msgs.iter()
+        .filter_map(|m| m["method"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_streams_through_the_fleet() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    let prompt = "hello through the fleet";
+    c.start_turn(&thread, prompt).await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    let seen = methods(&msgs);
+    for m in [
+        "item/started",
+        "item/agentMessage/delta",
+        "item/completed",
+        "turn/completed",
+    ] {
+        assert!(seen.iter().any(|s| s == m), "missing {m} in {seen:?}");
+    }
+    let deltas: String = msgs
+        .iter()
+        .filter(|m| m["method"] == "item/agentMessage/delta")
+        .filter_map(|m| m["params"]["delta"].as_str())
+        .collect();
+    assert_eq!(deltas, reply_text(prompt));
+    assert_eq!(
+        agent_text(&msgs).as_deref(),
+        Some(reply_text(prompt).as_str())
+    );
+    let done = msgs.last().expect("turn/completed");
+    assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
+    c.close().await;
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_round_trips_with_the_routers_id() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    // A request of our own first, so the router's and the worker's id spaces visibly differ.
+    c.request("thread/loaded/list", json!({})).await?;
+    c.start_turn(&thread, "please RUNSHELL").await?;
+    let approval = c
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    let id = approval["id"].clone();
+    assert!(
+        id.is_i64(),
+        "server request id must be an integer: {approval}"
+    );
+    assert_eq!(approval["params"]["threadId"], thread.as_str());
+    c.send(&json!({ "id": id, "result": { "decision": "accept" } }))
+        .await?;
+    let resolved = c.notification("serverRequest/resolved").await?;
+    assert_eq!(resolved["params"]["requestId"], id, "{resolved}");
+    let msgs = c.until_turn_completed(&thread).await?;
+    let done = msgs.last().expect("turn/completed");
+    assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
+    assert_eq!(
+        agent_text(&msgs).as_deref(),
+        Some(reply_text("please RUNSHELL").as_str())
+    );
+    // A second answer to the same id is not forwarded (the worker would ignore it anyway).
+    c.send(&json!({ "id": id, "result": { "decision": "decline" } }))
+        .await?;
+    c.request("thread/loaded/list", json!({})).await?;
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_exec_remote_runs_a_prompt() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let client_home = tempfile::tempdir()?;
+    let prompt = "exec through the fleet";
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(e2e::codex_bin())
+            .args([
+                "exec",
+                "--remote",
+                &fleet.url(),
+                "--remote-auth-token-env",
+                "FLEET_TOKEN",
+            ])
+            .arg("--skip-git-repo-check")
+            .arg(prompt)
+            .env("SSL_CERT_FILE", &fleet.files.ca)
+            .env("FLEET_TOKEN", fleet.files.token("acme"))
+            .env("CODEX_HOME", client_home.path())
+            .current_dir(client_home.path())
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "codex exec failed: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    assert!(
+        stdout.contains(&reply_text(prompt)),
+        "stdout lacks the mock's answer:\n{stdout}\nstderr:\n{stderr}"
+    );
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_credentials_and_plaintext_are_refused_while_others_work() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let mut good = fleet.client("acme").await?;
+    let thread = good.start_thread().await?;
+
+    let missing = Client::connect(&fleet.url(), &fleet.files.ca, None).await;
+    let err = missing.err().expect("no token must be refused").to_string();
+    assert!(err.contains("401"), "{err}");
+    let wrong = Client::connect(&fleet.url(), &fleet.files.ca, Some("not-the-token")).await;
+    let err = wrong
+        .err()
+        .expect("a wrong token must be refused")
+        .to_string();
+    assert!(err.contains("401"), "{err}");
+    let plain =
+        tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{}/", fleet.addr.port())).await;
+    assert!(plain.is_err(), "plaintext ws to the TLS port must fail");
+
+    // The good client is unaffected.
+    good.start_turn(&thread, "still here").await?;
+    let msgs = good.until_turn_completed(&thread).await?;
+    assert_eq!(
+        agent_text(&msgs).as_deref(),
+        Some(reply_text("still here").as_str())
+    );
+    let (_, metrics) = fleet.admin_get("/metrics").await?;
+    assert!(
+        metrics.contains("codex_fleet_upgrades_refused_total{reason=\"auth_missing\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("codex_fleet_upgrades_refused_total{reason=\"auth_invalid\"} 1"));
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_before_initialize_and_bad_json_get_answers() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let mut c = fleet.connect("acme").await?;
+    let r = c.call("thread/start", json!({})).await?;
+    assert_eq!(r["error"]["code"], -32600, "{r}");
+    assert_eq!(r["error"]["message"], "Not initialized");
+    c.send_text("{this is not json").await?;
+    let r = c
+        .wait_for(|v| v["id"].is_null() && v.get("error").is_some())
+        .await?;
+    assert_eq!(r["error"]["code"], -32700, "{r}");
+    c.initialize("late").await?;
+    let again = c
+        .call(
+            "initialize",
+            json!({ "clientInfo": { "name": "again", "version": "1" } }),
+        )
+        .await?;
+    assert_eq!(again["error"]["message"], "Already initialized", "{again}");
+    c.request("thread/loaded/list", json!({})).await?;
+    fleet.stop().await
+}
