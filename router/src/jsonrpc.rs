@@ -124,17 +124,25 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::
 
 /// Parses one text frame.
 pub fn parse(text: &str) -> Result<Message<'_>, ParseError> {
-    let env: Envelope<'_> = match serde_json::from_str(text) {
-        Ok(env) => env,
-        Err(e) => {
-            return Err(match text.trim_start().as_bytes().first() {
-                Some(b'[') if serde_json::from_str::<&RawValue>(text).is_ok() => ParseError::Batch,
-                Some(b'{') | None => ParseError::NotJson(e.to_string()),
-                _ if serde_json::from_str::<&RawValue>(text).is_ok() => ParseError::NotObject,
-                _ => ParseError::NotJson(e.to_string()),
-            })
+    let is_json = || serde_json::from_str::<&RawValue>(text).is_ok();
+    match text.trim_start().as_bytes().first() {
+        Some(b'{') => {}
+        Some(b'[') if is_json() => return Err(ParseError::Batch),
+        Some(_) if is_json() => return Err(ParseError::NotObject),
+        _ => {
+            let e = serde_json::from_str::<&RawValue>(text).err();
+            return Err(ParseError::NotJson(
+                e.map(|e| e.to_string()).unwrap_or_default(),
+            ));
         }
-    };
+    }
+    let env: Envelope<'_> = serde_json::from_str(text).map_err(|e| {
+        if is_json() {
+            ParseError::NotJsonRpc // an object, but with fields of the wrong types
+        } else {
+            ParseError::NotJson(e.to_string())
+        }
+    })?;
     let id =
         match env.id {
             None => None,
@@ -285,6 +293,10 @@ mod tests {
         );
         assert_eq!(parse(r#"{"id":3}"#).unwrap_err(), ParseError::NotJsonRpc);
         assert_eq!(parse("[1,").unwrap_err().code(), codes::PARSE_ERROR);
+        assert_eq!(
+            parse(r#"{"id":1,"method":7}"#).unwrap_err(),
+            ParseError::NotJsonRpc
+        );
     }
 
     #[test]
