@@ -298,6 +298,19 @@ impl Drop for WorkerProcess {
     }
 }
 
+/// The resident set size of `pid` (`VmRSS` in `/proc/PID/status`), in bytes.
+pub(crate) fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_vm_rss(&status)
+}
+
+fn parse_vm_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let kib: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(kib.saturating_mul(1024))
+}
+
 /// Waits until the reaper reports the exit. If the reaper is gone (its owner was dropped, which kills
 /// the group), the process is gone too.
 pub(crate) async fn wait_exit(mut exit: watch::Receiver<Option<ExitReport>>) -> ExitReport {

@@ -19,6 +19,7 @@ fn config() -> PoolConfig {
         restart_backoff_initial: Duration::from_millis(100),
         restart_backoff_max: Duration::from_secs(5),
         stop_grace: Duration::from_secs(5),
+        ..PoolConfig::default()
     }
 }
 

@@ -122,3 +122,11 @@ fn listen_arg_is_a_unix_url() {
         PathBuf::from("/s/a-2.sock")
     );
 }
+
+#[test]
+fn parses_vm_rss() {
+    let status = "Name:\tcodex\nVmPeak:\t  1 kB\nVmRSS:\t   94208 kB\nThreads:\t9\n";
+    assert_eq!(parse_vm_rss(status), Some(94208 * 1024));
+    assert_eq!(parse_vm_rss("Name:\tx\n"), None);
+    assert!(rss_bytes(std::process::id()).unwrap() > 0);
+}
