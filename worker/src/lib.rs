@@ -3,6 +3,7 @@
 pub mod control;
 pub mod error;
 pub mod fleet;
+pub mod identity;
 pub mod leg;
 pub(crate) mod load;
 pub mod metrics;
@@ -12,6 +13,7 @@ pub mod worker;
 
 pub use error::{ConfigError, ControlError, LegError, PoolError, StartError};
 pub use fleet::FleetCap;
+pub use identity::{Rlimits, WorkerUser};
 pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
 pub use supervisor::{Pool, PoolConfig, PoolEvent, WorkerHandle, WorkerInfo, WorkerState};

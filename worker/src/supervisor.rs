@@ -20,6 +20,7 @@ use tracing::{error, info, info_span, warn, Instrument};
 use crate::control::ControlCommand;
 use crate::error::{ConfigError, PoolError};
 use crate::fleet::{FleetCap, FleetPermit};
+use crate::identity::{Rlimits, WorkerUser};
 use crate::metrics::WorkerMetrics;
 use crate::restart::RestartPolicy;
 use crate::worker::{self, intern_tenant, ExitReport, WorkerId};
@@ -53,7 +54,8 @@ pub struct PoolConfig {
     pub codex_home: PathBuf,
     /// The worker's working directory; created 0700 if missing. Absolute.
     pub cwd: PathBuf,
-    /// Folder of the workers' sockets (`<socket_dir>/<tenant>-<slot>.sock`); kept at 0700. Absolute.
+    /// Folder of the workers' sockets (`<socket_dir>/<tenant>/<slot>.sock`); kept at 0700 (0711
+    /// when workers run as their own uid), each tenant folder at 0700. Absolute.
     pub socket_dir: PathBuf,
     /// Passed as `-c thread_unload_delay_secs=<n>`.
     pub thread_unload_delay_secs: u64,
@@ -88,6 +90,11 @@ pub struct PoolConfig {
     /// Memory guard: a worker whose resident memory (sampled at each health ping) exceeds this many
     /// bytes stops taking new threads and is drained once it has no active turn.
     pub max_worker_rss: Option<u64>,
+    /// Run workers as this uid/gid (needs root). Their `codex_home`, `cwd` and socket folder are
+    /// then owned by it (0700), and `socket_dir` becomes 0711 so it can reach its own folder.
+    pub user: Option<WorkerUser>,
+    /// Resource limits of each worker process.
+    pub rlimits: Rlimits,
 }
 
 impl Default for PoolConfig {
@@ -115,6 +122,8 @@ impl Default for PoolConfig {
             worker_idle: DEFAULT_WORKER_IDLE,
             fleet: FleetCap::unlimited(),
             max_worker_rss: None,
+            user: None,
+            rlimits: Rlimits::default(),
         }
     }
 }
@@ -220,6 +229,8 @@ impl fmt::Debug for PoolConfig {
             .field("worker_idle", &self.worker_idle)
             .field("fleet", &self.fleet)
             .field("max_worker_rss", &self.max_worker_rss)
+            .field("user", &self.user)
+            .field("rlimits", &self.rlimits)
             .finish()
     }
 }

@@ -13,6 +13,7 @@ use super::{Load, PoolEvent, Shared, WorkerState};
 use crate::control::{ControlCommand, ControlEnd, ControlLeg, Health, Observed, COMMAND_CAPACITY};
 use crate::error::StartError;
 use crate::fleet::FleetPermit;
+use crate::identity;
 use crate::load::{Lifecycle, ThreadView};
 use crate::metrics::ExitReason;
 use crate::restart::{RestartDecision, RestartTracker};
@@ -144,9 +145,16 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
 
 async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerProcess, StartError> {
     let cfg = &shared.cfg;
-    worker::ensure_private_dir(&cfg.codex_home, false).await?;
-    worker::ensure_private_dir(&cfg.cwd, false).await?;
-    worker::ensure_private_dir(&cfg.socket_dir, true).await?;
+    let sockets = worker::socket_tenant_dir(&cfg.socket_dir, &cfg.tenant);
+    identity::prepare_socket_root(&cfg.socket_dir, cfg.user.is_some()).await?;
+    identity::prepare_dir(&sockets, cfg.user, true).await?;
+    identity::prepare_dir(&cfg.codex_home, cfg.user, false).await?;
+    identity::prepare_dir(&cfg.cwd, cfg.user, false).await?;
+    if let Some(user) = cfg.user {
+        for dir in [&sockets, &cfg.codex_home, &cfg.cwd] {
+            identity::check_reachable(dir, user)?;
+        }
+    }
     worker::clean_socket_path(socket).await?;
     WorkerProcess::spawn(Spawn {
         id,
@@ -155,6 +163,8 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
         env: &cfg.env,
         codex_home: &cfg.codex_home,
         cwd: &cfg.cwd,
+        user: cfg.user,
+        rlimits: cfg.rlimits,
     })
 }
 

@@ -68,7 +68,7 @@ fn worker_args_append_listen_and_overrides() {
         [
             "app-server",
             "--listen",
-            "unix:///tmp/cf/s/acme-0.sock",
+            "unix:///tmp/cf/s/acme/0.sock",
             "-c",
             "thread_unload_delay_secs=1800",
             "-c",
