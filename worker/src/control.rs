@@ -1,19 +1,19 @@
-//! The supervisor's control leg to one worker: initialize, relay notifications, health pings.
+//! The supervisor's control leg to one worker: initialize, relay notifications, health pings that
+//! double as `thread/loaded/list` reconciliation.
 
 use std::sync::Arc;
 
 use futures_util::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::sync::broadcast;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::{interval_at, sleep_until, timeout_at, Duration, Instant, MissedTickBehavior};
 use tokio_tungstenite::tungstenite::Message;
 use tracing::{debug, trace, warn};
 
 use crate::error::ControlError;
 use crate::leg::LegStream;
-use crate::supervisor::PoolEvent;
-use crate::worker::WorkerId;
+use crate::load::LoadedList;
 
 /// app-server does not adopt this client name as the process originator (facts §3, §11).
 pub const CLIENT_NAME: &str = "codex_app_server_daemon";
@@ -24,6 +24,10 @@ const INITIALIZE: &str = "initialize";
 const INITIALIZED: &str = "initialized";
 /// Cheap request used as the health probe; it also lists loaded threads.
 const HEALTH_METHOD: &str = "thread/loaded/list";
+/// Capacity of a control leg's command queue.
+pub const COMMAND_CAPACITY: usize = 16;
+/// Most reconcile callers waiting on one control leg; more get no answer.
+const MAX_WAITERS: usize = 256;
 
 #[derive(Serialize)]
 struct Request<'a, P> {
@@ -70,6 +74,8 @@ struct Envelope {
     method: Option<String>,
     #[serde(default)]
     error: Option<RpcErrorBody>,
+    #[serde(default)]
+    result: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -84,6 +90,7 @@ enum Inbound {
     Response {
         id: Option<u64>,
         error: Option<RpcErrorBody>,
+        result: Option<Value>,
     },
     ServerRequest {
         method: String,
@@ -101,6 +108,7 @@ impl Inbound {
             (Some(id), None) => Inbound::Response {
                 id: id.as_u64(),
                 error: envelope.error,
+                result: envelope.result,
             },
             (None, None) => Inbound::Unknown,
         })
@@ -125,10 +133,81 @@ pub enum ControlEnd {
     Lost(ControlError),
 }
 
+/// What the control leg learns, handed to its owner as it arrives.
+#[derive(Debug)]
+pub enum Observed {
+    /// A notification, as received.
+    Notification(Value),
+    /// The answer to a `thread/loaded/list` probe: the worker's loaded threads.
+    Loaded(Arc<Vec<String>>),
+}
+
+/// A request to a running control leg.
+#[derive(Debug)]
+pub enum ControlCommand {
+    /// List loaded threads with a request sent after this command arrived; answer on the sender.
+    Reconcile(oneshot::Sender<Arc<Vec<String>>>),
+}
+
+/// `thread/loaded/list` requests: at most one in flight; reconcile callers wait for a request sent
+/// after they asked.
+#[derive(Default)]
+struct Probes {
+    in_flight: Option<(u64, Instant)>,
+    /// Waiting on the request in flight.
+    current: Vec<oneshot::Sender<Arc<Vec<String>>>>,
+    /// Waiting on the next request.
+    next: Vec<oneshot::Sender<Arc<Vec<String>>>>,
+    /// The health ticker fired.
+    due: bool,
+}
+
+// === impl Probes ===
+
+impl Probes {
+    fn deadline(&self) -> Option<Instant> {
+        self.in_flight.map(|(_, deadline)| deadline)
+    }
+
+    fn should_send(&self) -> bool {
+        self.in_flight.is_none() && (self.due || !self.next.is_empty())
+    }
+
+    fn sent(&mut self, id: u64, deadline: Instant) {
+        self.in_flight = Some((id, deadline));
+        self.due = false;
+        self.current = std::mem::take(&mut self.next);
+    }
+
+    fn wait(&mut self, command: ControlCommand) {
+        let ControlCommand::Reconcile(reply) = command;
+        if self.next.len() < MAX_WAITERS {
+            self.next.push(reply);
+        }
+    }
+
+    /// Whether `id` answers the probe in flight; if so the probe is over.
+    fn answered(&mut self, id: Option<u64>) -> bool {
+        let hit = self.in_flight.is_some_and(|(probe, _)| Some(probe) == id);
+        if hit {
+            self.in_flight = None;
+        }
+        hit
+    }
+
+    fn reply(&mut self, loaded: &Arc<Vec<String>>) {
+        for waiter in self.current.drain(..) {
+            // The caller may have given up; that is fine.
+            waiter.send(loaded.clone()).ok();
+        }
+    }
+}
+
 /// An initialized control connection to one worker.
 pub struct ControlLeg {
     ws: LegStream,
     next_id: u64,
+    probes: Probes,
 }
 
 // === impl ControlLeg ===
@@ -137,7 +216,11 @@ impl ControlLeg {
     /// Sends `initialize` (as [`CLIENT_NAME`], experimental API on), waits for its answer, then sends
     /// `initialized`. The caller bounds the time.
     pub async fn initialize(ws: LegStream) -> Result<Self, ControlError> {
-        let mut leg = Self { ws, next_id: 0 };
+        let mut leg = Self {
+            ws,
+            next_id: 0,
+            probes: Probes::default(),
+        };
         let params = InitializeParams {
             client_info: ClientInfo {
                 name: CLIENT_NAME,
@@ -157,19 +240,20 @@ impl ControlLeg {
         Ok(leg)
     }
 
-    /// Reads every frame, publishing notifications as [`PoolEvent::Notification`], and probes health
-    /// every `health.interval`. Returns when the worker misses a probe deadline or the leg ends.
+    /// Reads every frame and hands notifications and loaded-thread lists to `observe`; probes health
+    /// (`thread/loaded/list`) every `health.interval` and whenever a [`ControlCommand::Reconcile`]
+    /// arrives. Returns when the worker misses a probe deadline or the leg ends.
     pub async fn run(
         mut self,
-        worker: WorkerId,
         health: Health,
-        events: &broadcast::Sender<PoolEvent>,
+        commands: &mut mpsc::Receiver<ControlCommand>,
+        observe: &mut (dyn FnMut(Observed) + Send),
     ) -> ControlEnd {
         let mut ticker = interval_at(Instant::now() + health.interval, health.interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut probe: Option<(u64, Instant)> = None;
+        let mut commands_open = true;
         loop {
-            let deadline = probe.map(|(_, deadline)| deadline);
+            let deadline = self.probes.deadline();
             tokio::select! {
                 frame = self.ws.next() => {
                     let message = match frame {
@@ -177,20 +261,25 @@ impl ControlLeg {
                         Some(Err(e)) => return ControlEnd::Lost(e.into()),
                         Some(Ok(message)) => message,
                     };
-                    if let Some(end) = self.on_message(message, worker, &mut probe, events) {
+                    if let Some(end) = self.on_message(message, observe) {
                         return end;
                     }
                 }
-                _ = ticker.tick(), if probe.is_none() => {
-                    let deadline = Instant::now() + health.timeout;
-                    match timeout_at(deadline, self.send_request(HEALTH_METHOD, EmptyParams {})).await {
-                        Ok(Ok(id)) => probe = Some((id, deadline)),
-                        Ok(Err(e)) => return ControlEnd::Lost(e),
-                        Err(_elapsed) => return ControlEnd::Hung,
-                    }
-                }
+                command = commands.recv(), if commands_open => match command {
+                    Some(command) => self.probes.wait(command),
+                    None => commands_open = false,
+                },
+                _ = ticker.tick(), if self.probes.in_flight.is_none() => self.probes.due = true,
                 () = sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
                     return ControlEnd::Hung;
+                }
+            }
+            if self.probes.should_send() {
+                let deadline = Instant::now() + health.timeout;
+                match timeout_at(deadline, self.send_request(HEALTH_METHOD, EmptyParams {})).await {
+                    Ok(Ok(id)) => self.probes.sent(id, deadline),
+                    Ok(Err(e)) => return ControlEnd::Lost(e),
+                    Err(_elapsed) => return ControlEnd::Hung,
                 }
             }
         }
@@ -199,9 +288,7 @@ impl ControlLeg {
     fn on_message(
         &mut self,
         message: Message,
-        worker: WorkerId,
-        probe: &mut Option<(u64, Instant)>,
-        events: &broadcast::Sender<PoolEvent>,
+        observe: &mut (dyn FnMut(Observed) + Send),
     ) -> Option<ControlEnd> {
         let text = match message {
             Message::Text(text) => text,
@@ -213,21 +300,15 @@ impl ControlLeg {
         match Inbound::parse(text.as_str()) {
             Ok(Inbound::Notification(value)) => {
                 trace!(method = ?value.get("method"), "notification");
-                // No subscriber is fine: nobody needs this event right now.
-                events
-                    .send(PoolEvent::Notification {
-                        worker,
-                        message: Arc::new(value),
-                    })
-                    .ok();
+                observe(Observed::Notification(value));
             }
-            Ok(Inbound::Response { id, error }) => {
-                if let Some(error) = error {
+            Ok(Inbound::Response { id, error, result }) => {
+                if let Some(error) = &error {
                     // Any answer, even -32001 "overloaded", proves the worker is alive.
                     debug!(code = error.code, message = %error.message, "control request failed");
                 }
-                if probe.is_some_and(|(probe_id, _)| Some(probe_id) == id) {
-                    *probe = None;
+                if self.probes.answered(id) {
+                    self.on_probe_answer(result, observe);
                 }
             }
             Ok(Inbound::ServerRequest { method }) => {
@@ -237,6 +318,26 @@ impl ControlLeg {
             Err(e) => warn!(error = %e, "ignoring invalid JSON on control leg"),
         }
         None
+    }
+
+    fn on_probe_answer(
+        &mut self,
+        result: Option<Value>,
+        observe: &mut (dyn FnMut(Observed) + Send),
+    ) {
+        match result.map(serde_json::from_value::<LoadedList>) {
+            Some(Ok(list)) => {
+                let loaded = Arc::new(list.data);
+                observe(Observed::Loaded(loaded.clone()));
+                self.probes.reply(&loaded);
+            }
+            Some(Err(e)) => {
+                warn!(error = %e, "unexpected thread/loaded/list answer");
+                self.probes.current.clear();
+            }
+            // An error answer: alive, but no list. Waiters get none (their senders drop).
+            None => self.probes.current.clear(),
+        }
     }
 
     async fn send_request<P: Serialize>(
@@ -270,6 +371,7 @@ impl ControlLeg {
                 Inbound::Response {
                     id: Some(got),
                     error,
+                    ..
                 } if got == id => {
                     return match error {
                         None => Ok(()),
@@ -300,7 +402,8 @@ mod tests {
             Inbound::parse(r#"{"id":3,"result":{"data":[]}}"#).unwrap(),
             Inbound::Response {
                 id: Some(3),
-                error: None
+                error: None,
+                result: Some(_)
             }
         ));
         assert!(matches!(
@@ -308,7 +411,8 @@ mod tests {
                 .unwrap(),
             Inbound::Response {
                 id: Some(4),
-                error: Some(RpcErrorBody { code: -32001, .. })
+                error: Some(RpcErrorBody { code: -32001, .. }),
+                ..
             }
         ));
         assert!(matches!(

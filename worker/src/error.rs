@@ -69,6 +69,9 @@ pub enum ConfigError {
     /// Paths handed to the worker must be absolute (it resolves them against its own cwd).
     #[error("{0} must be an absolute path")]
     RelativePath(&'static str),
+    /// `load_mark` must be at least 1.
+    #[error("load_mark must be at least 1")]
+    ZeroLoadMark,
     /// A duration that must be positive is zero.
     #[error("{0} must be greater than zero")]
     ZeroDuration(&'static str),
@@ -174,6 +177,14 @@ pub enum PoolError {
     ShuttingDown {
         /// Tenant.
         tenant: &'static str,
+    },
+    /// No worker is ready and the fleet-wide worker cap is reached.
+    #[error("tenant {tenant}: no worker ready and the fleet-wide cap of {max} workers is reached")]
+    FleetFull {
+        /// Tenant.
+        tenant: &'static str,
+        /// The fleet cap.
+        max: usize,
     },
     /// No worker became ready within `ready_timeout`.
     #[error("tenant {tenant}: no worker ready after {after:?}{}", last_error_suffix(.last_error))]

@@ -1,14 +1,19 @@
-//! Supervisor of codex app-server worker processes: spawn, watch, restart, drain, stop.
+//! Supervisor of codex app-server worker processes: spawn, place, watch, restart, drain, stop idle.
 
 pub mod control;
 pub mod error;
+pub mod fleet;
+pub mod identity;
 pub mod leg;
+pub(crate) mod load;
 pub mod metrics;
 pub mod restart;
 pub mod supervisor;
 pub mod worker;
 
 pub use error::{ConfigError, ControlError, LegError, PoolError, StartError};
+pub use fleet::FleetCap;
+pub use identity::{Rlimits, WorkerUser};
 pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
 pub use supervisor::{Pool, PoolConfig, PoolEvent, WorkerHandle, WorkerInfo, WorkerState};

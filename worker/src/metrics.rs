@@ -10,6 +10,8 @@ const EXITS_TOTAL: &str = "codex_fleet_worker_exits_total";
 const RESTARTS_TOTAL: &str = "codex_fleet_worker_restarts_total";
 const WORKERS: &str = "codex_fleet_workers";
 const START_SECONDS: &str = "codex_fleet_worker_start_seconds";
+const ACTIVE_TURNS: &str = "codex_fleet_worker_active_turns";
+const LOADED_THREADS: &str = "codex_fleet_worker_loaded_threads";
 
 const LABEL_TENANT: &str = "tenant";
 const LABEL_REASON: &str = "reason";
@@ -28,6 +30,10 @@ pub enum ExitReason {
     Stopped,
     /// It never became ready.
     StartFail,
+    /// It was idle for `worker_idle` and was drained.
+    Idle,
+    /// Its memory went above `max_worker_rss` and it was drained.
+    Memory,
 }
 
 impl ExitReason {
@@ -38,6 +44,8 @@ impl ExitReason {
             ExitReason::Hang => "hang",
             ExitReason::Stopped => "stopped",
             ExitReason::StartFail => "startfail",
+            ExitReason::Idle => "idle",
+            ExitReason::Memory => "memory",
         }
     }
 }
@@ -50,6 +58,8 @@ pub struct WorkerMetrics {
     restarts: IntCounterVec,
     workers: IntGaugeVec,
     start_seconds: HistogramVec,
+    active_turns: IntGaugeVec,
+    loaded_threads: IntGaugeVec,
 }
 
 // === impl WorkerMetrics ===
@@ -84,17 +94,32 @@ impl WorkerMetrics {
             .buckets(START_BUCKETS.to_vec()),
             &[LABEL_TENANT],
         )?;
+        let active_turns = IntGaugeVec::new(
+            Opts::new(
+                ACTIVE_TURNS,
+                "Active threads (running a turn or waiting on an approval) on a tenant's workers.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        let loaded_threads = IntGaugeVec::new(
+            Opts::new(LOADED_THREADS, "Threads loaded on a tenant's workers."),
+            &[LABEL_TENANT],
+        )?;
         registry.register(Box::new(starts.clone()))?;
         registry.register(Box::new(exits.clone()))?;
         registry.register(Box::new(restarts.clone()))?;
         registry.register(Box::new(workers.clone()))?;
         registry.register(Box::new(start_seconds.clone()))?;
+        registry.register(Box::new(active_turns.clone()))?;
+        registry.register(Box::new(loaded_threads.clone()))?;
         Ok(Self {
             starts,
             exits,
             restarts,
             workers,
             start_seconds,
+            active_turns,
+            loaded_threads,
         })
     }
 
@@ -116,6 +141,17 @@ impl WorkerMetrics {
         self.start_seconds
             .with_label_values(&[tenant])
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// Sets a tenant's load totals (summed over its workers, to keep labels bounded).
+    pub(crate) fn load(&self, tenant: &str, active_turns: usize, loaded_threads: usize) {
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.active_turns
+            .with_label_values(&[tenant])
+            .set(gauge(active_turns));
+        self.loaded_threads
+            .with_label_values(&[tenant])
+            .set(gauge(loaded_threads));
     }
 
     /// Moves one slot between states in the `codex_fleet_workers` gauge.

@@ -1,4 +1,5 @@
-//! A tenant's pool of workers: placement, readiness, restart and graceful shutdown.
+//! A tenant's pool of workers: load-aware placement, readiness, restart, idle stop and graceful
+//! shutdown.
 
 mod slot;
 mod state;
@@ -10,18 +11,21 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 use tokio::time::{timeout, timeout_at, Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{error, info, info_span, warn, Instrument};
 
+use crate::control::ControlCommand;
 use crate::error::{ConfigError, PoolError};
+use crate::fleet::{FleetCap, FleetPermit};
+use crate::identity::{Rlimits, WorkerUser};
 use crate::metrics::WorkerMetrics;
 use crate::restart::RestartPolicy;
 use crate::worker::{self, intern_tenant, ExitReport, WorkerId};
 
-use self::state::{Pick, PoolState};
+use self::state::{Pick, PoolState, Start};
 
 /// Socket paths must be shorter than this (the kernel allows 107 bytes; keep a margin).
 pub const MAX_SOCKET_PATH: usize = 100;
@@ -31,6 +35,10 @@ pub const MAX_WORKERS_PER_POOL: usize = 256;
 pub const EVENT_CAPACITY: usize = 1024;
 /// After SIGKILL at shutdown, how long to wait for the processes to be reaped.
 const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Default [`PoolConfig::load_mark`].
+pub const DEFAULT_LOAD_MARK: usize = 4;
+/// Default [`PoolConfig::worker_idle`] (DESIGN 6: the same 30 minutes as thread unloading).
+pub const DEFAULT_WORKER_IDLE: Duration = Duration::from_secs(1800);
 
 /// How to run one tenant's workers.
 #[derive(Clone)]
@@ -46,7 +54,8 @@ pub struct PoolConfig {
     pub codex_home: PathBuf,
     /// The worker's working directory; created 0700 if missing. Absolute.
     pub cwd: PathBuf,
-    /// Folder of the workers' sockets (`<socket_dir>/<tenant>-<slot>.sock`); kept at 0700. Absolute.
+    /// Folder of the workers' sockets (`<socket_dir>/<tenant>/<slot>.sock`); kept at 0700 (0711
+    /// when workers run as their own uid), each tenant folder at 0700. Absolute.
     pub socket_dir: PathBuf,
     /// Passed as `-c thread_unload_delay_secs=<n>`.
     pub thread_unload_delay_secs: u64,
@@ -68,8 +77,55 @@ pub struct PoolConfig {
     pub restart_backoff_initial: Duration,
     /// Largest restart backoff (before jitter).
     pub restart_backoff_max: Duration,
-    /// Grace between SIGTERM and SIGKILL for callers of [`Pool::shutdown`] (and the idle stop to come).
+    /// Grace between SIGTERM and SIGKILL for callers of [`Pool::shutdown`], the idle stop and the
+    /// memory guard.
     pub stop_grace: Duration,
+    /// Active turns per worker at or above which placement starts another worker (caps allowing).
+    pub load_mark: usize,
+    /// A worker above `min_workers` with no loaded thread, no active turn and no handle for this
+    /// long is drained and stopped.
+    pub worker_idle: Duration,
+    /// The fleet-wide worker cap this pool shares with every other pool.
+    pub fleet: FleetCap,
+    /// Memory guard: a worker whose resident memory (sampled at each health ping) exceeds this many
+    /// bytes stops taking new threads and is drained once it has no active turn.
+    pub max_worker_rss: Option<u64>,
+    /// Run workers as this uid/gid (needs root). Their `codex_home`, `cwd` and socket folder are
+    /// then owned by it (0700), and `socket_dir` becomes 0711 so it can reach its own folder.
+    pub user: Option<WorkerUser>,
+    /// Resource limits of each worker process.
+    pub rlimits: Rlimits,
+}
+
+impl Default for PoolConfig {
+    /// Defaults for everything but the tenant and the program (which must be set).
+    fn default() -> Self {
+        Self {
+            tenant: String::new(),
+            program: PathBuf::new(),
+            args: vec!["app-server".into()],
+            codex_home: PathBuf::new(),
+            cwd: PathBuf::new(),
+            socket_dir: PathBuf::new(),
+            thread_unload_delay_secs: DEFAULT_WORKER_IDLE.as_secs(),
+            config_overrides: Vec::new(),
+            env: Vec::new(),
+            min_workers: 0,
+            max_workers: 1,
+            ready_timeout: Duration::from_secs(10),
+            health_interval: Duration::from_secs(5),
+            health_timeout: Duration::from_secs(2),
+            restart_backoff_initial: Duration::from_millis(100),
+            restart_backoff_max: Duration::from_secs(30),
+            stop_grace: Duration::from_secs(30),
+            load_mark: DEFAULT_LOAD_MARK,
+            worker_idle: DEFAULT_WORKER_IDLE,
+            fleet: FleetCap::unlimited(),
+            max_worker_rss: None,
+            user: None,
+            rlimits: Rlimits::default(),
+        }
+    }
 }
 
 // === impl PoolConfig ===
@@ -107,10 +163,14 @@ impl PoolConfig {
                 max: MAX_SOCKET_PATH,
             });
         }
+        if self.load_mark == 0 {
+            return Err(ConfigError::ZeroLoadMark);
+        }
         for (name, value) in [
             ("ready_timeout", self.ready_timeout),
             ("health_interval", self.health_interval),
             ("health_timeout", self.health_timeout),
+            ("worker_idle", self.worker_idle),
         ] {
             if value.is_zero() {
                 return Err(ConfigError::ZeroDuration(name));
@@ -165,6 +225,12 @@ impl fmt::Debug for PoolConfig {
             .field("restart_backoff_initial", &self.restart_backoff_initial)
             .field("restart_backoff_max", &self.restart_backoff_max)
             .field("stop_grace", &self.stop_grace)
+            .field("load_mark", &self.load_mark)
+            .field("worker_idle", &self.worker_idle)
+            .field("fleet", &self.fleet)
+            .field("max_worker_rss", &self.max_worker_rss)
+            .field("user", &self.user)
+            .field("rlimits", &self.rlimits)
             .finish()
     }
 }
@@ -228,6 +294,12 @@ pub struct WorkerInfo {
     pub last_error: Option<String>,
     /// Handles outstanding for the current worker.
     pub handles: usize,
+    /// Active threads (running a turn, or waiting on an approval or user input).
+    pub active_turns: usize,
+    /// Loaded threads.
+    pub loaded_threads: usize,
+    /// Resident memory at the last health ping.
+    pub rss_bytes: Option<u64>,
 }
 
 /// What happens in a pool; delivered on a bounded broadcast.
@@ -245,6 +317,14 @@ pub enum PoolEvent {
     WorkerReady {
         /// The worker.
         worker: WorkerId,
+    },
+    /// A worker's loaded threads, after each health ping and reconcile answer
+    /// (`thread/loaded/list`: level-triggered truth).
+    Loaded {
+        /// The worker.
+        worker: WorkerId,
+        /// Its loaded thread ids.
+        threads: Arc<Vec<String>>,
     },
     /// A worker process is gone.
     WorkerExited {
@@ -333,8 +413,8 @@ impl Shared {
     }
 
     /// Adds a slot and starts its task. Called under the lock, so caps hold.
-    fn add_slot(self: &Arc<Self>, state: &mut PoolState) {
-        let index = state.push_slot();
+    fn add_slot(self: &Arc<Self>, state: &mut PoolState, permit: Option<FleetPermit>) {
+        let index = state.push_slot(permit);
         let span = info_span!("slot", tenant = self.tenant, slot = index);
         let task = self
             .tracker
@@ -346,19 +426,21 @@ impl Shared {
     fn pick(self: &Arc<Self>, deadline: Instant) -> Result<Option<WorkerHandle>, PoolError> {
         let mut state = self.lock();
         let pick = state.pick(&self.cfg, Instant::now(), deadline);
-        if matches!(pick, Pick::Grow) {
-            self.add_slot(&mut state);
+        let (handle, start, changed) = match pick {
+            Pick::Ready { handle, start } => (Some(handle), start, false),
+            Pick::Wait { changed } => (None, None, changed),
+            Pick::Start(start) => (None, Some(start), true),
+            Pick::Fail(e) => return Err(e),
+        };
+        let started = start.is_some();
+        if let Some(Start::Add(permit)) = start {
+            self.add_slot(&mut state, Some(permit));
         }
         drop(state);
-        match pick {
-            Pick::Ready(handle) => Ok(Some(handle)),
-            Pick::Wait { changed: false } => Ok(None),
-            Pick::Wait { changed: true } | Pick::Grow => {
-                self.bump();
-                Ok(None)
-            }
-            Pick::Fail(e) => Err(e),
+        if started || changed {
+            self.bump();
         }
+        Ok(handle)
     }
 }
 
@@ -394,7 +476,8 @@ impl Pool {
         if shared.invalid.is_none() {
             let mut state = shared.lock();
             for _ in 0..shared.cfg.min_workers {
-                shared.add_slot(&mut state);
+                // The slot takes its fleet slot when it starts (it may wait for one).
+                shared.add_slot(&mut state, None);
             }
         }
         Arc::new(Pool { shared })
@@ -410,8 +493,11 @@ impl Pool {
         &self.shared.cfg
     }
 
-    /// A ready worker (the least loaded by outstanding handles). Starts one if none is ready and the
-    /// cap allows; waits at most `ready_timeout`, and fails early when no start can succeed in time.
+    /// Placement for a new thread: the least-loaded ready worker, by (active turns, loaded threads,
+    /// outstanding handles). When even that one is at or above `load_mark`, another worker starts in
+    /// the background (caps allowing) and the ready one is returned at once. With none ready, starts
+    /// one (caps allowing) and waits at most `ready_timeout`; fails early when no start can succeed
+    /// in time.
     pub async fn acquire(&self) -> Result<WorkerHandle, PoolError> {
         if let Some(e) = &self.shared.invalid {
             return Err(PoolError::Config {
@@ -435,6 +521,40 @@ impl Pool {
                 });
             }
         }
+    }
+
+    /// A handle to exactly worker `id` (the owner of a thread), if it is live and takes requests:
+    /// ready, or retiring for memory but not yet told to stop.
+    pub fn get(&self, id: WorkerId) -> Option<WorkerHandle> {
+        self.shared.lock().get(id, &self.shared.cfg)
+    }
+
+    /// The current view of each live worker's loaded threads (sorted ids), from lifecycle
+    /// broadcasts and the last health ping.
+    pub fn loaded_threads(&self) -> Vec<(WorkerId, Vec<String>)> {
+        self.shared.lock().loaded_threads()
+    }
+
+    /// Asks every ready (or draining) worker's control leg for `thread/loaded/list` now, and returns
+    /// the answers; each is also published as [`PoolEvent::Loaded`]. Workers that do not answer
+    /// within `health_timeout` are left out.
+    pub async fn reconcile(&self) -> Vec<(WorkerId, Vec<String>)> {
+        let controls = self.shared.lock().controls();
+        let deadline = Instant::now() + self.shared.cfg.health_timeout;
+        let asks = controls.into_iter().map(|(id, control)| async move {
+            let (reply, answer) = oneshot::channel();
+            timeout_at(deadline, control.send(ControlCommand::Reconcile(reply)))
+                .await
+                .ok()?
+                .ok()?;
+            let loaded = timeout_at(deadline, answer).await.ok()?.ok()?;
+            Some((id, loaded.as_ref().clone()))
+        });
+        futures_util::future::join_all(asks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// A snapshot of every slot.

@@ -3,12 +3,13 @@
 //! The child leads its own process group, so every signal targets the whole group. It gets
 //! `PR_SET_PDEATHSIG=SIGKILL`, which the kernel ties to the *thread* that spawned it: spawn from a
 //! runtime worker thread (any async task), never from `spawn_blocking`, whose threads retire.
+//! Before exec it sets its resource limits and, when configured, drops to the tenant's uid/gid.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::ffi::OsString;
 use std::fmt;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,6 +30,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
 use crate::error::StartError;
+use crate::identity::{Rlimits, WorkerUser};
 use crate::leg;
 
 /// Longest stdout/stderr line forwarded to tracing; the rest of a longer line is dropped.
@@ -143,6 +145,8 @@ pub(crate) struct Spawn<'a> {
     pub env: &'a [(String, String)],
     pub codex_home: &'a Path,
     pub cwd: &'a Path,
+    pub user: Option<WorkerUser>,
+    pub rlimits: Rlimits,
 }
 
 /// A running worker process. Dropping it kills its process group.
@@ -175,7 +179,7 @@ impl WorkerProcess {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        child_hygiene(&mut command);
+        child_hygiene(&mut command, spec.user, spec.rlimits);
         let mut child = command.spawn().map_err(|source| StartError::Spawn {
             program: spec.program.to_path_buf(),
             source,
@@ -298,6 +302,19 @@ impl Drop for WorkerProcess {
     }
 }
 
+/// The resident set size of `pid` (`VmRSS` in `/proc/PID/status`), in bytes.
+pub(crate) fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_vm_rss(&status)
+}
+
+fn parse_vm_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let kib: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(kib.saturating_mul(1024))
+}
+
 /// Waits until the reaper reports the exit. If the reaper is gone (its owner was dropped, which kills
 /// the group), the process is gone too.
 pub(crate) async fn wait_exit(mut exit: watch::Receiver<Option<ExitReport>>) -> ExitReport {
@@ -313,14 +330,27 @@ fn killed_by_owner() -> ExitReport {
     }
 }
 
-/// Installs the one `pre_exec` hook: parent-death signal, parent check, umask.
-fn child_hygiene(command: &mut Command) {
+/// Installs the one `pre_exec` hook: resource limits, then the tenant's identity (no way back),
+/// then parent-death signal, parent check and umask.
+fn child_hygiene(command: &mut Command, user: Option<WorkerUser>, rlimits: Rlimits) {
     let parent = nix::unistd::getpid();
+    let limits = rlimits.pairs();
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (prctl, getppid, umask); it allocates nothing and takes no locks.
+    // system calls (setrlimit, setgroups, setgid, setuid, get*id, prctl, getppid, umask); it
+    // allocates nothing and takes no locks.
     #[allow(unsafe_code)]
     unsafe {
         command.pre_exec(move || {
+            for (resource, value) in limits {
+                if let Some(value) = value {
+                    nix::sys::resource::setrlimit(resource, value, value)?;
+                }
+            }
+            if let Some(user) = user {
+                drop_privileges(user)?;
+            }
+            // After the identity change: the kernel clears the parent-death signal when the
+            // credentials change.
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
             // The parent may have died between fork and prctl; then nobody would kill us later.
             if nix::unistd::getppid() != parent {
@@ -330,6 +360,21 @@ fn child_hygiene(command: &mut Command) {
             Ok(())
         });
     }
+}
+
+/// In the child: supplementary groups, then gid, then uid; then proves there is no way back.
+fn drop_privileges(user: WorkerUser) -> io::Result<()> {
+    use nix::unistd::{getegid, geteuid, getgid, getuid, setgid, setgroups, setuid, Gid, Uid};
+    let (uid, gid) = (Uid::from_raw(user.uid), Gid::from_raw(user.gid));
+    setgroups(&[])?;
+    setgid(gid)?;
+    setuid(uid)?;
+    let switched = getuid() == uid && geteuid() == uid && getgid() == gid && getegid() == gid;
+    let regained = !uid.is_root() && setuid(Uid::from_raw(0)).is_ok();
+    if !switched || regained {
+        return Err(io::Error::from_raw_os_error(Errno::EPERM as i32));
+    }
+    Ok(())
 }
 
 async fn reap(mut child: Child, group: Arc<ProcessGroup>, exit: watch::Sender<Option<ExitReport>>) {
@@ -483,26 +528,6 @@ async fn connect_when_listening(socket: &Path) -> Result<leg::LegStream, StartEr
     }
 }
 
-/// Creates `dir` (and missing parents) with mode 0700. With `enforce`, also tightens an existing one.
-pub(crate) async fn ensure_private_dir(dir: &Path, enforce: bool) -> Result<(), StartError> {
-    let prepare = |source| StartError::Prepare {
-        path: dir.to_path_buf(),
-        source,
-    };
-    tokio::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .await
-        .map_err(prepare)?;
-    if enforce {
-        tokio::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .await
-            .map_err(prepare)?;
-    }
-    Ok(())
-}
-
 /// Clears a leftover socket path (facts §11): a regular file, a dangling or stale symlink, or a dead
 /// socket would make the new worker exit 1. A live listener or a directory is an error.
 pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
@@ -551,9 +576,14 @@ pub(crate) fn listen_arg(socket: &Path) -> OsString {
     arg
 }
 
+/// The tenant's own folder of sockets inside `socket_dir`.
+pub(crate) fn socket_tenant_dir(socket_dir: &Path, tenant: &str) -> PathBuf {
+    socket_dir.join(tenant)
+}
+
 /// Path of a slot's socket.
 pub(crate) fn socket_path(socket_dir: &Path, tenant: &str, slot: u32) -> PathBuf {
-    socket_dir.join(format!("{tenant}-{slot}.sock"))
+    socket_tenant_dir(socket_dir, tenant).join(format!("{slot}.sock"))
 }
 
 #[cfg(test)]

@@ -70,6 +70,7 @@ fn config(dir: &Path, program: PathBuf) -> PoolConfig {
         restart_backoff_initial: Duration::from_millis(50),
         restart_backoff_max: Duration::from_millis(500),
         stop_grace: Duration::from_secs(2),
+        ..PoolConfig::default()
     }
 }
 

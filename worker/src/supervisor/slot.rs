@@ -4,13 +4,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use nix::sys::signal::Signal;
+use tokio::sync::mpsc;
 use tokio::time::{sleep_until, timeout, Duration, Instant};
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 
-use super::state::Live;
+use super::state::{Live, Verdict};
 use super::{Load, PoolEvent, Shared, WorkerState};
-use crate::control::{ControlEnd, ControlLeg, Health};
+use crate::control::{ControlCommand, ControlEnd, ControlLeg, Health, Observed, COMMAND_CAPACITY};
 use crate::error::StartError;
+use crate::fleet::FleetPermit;
+use crate::identity;
+use crate::load::{Lifecycle, ThreadView};
 use crate::metrics::ExitReason;
 use crate::restart::{RestartDecision, RestartTracker};
 use crate::worker::{self, Spawn, WorkerId, WorkerProcess};
@@ -28,10 +32,15 @@ struct Ended {
 pub(super) async fn run(shared: Arc<Shared>, index: usize) {
     let mut restarts = RestartTracker::default();
     while wait_until_wanted(&shared, index).await {
+        let Some(permit) = take_permit(&shared, index).await else {
+            break;
+        };
         let id = begin_start(&shared, index);
         let ended = run_worker(&shared, index, id)
             .instrument(info_span!("worker", worker = %id))
             .await;
+        // The process is gone: its fleet slot is free again.
+        drop(permit);
         let Some(retry_at) = finish(&shared, index, ended, &mut restarts) else {
             break;
         };
@@ -71,6 +80,25 @@ async fn wait_until_wanted(shared: &Shared, index: usize) -> bool {
     }
 }
 
+/// A fleet slot for the next start: the one placement reserved, or a free one; waits for one to be
+/// returned otherwise. `None` once the pool stops.
+async fn take_permit(shared: &Shared, index: usize) -> Option<FleetPermit> {
+    let fleet = &shared.cfg.fleet;
+    let mut returned = fleet.watch();
+    loop {
+        returned.borrow_and_update();
+        let reserved = shared.lock().slots[index].permit.take();
+        if let Some(permit) = reserved.or_else(|| fleet.try_take()) {
+            return Some(permit);
+        }
+        debug!(max = fleet.max(), "waiting for a fleet-wide worker slot");
+        tokio::select! {
+            changed = returned.changed() => if changed.is_err() { return None },
+            () = shared.stop.cancelled() => return None,
+        }
+    }
+}
+
 fn begin_start(shared: &Shared, index: usize) -> WorkerId {
     shared.update(|state| {
         let slot = &mut state.slots[index];
@@ -93,7 +121,8 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
         Ok(process) => process,
         Err(e) => return Ended::start_failed(id, &e, None),
     };
-    register(shared, index, &process);
+    let (control_tx, mut commands) = mpsc::channel(COMMAND_CAPACITY);
+    register(shared, index, &process, control_tx);
     let control = match process.wait_ready(&socket, shared.cfg.ready_timeout).await {
         Ok(control) => control,
         Err(e) => {
@@ -111,14 +140,21 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
     });
     info!(pid = process.pid(), ?elapsed, "worker ready");
     shared.publish(PoolEvent::WorkerReady { worker: id });
-    supervise(shared, &process, control).await
+    supervise(shared, index, &process, control, &mut commands).await
 }
 
 async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerProcess, StartError> {
     let cfg = &shared.cfg;
-    worker::ensure_private_dir(&cfg.codex_home, false).await?;
-    worker::ensure_private_dir(&cfg.cwd, false).await?;
-    worker::ensure_private_dir(&cfg.socket_dir, true).await?;
+    let sockets = worker::socket_tenant_dir(&cfg.socket_dir, &cfg.tenant);
+    identity::prepare_socket_root(&cfg.socket_dir, cfg.user.is_some()).await?;
+    identity::prepare_dir(&sockets, cfg.user, true).await?;
+    identity::prepare_dir(&cfg.codex_home, cfg.user, false).await?;
+    identity::prepare_dir(&cfg.cwd, cfg.user, false).await?;
+    if let Some(user) = cfg.user {
+        for dir in [&sockets, &cfg.codex_home, &cfg.cwd] {
+            identity::check_reachable(dir, user)?;
+        }
+    }
     worker::clean_socket_path(socket).await?;
     WorkerProcess::spawn(Spawn {
         id,
@@ -127,12 +163,19 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
         env: &cfg.env,
         codex_home: &cfg.codex_home,
         cwd: &cfg.cwd,
+        user: cfg.user,
+        rlimits: cfg.rlimits,
     })
 }
 
 /// Records the process in its slot, so shutdown and drop can signal it. If shutdown began while it
 /// was spawning, it is told to stop at once.
-fn register(shared: &Shared, index: usize, process: &WorkerProcess) {
+fn register(
+    shared: &Shared,
+    index: usize,
+    process: &WorkerProcess,
+    control: mpsc::Sender<ControlCommand>,
+) {
     let stopping = shared.update(|state| {
         state.slots[index].live = Some(Live {
             id: process.id(),
@@ -140,6 +183,11 @@ fn register(shared: &Shared, index: usize, process: &WorkerProcess) {
             group: process.group().clone(),
             exit: process.exit_watch(),
             load: Arc::new(Load),
+            control,
+            threads: ThreadView::default(),
+            rss: None,
+            idle_since: None,
+            retire: None,
         });
         state.stopping
     });
@@ -148,26 +196,40 @@ fn register(shared: &Shared, index: usize, process: &WorkerProcess) {
     }
 }
 
-/// Relays the control leg until the worker exits, hangs or drops its control leg.
-async fn supervise(shared: &Shared, process: &WorkerProcess, control: ControlLeg) -> Ended {
+/// Relays the control leg until the worker exits, hangs, drops its control leg or is retired.
+async fn supervise(
+    shared: &Shared,
+    index: usize,
+    process: &WorkerProcess,
+    control: ControlLeg,
+    commands: &mut mpsc::Receiver<ControlCommand>,
+) -> Ended {
     let id = process.id();
     let health = Health {
         interval: shared.cfg.health_interval,
         timeout: shared.cfg.health_timeout,
     };
+    let mut observe = |seen: Observed| observe(shared, index, process, seen);
     let end = tokio::select! {
-        report = process.exited() => {
-            return Ended::crashed(id, format!("worker exited unexpectedly ({})", report.status), report.status);
-        }
-        end = control.run(id, health, &shared.events) => end,
+        report = process.exited() => Err(report),
+        end = control.run(health, commands, &mut observe) => Ok(end),
     };
     if shared.is_stopping() {
         // Draining: the worker drops its connections and exits; shutdown kills it after the grace.
         let report = process.exited().await;
         return Ended::crashed(id, "stopped".to_owned(), report.status);
     }
+    let retiring = shared.lock().retiring(index);
+    if let Some(reason) = retiring {
+        return retired(process, reason, shared.cfg.stop_grace).await;
+    }
     match end {
-        ControlEnd::Hung => {
+        Err(report) => Ended::crashed(
+            id,
+            format!("worker exited unexpectedly ({})", report.status),
+            report.status,
+        ),
+        Ok(ControlEnd::Hung) => {
             warn!(timeout = ?health.timeout, "worker missed its health deadline; killing its process group");
             process.kill();
             let report = process.exited().await;
@@ -181,7 +243,68 @@ async fn supervise(shared: &Shared, process: &WorkerProcess, control: ControlLeg
                 status: Some(report.status),
             }
         }
-        ControlEnd::Lost(e) => lost_control(process, health.timeout, &e.to_string()).await,
+        Ok(ControlEnd::Lost(e)) => lost_control(process, health.timeout, &e.to_string()).await,
+    }
+}
+
+/// Books what the control leg saw: lifecycle broadcasts and loaded lists update the load view (and
+/// may retire the worker); everything is published.
+fn observe(shared: &Shared, index: usize, process: &WorkerProcess, seen: Observed) {
+    let id = process.id();
+    match seen {
+        Observed::Notification(value) => {
+            if let Some(event) = Lifecycle::parse(&value) {
+                let verdict = shared.lock().on_lifecycle(index, id, event);
+                act(verdict);
+            }
+            shared.publish(PoolEvent::Notification {
+                worker: id,
+                message: Arc::new(value),
+            });
+        }
+        Observed::Loaded(threads) => {
+            let rss = worker::rss_bytes(process.pid());
+            let verdict = shared.update(|state| {
+                state.on_loaded(index, id, &threads, rss, &shared.cfg, Instant::now())
+            });
+            act(verdict);
+            shared.publish(PoolEvent::Loaded {
+                worker: id,
+                threads,
+            });
+        }
+    }
+}
+
+fn act(verdict: Verdict) {
+    match verdict {
+        Verdict::Keep => {}
+        Verdict::Terminate(group) => {
+            info!("retiring worker: SIGTERM");
+            group.signal(Signal::SIGTERM);
+        }
+    }
+}
+
+/// A retired worker was sent SIGTERM: give it `grace` to drain and exit, then kill it.
+async fn retired(process: &WorkerProcess, reason: ExitReason, grace: Duration) -> Ended {
+    let id = process.id();
+    let report = match timeout(grace, process.exited()).await {
+        Ok(report) => report,
+        Err(_elapsed) => {
+            warn!(
+                ?grace,
+                "retired worker still running after the grace; killing its process group"
+            );
+            process.kill();
+            process.exited().await
+        }
+    };
+    Ended {
+        id,
+        reason,
+        error: String::new(),
+        status: Some(report.status),
     }
 }
 
@@ -219,8 +342,12 @@ fn finish(
     restarts: &mut RestartTracker,
 ) -> Option<Instant> {
     let now = Instant::now();
+    if matches!(ended.reason, ExitReason::Idle | ExitReason::Memory) {
+        return Some(retire_done(shared, index, ended, now));
+    }
     let next = shared.update(|state| {
         state.slots[index].live = None;
+        state.publish_load();
         if state.stopping {
             shared.metrics.exited(shared.tenant, ExitReason::Stopped);
             state.enter(index, WorkerState::Stopped);
@@ -253,6 +380,25 @@ fn finish(
         });
     }
     next.map(|(_, wait)| now + wait)
+}
+
+/// Books a retired worker: not a failure, no restart unless the slot is still wanted.
+fn retire_done(shared: &Shared, index: usize, ended: Ended, now: Instant) -> Instant {
+    shared.update(|state| {
+        state.slots[index].live = None;
+        state.slots[index].requested = false;
+        state.publish_load();
+        shared.metrics.exited(shared.tenant, ended.reason);
+        state.enter(index, WorkerState::Stopped);
+    });
+    info!(worker = %ended.id, reason = ended.reason.as_str(), "worker retired");
+    if let Some(status) = ended.status {
+        shared.publish(PoolEvent::WorkerExited {
+            worker: ended.id,
+            status,
+        });
+    }
+    now
 }
 
 // === impl Ended ===

@@ -1,14 +1,17 @@
-//! The pool's bookkeeping under one short sync lock: slots, their states, placement.
+//! The pool's bookkeeping under one short sync lock: slots, their states, placement, load.
 
 use std::sync::Arc;
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{slot_number, Load, PoolConfig, WorkerHandle, WorkerInfo, WorkerState};
+use crate::control::ControlCommand;
 use crate::error::PoolError;
-use crate::metrics::WorkerMetrics;
+use crate::fleet::FleetPermit;
+use crate::load::{Lifecycle, ThreadView};
+use crate::metrics::{ExitReason, WorkerMetrics};
 use crate::worker::{ExitReport, ProcessGroup, WorkerId};
 
 /// The process currently running in a slot.
@@ -18,6 +21,33 @@ pub(super) struct Live {
     pub group: Arc<ProcessGroup>,
     pub exit: watch::Receiver<Option<ExitReport>>,
     pub load: Arc<Load>,
+    /// Requests to the worker's control leg.
+    pub control: mpsc::Sender<ControlCommand>,
+    /// Loaded and active threads, from the control leg.
+    pub threads: ThreadView,
+    /// Resident memory at the last health ping.
+    pub rss: Option<u64>,
+    /// Since when the worker has had nothing loaded, nothing active and no handles.
+    pub idle_since: Option<Instant>,
+    /// The worker is being retired on purpose (idle, memory).
+    pub retire: Option<Retire>,
+}
+
+/// A worker on its way out on purpose: no restart, not a failure.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Retire {
+    pub reason: ExitReason,
+    /// SIGTERM sent (it waits for the worker to have no active turn).
+    pub signalled: bool,
+}
+
+impl Retire {
+    fn new(reason: ExitReason) -> Self {
+        Self {
+            reason,
+            signalled: false,
+        }
+    }
 }
 
 impl Live {
@@ -28,6 +58,15 @@ impl Live {
     fn has_exited(&self) -> bool {
         self.exit.borrow().is_some()
     }
+
+    /// Placement order: fewest active turns, then fewest loaded threads, then fewest handles.
+    fn load_key(&self) -> (usize, usize, usize) {
+        (self.threads.active(), self.threads.loaded(), self.handles())
+    }
+
+    fn is_idle(&self) -> bool {
+        self.threads.loaded() == 0 && self.threads.active() == 0 && self.handles() == 0
+    }
 }
 
 /// One place for a worker; it keeps its index across restarts.
@@ -35,6 +74,8 @@ pub(super) struct Slot {
     pub state: WorkerState,
     /// An `acquire` wants this slot running even though it is above `min_workers`.
     pub requested: bool,
+    /// A fleet slot reserved by placement for the slot's next start.
+    pub permit: Option<FleetPermit>,
     pub generation: u32,
     pub restarts: u32,
     pub last_error: Option<String>,
@@ -46,14 +87,33 @@ pub(super) struct Slot {
 
 /// The outcome of one placement attempt.
 pub(super) enum Pick {
-    /// A ready worker.
-    Ready(WorkerHandle),
+    /// A ready worker; `start` if placement also began starting another (load above the mark).
+    Ready {
+        handle: WorkerHandle,
+        start: Option<Start>,
+    },
     /// Something will change; `changed` if this attempt already changed state (wake the slots).
     Wait { changed: bool },
-    /// Add a slot (the cap allows it), then wait.
-    Grow,
+    /// A start began (then wait).
+    Start(Start),
     /// Nothing can become ready in time.
     Fail(PoolError),
+}
+
+/// How placement starts another worker.
+pub(super) enum Start {
+    /// A stopped slot was asked to start (its task wakes on the epoch bump).
+    Woke,
+    /// Add a slot (the caps allow it) with this fleet slot.
+    Add(FleetPermit),
+}
+
+/// What a slot's load observation asks the slot task to do.
+pub(super) enum Verdict {
+    /// Nothing.
+    Keep,
+    /// SIGTERM this group: the worker is retired.
+    Terminate(Arc<ProcessGroup>),
 }
 
 /// Everything about a pool's slots.
@@ -81,10 +141,11 @@ impl PoolState {
     }
 
     /// Appends a slot, wanted and about to start. Returns its index.
-    pub fn push_slot(&mut self) -> usize {
+    pub fn push_slot(&mut self, permit: Option<FleetPermit>) -> usize {
         self.slots.push(Slot {
             state: WorkerState::Starting,
             requested: true,
+            permit,
             generation: 0,
             restarts: 0,
             last_error: None,
@@ -115,44 +176,84 @@ impl PoolState {
         )
     }
 
-    /// Placement: the least-loaded ready worker; else wait for a start in progress; else wake an idle
-    /// slot or grow; else wait for a backoff that ends before `deadline`; else fail.
+    /// Placement of a new thread: the least-loaded ready worker (starting another in the background
+    /// when all are at or above `load_mark`); else wait for a start in progress; else start one;
+    /// else wait for a backoff that ends before `deadline`; else fail.
     pub fn pick(&mut self, cfg: &PoolConfig, now: Instant, deadline: Instant) -> Pick {
         if self.stopping {
             return Pick::Fail(PoolError::ShuttingDown {
                 tenant: self.tenant,
             });
         }
-        if let Some(handle) = self.least_loaded(cfg) {
-            return Pick::Ready(handle);
+        if let Some((handle, busy)) = self.least_loaded(cfg) {
+            let start = if busy && !self.start_pending() {
+                // Best effort: at a cap, the ready worker takes the thread anyway.
+                self.start_one(cfg).ok().flatten()
+            } else {
+                None
+            };
+            return Pick::Ready { handle, start };
         }
-        if self.slots.iter().any(|s| s.state == WorkerState::Starting) {
+        if self.start_pending() {
             return Pick::Wait { changed: false };
         }
-        if let Some(idle) = self
-            .slots
-            .iter_mut()
-            .find(|s| s.state == WorkerState::Stopped)
-        {
-            let changed = !idle.requested;
-            idle.requested = true;
-            return Pick::Wait { changed };
-        }
-        if self.slots.len() < cfg.max_workers {
-            return Pick::Grow;
+        match self.start_one(cfg) {
+            Ok(Some(start)) => return Pick::Start(start),
+            Ok(None) => {}
+            Err(e) => return Pick::Fail(e),
         }
         self.wait_for_retry(now, deadline)
     }
 
-    fn least_loaded(&self, cfg: &PoolConfig) -> Option<WorkerHandle> {
-        let (index, live) = self
+    /// The ready worker to place on, and whether even it is at or above `load_mark`.
+    fn least_loaded(&self, cfg: &PoolConfig) -> Option<(WorkerHandle, bool)> {
+        let (index, key) = self
             .slots
             .iter()
             .enumerate()
             .filter(|(_, s)| s.state == WorkerState::Ready)
             .filter_map(|(i, s)| s.live.as_ref().map(|live| (i, live)))
-            .filter(|(_, live)| !live.has_exited())
-            .min_by_key(|(_, live)| live.handles())?;
+            .filter(|(_, live)| !live.has_exited() && live.retire.is_none())
+            .map(|(i, live)| (i, live.load_key()))
+            .min_by_key(|(_, key)| *key)?;
+        Some((self.handle(index, cfg)?, key.0 >= cfg.load_mark))
+    }
+
+    /// A start is under way or asked for.
+    fn start_pending(&self) -> bool {
+        self.slots.iter().any(|s| {
+            s.state == WorkerState::Starting || (s.state == WorkerState::Stopped && s.requested)
+        })
+    }
+
+    /// Starts another worker if the pool's and the fleet's caps allow: wakes a stopped slot or adds
+    /// one. `Ok(None)` at the pool's cap; an error when only the fleet cap stands in the way.
+    fn start_one(&mut self, cfg: &PoolConfig) -> Result<Option<Start>, PoolError> {
+        let stopped = self
+            .slots
+            .iter()
+            .position(|s| s.state == WorkerState::Stopped && !s.requested && s.live.is_none());
+        if stopped.is_none() && self.slots.len() >= cfg.max_workers {
+            return Ok(None);
+        }
+        let permit = cfg.fleet.try_take().ok_or(PoolError::FleetFull {
+            tenant: self.tenant,
+            max: cfg.fleet.max(),
+        })?;
+        Ok(Some(match stopped {
+            Some(index) => {
+                let slot = &mut self.slots[index];
+                slot.requested = true;
+                slot.permit = Some(permit);
+                Start::Woke
+            }
+            None => Start::Add(permit),
+        }))
+    }
+
+    /// A handle to the worker in slot `index`, if it has a live process.
+    fn handle(&self, index: usize, cfg: &PoolConfig) -> Option<WorkerHandle> {
+        let live = self.slots[index].live.as_ref()?;
         Some(WorkerHandle {
             id: live.id,
             pid: live.pid,
@@ -160,6 +261,136 @@ impl PoolState {
             exit: live.exit.clone(),
             _load: live.load.clone(),
         })
+    }
+
+    /// A handle to exactly `id`, while it runs and takes requests (ready, or retiring but not yet
+    /// told to stop: it still owns its loaded threads).
+    pub fn get(&self, id: WorkerId, cfg: &PoolConfig) -> Option<WorkerHandle> {
+        let index = usize::try_from(id.slot()).ok()?;
+        let slot = self.slots.get(index)?;
+        let live = slot.live.as_ref().filter(|live| live.id == id)?;
+        let serving = match slot.state {
+            WorkerState::Ready => true,
+            WorkerState::Draining => live.retire.is_some_and(|r| !r.signalled) && !self.stopping,
+            _ => false,
+        };
+        if !serving || live.has_exited() {
+            return None;
+        }
+        self.handle(index, cfg)
+    }
+
+    /// Each running worker's loaded threads.
+    pub fn loaded_threads(&self) -> Vec<(WorkerId, Vec<String>)> {
+        self.slots
+            .iter()
+            .filter_map(|s| s.live.as_ref())
+            .filter(|live| !live.has_exited())
+            .map(|live| (live.id, live.threads.ids()))
+            .collect()
+    }
+
+    /// Control-leg senders of the workers that are ready or draining.
+    pub fn controls(&self) -> Vec<(WorkerId, mpsc::Sender<ControlCommand>)> {
+        self.slots
+            .iter()
+            .filter(|s| matches!(s.state, WorkerState::Ready | WorkerState::Draining))
+            .filter_map(|s| s.live.as_ref())
+            .map(|live| (live.id, live.control.clone()))
+            .collect()
+    }
+
+    fn live_mut(&mut self, index: usize, id: WorkerId) -> Option<&mut Live> {
+        self.slots[index].live.as_mut().filter(|live| live.id == id)
+    }
+
+    /// A lifecycle broadcast from worker `id`'s control leg.
+    pub fn on_lifecycle(&mut self, index: usize, id: WorkerId, event: Lifecycle) -> Verdict {
+        let Some(live) = self.live_mut(index, id) else {
+            return Verdict::Keep;
+        };
+        live.threads.apply(event);
+        let verdict = Self::finish_retire(live);
+        self.publish_load();
+        verdict
+    }
+
+    /// A `thread/loaded/list` answer (and the RSS sampled with it): resets the view, then checks the
+    /// memory guard and the idle stop.
+    pub fn on_loaded(
+        &mut self,
+        index: usize,
+        id: WorkerId,
+        loaded: &[String],
+        rss: Option<u64>,
+        cfg: &PoolConfig,
+        now: Instant,
+    ) -> Verdict {
+        let protected = index < cfg.min_workers || self.stopping;
+        let ready = self.slots[index].state == WorkerState::Ready;
+        let Some(live) = self.live_mut(index, id) else {
+            return Verdict::Keep;
+        };
+        live.threads.reset(loaded);
+        live.rss = rss.or(live.rss);
+        let mut draining = false;
+        if ready && live.retire.is_none() {
+            if let (Some(max), Some(rss)) = (cfg.max_worker_rss, rss) {
+                if rss > max {
+                    live.retire = Some(Retire::new(ExitReason::Memory));
+                    draining = true;
+                }
+            }
+        }
+        if !live.is_idle() || protected || !ready {
+            live.idle_since = None;
+        } else if live.retire.is_none() {
+            let since = *live.idle_since.get_or_insert(now);
+            if now.saturating_duration_since(since) >= cfg.worker_idle {
+                live.retire = Some(Retire::new(ExitReason::Idle));
+                draining = true;
+            }
+        }
+        let verdict = Self::finish_retire(live);
+        if draining {
+            self.enter(index, WorkerState::Draining);
+        }
+        self.publish_load();
+        verdict
+    }
+
+    /// A retiring worker is told to stop once it has no active turn.
+    fn finish_retire(live: &mut Live) -> Verdict {
+        match &mut live.retire {
+            Some(retire) if !retire.signalled && live.threads.active() == 0 => {
+                retire.signalled = true;
+                Verdict::Terminate(live.group.clone())
+            }
+            _ => Verdict::Keep,
+        }
+    }
+
+    /// Why slot `index`'s worker was told to stop on purpose, if it was.
+    pub fn retiring(&self, index: usize) -> Option<ExitReason> {
+        self.slots[index]
+            .live
+            .as_ref()
+            .and_then(|live| live.retire.filter(|r| r.signalled).map(|r| r.reason))
+    }
+
+    /// Sets the tenant's load gauges from every live worker.
+    pub fn publish_load(&self) {
+        if self.detached {
+            return;
+        }
+        let (active, loaded) = self
+            .slots
+            .iter()
+            .filter_map(|s| s.live.as_ref())
+            .fold((0, 0), |(a, l), live| {
+                (a + live.threads.active(), l + live.threads.loaded())
+            });
+        self.metrics.load(self.tenant, active, loaded);
     }
 
     /// Every slot failed recently: mark them wanted, and wait if one retries before `deadline`.
@@ -220,6 +451,9 @@ impl PoolState {
                 restarts: slot.restarts,
                 last_error: slot.last_error.clone(),
                 handles: slot.live.as_ref().map_or(0, Live::handles),
+                active_turns: slot.live.as_ref().map_or(0, |l| l.threads.active()),
+                loaded_threads: slot.live.as_ref().map_or(0, |l| l.threads.loaded()),
+                rss_bytes: slot.live.as_ref().and_then(|l| l.rss),
             })
             .collect()
     }
@@ -253,6 +487,7 @@ impl PoolState {
             for slot in &self.slots {
                 self.metrics.transition(self.tenant, Some(slot.state), None);
             }
+            self.metrics.load(self.tenant, 0, 0);
             self.detached = true;
         }
         let tasks = self

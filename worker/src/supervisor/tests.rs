@@ -19,6 +19,7 @@ fn config() -> PoolConfig {
         restart_backoff_initial: Duration::from_millis(100),
         restart_backoff_max: Duration::from_secs(5),
         stop_grace: Duration::from_secs(5),
+        ..PoolConfig::default()
     }
 }
 
@@ -67,7 +68,7 @@ fn worker_args_append_listen_and_overrides() {
         [
             "app-server",
             "--listen",
-            "unix:///tmp/cf/s/acme-0.sock",
+            "unix:///tmp/cf/s/acme/0.sock",
             "-c",
             "thread_unload_delay_secs=1800",
             "-c",

@@ -1,0 +1,277 @@
+//! One worker's load as seen from its control leg: loaded threads and which of them are active.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+use serde_json::Value;
+use tracing::warn;
+
+/// Most threads tracked per worker; beyond it new ids are ignored (the next list resets the view).
+pub const MAX_TRACKED_THREADS: usize = 10_000;
+
+const THREAD_STARTED: &str = "thread/started";
+const THREAD_STATUS_CHANGED: &str = "thread/status/changed";
+const THREAD_CLOSED: &str = "thread/closed";
+
+/// `ThreadStatus.type` values that matter here (facts §4).
+const STATUS_NOT_LOADED: &str = "notLoaded";
+const STATUS_ACTIVE: &str = "active";
+
+/// A thread lifecycle broadcast, parsed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Lifecycle {
+    /// `thread/started`: loaded (new threads start idle unless the summary says otherwise).
+    Started { thread: String, active: bool },
+    /// `thread/status/changed` to a loaded status.
+    Status { thread: String, active: bool },
+    /// `thread/status/changed` to `notLoaded`, or `thread/closed`.
+    Unloaded { thread: String },
+}
+
+#[derive(Deserialize)]
+struct Frame {
+    method: String,
+    #[serde(default)]
+    params: Value,
+}
+
+#[derive(Deserialize)]
+struct StartedParams {
+    thread: ThreadSummary,
+}
+
+#[derive(Deserialize)]
+struct ThreadSummary {
+    id: String,
+    #[serde(default)]
+    status: Option<Status>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StatusParams {
+    thread_id: String,
+    status: Status,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClosedParams {
+    thread_id: String,
+}
+
+#[derive(Deserialize)]
+struct Status {
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+/// The answer to `thread/loaded/list`: `{"data":[ids…],"nextCursor":null}` (checked on 0.171.0;
+/// without a `limit` it is a single page).
+#[derive(Debug, Deserialize)]
+pub(crate) struct LoadedList {
+    pub data: Vec<String>,
+}
+
+// === impl Lifecycle ===
+
+impl Lifecycle {
+    /// Parses a notification; `None` for other methods or unexpected shapes.
+    pub(crate) fn parse(message: &Value) -> Option<Self> {
+        let frame = Frame::deserialize(message).ok()?;
+        match frame.method.as_str() {
+            THREAD_STARTED => {
+                let p = StartedParams::deserialize(&frame.params).ok()?;
+                let active = p.thread.status.is_some_and(|s| s.kind == STATUS_ACTIVE);
+                Some(Lifecycle::Started {
+                    thread: p.thread.id,
+                    active,
+                })
+            }
+            THREAD_STATUS_CHANGED => {
+                let p = StatusParams::deserialize(&frame.params).ok()?;
+                Some(match p.status.kind.as_str() {
+                    STATUS_NOT_LOADED => Lifecycle::Unloaded {
+                        thread: p.thread_id,
+                    },
+                    kind => Lifecycle::Status {
+                        thread: p.thread_id,
+                        active: kind == STATUS_ACTIVE,
+                    },
+                })
+            }
+            THREAD_CLOSED => {
+                let p = ClosedParams::deserialize(&frame.params).ok()?;
+                Some(Lifecycle::Unloaded {
+                    thread: p.thread_id,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Loaded threads of one worker, each with whether it is active (running a turn or waiting on an
+/// approval or user input).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ThreadView {
+    threads: HashMap<String, bool>,
+    active: usize,
+}
+
+// === impl ThreadView ===
+
+impl ThreadView {
+    pub(crate) fn loaded(&self) -> usize {
+        self.threads.len()
+    }
+
+    pub(crate) fn active(&self) -> usize {
+        self.active
+    }
+
+    /// Loaded thread ids, sorted.
+    pub(crate) fn ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.threads.keys().cloned().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    pub(crate) fn apply(&mut self, event: Lifecycle) {
+        match event {
+            Lifecycle::Started { thread, active } | Lifecycle::Status { thread, active } => {
+                self.set(thread, active);
+            }
+            Lifecycle::Unloaded { thread } => {
+                if self.threads.remove(&thread) == Some(true) {
+                    self.active -= 1;
+                }
+            }
+        }
+    }
+
+    /// The level-triggered truth from `thread/loaded/list`: keeps what is known about listed threads
+    /// (a listed thread not seen before counts as not active), drops the rest.
+    pub(crate) fn reset(&mut self, loaded: &[String]) {
+        let mut next = HashMap::with_capacity(loaded.len().min(MAX_TRACKED_THREADS));
+        for id in loaded.iter().take(MAX_TRACKED_THREADS) {
+            let active = self.threads.get(id).copied().unwrap_or(false);
+            next.insert(id.clone(), active);
+        }
+        self.active = next.values().filter(|&&active| active).count();
+        self.threads = next;
+    }
+
+    fn set(&mut self, thread: String, active: bool) {
+        let len = self.threads.len();
+        match self.threads.get_mut(&thread) {
+            Some(was) => {
+                if *was != active {
+                    *was = active;
+                    if active {
+                        self.active += 1;
+                    } else {
+                        self.active -= 1;
+                    }
+                }
+            }
+            None if len >= MAX_TRACKED_THREADS => {
+                warn!(
+                    limit = MAX_TRACKED_THREADS,
+                    "too many loaded threads to track"
+                );
+            }
+            None => {
+                self.threads.insert(thread, active);
+                self.active += usize::from(active);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn status(thread: &str, kind: &str) -> Value {
+        json!({"method": "thread/status/changed",
+               "params": {"threadId": thread, "status": {"type": kind, "activeFlags": []}}})
+    }
+
+    #[test]
+    fn parses_lifecycle_broadcasts() {
+        let started = json!({"method": "thread/started", "params": {"thread": {
+            "id": "a", "status": {"type": "idle"}, "preview": ""}}, "emittedAtMs": 1});
+        assert_eq!(
+            Lifecycle::parse(&started),
+            Some(Lifecycle::Started {
+                thread: "a".into(),
+                active: false
+            })
+        );
+        assert_eq!(
+            Lifecycle::parse(&status("a", "active")),
+            Some(Lifecycle::Status {
+                thread: "a".into(),
+                active: true
+            })
+        );
+        assert_eq!(
+            Lifecycle::parse(&status("a", "systemError")),
+            Some(Lifecycle::Status {
+                thread: "a".into(),
+                active: false
+            })
+        );
+        assert_eq!(
+            Lifecycle::parse(&status("a", "notLoaded")),
+            Some(Lifecycle::Unloaded { thread: "a".into() })
+        );
+        let closed = json!({"method": "thread/closed", "params": {"threadId": "a"}});
+        assert_eq!(
+            Lifecycle::parse(&closed),
+            Some(Lifecycle::Unloaded { thread: "a".into() })
+        );
+        assert_eq!(
+            Lifecycle::parse(&json!({"method": "thread/name/updated", "params": {}})),
+            None
+        );
+        assert_eq!(
+            Lifecycle::parse(&json!({"method": "thread/closed", "params": {}})),
+            None
+        );
+    }
+
+    #[test]
+    fn view_counts_loaded_and_active() {
+        let mut v = ThreadView::default();
+        for e in [
+            &status("a", "idle"),
+            &status("b", "active"),
+            &status("c", "active"),
+        ] {
+            v.apply(Lifecycle::parse(e).unwrap());
+        }
+        assert_eq!((v.loaded(), v.active()), (3, 2));
+        v.apply(Lifecycle::parse(&status("b", "idle")).unwrap());
+        v.apply(Lifecycle::parse(&status("b", "idle")).unwrap());
+        assert_eq!((v.loaded(), v.active()), (3, 1));
+        v.apply(Lifecycle::parse(&status("c", "notLoaded")).unwrap());
+        assert_eq!((v.loaded(), v.active()), (2, 0));
+        // A missed close is repaired by the list; a missed start too.
+        v.reset(&["b".into(), "d".into()]);
+        assert_eq!(v.ids(), ["b", "d"]);
+        assert_eq!((v.loaded(), v.active()), (2, 0));
+        v.apply(Lifecycle::parse(&status("d", "active")).unwrap());
+        v.reset(&["d".into()]);
+        assert_eq!((v.loaded(), v.active()), (1, 1));
+    }
+
+    #[test]
+    fn loaded_list_shape() {
+        let list: LoadedList =
+            serde_json::from_value(json!({"data": ["x", "y"], "nextCursor": null})).unwrap();
+        assert_eq!(list.data, ["x", "y"]);
+    }
+}
