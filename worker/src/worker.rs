@@ -130,6 +130,15 @@ impl ProcessGroup {
         }
     }
 
+    /// A group that is never signalled, for tests of the bookkeeping.
+    #[cfg(test)]
+    pub(crate) fn inert() -> Arc<Self> {
+        Arc::new(Self {
+            pgid: Pid::from_raw(i32::MAX),
+            gone: AtomicBool::new(true),
+        })
+    }
+
     /// The leader was reaped: kill whatever it left in the group, then stop signalling.
     fn sweep(&self) {
         self.signal(Signal::SIGKILL);

@@ -472,6 +472,8 @@ impl PoolState {
         }
         self.stopping = true;
         for index in 0..self.slots.len() {
+            // Fleet slots reserved for starts that will not happen go back now.
+            self.slots[index].permit = None;
             if self.slots[index].live.is_some() {
                 self.enter(index, WorkerState::Draining);
             }
@@ -498,3 +500,6 @@ impl PoolState {
         (self.live_groups(), tasks)
     }
 }
+
+#[cfg(test)]
+mod tests;
