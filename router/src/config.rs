@@ -71,6 +71,15 @@ pub struct Workers {
     /// Passed to every worker as `-c thread_unload_delay_secs=N`.
     #[serde(default = "defaults::idle_secs")]
     pub thread_unload_delay_secs: u64,
+    /// A worker with no loaded threads and no legs for this long is drained and stopped.
+    #[serde(default = "defaults::idle_secs")]
+    pub worker_idle_secs: u64,
+    /// Active turns per worker above which a tenant's pool starts another worker (caps allowing).
+    #[serde(default = "defaults::load_mark")]
+    pub load_mark: usize,
+    /// Workers across all tenants, at most.
+    #[serde(default = "defaults::max_workers_total")]
+    pub max_workers: usize,
     /// `-c key=value` overrides given to every worker, before the tenant's own.
     #[serde(default)]
     pub config_overrides: Vec<String>,
@@ -185,6 +194,12 @@ mod defaults {
     }
     pub fn max_workers() -> usize {
         4
+    }
+    pub fn load_mark() -> usize {
+        4
+    }
+    pub fn max_workers_total() -> usize {
+        64
     }
 }
 
@@ -303,6 +318,9 @@ impl Config {
                     "config override {o:?} is not of the form key=value"
                 ));
             }
+        }
+        if self.workers.max_workers == 0 || self.workers.load_mark == 0 {
+            return bad("workers.max_workers and workers.load_mark must be at least 1".into());
         }
         if self.limits.max_message_bytes < 1024 {
             return bad("limits.max_message_bytes must be at least 1024".into());

@@ -244,6 +244,43 @@ pub fn params_request_id(params: Option<&RawValue>) -> Option<RequestId> {
         .map(|p| p.request_id)
 }
 
+/// `result.thread.id` of a response (thread/start, thread/fork, thread/resume).
+pub fn result_thread_id(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Resp<'a> {
+        #[serde(borrow)]
+        result: Option<WithThread<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct WithThread<'a> {
+        #[serde(borrow)]
+        thread: Option<ThreadRef<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct ThreadRef<'a> {
+        #[serde(borrow)]
+        id: Cow<'a, str>,
+    }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    Some(r.result?.thread?.id.into_owned())
+}
+
+/// `error.message` of an error response.
+pub fn error_message(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Resp<'a> {
+        #[serde(borrow)]
+        error: Option<ErrorBody<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct ErrorBody<'a> {
+        #[serde(borrow)]
+        message: Cow<'a, str>,
+    }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    Some(r.error?.message.into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -322,6 +359,15 @@ mod tests {
         let out = with_params_request_id(resolved, &RequestId::Int(17)).unwrap();
         let v: Value = serde_json::from_str(&out).unwrap();
         assert_eq!(v["params"]["requestId"], 17);
+        assert_eq!(
+            result_thread_id(r#"{"id":1,"result":{"thread":{"id":"t-9","x":1}}}"#).as_deref(),
+            Some("t-9")
+        );
+        assert_eq!(result_thread_id(r#"{"id":1,"result":{}}"#), None);
+        assert_eq!(
+            error_message(r#"{"id":1,"error":{"code":-32600,"message":"m"}}"#).as_deref(),
+            Some("m")
+        );
         let err = error_response(None, -32700, "Parse error", None);
         assert_eq!(
             err,

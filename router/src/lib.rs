@@ -9,6 +9,7 @@ pub mod jsonrpc;
 pub mod listener;
 pub mod metrics;
 pub mod mock_model;
+pub mod route;
 pub mod session;
 pub mod tenants;
 pub mod tls;

@@ -3,13 +3,13 @@
 
 pub mod legs;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -19,7 +19,7 @@ use worker::WorkerId;
 
 use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
 use crate::metrics::RouterMetrics;
-use crate::tenants::Tenant;
+use crate::tenants::{Relayed, Tenant};
 use legs::{Leg, LegEvent};
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
@@ -146,6 +146,31 @@ impl ServerRequests {
 struct InFlight {
     worker: WorkerId,
     since: Instant,
+    learn: Learn,
+}
+
+/// What a response teaches the tenant table.
+enum Learn {
+    Nothing,
+    /// `thread/start`, `thread/fork`: the new thread lives on the worker that answered.
+    NewThread,
+    /// `thread/resume`: the thread is now loaded where it was sent; the text is kept for one
+    /// retry on the real owner if the worker answers "already has an active writer".
+    Resume {
+        thread: String,
+        retry: Option<String>,
+    },
+}
+
+/// Where a request goes.
+#[derive(Debug)]
+enum Target {
+    /// The session's home leg (global methods, unknown threads).
+    Home,
+    /// The worker that owns the request's thread.
+    Owner(WorkerId),
+    /// The least-loaded worker of the tenant (new threads).
+    Place,
 }
 
 struct Session {
@@ -158,6 +183,10 @@ struct Session {
     server_requests: ServerRequests,
     events_tx: mpsc::Sender<LegEvent>,
     protocol_errors: u32,
+    /// Legs whose initialize was answered: they receive the worker's broadcasts themselves.
+    live: HashSet<WorkerId>,
+    /// The client's initialize went out on some leg, so any further leg needs it replayed.
+    init_sent: bool,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -183,12 +212,16 @@ where
         server_requests: ServerRequests::default(),
         events_tx,
         protocol_errors: 0,
+        live: HashSet::new(),
+        init_sent: false,
     };
     let shutdown = session.ctx.shutdown.clone();
+    let mut relay = Some(session.ctx.tenant.subscribe());
     let end = loop {
         let step = tokio::select! {
             frame = stream.next() => session.on_client_frame(frame).await,
             Some(ev) = events_rx.recv() => session.on_leg_event(ev).await,
+            r = recv_relay(&mut relay) => session.on_relayed(r),
             () = shutdown.cancelled() => Err(End::Shutdown),
         };
         if let Err(end) = step {
@@ -227,6 +260,24 @@ where
         }
     }
     let _flushed = sink.close().await;
+}
+
+/// The next relayed broadcast; pending forever once the relay is closed.
+async fn recv_relay(relay: &mut Option<broadcast::Receiver<Relayed>>) -> Option<Relayed> {
+    let Some(rx) = relay.as_mut() else {
+        return std::future::pending().await;
+    };
+    match rx.recv().await {
+        Ok(r) => Some(r),
+        Err(broadcast::error::RecvError::Lagged(n)) => {
+            tracing::warn!(missed = n, "session lagged behind the tenant's broadcasts");
+            None
+        }
+        Err(broadcast::error::RecvError::Closed) => {
+            *relay = None;
+            std::future::pending().await
+        }
+    }
 }
 
 fn overloaded(scope: &str, reason: &str, retry_after_ms: u64) -> serde_json::Value {
@@ -307,7 +358,10 @@ impl Session {
         };
         self.protocol_errors = 0;
         match msg {
-            Rpc::Request { id, method, .. } => self.on_client_request(id, &method, &text).await,
+            Rpc::Request { id, method, params } => {
+                let thread = jsonrpc::thread_id(params);
+                self.on_client_request(id, &method, thread, &text).await
+            }
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
             Rpc::Response { id } => self.on_client_response(id, &text).await,
         }
@@ -325,9 +379,11 @@ impl Session {
         &mut self,
         id: RequestId,
         method: &str,
+        thread: Option<String>,
         text: &str,
     ) -> Result<(), End> {
-        if method == "initialize" && self.init.is_none() {
+        let first_initialize = method == "initialize" && self.init.is_none();
+        if first_initialize {
             self.init = Some(Init {
                 id: id.clone(),
                 text: text.to_owned(),
@@ -347,10 +403,11 @@ impl Session {
                 Some(overloaded("connection", "tooManyRequestsInFlight", 100)),
             );
         }
-        let worker = match self.home_leg().await {
+        let target = self.target(method, thread.as_deref());
+        let worker = match self.leg_for(target, method == "thread/resume").await {
             Ok(w) => w,
             Err(reason) => {
-                if method == "initialize" && self.init.as_ref().is_some_and(|i| !i.answered) {
+                if first_initialize {
                     self.init = None;
                 }
                 self.count_error("no_worker");
@@ -362,18 +419,76 @@ impl Session {
                 );
             }
         };
+        let learn = match (method, thread) {
+            ("thread/start" | "thread/fork", _) => Learn::NewThread,
+            ("thread/resume", Some(thread)) => Learn::Resume {
+                thread,
+                retry: Some(text.to_owned()),
+            },
+            _ => Learn::Nothing,
+        };
         self.in_flight.insert(
             id.clone(),
             InFlight {
                 worker,
                 since: Instant::now(),
+                learn,
             },
         );
         if !self.send_to_leg(worker, text.to_owned()).await {
             self.in_flight.remove(&id);
             return self.worker_gone_reply(&id);
         }
+        self.init_sent |= first_initialize;
         Ok(())
+    }
+
+    /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
+    /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
+    /// unknown id and another tenant's id get the same answer from the tenant's own worker.
+    fn target(&self, method: &str, thread: Option<&str>) -> Target {
+        match (method, thread) {
+            ("initialize", _) => Target::Home,
+            ("thread/start", _) => Target::Place,
+            (_, None) => Target::Home,
+            (_, Some(t)) => match self.ctx.tenant.find_owner(t) {
+                Some(w) => Target::Owner(w),
+                None if method == "thread/resume" => Target::Place,
+                None => Target::Home,
+            },
+        }
+    }
+
+    /// The leg a target resolves to, opened on demand (with the client's initialize replayed).
+    async fn leg_for(&mut self, target: Target, place_if_gone: bool) -> Result<WorkerId, String> {
+        match target {
+            Target::Home => self.home_leg().await,
+            Target::Owner(w) if self.legs.contains_key(&w) => Ok(w),
+            Target::Owner(w) => match self.ctx.tenant.pool.get(w) {
+                Some(handle) => self.open_leg(handle).await,
+                None => {
+                    // The owner is gone: the thread is not loaded anywhere any more.
+                    self.ctx.tenant.reconcile_soon();
+                    if place_if_gone {
+                        self.placed_leg().await
+                    } else {
+                        self.home_leg().await
+                    }
+                }
+            },
+            Target::Place => self.placed_leg().await,
+        }
+    }
+
+    async fn placed_leg(&mut self) -> Result<WorkerId, String> {
+        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
+            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
+            "noWorkerAvailable".to_owned()
+        })?;
+        if self.legs.contains_key(&handle.id) {
+            return Ok(handle.id);
+        }
+        self.open_leg(handle).await
     }
 
     async fn on_client_notification(&mut self, method: &str, text: &str) -> Result<(), End> {
@@ -384,8 +499,8 @@ impl Session {
         if method == "initialized" {
             init.initialized = true;
         }
-        if let Some(home) = self.home {
-            self.send_to_leg(home, text.to_owned()).await;
+        for leg in self.legs.values() {
+            leg.send(text.to_owned()).await;
         }
         Ok(())
     }
@@ -408,12 +523,12 @@ impl Session {
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
         match ev {
-            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text),
+            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
         }
     }
 
-    fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
+    async fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
         let msg = match jsonrpc::parse(text) {
             Ok(m) => m,
             Err(e) => {
@@ -422,26 +537,7 @@ impl Session {
             }
         };
         match msg {
-            Rpc::Response { id } => {
-                if id == RequestId::Str(REPLAY_INIT_ID.into()) {
-                    return Ok(());
-                }
-                if let Some(f) = self.in_flight.remove(&id) {
-                    self.ctx
-                        .metrics
-                        .request_seconds
-                        .with_label_values(&[&self.ctx.tenant.id])
-                        .observe(f.since.elapsed().as_secs_f64());
-                }
-                if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
-                    if text.contains("\"result\"") {
-                        init.answered = true;
-                    } else {
-                        self.init = None; // refused: the client may try again
-                    }
-                }
-                self.to_client(text.to_owned())
-            }
+            Rpc::Response { id } => self.on_worker_response(worker, id, text).await,
             Rpc::Request { id, .. } => {
                 let sid = self.server_requests.insert(worker, id);
                 match jsonrpc::with_id(text, &RequestId::Int(sid)) {
@@ -465,9 +561,117 @@ impl Session {
         }
     }
 
+    async fn on_worker_response(
+        &mut self,
+        worker: WorkerId,
+        id: RequestId,
+        text: &str,
+    ) -> Result<(), End> {
+        if id == RequestId::Str(REPLAY_INIT_ID.into()) {
+            if text.contains("\"result\"") {
+                self.live.insert(worker);
+            } else {
+                tracing::warn!(%worker, response = text, "replayed initialize refused");
+            }
+            return Ok(());
+        }
+        let flight = self.in_flight.remove(&id);
+        if let Some(f) = &flight {
+            self.ctx
+                .metrics
+                .request_seconds
+                .with_label_values(&[&self.ctx.tenant.id])
+                .observe(f.since.elapsed().as_secs_f64());
+        }
+        if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
+            if text.contains("\"result\"") {
+                init.answered = true;
+                self.live.insert(worker);
+            } else {
+                self.init = None; // refused: the client may try again
+            }
+        }
+        if let Some(f) = flight {
+            if let Some(retried) = self.learn(worker, &id, f, text).await {
+                return retried;
+            }
+        }
+        self.to_client(text.to_owned())
+    }
+
+    /// Updates the tenant table from a response; may retry a resume on the real owner, in
+    /// which case the client sees only the retry's answer.
+    async fn learn(
+        &mut self,
+        worker: WorkerId,
+        id: &RequestId,
+        f: InFlight,
+        text: &str,
+    ) -> Option<Result<(), End>> {
+        let table = &self.ctx.tenant.table;
+        match f.learn {
+            Learn::Nothing => None,
+            Learn::NewThread => {
+                if let Some(thread) = jsonrpc::result_thread_id(text) {
+                    table.learn(&thread, worker);
+                }
+                None
+            }
+            Learn::Resume { thread, retry } => {
+                if jsonrpc::result_thread_id(text).is_some() {
+                    table.learn(&thread, worker);
+                    return None;
+                }
+                let busy = jsonrpc::error_message(text)
+                    .is_some_and(|m| m.contains("already has an active writer"));
+                let retry = retry.filter(|_| busy)?;
+                // Another worker holds the thread: find it and send the resume there, once.
+                self.ctx.tenant.reconcile_now().await;
+                let owner = self
+                    .ctx
+                    .tenant
+                    .find_owner(&thread)
+                    .filter(|o| *o != worker)?;
+                let target = self.leg_for(Target::Owner(owner), false).await.ok()?;
+                self.in_flight.insert(
+                    id.clone(),
+                    InFlight {
+                        worker: target,
+                        since: f.since,
+                        learn: Learn::Resume {
+                            thread,
+                            retry: None,
+                        },
+                    },
+                );
+                if self.send_to_leg(target, retry).await {
+                    Some(Ok(()))
+                } else {
+                    self.in_flight.remove(id);
+                    None
+                }
+            }
+        }
+    }
+
+    /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
+    /// to that worker delivers it (so each broadcast arrives once).
+    fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
+        let Some(r) = relayed else { return Ok(()) };
+        if self.init.as_ref().is_none_or(|i| !i.answered) {
+            return Ok(());
+        }
+        if r.to_all || !self.live.contains(&r.worker) {
+            return self.to_client(r.text.to_string());
+        }
+        Ok(())
+    }
+
     fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {
         tracing::info!(%worker, reason, "leg closed");
         self.legs.remove(&worker);
+        self.live.remove(&worker);
+        self.ctx.tenant.reconcile_soon();
         if self.home == Some(worker) {
             self.home = None;
         }
@@ -505,16 +709,20 @@ impl Session {
         }
     }
 
-    /// The home leg, opened (and the client's initialize replayed) if there is none.
+    /// The home leg, opened on the least-loaded worker if there is none.
     async fn home_leg(&mut self) -> Result<WorkerId, String> {
         if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
             return Ok(home);
         }
-        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
-            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for session");
-            "noWorkerAvailable".to_owned()
-        })?;
-        let leg = Leg::open(&handle, self.ctx.max_message_bytes, self.events_tx.clone())
+        let worker = self.placed_leg().await?;
+        self.home = Some(worker);
+        Ok(worker)
+    }
+
+    /// Opens a leg to `handle`'s worker; once the client has sent its initialize, every new
+    /// leg gets it replayed first (with the router's own id, whose answer is swallowed).
+    async fn open_leg(&mut self, handle: worker::WorkerHandle) -> Result<WorkerId, String> {
+        let leg = Leg::open(handle, self.ctx.max_message_bytes, self.events_tx.clone())
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "cannot open leg");
@@ -526,11 +734,10 @@ impl Session {
             .with_label_values(&[&self.ctx.tenant.id])
             .inc();
         let worker = leg.worker();
-        if let Some(init) = self.init.as_ref().filter(|i| i.answered) {
+        if let Some(init) = self.init.as_ref().filter(|_| self.init_sent) {
             self.replay_initialize(&leg, init).await;
         }
         self.legs.insert(worker, leg);
-        self.home = Some(worker);
         Ok(worker)
     }
 

@@ -4,18 +4,163 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::{json, Value};
+use tokio::sync::{broadcast, Notify};
+use tokio::task::JoinHandle;
 use worker::metrics::WorkerMetrics;
-use worker::{Pool, PoolConfig};
+use worker::{FleetCap, Pool, PoolConfig, PoolEvent, WorkerId};
 
 use crate::auth::TokenTable;
 use crate::config::{self, Config};
+use crate::route::ThreadTable;
 
-/// One tenant: its id and its pool of workers.
+/// Relayed broadcasts buffered per tenant; a session that lags this far misses some (counted).
+const RELAY_CAPACITY: usize = 4096;
+
+/// One tenant: its id, its pool of workers and the table of which worker owns each thread.
 pub struct Tenant {
     /// The configured id.
     pub id: String,
     /// Its workers.
     pub pool: Arc<Pool>,
+    /// threadId → owning worker.
+    pub table: ThreadTable,
+    relay: broadcast::Sender<Relayed>,
+    reconcile: Arc<Notify>,
+    events: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A broadcast about one of the tenant's threads, seen on a worker's control leg.
+#[derive(Clone, Debug)]
+pub struct Relayed {
+    /// The worker it came from.
+    pub worker: WorkerId,
+    /// The notification as sent to clients.
+    pub text: Arc<str>,
+    /// Sent to every session, legs or not (the router's own news, e.g. a worker's death).
+    pub to_all: bool,
+}
+
+impl Tenant {
+    fn new(id: String, pool: Arc<Pool>) -> Arc<Tenant> {
+        let (relay, _) = broadcast::channel(RELAY_CAPACITY);
+        let tenant = Arc::new(Tenant {
+            id,
+            pool,
+            table: ThreadTable::default(),
+            relay,
+            reconcile: Arc::new(Notify::new()),
+            events: std::sync::Mutex::new(None),
+        });
+        let task = tokio::spawn(watch_pool(
+            Arc::downgrade(&tenant),
+            tenant.pool.subscribe(),
+            tenant.reconcile.clone(),
+        ));
+        *tenant
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task);
+        tenant
+    }
+
+    /// Broadcasts about the tenant's threads from workers' control legs.
+    pub fn subscribe(&self) -> broadcast::Receiver<Relayed> {
+        self.relay.subscribe()
+    }
+
+    /// Asks for a reconciliation with every worker soon (after a leg or worker loss).
+    pub fn reconcile_soon(&self) {
+        self.reconcile.notify_one();
+    }
+
+    /// Reconciles now: asks every ready worker for its loaded threads and updates the table.
+    pub async fn reconcile_now(&self) {
+        for (worker, threads) in self.pool.reconcile().await {
+            self.table.reconcile(worker, &threads);
+        }
+    }
+
+    /// The owner of `thread`: the table first, then the pool's own view of its control legs.
+    pub fn find_owner(&self, thread: &str) -> Option<WorkerId> {
+        if let Some(w) = self.table.owner(thread) {
+            return Some(w);
+        }
+        let found = self
+            .pool
+            .loaded_threads()
+            .into_iter()
+            .find(|(_, threads)| threads.iter().any(|t| t == thread))
+            .map(|(w, _)| w)?;
+        self.table.learn(thread, found);
+        Some(found)
+    }
+
+    fn on_pool_event(&self, ev: PoolEvent) {
+        match ev {
+            PoolEvent::Notification { worker, message } => self.on_notification(worker, &message),
+            PoolEvent::Loaded { worker, threads } => self.table.reconcile(worker, &threads),
+            PoolEvent::WorkerExited { worker, .. } => self.on_worker_exited(worker),
+            _ => {}
+        }
+    }
+
+    fn on_notification(&self, worker: WorkerId, message: &Value) {
+        let Some(method) = message["method"].as_str() else {
+            return;
+        };
+        if !method.starts_with("thread/") {
+            return; // process-wide news reaches sessions through their own legs
+        }
+        let params = &message["params"];
+        let thread = params["threadId"]
+            .as_str()
+            .or_else(|| params["thread"]["id"].as_str());
+        if let Some(thread) = thread {
+            match (method, params["status"]["type"].as_str()) {
+                ("thread/started", _) => self.table.learn(thread, worker),
+                ("thread/closed", _) | ("thread/status/changed", Some("notLoaded")) => {
+                    self.table.forget(thread, worker)
+                }
+                ("thread/status/changed", Some(_)) => self.table.learn(thread, worker),
+                _ => {}
+            }
+        }
+        let _receivers = self.relay.send(Relayed {
+            worker,
+            text: Arc::from(message.to_string()),
+            to_all: false,
+        });
+    }
+
+    /// Subscribers of the dead worker's threads learn that each one failed and closed.
+    fn on_worker_exited(&self, worker: WorkerId) {
+        for thread in self.table.forget_worker(worker) {
+            for msg in [
+                json!({"method": "thread/status/changed", "params": {"threadId": thread, "status": {"type": "systemError"}}}),
+                json!({"method": "thread/closed", "params": {"threadId": thread}}),
+            ] {
+                let _receivers = self.relay.send(Relayed {
+                    worker,
+                    text: Arc::from(msg.to_string()),
+                    to_all: true,
+                });
+            }
+        }
+    }
+}
+
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .events
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            task.abort();
+        }
+    }
 }
 
 /// Every tenant, and the tokens that name them.
@@ -31,6 +176,7 @@ impl Tenants {
     /// Builds each tenant's pool (min_workers start in the background).
     pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
         let program = resolve_program(&cfg.workers.command[0])?;
+        let fleet = FleetCap::new(cfg.workers.max_workers);
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
         for (index, t) in cfg.tenants.iter().enumerate() {
@@ -39,11 +185,11 @@ impl Tenants {
                     tokens.insert(digest, index);
                 }
             }
-            let pool_cfg = pool_config(cfg, t, &program);
-            list.push(Arc::new(Tenant {
-                id: t.id.clone(),
-                pool: Pool::new(pool_cfg, metrics.clone()),
-            }));
+            let pool_cfg = pool_config(cfg, t, &program, &fleet);
+            list.push(Tenant::new(
+                t.id.clone(),
+                Pool::new(pool_cfg, metrics.clone()),
+            ));
         }
         Ok(Tenants { list, tokens })
     }
@@ -70,7 +216,7 @@ impl Tenants {
     }
 }
 
-fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path) -> PoolConfig {
+fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path, fleet: &FleetCap) -> PoolConfig {
     let w = &cfg.workers;
     let mut overrides = w.config_overrides.clone();
     overrides.extend(t.config_overrides.iter().cloned());
@@ -92,6 +238,10 @@ fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path) -> PoolConfig {
         restart_backoff_initial: Duration::from_millis(w.restart_backoff_initial_ms),
         restart_backoff_max: Duration::from_millis(w.restart_backoff_max_ms),
         stop_grace: Duration::from_secs(w.stop_grace_secs),
+        load_mark: w.load_mark,
+        worker_idle: Duration::from_secs(w.worker_idle_secs),
+        fleet: fleet.clone(),
+        ..PoolConfig::default()
     }
 }
 
@@ -184,4 +334,32 @@ fn native_codex_beside_launcher(launcher: &Path) -> anyhow::Result<PathBuf> {
                 launcher.display()
             )
         })
+}
+
+/// Follows the pool's events for as long as the tenant exists (it holds no strong reference
+/// while waiting, so dropping the tenant ends it).
+async fn watch_pool(
+    tenant: std::sync::Weak<Tenant>,
+    mut events: broadcast::Receiver<PoolEvent>,
+    reconcile: Arc<Notify>,
+) {
+    loop {
+        tokio::select! {
+            ev = events.recv() => {
+                let Some(t) = tenant.upgrade() else { return };
+                match ev {
+                    Ok(ev) => t.on_pool_event(ev),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(tenant = %t.id, missed = n, "pool events lagged; reconciling");
+                        t.reconcile_now().await;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+            () = reconcile.notified() => {
+                let Some(t) = tenant.upgrade() else { return };
+                t.reconcile_now().await;
+            }
+        }
+    }
 }

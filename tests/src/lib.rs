@@ -106,6 +106,16 @@ impl FleetBuilder {
         self
     }
 
+    /// Adds a tenant with a fresh random token and the given pool bounds.
+    pub fn tenant_pool(mut self, id: &str, min_workers: usize, max_workers: usize) -> Self {
+        self = self.tenant(id);
+        if let Some(t) = self.tenants.last_mut() {
+            t.min_workers = min_workers;
+            t.max_workers = max_workers;
+        }
+        self
+    }
+
     /// Extra lines for the `[workers]` table.
     pub fn workers_toml(mut self, lines: &str) -> Self {
         self.extra_workers.push_str(lines);
@@ -169,12 +179,14 @@ impl FleetBuilder {
         let addr = listener.local_addr()?;
         let admin_addr = admin.local_addr()?;
         let server = router::Server::build(cfg, prometheus_registry())?;
+        let tenants = server.tenants().clone();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(listener, admin, async move {
             let _stopped = stop_rx.await;
         }));
         Ok(Fleet {
             files,
+            tenants,
             addr,
             admin_addr,
             stop: Some(stop_tx),
@@ -216,6 +228,8 @@ impl FleetFiles {
 pub struct Fleet {
     /// Its files.
     pub files: FleetFiles,
+    /// Its tenants (pools and thread tables), for assertions.
+    pub tenants: Arc<router::tenants::Tenants>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.
@@ -228,6 +242,15 @@ impl Fleet {
     /// `wss://localhost:PORT/`
     pub fn url(&self) -> String {
         format!("wss://localhost:{}/", self.addr.port())
+    }
+
+    /// A tenant by id.
+    pub fn tenant(&self, id: &str) -> Arc<router::tenants::Tenant> {
+        self.tenants
+            .iter()
+            .find(|t| t.id == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no tenant {id}"))
     }
 
     /// Connects as a tenant (no initialize yet).

@@ -42,6 +42,8 @@ pub enum LegError {
 /// One open leg.
 pub struct Leg {
     worker: WorkerId,
+    /// Held so the pool counts this leg as a user of the worker (no idle stop under it).
+    _handle: WorkerHandle,
     tx: mpsc::Sender<Message>,
     reader: JoinHandle<()>,
     writer: JoinHandle<()>,
@@ -50,7 +52,7 @@ pub struct Leg {
 impl Leg {
     /// Connects to the worker and starts the leg's tasks.
     pub async fn open(
-        handle: &WorkerHandle,
+        handle: WorkerHandle,
         max_message_bytes: usize,
         events: mpsc::Sender<LegEvent>,
     ) -> Result<Leg, LegError> {
@@ -94,6 +96,7 @@ impl Leg {
         });
         Ok(Leg {
             worker,
+            _handle: handle,
             tx,
             reader,
             writer,
