@@ -2,6 +2,7 @@
 //! relays JSON-RPC to the tenant's supervised `codex app-server` workers.
 
 pub mod admin;
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod dev;
