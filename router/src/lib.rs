@@ -10,6 +10,7 @@ pub mod jsonrpc;
 pub mod listener;
 pub mod metrics;
 pub mod mock_model;
+pub mod policy;
 pub mod session;
 pub mod tenants;
 pub mod tls;
