@@ -8,6 +8,25 @@
 //! (or, at the upgrade, HTTP 429/503 with `Retry-After`). Decision 7 in DESIGN.md.
 //!
 //! Locks are plain `std::sync` locks held for a few map operations and never across an await.
+//!
+//! Use, in this order:
+//! 1. Listener, before TLS/upgrade work: [`Admission::check_handshake`] on the peer address;
+//!    after authentication: [`Admission::open_connection`] for the tenant. Either refusal is
+//!    answered with [`Rejection::http_status`] and `Retry-After: `[`Rejection::retry_after_secs`].
+//!    The session keeps the [`ConnectionGuard`] for its whole life.
+//! 2. Every client text frame, once parsed: [`ConnectionGuard::check_frame`]. A refused
+//!    request gets [`Rejection::to_error_response`]; a refused notification or response
+//!    closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
+//! 3. Every client request: [`Admission::check_request`] (tenant rate; for `turn/start` the
+//!    turn rate and active-turn cap), then the host-access policy, then routing.
+//! 4. Before forwarding it to the chosen worker: [`Admission::try_worker_slot`] (or
+//!    [`Admission::worker_slot`] from a task that may wait); keep the [`InFlightPermit`] with
+//!    the in-flight entry until the worker answers or the leg is gone.
+//! 5. Every response from a worker: [`Admission::rewrite_worker_overload`].
+//! 6. `turn/started` / `turn/completed` (and `thread/closed`, worker exit) seen by anyone:
+//!    [`Admission::turn_started`] / [`Admission::turn_ended`]; a worker exit also calls
+//!    [`Admission::forget_worker`]. One [`Pruner`] from [`Admission::spawn_pruner`] lives as
+//!    long as the server.
 
 mod clock;
 mod rejection;
@@ -430,6 +449,12 @@ impl Admission {
             // Timed out, or the semaphore was closed (never done today): the worker is busy.
             Ok(Err(_)) | Err(_) => Err(self.worker_busy()),
         }
+    }
+
+    /// Gives a worker's own `-32001` the router's `data` shape (scope `worker`, reason
+    /// `workerOverloaded`, `retryAfterMs` from `in_flight_wait_ms`); `None` leaves `text` as is.
+    pub fn rewrite_worker_overload(&self, text: &str) -> Option<String> {
+        rewrite_worker_overload(text, self.config().in_flight_wait())
     }
 
     /// Forgets a worker that exited; its outstanding permits stay valid until dropped.

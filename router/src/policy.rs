@@ -10,6 +10,12 @@
 //! `"Host access denied by policy: <method> <detail>"` and
 //! `data: {"reason": "hostAccessDenied", "policy": "<class>", "method": "<method>"}`.
 //! Details name the offending params field, never a resolved path.
+//!
+//! Use: for every client request, after admission and before routing, call
+//! [`HostAccessPolicy::check`] with the tenant's policy and [`TenantRoots`]. `Allow` forwards
+//! the frame unchanged; `Rewrite(params)` forwards [`rewritten_request`]; `Deny` answers
+//! [`Denial::to_error_response`] and forwards nothing. Checks touch the filesystem
+//! (`canonicalize`), so they cost a few syscalls for the host-access methods only.
 
 mod paths;
 mod rules;
@@ -177,6 +183,13 @@ pub enum Decision {
     Rewrite(String),
     /// Answer with [`Denial::to_error_response`] and do not forward.
     Deny(Denial),
+}
+
+/// The request frame to forward after [`Decision::Rewrite`]: the same id and method with the
+/// new params. `None` only if `params` is not JSON (never for a rewrite's own output).
+pub fn rewritten_request(id: &RequestId, method: &str, params: &str) -> Option<String> {
+    let params = RawValue::from_string(params.to_owned()).ok()?;
+    Some(jsonrpc::request(id, method, Some(&params)))
 }
 
 /// A refused request.
@@ -441,6 +454,7 @@ impl HostAccessPolicy {
             Check::ConfigOverrides => self
                 .check_config_overrides(obj.get("config"))
                 .map(|()| false),
+            Check::Inputs => check_inputs(obj.get("input"), roots).map(|()| false),
         }
     }
 
@@ -542,6 +556,25 @@ fn check_opt_path(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(
             .map_err(|e| format!("`{key}` {e}")),
         Some(_) => Err(format!("`{key}` must be a string")),
     }
+}
+
+/// The host files named by a turn's input items.
+fn check_inputs(input: Option<&Value>, roots: &TenantRoots) -> Result<(), String> {
+    for item in array(input, "input")? {
+        let kind = item.get("type").and_then(Value::as_str).unwrap_or_default();
+        let path = match item.get("path") {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(p)) => p.as_str(),
+            Some(_) => return Err("`input` has a path that is not a string".into()),
+        };
+        let checked = match kind {
+            "mention" if path.contains("://") => continue,
+            "skill" | "mention" => roots.check_skill(path),
+            _ => roots.check(path),
+        };
+        checked.map_err(|e| format!("`input` {kind} path {e}"))?;
+    }
+    Ok(())
 }
 
 /// Every path of an array (or absent, or null) inside the roots.

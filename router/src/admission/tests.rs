@@ -319,3 +319,15 @@ async fn the_pruner_runs_and_stops_when_dropped() {
     tokio::time::sleep(Duration::from_millis(40)).await;
     assert_eq!(adm.limiter_keys(), 1, "a dropped pruner must not run");
 }
+
+#[test]
+fn worker_overload_is_rewritten_with_the_configured_wait() {
+    let adm = Admission::new(small()).unwrap();
+    let text = r#"{"id":3,"error":{"code":-32001,"message":"Server overloaded; retry later.","data":null}}"#;
+    let v: serde_json::Value =
+        serde_json::from_str(&adm.rewrite_worker_overload(text).unwrap()).unwrap();
+    assert_eq!(v["error"]["data"]["scope"], "worker");
+    let ms = v["error"]["data"]["retryAfterMs"].as_u64().unwrap();
+    assert!((30..=37).contains(&ms), "{ms}");
+    assert_eq!(adm.rewrite_worker_overload(r#"{"id":3,"result":{}}"#), None);
+}

@@ -96,8 +96,20 @@ impl TenantRoots {
     /// Checks a rollout file named by `thread/resume` or `thread/fork` `path`: it must lie in
     /// the tenant's own `sessions/` or `archived_sessions/`.
     pub fn check_rollout(&self, path: &str) -> Result<PathBuf, PathError> {
+        self.check_home(path, &["sessions", "archived_sessions"])
+    }
+
+    /// Checks a skill file named in a turn's input: inside the roots, or among the tenant's
+    /// own installed skills and plugins in its CODEX_HOME.
+    pub fn check_skill(&self, path: &str) -> Result<PathBuf, PathError> {
+        self.check(path)
+            .or_else(|_| self.check_home(path, &["skills", "plugins"]))
+    }
+
+    /// `path` must resolve inside one of `subdirs` of the tenant's CODEX_HOME.
+    fn check_home(&self, path: &str, subdirs: &[&str]) -> Result<PathBuf, PathError> {
         let resolved = resolve(path, &self.codex_home)?;
-        let ok = ["sessions", "archived_sessions"]
+        let ok = subdirs
             .iter()
             .any(|d| resolved.starts_with(self.codex_home.join(d)));
         if ok {

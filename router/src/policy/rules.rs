@@ -36,6 +36,10 @@ pub enum Check {
     Profile(&'static str),
     /// `config` overrides of a thread: only allowed keys.
     ConfigOverrides,
+    /// `input: [UserInput]`: the host files a turn reads (`localImage`, `localAudio` paths
+    /// inside the roots; `skill` and `mention` paths inside the roots or the tenant's own
+    /// installed skills and plugins; `app://`-style mention URIs are not files).
+    Inputs,
 }
 
 /// A method that reaches the host.
@@ -71,6 +75,7 @@ const THREAD_FROM: &[Check] = &[
     ConfigOverrides,
 ];
 const TURN: &[Check] = &[
+    Inputs,
     Path("cwd"),
     Paths("runtimeWorkspaceRoots"),
     Environments,
@@ -147,6 +152,9 @@ pub fn lookup(method: &str) -> Option<Rule> {
         "thread/start" => rule(Class::Workspace, THREAD_START),
         "thread/resume" | "thread/fork" => rule(Class::Workspace, THREAD_FROM),
         "turn/start" => rule(Class::Workspace, TURN),
+        "turn/steer" | "thread/queue/add" | "thread/queue/update" => {
+            rule(Class::Workspace, &[Inputs])
+        }
         "thread/settings/update" => rule(
             Class::Workspace,
             &[
@@ -194,5 +202,6 @@ pub fn checked_keys(checks: &[Check]) -> impl Iterator<Item = &'static str> + '_
         SandboxMode => "sandbox",
         SandboxPolicy | SandboxPolicyOrDefault => "sandboxPolicy",
         ConfigOverrides => "config",
+        Inputs => "input",
     })
 }

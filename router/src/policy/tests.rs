@@ -682,3 +682,64 @@ fn roots_need_a_workspace_and_exclusions_win() {
         Err(PathError::Outside)
     );
 }
+
+#[test]
+fn turn_inputs_may_only_name_files_inside() {
+    let f = Fixture::new();
+    let p = root_policy();
+    fs::create_dir_all(f.p("state/tenants/acme/skills/lint")).unwrap();
+    fs::write(f.p("state/tenants/acme/skills/lint/SKILL.md"), "x").unwrap();
+    let turn = |input: Value| json!({ "threadId": "t", "input": [ { "type": "text", "text": "hi" }, input ] });
+    for input in [
+        json!({ "type": "localImage", "path": f.ws("src/main.rs") }),
+        json!({ "type": "skill", "name": "lint", "path": f.p("state/tenants/acme/skills/lint/SKILL.md") }),
+        json!({ "type": "mention", "name": "app", "path": "app://calendar" }),
+        json!({ "type": "image", "url": "https://example.com/x.png" }),
+    ] {
+        assert_eq!(
+            decide(&p, "turn/start", turn(input.clone()), &f.roots),
+            Decision::Allow,
+            "{input}"
+        );
+    }
+    for (method, input) in [
+        (
+            "turn/start",
+            json!({ "type": "localImage", "path": f.p("secret/tls.key") }),
+        ),
+        (
+            "turn/steer",
+            json!({ "type": "localAudio", "path": f.p("state/workspaces/beta/code.rs") }),
+        ),
+        (
+            "thread/queue/add",
+            json!({ "type": "skill", "name": "x", "path": f.p("state/tenants/acme/auth.json") }),
+        ),
+        (
+            "thread/queue/update",
+            json!({ "type": "mention", "name": "x", "path": f.p("state/tenants/beta/auth.json") }),
+        ),
+        (
+            "turn/start",
+            json!({ "type": "skill", "name": "x", "path": f.p("state/tenants/beta/sessions/rollout-b.jsonl") }),
+        ),
+    ] {
+        assert_denied(
+            &decide(&p, method, turn(input), &f.roots),
+            Class::Workspace,
+            "`input`",
+        );
+    }
+}
+
+#[test]
+fn a_rewrite_becomes_a_request_with_the_same_id() {
+    let out =
+        rewritten_request(&RequestId::Str("r1".into()), "hooks/list", r#"{"cwds":[]}"#).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v,
+        json!({ "id": "r1", "method": "hooks/list", "params": { "cwds": [] } })
+    );
+    assert_eq!(rewritten_request(&RequestId::Int(1), "m", "{nope"), None);
+}
