@@ -108,9 +108,7 @@ async fn turn_start_has_its_own_rate() {
         (r.scope, r.reason),
         (Scope::Tenant, Reason::TurnRateLimited)
     );
-    assert!(
-        r.retry_after > Duration::from_millis(50) && r.retry_after <= Duration::from_millis(100)
-    );
+    assert!(r.retry_after > Duration::ZERO && r.retry_after <= Duration::from_millis(100));
     // Other methods are still admitted.
     adm.check_request("acme", "thread/read", Some("t1"))
         .unwrap();
@@ -250,7 +248,12 @@ async fn worker_slots_are_bounded_with_a_short_wait() {
     );
     // Another worker has its own slots.
     let _q = adm.try_worker_slot(worker(1)).unwrap();
-    // A slot freed during the wait is taken.
+    // A slot freed during the wait is taken (a long wait, so a loaded machine cannot flake it).
+    adm.reconfigure(AdmissionConfig {
+        in_flight_wait_ms: 10_000,
+        ..small()
+    })
+    .unwrap();
     let adm2 = Arc::clone(&adm);
     let waiter = tokio::spawn(async move { adm2.worker_slot(worker(0)).await.map(|_| ()) });
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -311,7 +314,7 @@ async fn the_pruner_runs_and_stops_when_dropped() {
     let adm = Admission::new(cfg).unwrap();
     adm.check_request("a", "thread/list", None).unwrap();
     let pruner = adm.spawn_pruner(Duration::from_millis(10));
-    tokio::time::sleep(Duration::from_millis(40)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(adm.limiter_keys(), 0);
     drop(pruner);
     tokio::time::sleep(Duration::from_millis(5)).await;
