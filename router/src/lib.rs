@@ -2,6 +2,7 @@
 //! relays JSON-RPC to the tenant's supervised `codex app-server` workers.
 
 pub mod admin;
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod dev;
@@ -9,6 +10,7 @@ pub mod jsonrpc;
 pub mod listener;
 pub mod metrics;
 pub mod mock_model;
+pub mod policy;
 pub mod route;
 pub mod session;
 pub mod tenants;

@@ -1,0 +1,603 @@
+//! Admission control: rate limits and caps that every frame passes before it costs a worker anything.
+//!
+//! One [`Admission`] is shared by all sessions. It holds governor (GCRA) limiters keyed by
+//! tenant and by source address, a direct limiter per connection (inside its
+//! [`ConnectionGuard`]), counters for connections and active turns, and a semaphore per worker
+//! that bounds the requests in flight on it. Every refusal is a [`Rejection`] that knows its
+//! scope, its reason and when to come back; the session turns it into a JSON-RPC `-32001`
+//! (or, at the upgrade, HTTP 429/503 with `Retry-After`). Decision 7 in DESIGN.md.
+//!
+//! Locks are plain `std::sync` locks held for a few map operations and never across an await.
+//!
+//! Use, in this order:
+//! 1. Listener, before TLS/upgrade work: [`Admission::check_handshake`] on the peer address;
+//!    after authentication: [`Admission::open_connection`] for the tenant. Either refusal is
+//!    answered with [`Rejection::http_status`] and `Retry-After: `[`Rejection::retry_after_secs`].
+//!    The session keeps the [`ConnectionGuard`] for its whole life.
+//! 2. Every client text frame, once parsed: [`ConnectionGuard::check_frame`]. A refused
+//!    request gets [`Rejection::to_error_response`]; a refused notification or response
+//!    closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
+//! 3. Every client request: [`Admission::check_request`] (tenant rate; for `turn/start` the
+//!    turn rate and active-turn cap), then the host-access policy, then routing.
+//! 4. Before forwarding it to the chosen worker: [`Admission::try_worker_slot`] (or
+//!    [`Admission::worker_slot`] from a task that may wait); keep the [`InFlightPermit`] with
+//!    the in-flight entry until the worker answers or the leg is gone.
+//! 5. Every response from a worker: [`Admission::rewrite_worker_overload`].
+//! 6. `turn/started` / `turn/completed` (and `thread/closed`, worker exit) seen by anyone:
+//!    [`Admission::turn_started`] / [`Admission::turn_ended`]; a worker exit also calls
+//!    [`Admission::forget_worker`]. One [`Pruner`] from [`Admission::spawn_pruner`] lives as
+//!    long as the server.
+
+mod clock;
+mod rejection;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr};
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::time::Duration;
+
+use governor::clock::Clock;
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::keyed::DefaultKeyedStateStore;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+use serde::Deserialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use worker::WorkerId;
+
+pub use clock::TokioClock;
+pub use rejection::{rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE};
+
+/// A limiter keyed by `K`, on tokio's clock.
+type KeyedLimiter<K> = RateLimiter<K, DefaultKeyedStateStore<K>, TokioClock, NoOpMiddleware<Nanos>>;
+/// A limiter for one thing, on tokio's clock.
+type DirectLimiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>;
+
+/// `[limits.admission]`: every rate and cap admission enforces. All have defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Requests per second per tenant, summed over all its connections.
+    pub tenant_rps: u32,
+    /// Requests a tenant may send at once above its rate.
+    pub tenant_burst: u32,
+    /// Frames per second per connection (requests, notifications and responses).
+    pub conn_fps: u32,
+    /// Frames a connection may send at once above its rate (the TUI's start-up burst fits).
+    pub conn_burst: u32,
+    /// `turn/start` requests per minute per tenant.
+    pub turn_start_per_min: u32,
+    /// `turn/start` requests a tenant may send at once above its rate.
+    pub turn_start_burst: u32,
+    /// WebSocket upgrades per second per source address, before authentication.
+    pub handshakes_per_sec_per_ip: u32,
+    /// Upgrades a source address may attempt at once above its rate.
+    pub handshake_burst: u32,
+    /// Open client connections per tenant.
+    pub max_conns_per_tenant: usize,
+    /// Open client connections in total.
+    pub max_conns_total: usize,
+    /// Turns running at once per tenant; a further `turn/start` is refused.
+    pub max_active_turns_per_tenant: usize,
+    /// Requests in flight per worker (app-server itself sheds at 128 queued).
+    pub max_in_flight_per_worker: usize,
+    /// How long a request may wait for a worker slot before it is refused.
+    pub in_flight_wait_ms: u64,
+    /// `retryAfterMs` suggested when a cap (not a rate) refuses.
+    pub cap_retry_after_ms: u64,
+    /// An active turn not seen to end within this time is forgotten (guards against a lost
+    /// `turn/completed` pinning a tenant at its cap forever).
+    pub active_turn_ttl_secs: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            tenant_rps: 200,
+            tenant_burst: 1000,
+            conn_fps: 100,
+            conn_burst: 500,
+            turn_start_per_min: 60,
+            turn_start_burst: 20,
+            handshakes_per_sec_per_ip: 10,
+            handshake_burst: 50,
+            max_conns_per_tenant: 256,
+            max_conns_total: 10_000,
+            max_active_turns_per_tenant: 32,
+            max_in_flight_per_worker: 32,
+            in_flight_wait_ms: 250,
+            cap_retry_after_ms: 1000,
+            active_turn_ttl_secs: 6 * 3600,
+        }
+    }
+}
+
+/// A configuration admission cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("limits: {key} must be at least 1")]
+pub struct AdmissionConfigError {
+    /// The offending key.
+    pub key: &'static str,
+}
+
+impl AdmissionConfig {
+    /// Checks that every rate, burst and cap is at least 1.
+    pub fn validate(&self) -> Result<(), AdmissionConfigError> {
+        let rates = [
+            ("tenant_rps", self.tenant_rps),
+            ("tenant_burst", self.tenant_burst),
+            ("conn_fps", self.conn_fps),
+            ("conn_burst", self.conn_burst),
+            ("turn_start_per_min", self.turn_start_per_min),
+            ("turn_start_burst", self.turn_start_burst),
+            ("handshakes_per_sec_per_ip", self.handshakes_per_sec_per_ip),
+            ("handshake_burst", self.handshake_burst),
+        ];
+        let caps = [
+            ("max_conns_per_tenant", self.max_conns_per_tenant),
+            ("max_conns_total", self.max_conns_total),
+            (
+                "max_active_turns_per_tenant",
+                self.max_active_turns_per_tenant,
+            ),
+            ("max_in_flight_per_worker", self.max_in_flight_per_worker),
+        ];
+        let zero_rate = rates.iter().find(|(_, v)| *v == 0).map(|(k, _)| *k);
+        let zero_cap = caps.iter().find(|(_, v)| *v == 0).map(|(k, _)| *k);
+        match zero_rate.or(zero_cap) {
+            Some(key) => Err(AdmissionConfigError { key }),
+            None => Ok(()),
+        }
+    }
+
+    /// The bounded wait for a worker slot.
+    pub fn in_flight_wait(&self) -> Duration {
+        Duration::from_millis(self.in_flight_wait_ms)
+    }
+
+    fn cap_retry_after(&self) -> Duration {
+        Duration::from_millis(self.cap_retry_after_ms)
+    }
+
+    fn quotas(&self) -> Result<Quotas, AdmissionConfigError> {
+        self.validate()?;
+        let nz = |key: &'static str, v: u32| NonZeroU32::new(v).ok_or(AdmissionConfigError { key });
+        Ok(Quotas {
+            tenant: Quota::per_second(nz("tenant_rps", self.tenant_rps)?)
+                .allow_burst(nz("tenant_burst", self.tenant_burst)?),
+            conn: Quota::per_second(nz("conn_fps", self.conn_fps)?)
+                .allow_burst(nz("conn_burst", self.conn_burst)?),
+            turn_start: Quota::per_minute(nz("turn_start_per_min", self.turn_start_per_min)?)
+                .allow_burst(nz("turn_start_burst", self.turn_start_burst)?),
+            handshake: Quota::per_second(nz(
+                "handshakes_per_sec_per_ip",
+                self.handshakes_per_sec_per_ip,
+            )?)
+            .allow_burst(nz("handshake_burst", self.handshake_burst)?),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Quotas {
+    tenant: Quota,
+    conn: Quota,
+    turn_start: Quota,
+    handshake: Quota,
+}
+
+/// The limiters of one configuration; replaced as a whole on reload when a quota changes.
+struct Limiters {
+    quotas: Quotas,
+    tenant: KeyedLimiter<String>,
+    turn_start: KeyedLimiter<String>,
+    handshake: KeyedLimiter<IpAddr>,
+}
+
+impl Limiters {
+    fn new(quotas: Quotas) -> Limiters {
+        Limiters {
+            quotas,
+            tenant: keyed(quotas.tenant),
+            turn_start: keyed(quotas.turn_start),
+            handshake: keyed(quotas.handshake),
+        }
+    }
+
+    fn keys(&self) -> usize {
+        self.tenant.len() + self.turn_start.len() + self.handshake.len()
+    }
+}
+
+fn keyed<K: std::hash::Hash + Eq + Clone>(quota: Quota) -> KeyedLimiter<K> {
+    RateLimiter::new(quota, DefaultKeyedStateStore::default(), TokioClock::new())
+}
+
+/// Connections and active turns of one tenant.
+#[derive(Debug, Default)]
+struct TenantState {
+    conns: usize,
+    /// Threads with a running turn, and when it was seen to start.
+    turns: HashMap<String, Instant>,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    total_conns: usize,
+    tenants: HashMap<String, TenantState>,
+}
+
+/// Admission state shared by every session; see the module docs.
+pub struct Admission {
+    cfg: RwLock<Arc<AdmissionConfig>>,
+    limiters: RwLock<Arc<Limiters>>,
+    counts: Mutex<Counts>,
+    workers: Mutex<HashMap<WorkerId, Arc<Semaphore>>>,
+}
+
+/// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read<T: Clone>(l: &RwLock<T>) -> T {
+    l.read().unwrap_or_else(PoisonError::into_inner).clone()
+}
+
+fn write<T>(l: &RwLock<T>, v: T) {
+    *l.write().unwrap_or_else(PoisonError::into_inner) = v;
+}
+
+/// The limiter key of a source address: IPv6 clients are grouped by /64, the smallest block
+/// a single subscriber usually holds, so rotating addresses within it does not evade the limit.
+fn ip_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
+// === impl Admission ===
+
+impl Admission {
+    /// Builds admission from a validated configuration.
+    pub fn new(cfg: AdmissionConfig) -> Result<Arc<Admission>, AdmissionConfigError> {
+        let quotas = cfg.quotas()?;
+        Ok(Arc::new(Admission {
+            cfg: RwLock::new(Arc::new(cfg)),
+            limiters: RwLock::new(Arc::new(Limiters::new(quotas))),
+            counts: Mutex::new(Counts::default()),
+            workers: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// Applies a reloaded configuration. Counters (connections, active turns, permits held)
+    /// carry over; limiters whose quota changed start afresh (a full burst for everyone);
+    /// open connections keep the frame rate they were opened with; a new in-flight cap
+    /// applies to workers as they next get a slot (permits held on the old bound drain out).
+    pub fn reconfigure(&self, cfg: AdmissionConfig) -> Result<(), AdmissionConfigError> {
+        let quotas = cfg.quotas()?;
+        let old = self.config();
+        if read(&self.limiters).quotas != quotas {
+            write(&self.limiters, Arc::new(Limiters::new(quotas)));
+        }
+        if old.max_in_flight_per_worker != cfg.max_in_flight_per_worker {
+            lock(&self.workers).clear();
+        }
+        write(&self.cfg, Arc::new(cfg));
+        Ok(())
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<AdmissionConfig> {
+        read(&self.cfg)
+    }
+
+    /// Pre-authentication: may this source address attempt another upgrade?
+    pub fn check_handshake(&self, ip: IpAddr) -> Result<(), Rejection> {
+        let limiters = read(&self.limiters);
+        limiters
+            .handshake
+            .check_key(&ip_key(ip))
+            .map_err(|not_until| {
+                Rejection::rate(
+                    Scope::Connection,
+                    Reason::HandshakeRateLimited,
+                    not_until.wait_time_from(limiters.handshake.clock().now()),
+                )
+            })
+    }
+
+    /// After authentication: admits one more connection of `tenant` under the per-tenant and
+    /// total caps. The guard gives the slot back when dropped and carries the connection's
+    /// frame limiter.
+    pub fn open_connection(self: &Arc<Self>, tenant: &str) -> Result<ConnectionGuard, Rejection> {
+        let cfg = self.config();
+        {
+            let mut counts = lock(&self.counts);
+            if counts.total_conns >= cfg.max_conns_total {
+                return Err(Rejection::cap(
+                    Scope::Fleet,
+                    Reason::TooManyConnections,
+                    cfg.cap_retry_after(),
+                ));
+            }
+            let state = counts.tenants.entry(tenant.to_owned()).or_default();
+            if state.conns >= cfg.max_conns_per_tenant {
+                return Err(Rejection::cap(
+                    Scope::Tenant,
+                    Reason::TooManyConnections,
+                    cfg.cap_retry_after(),
+                ));
+            }
+            state.conns += 1;
+            counts.total_conns += 1;
+        }
+        let quota = read(&self.limiters).quotas.conn;
+        Ok(ConnectionGuard {
+            admission: Arc::downgrade(self),
+            tenant: tenant.to_owned(),
+            frames: RateLimiter::direct_with_clock(quota, TokioClock::new()),
+        })
+    }
+
+    /// Admits one client request of `tenant`: the tenant's request rate, and for `turn/start`
+    /// also the tenant's turn rate and active-turn cap. A `turn/start` naming a thread that
+    /// already runs a turn steers it and is not counted as a new turn.
+    pub fn check_request(
+        &self,
+        tenant: &str,
+        method: &str,
+        thread_id: Option<&str>,
+    ) -> Result<(), Rejection> {
+        let limiters = read(&self.limiters);
+        let key = tenant.to_owned();
+        let rate = |limiter: &KeyedLimiter<String>, reason| {
+            limiter.check_key(&key).map_err(|not_until| {
+                Rejection::rate(
+                    Scope::Tenant,
+                    reason,
+                    not_until.wait_time_from(limiter.clock().now()),
+                )
+            })
+        };
+        rate(&limiters.tenant, Reason::TenantRateLimited)?;
+        if method != TURN_START {
+            return Ok(());
+        }
+        let cfg = self.config();
+        {
+            let counts = lock(&self.counts);
+            let turns = counts.tenants.get(tenant).map(|t| &t.turns);
+            let steering = thread_id.is_some_and(|t| turns.is_some_and(|ts| ts.contains_key(t)));
+            if steering {
+                return Ok(());
+            }
+            if turns.map_or(0, HashMap::len) >= cfg.max_active_turns_per_tenant {
+                return Err(Rejection::cap(
+                    Scope::Tenant,
+                    Reason::ActiveTurnLimit,
+                    cfg.cap_retry_after(),
+                ));
+            }
+        }
+        rate(&limiters.turn_start, Reason::TurnRateLimited)
+    }
+
+    /// Records that `thread_id` of `tenant` runs a turn (`turn/started`). Idempotent, so every
+    /// session that sees the broadcast may report it.
+    pub fn turn_started(&self, tenant: &str, thread_id: &str) {
+        let mut counts = lock(&self.counts);
+        let state = counts.tenants.entry(tenant.to_owned()).or_default();
+        state
+            .turns
+            .entry(thread_id.to_owned())
+            .or_insert_with(Instant::now);
+    }
+
+    /// Records that the turn on `thread_id` ended (`turn/completed`, or the thread closed or
+    /// its worker died). Idempotent.
+    pub fn turn_ended(&self, tenant: &str, thread_id: &str) {
+        let mut counts = lock(&self.counts);
+        if let Some(state) = counts.tenants.get_mut(tenant) {
+            state.turns.remove(thread_id);
+            if state.conns == 0 && state.turns.is_empty() {
+                counts.tenants.remove(tenant);
+            }
+        }
+    }
+
+    /// Turns `tenant` is known to be running.
+    pub fn active_turns(&self, tenant: &str) -> usize {
+        lock(&self.counts)
+            .tenants
+            .get(tenant)
+            .map_or(0, |t| t.turns.len())
+    }
+
+    /// Open connections of `tenant` and in total.
+    pub fn connections(&self, tenant: &str) -> (usize, usize) {
+        let counts = lock(&self.counts);
+        let of_tenant = counts.tenants.get(tenant).map_or(0, |t| t.conns);
+        (of_tenant, counts.total_conns)
+    }
+
+    /// A slot on `worker` without waiting; hold the permit until the worker answers.
+    pub fn try_worker_slot(&self, worker: WorkerId) -> Result<InFlightPermit, Rejection> {
+        self.worker_semaphore(worker)
+            .try_acquire_owned()
+            .map(|permit| InFlightPermit { _permit: permit })
+            .map_err(|_| self.worker_busy())
+    }
+
+    /// A slot on `worker`, waiting at most `in_flight_wait_ms` for one to free up.
+    pub async fn worker_slot(&self, worker: WorkerId) -> Result<InFlightPermit, Rejection> {
+        let sem = self.worker_semaphore(worker);
+        let wait = self.config().in_flight_wait();
+        match tokio::time::timeout(wait, sem.acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(InFlightPermit { _permit: permit }),
+            // Timed out, or the semaphore was closed (never done today): the worker is busy.
+            Ok(Err(_)) | Err(_) => Err(self.worker_busy()),
+        }
+    }
+
+    /// Gives a worker's own `-32001` the router's `data` shape (scope `worker`, reason
+    /// `workerOverloaded`, `retryAfterMs` from `in_flight_wait_ms`); `None` leaves `text` as is.
+    pub fn rewrite_worker_overload(&self, text: &str) -> Option<String> {
+        rewrite_worker_overload(text, self.config().in_flight_wait())
+    }
+
+    /// Forgets a worker that exited; its outstanding permits stay valid until dropped.
+    pub fn forget_worker(&self, worker: WorkerId) {
+        lock(&self.workers).remove(&worker);
+    }
+
+    fn worker_semaphore(&self, worker: WorkerId) -> Arc<Semaphore> {
+        let cap = self.config().max_in_flight_per_worker;
+        lock(&self.workers)
+            .entry(worker)
+            .or_insert_with(|| Arc::new(Semaphore::new(cap)))
+            .clone()
+    }
+
+    fn worker_busy(&self) -> Rejection {
+        Rejection::cap(
+            Scope::Worker,
+            Reason::WorkerBusy,
+            self.config().in_flight_wait(),
+        )
+    }
+
+    /// Drops per-key state that no longer matters: limiter keys back at full burst, idle
+    /// worker semaphores, and active turns older than the TTL.
+    pub fn prune(&self) {
+        let limiters = read(&self.limiters);
+        limiters.tenant.retain_recent();
+        limiters.turn_start.retain_recent();
+        limiters.handshake.retain_recent();
+        limiters.tenant.shrink_to_fit();
+        limiters.turn_start.shrink_to_fit();
+        limiters.handshake.shrink_to_fit();
+        let cfg = self.config();
+        lock(&self.workers).retain(|_, sem| {
+            Arc::strong_count(sem) > 1 || sem.available_permits() < cfg.max_in_flight_per_worker
+        });
+        let ttl = Duration::from_secs(cfg.active_turn_ttl_secs);
+        let mut counts = lock(&self.counts);
+        for state in counts.tenants.values_mut() {
+            state.turns.retain(|_, since| since.elapsed() < ttl);
+        }
+        counts
+            .tenants
+            .retain(|_, t| t.conns > 0 || !t.turns.is_empty());
+        counts.tenants.shrink_to_fit();
+    }
+
+    /// Keys held by the keyed limiters (tenants, turn rates, source addresses).
+    pub fn limiter_keys(&self) -> usize {
+        read(&self.limiters).keys()
+    }
+
+    /// Starts a task that calls [`Admission::prune`] every `every`; it stops when the returned
+    /// [`Pruner`] is dropped or the admission is gone.
+    pub fn spawn_pruner(self: &Arc<Self>, every: Duration) -> Pruner {
+        let weak: Weak<Admission> = Arc::downgrade(self);
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match weak.upgrade() {
+                    Some(admission) => admission.prune(),
+                    None => break,
+                }
+            }
+        });
+        Pruner { task }
+    }
+
+    fn close_connection(&self, tenant: &str) {
+        let mut counts = lock(&self.counts);
+        counts.total_conns = counts.total_conns.saturating_sub(1);
+        if let Some(state) = counts.tenants.get_mut(tenant) {
+            state.conns = state.conns.saturating_sub(1);
+            if state.conns == 0 && state.turns.is_empty() {
+                counts.tenants.remove(tenant);
+            }
+        }
+    }
+}
+
+/// The method whose requests count against the turn rate and the active-turn cap.
+const TURN_START: &str = "turn/start";
+
+/// One admitted client connection: holds its tenant's connection slot until dropped and
+/// limits the connection's frame rate.
+pub struct ConnectionGuard {
+    admission: Weak<Admission>,
+    tenant: String,
+    frames: DirectLimiter,
+}
+
+impl ConnectionGuard {
+    /// Admits one frame of this connection. A refused request gets `-32001`; a refused
+    /// notification or response closes the connection (1008, [`FLOOD_CLOSE_REASON`]), because
+    /// those cannot be answered and must not be dropped silently.
+    pub fn check_frame(&self) -> Result<(), Rejection> {
+        self.frames.check().map_err(|not_until| {
+            Rejection::rate(
+                Scope::Connection,
+                Reason::ConnectionRateLimited,
+                not_until.wait_time_from(self.frames.clock().now()),
+            )
+        })
+    }
+
+    /// The tenant this connection counts against.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        if let Some(admission) = self.admission.upgrade() {
+            admission.close_connection(&self.tenant);
+        }
+    }
+}
+
+/// Close reason for a connection whose notifications or responses exceed its frame rate.
+pub const FLOOD_CLOSE_REASON: &str = "frame rate limit exceeded";
+
+/// A request in flight on a worker; the slot frees when this is dropped (keep it with the
+/// request until the worker answers, or the leg or worker is gone).
+#[derive(Debug)]
+pub struct InFlightPermit {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// The owned background pruning task; dropping it stops the task.
+#[derive(Debug)]
+pub struct Pruner {
+    task: JoinHandle<()>,
+}
+
+impl Drop for Pruner {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests;

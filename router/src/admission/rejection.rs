@@ -1,0 +1,182 @@
+//! What a refused client learns: scope, reason and a jittered time to come back, as JSON-RPC
+//! `-32001` data or as an HTTP status with `Retry-After`.
+
+use std::time::Duration;
+
+use rand::Rng;
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use crate::jsonrpc::{self, codes, RequestId};
+
+/// The message of every `-32001`, word for word as app-server sends it.
+pub const OVERLOADED_MESSAGE: &str = "Server overloaded; retry later.";
+
+/// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
+const JITTER_DIVISOR: u64 = 4;
+
+/// What was exhausted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Scope {
+    /// This connection (its frame rate, or its source address before authentication).
+    Connection,
+    /// The client's tenant (its rates and caps).
+    Tenant,
+    /// The worker that would serve the request.
+    Worker,
+    /// codex-fleet as a whole.
+    Fleet,
+}
+
+/// Why, in one word a client can switch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Reason {
+    /// Too many upgrade attempts from one source address.
+    HandshakeRateLimited,
+    /// Too many frames on this connection.
+    ConnectionRateLimited,
+    /// Too many requests from this tenant.
+    TenantRateLimited,
+    /// Too many `turn/start` from this tenant.
+    TurnRateLimited,
+    /// The tenant already runs its maximum of turns.
+    ActiveTurnLimit,
+    /// The worker has its maximum of requests in flight.
+    WorkerBusy,
+    /// The worker itself answered `-32001`.
+    WorkerOverloaded,
+    /// Connection cap of the tenant (scope tenant) or of codex-fleet (scope fleet).
+    TooManyConnections,
+}
+
+impl Reason {
+    /// The wire spelling, e.g. `"tenantRateLimited"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::HandshakeRateLimited => "handshakeRateLimited",
+            Reason::ConnectionRateLimited => "connectionRateLimited",
+            Reason::TenantRateLimited => "tenantRateLimited",
+            Reason::TurnRateLimited => "turnRateLimited",
+            Reason::ActiveTurnLimit => "activeTurnLimit",
+            Reason::WorkerBusy => "workerBusy",
+            Reason::WorkerOverloaded => "workerOverloaded",
+            Reason::TooManyConnections => "tooManyConnections",
+        }
+    }
+}
+
+/// Whether a rate or a cap said no; decides the HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Rate,
+    Cap,
+}
+
+/// A refusal. Its jittered retry time is fixed when it is made, so the JSON-RPC data and the
+/// HTTP `Retry-After` of one refusal agree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// What was exhausted.
+    pub scope: Scope,
+    /// Why.
+    pub reason: Reason,
+    /// When the limiter would say yes (rates), or the configured back-off (caps); unjittered.
+    pub retry_after: Duration,
+    kind: Kind,
+    retry_after_ms: u64,
+}
+
+impl Rejection {
+    /// A rate limiter said no; `wait` is how long until it would say yes.
+    pub fn rate(scope: Scope, reason: Reason, wait: Duration) -> Rejection {
+        Rejection::new(Kind::Rate, scope, reason, wait)
+    }
+
+    /// A cap said no; `retry_after` is the suggested back-off.
+    pub fn cap(scope: Scope, reason: Reason, retry_after: Duration) -> Rejection {
+        Rejection::new(Kind::Cap, scope, reason, retry_after)
+    }
+
+    fn new(kind: Kind, scope: Scope, reason: Reason, retry_after: Duration) -> Rejection {
+        Rejection {
+            scope,
+            reason,
+            retry_after,
+            kind,
+            retry_after_ms: jittered_ms(retry_after, &mut rand::rng()),
+        }
+    }
+
+    /// `retry_after` in whole milliseconds (rounded up, at least 1) plus 0–25 % random jitter,
+    /// so the clients refused together do not all return together.
+    pub fn retry_after_ms_jittered(&self) -> u64 {
+        self.retry_after_ms
+    }
+
+    /// The `data` of the `-32001` error:
+    /// `{"retryAfterMs": N, "scope": "connection"|"tenant"|"worker"|"fleet", "reason": "…"}`.
+    pub fn to_error_data(&self) -> Value {
+        json!({
+            "retryAfterMs": self.retry_after_ms,
+            "scope": self.scope,
+            "reason": self.reason,
+        })
+    }
+
+    /// The whole JSON-RPC error response to request `id`.
+    pub fn to_error_response(&self, id: &RequestId) -> String {
+        jsonrpc::error_response(
+            Some(id),
+            codes::OVERLOADED,
+            OVERLOADED_MESSAGE,
+            Some(self.to_error_data()),
+        )
+    }
+
+    /// The status for a refusal at the HTTP upgrade: 429 for rates, 503 for caps.
+    pub fn http_status(&self) -> u16 {
+        match self.kind {
+            Kind::Rate => 429,
+            Kind::Cap => 503,
+        }
+    }
+
+    /// The `Retry-After` header value: the jittered wait in whole seconds, rounded up.
+    pub fn retry_after_secs(&self) -> u64 {
+        self.retry_after_ms.div_ceil(1000)
+    }
+}
+
+/// Whole milliseconds, rounded up and at least 1, plus up to a quarter more at random.
+fn jittered_ms(d: Duration, rng: &mut impl Rng) -> u64 {
+    let base = u64::try_from(d.as_nanos().div_ceil(1_000_000))
+        .unwrap_or(u64::MAX)
+        .max(1);
+    base.saturating_add(rng.random_range(0..=base / JITTER_DIVISOR))
+}
+
+/// Gives a worker's own `-32001` (app-server sends it with `data: null`) the same `data` shape
+/// as the router's, with scope `worker` and reason `workerOverloaded`. Returns the rewritten
+/// frame, or `None` when `text` is not such an error (forward it unchanged).
+pub fn rewrite_worker_overload(text: &str, retry_after: Duration) -> Option<String> {
+    // Cheap test first: this runs on every response from a worker.
+    if !text.contains("-32001") {
+        return None;
+    }
+    let mut msg: Map<String, Value> = serde_json::from_str(text).ok()?;
+    let error = msg.get_mut("error")?.as_object_mut()?;
+    if error.get("code")?.as_i64()? != codes::OVERLOADED {
+        return None;
+    }
+    if error.get("data").is_some_and(|d| !d.is_null()) {
+        return None;
+    }
+    let rejection = Rejection::rate(Scope::Worker, Reason::WorkerOverloaded, retry_after);
+    error.insert("data".into(), rejection.to_error_data());
+    Some(Value::Object(msg).to_string())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,113 @@
+use super::*;
+
+#[test]
+fn jitter_stays_within_a_quarter() {
+    let mut rng = rand::rng();
+    for ms in [0_u64, 1, 3, 40, 999, 1000, 12_345] {
+        let d = Duration::from_millis(ms);
+        let base = ms.max(1);
+        let seen: Vec<u64> = (0..500).map(|_| jittered_ms(d, &mut rng)).collect();
+        assert!(
+            seen.iter().all(|&v| v >= base && v <= base + base / 4),
+            "{ms}: {seen:?}"
+        );
+        if base >= 40 {
+            assert!(seen.iter().any(|&v| v != seen[0]), "{ms}: no jitter at all");
+        }
+    }
+    // Sub-millisecond waits round up, never to zero.
+    assert_eq!(jittered_ms(Duration::from_micros(10), &mut rng), 1);
+}
+
+#[test]
+fn error_data_has_the_exact_shape() {
+    let r = Rejection::rate(
+        Scope::Tenant,
+        Reason::TenantRateLimited,
+        Duration::from_millis(80),
+    );
+    let data = r.to_error_data();
+    let keys: Vec<&String> = data.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["reason", "retryAfterMs", "scope"]);
+    assert_eq!(data["scope"], "tenant");
+    assert_eq!(data["reason"], "tenantRateLimited");
+    let ms = data["retryAfterMs"].as_u64().unwrap();
+    assert!((80..=100).contains(&ms), "{ms}");
+    assert_eq!(ms, r.retry_after_ms_jittered());
+
+    let resp: Value =
+        serde_json::from_str(&r.to_error_response(&RequestId::Str("a".into()))).unwrap();
+    assert_eq!(
+        resp,
+        json!({"id": "a", "error": {"code": -32001, "message": "Server overloaded; retry later.", "data": data}})
+    );
+    for (scope, s) in [
+        (Scope::Connection, "connection"),
+        (Scope::Worker, "worker"),
+        (Scope::Fleet, "fleet"),
+    ] {
+        let r = Rejection::cap(scope, Reason::WorkerBusy, Duration::ZERO);
+        assert_eq!(r.to_error_data()["scope"], s);
+        assert_eq!(r.to_error_data()["reason"], "workerBusy");
+    }
+    for reason in [
+        Reason::HandshakeRateLimited,
+        Reason::ConnectionRateLimited,
+        Reason::TurnRateLimited,
+        Reason::ActiveTurnLimit,
+        Reason::WorkerOverloaded,
+        Reason::TooManyConnections,
+    ] {
+        assert_eq!(serde_json::to_value(reason).unwrap(), reason.as_str());
+    }
+}
+
+#[test]
+fn http_status_and_retry_after() {
+    let rate = Rejection::rate(
+        Scope::Connection,
+        Reason::HandshakeRateLimited,
+        Duration::from_millis(1500),
+    );
+    assert_eq!(rate.http_status(), 429);
+    // 1500..=1875 ms rounds up to 2 s.
+    assert_eq!(rate.retry_after_secs(), 2);
+    let cap = Rejection::cap(
+        Scope::Fleet,
+        Reason::TooManyConnections,
+        Duration::from_millis(10),
+    );
+    assert_eq!(cap.http_status(), 503);
+    assert_eq!(cap.retry_after_secs(), 1);
+}
+
+#[test]
+fn worker_overload_gets_the_same_shape() {
+    let text = r#"{"id":7,"error":{"code":-32001,"message":"Server overloaded; retry later.","data":null}}"#;
+    let out = rewrite_worker_overload(text, Duration::from_millis(200)).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["id"], 7);
+    assert_eq!(v["error"]["code"], -32001);
+    assert_eq!(v["error"]["message"], OVERLOADED_MESSAGE);
+    assert_eq!(v["error"]["data"]["scope"], "worker");
+    assert_eq!(v["error"]["data"]["reason"], "workerOverloaded");
+    let ms = v["error"]["data"]["retryAfterMs"].as_u64().unwrap();
+    assert!((200..=250).contains(&ms), "{ms}");
+    // Without a data field at all, too.
+    let bare = r#"{"id":"x","error":{"code":-32001,"message":"m"}}"#;
+    assert!(rewrite_worker_overload(bare, Duration::from_millis(1)).is_some());
+    // Everything else passes unchanged.
+    for other in [
+        r#"{"id":7,"result":{"n":-32001}}"#,
+        r#"{"id":7,"error":{"code":-32600,"message":"-32001"}}"#,
+        r#"{"id":7,"error":{"code":-32001,"message":"m","data":{"retryAfterMs":5}}}"#,
+        r#"{"method":"x","params":{"n":-32001}}"#,
+        "not json -32001",
+    ] {
+        assert_eq!(
+            rewrite_worker_overload(other, Duration::ZERO),
+            None,
+            "{other}"
+        );
+    }
+}

@@ -1,0 +1,336 @@
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::*;
+
+fn small() -> AdmissionConfig {
+    AdmissionConfig {
+        tenant_rps: 20,
+        tenant_burst: 3,
+        conn_fps: 20,
+        conn_burst: 2,
+        turn_start_per_min: 600, // one per 100 ms
+        turn_start_burst: 2,
+        handshakes_per_sec_per_ip: 20,
+        handshake_burst: 2,
+        max_conns_per_tenant: 2,
+        max_conns_total: 3,
+        max_active_turns_per_tenant: 2,
+        max_in_flight_per_worker: 2,
+        in_flight_wait_ms: 30,
+        cap_retry_after_ms: 500,
+        active_turn_ttl_secs: 3600,
+    }
+}
+
+fn worker(slot: u32) -> WorkerId {
+    WorkerId::new("acme", slot, 0)
+}
+
+#[test]
+fn defaults_are_valid_and_zero_is_refused() {
+    let cfg = AdmissionConfig::default();
+    assert_eq!(cfg.validate(), Ok(()));
+    assert!(cfg.max_in_flight_per_worker < 128);
+    let bad = AdmissionConfig {
+        conn_burst: 0,
+        ..AdmissionConfig::default()
+    };
+    assert_eq!(bad.validate().unwrap_err().key, "conn_burst");
+    assert!(Admission::new(bad).is_err());
+    let bad = AdmissionConfig {
+        max_in_flight_per_worker: 0,
+        ..AdmissionConfig::default()
+    };
+    assert_eq!(bad.validate().unwrap_err().key, "max_in_flight_per_worker");
+}
+
+#[test]
+fn config_reads_from_toml_with_defaults_and_refuses_unknown_keys() {
+    let cfg: AdmissionConfig = toml::from_str("tenant_rps = 5\nin_flight_wait_ms = 100\n").unwrap();
+    assert_eq!(cfg.tenant_rps, 5);
+    assert_eq!(cfg.in_flight_wait(), Duration::from_millis(100));
+    assert_eq!(cfg.conn_fps, AdmissionConfig::default().conn_fps);
+    let err = toml::from_str::<AdmissionConfig>("tenant_rsp = 5\n").unwrap_err();
+    assert!(err.to_string().contains("tenant_rsp"), "{err}");
+}
+
+#[tokio::test]
+async fn connection_frames_burst_then_refuse_then_recover() {
+    let adm = Admission::new(small()).unwrap();
+    let conn = adm.open_connection("acme").unwrap();
+    let other = adm.open_connection("acme").unwrap();
+    conn.check_frame().unwrap();
+    conn.check_frame().unwrap();
+    let r = conn.check_frame().unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Connection, Reason::ConnectionRateLimited)
+    );
+    assert!(r.retry_after > Duration::ZERO && r.retry_after <= Duration::from_millis(50));
+    assert_eq!(r.http_status(), 429);
+    // Another connection of the same tenant is not affected.
+    other.check_frame().unwrap();
+    tokio::time::sleep(Duration::from_millis(r.retry_after_ms_jittered())).await;
+    conn.check_frame().unwrap();
+}
+
+#[tokio::test]
+async fn tenant_rate_is_shared_by_its_connections_only() {
+    let adm = Admission::new(small()).unwrap();
+    for _ in 0..3 {
+        adm.check_request("acme", "thread/list", None).unwrap();
+    }
+    let r = adm.check_request("acme", "model/list", None).unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::TenantRateLimited)
+    );
+    assert!(r.retry_after > Duration::ZERO);
+    adm.check_request("other", "thread/list", None).unwrap();
+    tokio::time::sleep(r.retry_after + Duration::from_millis(2)).await;
+    adm.check_request("acme", "thread/list", None).unwrap();
+}
+
+#[tokio::test]
+async fn turn_start_has_its_own_rate() {
+    let cfg = AdmissionConfig {
+        tenant_burst: 100,
+        max_active_turns_per_tenant: 100,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    adm.check_request("acme", "turn/start", Some("t1")).unwrap();
+    adm.check_request("acme", "turn/start", Some("t2")).unwrap();
+    let r = adm
+        .check_request("acme", "turn/start", Some("t3"))
+        .unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::TurnRateLimited)
+    );
+    assert!(r.retry_after > Duration::ZERO && r.retry_after <= Duration::from_millis(100));
+    // Other methods are still admitted.
+    adm.check_request("acme", "thread/read", Some("t1"))
+        .unwrap();
+    tokio::time::sleep(r.retry_after + Duration::from_millis(2)).await;
+    adm.check_request("acme", "turn/start", Some("t3")).unwrap();
+}
+
+#[test]
+fn active_turn_cap_counts_threads_and_lets_steering_through() {
+    let cfg = AdmissionConfig {
+        tenant_burst: 100,
+        turn_start_burst: 100,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    adm.turn_started("acme", "t1");
+    adm.turn_started("acme", "t1"); // the same broadcast seen by a second session
+    adm.turn_started("acme", "t2");
+    assert_eq!(adm.active_turns("acme"), 2);
+    let r = adm
+        .check_request("acme", "turn/start", Some("t3"))
+        .unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::ActiveTurnLimit)
+    );
+    assert_eq!(r.retry_after, Duration::from_millis(500));
+    assert_eq!(r.http_status(), 503);
+    // A turn/start on a thread that runs a turn steers it.
+    adm.check_request("acme", "turn/start", Some("t1")).unwrap();
+    // Another tenant has its own count.
+    adm.check_request("other", "turn/start", Some("t9"))
+        .unwrap();
+    adm.turn_ended("acme", "t2");
+    adm.turn_ended("acme", "t2");
+    assert_eq!(adm.active_turns("acme"), 1);
+    adm.check_request("acme", "turn/start", Some("t3")).unwrap();
+}
+
+#[test]
+fn connection_caps_release_on_drop() {
+    let adm = Admission::new(small()).unwrap();
+    let a1 = adm.open_connection("a").unwrap();
+    let a2 = adm.open_connection("a").unwrap();
+    let r = adm.open_connection("a").err().unwrap();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::TooManyConnections)
+    );
+    assert_eq!(r.http_status(), 503);
+    assert!(r.retry_after_secs() >= 1);
+    let b1 = adm.open_connection("b").unwrap();
+    let r = adm.open_connection("c").err().unwrap();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Fleet, Reason::TooManyConnections)
+    );
+    assert_eq!(adm.connections("a"), (2, 3));
+    drop(a1);
+    assert_eq!(adm.connections("a"), (1, 2));
+    let c1 = adm.open_connection("c").unwrap();
+    assert_eq!(c1.tenant(), "c");
+    drop((a2, b1, c1));
+    assert_eq!(adm.connections("a"), (0, 0));
+    // No per-tenant entries are left behind.
+    assert!(lock(&adm.counts).tenants.is_empty());
+}
+
+#[tokio::test]
+async fn handshakes_are_limited_per_source_address() {
+    let adm = Admission::new(small()).unwrap();
+    let ip = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    adm.check_handshake(ip).unwrap();
+    adm.check_handshake(ip).unwrap();
+    let r = adm.check_handshake(ip).unwrap_err();
+    assert_eq!(r.reason, Reason::HandshakeRateLimited);
+    assert_eq!(r.http_status(), 429);
+    adm.check_handshake(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 2)))
+        .unwrap();
+    // IPv6 addresses of one /64 share a budget.
+    let v6 = |last| IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 1, 2, 0, 0, 0, last));
+    adm.check_handshake(v6(1)).unwrap();
+    adm.check_handshake(v6(2)).unwrap();
+    assert!(adm.check_handshake(v6(3)).is_err());
+    tokio::time::sleep(r.retry_after + Duration::from_millis(2)).await;
+    adm.check_handshake(ip).unwrap();
+}
+
+#[tokio::test]
+async fn idle_keyed_state_is_pruned() {
+    let cfg = AdmissionConfig {
+        tenant_rps: 1000,
+        tenant_burst: 1,
+        handshakes_per_sec_per_ip: 1000,
+        handshake_burst: 1,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    for i in 0..200_u8 {
+        adm.check_request(&format!("t{i}"), "thread/list", None)
+            .unwrap();
+        adm.check_handshake(IpAddr::V4(Ipv4Addr::new(10, 0, 0, i)))
+            .unwrap();
+    }
+    assert_eq!(adm.limiter_keys(), 400);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    adm.prune();
+    assert_eq!(adm.limiter_keys(), 0);
+}
+
+#[tokio::test]
+async fn stale_active_turns_expire() {
+    let cfg = AdmissionConfig {
+        active_turn_ttl_secs: 0,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    adm.turn_started("acme", "t1");
+    adm.prune();
+    assert_eq!(adm.active_turns("acme"), 0);
+    assert!(lock(&adm.counts).tenants.is_empty());
+}
+
+#[tokio::test]
+async fn worker_slots_are_bounded_with_a_short_wait() {
+    let adm = Admission::new(small()).unwrap();
+    let p1 = adm.worker_slot(worker(0)).await.unwrap();
+    let _p2 = adm.try_worker_slot(worker(0)).unwrap();
+    let started = Instant::now();
+    let r = adm.worker_slot(worker(0)).await.unwrap_err();
+    assert!(started.elapsed() >= Duration::from_millis(30));
+    assert_eq!((r.scope, r.reason), (Scope::Worker, Reason::WorkerBusy));
+    assert!(r.retry_after_ms_jittered() >= 30);
+    assert_eq!(
+        adm.try_worker_slot(worker(0)).unwrap_err().reason,
+        Reason::WorkerBusy
+    );
+    // Another worker has its own slots.
+    let _q = adm.try_worker_slot(worker(1)).unwrap();
+    // A slot freed during the wait is taken (a long wait, so a loaded machine cannot flake it).
+    adm.reconfigure(AdmissionConfig {
+        in_flight_wait_ms: 10_000,
+        ..small()
+    })
+    .unwrap();
+    let adm2 = Arc::clone(&adm);
+    let waiter = tokio::spawn(async move { adm2.worker_slot(worker(0)).await.map(|_| ()) });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    drop(p1);
+    waiter.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn idle_worker_semaphores_are_pruned() {
+    let adm = Admission::new(small()).unwrap();
+    let held = adm.try_worker_slot(worker(0)).unwrap();
+    drop(adm.try_worker_slot(worker(1)).unwrap());
+    adm.prune();
+    assert_eq!(lock(&adm.workers).len(), 1);
+    drop(held);
+    adm.prune();
+    assert!(lock(&adm.workers).is_empty());
+    adm.try_worker_slot(worker(2)).unwrap();
+    adm.forget_worker(worker(2));
+    assert!(lock(&adm.workers).is_empty());
+}
+
+#[tokio::test]
+async fn reconfigure_keeps_counts_and_applies_new_limits() {
+    let adm = Admission::new(small()).unwrap();
+    let _c = adm.open_connection("a").unwrap();
+    adm.turn_started("a", "t1");
+    for _ in 0..3 {
+        adm.check_request("a", "thread/list", None).unwrap();
+    }
+    assert!(adm.check_request("a", "thread/list", None).is_err());
+    let wider = AdmissionConfig {
+        tenant_burst: 10,
+        max_conns_per_tenant: 1,
+        ..small()
+    };
+    adm.reconfigure(wider).unwrap();
+    assert_eq!(adm.connections("a"), (1, 1));
+    assert_eq!(adm.active_turns("a"), 1);
+    adm.check_request("a", "thread/list", None).unwrap();
+    assert!(adm.open_connection("a").is_err());
+    assert!(adm
+        .reconfigure(AdmissionConfig {
+            tenant_rps: 0,
+            ..small()
+        })
+        .is_err());
+    assert_eq!(adm.config().tenant_burst, 10);
+}
+
+#[tokio::test]
+async fn the_pruner_runs_and_stops_when_dropped() {
+    let cfg = AdmissionConfig {
+        tenant_rps: 1000,
+        tenant_burst: 1,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    adm.check_request("a", "thread/list", None).unwrap();
+    let pruner = adm.spawn_pruner(Duration::from_millis(10));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(adm.limiter_keys(), 0);
+    drop(pruner);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    adm.check_request("a", "thread/list", None).unwrap();
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    assert_eq!(adm.limiter_keys(), 1, "a dropped pruner must not run");
+}
+
+#[test]
+fn worker_overload_is_rewritten_with_the_configured_wait() {
+    let adm = Admission::new(small()).unwrap();
+    let text = r#"{"id":3,"error":{"code":-32001,"message":"Server overloaded; retry later.","data":null}}"#;
+    let v: serde_json::Value =
+        serde_json::from_str(&adm.rewrite_worker_overload(text).unwrap()).unwrap();
+    assert_eq!(v["error"]["data"]["scope"], "worker");
+    let ms = v["error"]["data"]["retryAfterMs"].as_u64().unwrap();
+    assert!((30..=37).contains(&ms), "{ms}");
+    assert_eq!(adm.rewrite_worker_overload(r#"{"id":3,"result":{}}"#), None);
+}

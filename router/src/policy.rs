@@ -1,0 +1,619 @@
+//! Host-access policy per tenant: allows, refuses or confines the methods that reach the
+//! worker's host (files, commands, processes, config, accounts, plugins, working directories).
+//!
+//! Defence in depth behind the per-tenant Unix uid (DESIGN.md decision 11), and the only
+//! barrier when tenants share a uid. The session asks [`HostAccessPolicy::check`] for every
+//! client request before routing it; methods not in the table (see `policy/rules.rs`) pass
+//! without their params being parsed.
+//!
+//! A refusal is a JSON-RPC error with code [`HOST_ACCESS_DENIED`] (`-32003`), message
+//! `"Host access denied by policy: <method> <detail>"` and
+//! `data: {"reason": "hostAccessDenied", "policy": "<class>", "method": "<method>"}`.
+//! Details name the offending params field, never a resolved path.
+//!
+//! Use: for every client request, after admission and before routing, call
+//! [`HostAccessPolicy::check`] with the tenant's policy and [`TenantRoots`]. `Allow` forwards
+//! the frame unchanged; `Rewrite(params)` forwards [`rewritten_request`]; `Deny` answers
+//! [`Denial::to_error_response`] and forwards nothing. Checks touch the filesystem
+//! (`canonicalize`), so they cost a few syscalls for the host-access methods only.
+
+mod paths;
+mod rules;
+mod strict;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::{json, Map, Value};
+
+use crate::jsonrpc::{self, RequestId};
+pub use paths::{resolve, PathError, TenantRoots};
+use rules::{Check, Rule};
+
+/// JSON-RPC error code of a request refused by the host-access policy. Next to app-server's
+/// `-32001` (overloaded) and the router's `-32002` (worker unavailable); unlike those it is not
+/// retryable, and unlike `-32600` a client can tell a policy refusal from a malformed request.
+pub const HOST_ACCESS_DENIED: i64 = -32003;
+
+/// A group of host-access methods sharing one mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Class {
+    /// `fs/*`, `fuzzyFileSearch*`, `feedback/upload|save` (they read named log files).
+    Fs,
+    /// `command/exec` and its follow-ups: commands run in app-server's sandbox.
+    CommandExec,
+    /// `process/*`: processes app-server starts without any sandbox.
+    Process,
+    /// `thread/shellCommand`: a shell string app-server runs unsandboxed with full access.
+    ShellCommand,
+    /// Writes to the tenant's process-wide config and integrations (`config/value/write`,
+    /// `config/batchWrite`, `skills/config/write`, `modelProvider/*` writes,
+    /// `experimentalFeature/enablement/set`, `environment/add`, `externalAgentConfig/*`,
+    /// `remoteControl/*` changes, `windowsSandbox/setupStart`).
+    ConfigWrite,
+    /// `account/login*`, `account/logout` and other credential changes.
+    Account,
+    /// Plugin and marketplace installs, removals and shares.
+    Plugins,
+    /// Working directories, workspace roots, sandbox and permission choices of threads and
+    /// turns, and the discovery cwds of `config/read`, `skills/list`, `hooks/list`, ….
+    Workspace,
+}
+
+impl Class {
+    /// The name used in config and in error data, e.g. `"command_exec"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Fs => "fs",
+            Class::CommandExec => "command_exec",
+            Class::Process => "process",
+            Class::ShellCommand => "shell_command",
+            Class::ConfigWrite => "config_write",
+            Class::Account => "account",
+            Class::Plugins => "plugins",
+            Class::Workspace => "workspace",
+        }
+    }
+
+    /// The class of a method, if it reaches the host.
+    pub fn of(method: &str) -> Option<Class> {
+        rules::lookup(method).map(|r| r.class)
+    }
+
+    /// Whether `confine` means something for this class.
+    fn confinable(self) -> bool {
+        matches!(
+            self,
+            Class::Fs | Class::CommandExec | Class::Process | Class::Workspace
+        )
+    }
+}
+
+/// What to do with a class of methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Forward unchecked.
+    Allow,
+    /// Refuse every method of the class.
+    Deny,
+    /// Forward only when every path resolves inside the tenant's roots and no sandbox or
+    /// permission choice is wider than workspace-write.
+    Confine,
+}
+
+/// `[tenants.policy]` as written; unset keys take the defaults of
+/// [`HostAccessPolicy::defaults`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// `fs/*` and other named-file methods.
+    pub fs: Option<Mode>,
+    /// `command/exec*`.
+    pub command_exec: Option<Mode>,
+    /// `process/*`.
+    pub process: Option<Mode>,
+    /// `thread/shellCommand` (`allow` or `deny`).
+    pub shell_command: Option<Mode>,
+    /// Config writes (`allow` or `deny`).
+    pub config_write: Option<Mode>,
+    /// Account changes (`allow` or `deny`).
+    pub account: Option<Mode>,
+    /// Plugin installs (`allow` or `deny`).
+    pub plugins: Option<Mode>,
+    /// Thread and turn working directories (`allow` or `confine`).
+    pub workspace: Option<Mode>,
+    /// Named permission profiles clients may select.
+    pub permission_profiles: Option<Vec<String>>,
+    /// Top-level keys allowed in a thread's `config` overrides.
+    pub thread_config_keys: Option<Vec<String>>,
+    /// Whether a sandbox policy may ask for network access.
+    pub sandbox_network: Option<bool>,
+}
+
+/// A policy value that cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// `confine` on a class the router has nothing to confine in.
+    #[error("policy.{0}: only \"allow\" or \"deny\" are possible; the router cannot confine it")]
+    CannotConfine(&'static str),
+    /// `deny` on `workspace` would refuse every thread.
+    #[error("policy.workspace: only \"allow\" or \"confine\" are possible")]
+    CannotDenyWorkspace,
+}
+
+/// Built-in profiles no wider than workspace-write.
+const DEFAULT_PROFILES: &[&str] = &[":read-only", ":workspace"];
+/// Thread config overrides that change the model's behaviour, not its reach.
+const DEFAULT_CONFIG_KEYS: &[&str] = &[
+    "model",
+    "model_reasoning_effort",
+    "model_reasoning_summary",
+    "model_verbosity",
+    "service_tier",
+    "features",
+    "personality",
+    "web_search",
+    "hide_agent_reasoning",
+    "show_raw_agent_reasoning",
+];
+
+/// The resolved policy of one tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostAccessPolicy {
+    fs: Mode,
+    command_exec: Mode,
+    process: Mode,
+    shell_command: Mode,
+    config_write: Mode,
+    account: Mode,
+    plugins: Mode,
+    workspace: Mode,
+    permission_profiles: Vec<String>,
+    thread_config_keys: Vec<String>,
+    sandbox_network: bool,
+}
+
+/// The policy's answer for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Forward the frame as it is.
+    Allow,
+    /// Forward the request with these params (JSON text) instead.
+    Rewrite(String),
+    /// Answer with [`Denial::to_error_response`] and do not forward.
+    Deny(Denial),
+}
+
+/// The request frame to forward after [`Decision::Rewrite`]: the same id and method with the
+/// new params. `None` only if `params` is not JSON (never for a rewrite's own output).
+pub fn rewritten_request(id: &RequestId, method: &str, params: &str) -> Option<String> {
+    let params = RawValue::from_string(params.to_owned()).ok()?;
+    Some(jsonrpc::request(id, method, Some(&params)))
+}
+
+/// A refused request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Denial {
+    /// The class whose mode refused.
+    pub class: Class,
+    /// The method.
+    pub method: String,
+    /// What was wrong, for the client (names params fields, never resolved paths).
+    pub detail: String,
+}
+
+impl Denial {
+    fn new(class: Class, method: &str, detail: impl Into<String>) -> Denial {
+        Denial {
+            class,
+            method: method.to_owned(),
+            detail: detail.into(),
+        }
+    }
+
+    /// The error message: `Host access denied by policy: <method> <detail>`.
+    pub fn message(&self) -> String {
+        format!(
+            "Host access denied by policy: {} {}",
+            self.method, self.detail
+        )
+    }
+
+    /// `{"reason": "hostAccessDenied", "policy": "<class>", "method": "<method>"}`
+    pub fn to_error_data(&self) -> Value {
+        json!({
+            "reason": "hostAccessDenied",
+            "policy": self.class.as_str(),
+            "method": self.method,
+        })
+    }
+
+    /// The whole JSON-RPC error response to request `id`.
+    pub fn to_error_response(&self, id: &RequestId) -> String {
+        jsonrpc::error_response(
+            Some(id),
+            HOST_ACCESS_DENIED,
+            &self.message(),
+            Some(self.to_error_data()),
+        )
+    }
+}
+
+// === impl PolicyConfig ===
+
+impl PolicyConfig {
+    /// Fills unset keys from [`HostAccessPolicy::defaults`] and checks the modes.
+    pub fn resolve(&self, shared_uid: bool) -> Result<HostAccessPolicy, PolicyError> {
+        let d = HostAccessPolicy::defaults(shared_uid);
+        let p = HostAccessPolicy {
+            fs: self.fs.unwrap_or(d.fs),
+            command_exec: self.command_exec.unwrap_or(d.command_exec),
+            process: self.process.unwrap_or(d.process),
+            shell_command: self.shell_command.unwrap_or(d.shell_command),
+            config_write: self.config_write.unwrap_or(d.config_write),
+            account: self.account.unwrap_or(d.account),
+            plugins: self.plugins.unwrap_or(d.plugins),
+            workspace: self.workspace.unwrap_or(d.workspace),
+            permission_profiles: self
+                .permission_profiles
+                .clone()
+                .unwrap_or(d.permission_profiles),
+            thread_config_keys: self
+                .thread_config_keys
+                .clone()
+                .unwrap_or(d.thread_config_keys),
+            sandbox_network: self.sandbox_network.unwrap_or(d.sandbox_network),
+        };
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+// === impl HostAccessPolicy ===
+
+impl HostAccessPolicy {
+    /// The defaults. With a uid per tenant (`shared_uid == false`): `fs` and `command_exec`
+    /// confined (the OS keeps other tenants' files out of reach, the policy keeps paths and
+    /// sandboxes tidy); `process` and `shell_command` denied (app-server runs them without any
+    /// sandbox); config writes, account changes and plugin installs denied (they change the
+    /// tenant's process-wide state and credentials, which the operator provisions);
+    /// `workspace` confined. With one shared uid, `fs` and `command_exec` are denied too:
+    /// app-server's read-only and workspace-write sandboxes still read the whole disk, so a
+    /// confined command could read another tenant's files.
+    pub fn defaults(shared_uid: bool) -> HostAccessPolicy {
+        let confine_unless_shared = if shared_uid {
+            Mode::Deny
+        } else {
+            Mode::Confine
+        };
+        HostAccessPolicy {
+            fs: confine_unless_shared,
+            command_exec: confine_unless_shared,
+            process: Mode::Deny,
+            shell_command: Mode::Deny,
+            config_write: Mode::Deny,
+            account: Mode::Deny,
+            plugins: Mode::Deny,
+            workspace: Mode::Confine,
+            permission_profiles: DEFAULT_PROFILES.iter().map(|s| (*s).to_owned()).collect(),
+            thread_config_keys: DEFAULT_CONFIG_KEYS
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
+            sandbox_network: false,
+        }
+    }
+
+    fn validate(&self) -> Result<(), PolicyError> {
+        for class in [
+            Class::ShellCommand,
+            Class::ConfigWrite,
+            Class::Account,
+            Class::Plugins,
+        ] {
+            if self.mode(class) == Mode::Confine && !class.confinable() {
+                return Err(PolicyError::CannotConfine(class.as_str()));
+            }
+        }
+        if self.workspace == Mode::Deny {
+            return Err(PolicyError::CannotDenyWorkspace);
+        }
+        Ok(())
+    }
+
+    /// The mode of a class.
+    pub fn mode(&self, class: Class) -> Mode {
+        match class {
+            Class::Fs => self.fs,
+            Class::CommandExec => self.command_exec,
+            Class::Process => self.process,
+            Class::ShellCommand => self.shell_command,
+            Class::ConfigWrite => self.config_write,
+            Class::Account => self.account,
+            Class::Plugins => self.plugins,
+            Class::Workspace => self.workspace,
+        }
+    }
+
+    /// Decides one client request. `params` is the raw `params` of the request.
+    pub fn check(&self, method: &str, params: Option<&RawValue>, roots: &TenantRoots) -> Decision {
+        let Some(rule) = rules::lookup(method) else {
+            return Decision::Allow;
+        };
+        match self.mode(rule.class) {
+            Mode::Allow => Decision::Allow,
+            Mode::Deny => Decision::Deny(Denial::new(
+                rule.class,
+                method,
+                "is disabled for this tenant",
+            )),
+            Mode::Confine => match self.confine(rule, method, params, roots) {
+                Ok(None) => Decision::Allow,
+                Ok(Some(params)) => Decision::Rewrite(params.to_string()),
+                Err(detail) => Decision::Deny(Denial::new(rule.class, method, detail)),
+            },
+        }
+    }
+
+    /// Runs a rule's checks; `Ok(Some(params))` when they had to be changed.
+    fn confine(
+        &self,
+        rule: Rule,
+        method: &str,
+        params: Option<&RawValue>,
+        roots: &TenantRoots,
+    ) -> Result<Option<Value>, String> {
+        let Some(raw) = params else {
+            return Ok(None);
+        };
+        let mut value =
+            strict::parse(raw.get()).map_err(|e| format!("has unusable params: {e}"))?;
+        if value.is_null() {
+            return Ok(None);
+        }
+        // A struct also deserializes from an array, positionally: refuse anything but an object.
+        let obj = value.as_object_mut().ok_or("params must be an object")?;
+        if let Some(key) = obj.keys().find(|k| {
+            rules::looks_like_path(k) && !rules::checked_keys(rule.checks).any(|c| c == k.as_str())
+        }) {
+            tracing::debug!(method, key, "unknown path-like params field");
+            return Err(format!("has a field the policy does not know: `{key}`"));
+        }
+        let mut changed = false;
+        for check in rule.checks {
+            changed |= self.apply(*check, obj, roots)?;
+        }
+        Ok(changed.then_some(value))
+    }
+
+    /// One check; `Ok(true)` when it changed the params.
+    fn apply(
+        &self,
+        check: Check,
+        obj: &mut Map<String, Value>,
+        roots: &TenantRoots,
+    ) -> Result<bool, String> {
+        match check {
+            Check::Path(key) => check_opt_path(obj.get(key), key, roots).map(|()| false),
+            Check::Paths(key) => check_paths(obj.get(key), key, roots).map(|()| false),
+            Check::PathObjects(key) => {
+                for item in array(obj.get(key), key)? {
+                    check_opt_path(item.get("path"), key, roots)?;
+                }
+                Ok(false)
+            }
+            Check::CapabilityRoots => {
+                for item in array(
+                    obj.get("selectedCapabilityRoots"),
+                    "selectedCapabilityRoots",
+                )? {
+                    let path = item.get("location").and_then(|l| l.get("path"));
+                    check_opt_path(path, "selectedCapabilityRoots", roots)?;
+                }
+                Ok(false)
+            }
+            Check::Environments => {
+                for env in array(obj.get("environments"), "environments")? {
+                    check_opt_path(env.get("cwd"), "environments.cwd", roots)?;
+                    check_paths(
+                        env.get("runtimeWorkspaceRoots"),
+                        "environments.runtimeWorkspaceRoots",
+                        roots,
+                    )?;
+                }
+                Ok(false)
+            }
+            Check::FilterPath(key) => Ok(filter_path(obj, key, roots)),
+            Check::FilterPaths(key) => Ok(filter_paths(obj, key, roots)),
+            Check::Rollout(key) => match obj.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::String(p)) => roots
+                    .check_rollout(p)
+                    .map(|_| false)
+                    .map_err(|e| format!("`{key}` {e}")),
+                Some(_) => Err(format!("`{key}` must be a string")),
+            },
+            Check::SandboxMode => match obj.get("sandbox") {
+                Some(Value::String(m)) if m == "danger-full-access" => {
+                    Err("`sandbox` danger-full-access is not allowed".into())
+                }
+                _ => Ok(false),
+            },
+            Check::SandboxPolicy => self
+                .check_sandbox_policy(obj.get("sandboxPolicy"), roots)
+                .map(|()| false),
+            Check::SandboxPolicyOrDefault => self.sandbox_policy_or_default(obj, roots),
+            Check::Profile(key) => match obj.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::String(p)) if self.permission_profiles.contains(p) => Ok(false),
+                Some(_) => Err(format!(
+                    "`{key}` names a permissions profile that is not allowed"
+                )),
+            },
+            Check::ConfigOverrides => self
+                .check_config_overrides(obj.get("config"))
+                .map(|()| false),
+            Check::Inputs => check_inputs(obj.get("input"), roots).map(|()| false),
+        }
+    }
+
+    /// A sandbox policy no wider than workspace-write over the roots.
+    fn check_sandbox_policy(
+        &self,
+        policy: Option<&Value>,
+        roots: &TenantRoots,
+    ) -> Result<(), String> {
+        let policy = match policy {
+            None | Some(Value::Null) => return Ok(()),
+            Some(Value::Object(p)) => p,
+            Some(_) => return Err("`sandboxPolicy` must be an object".into()),
+        };
+        let network = policy.get("networkAccess");
+        let wants_network = match network {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::String(s)) if s == "restricted" => false,
+            Some(_) => true,
+        };
+        if wants_network && !self.sandbox_network {
+            return Err("`sandboxPolicy` asks for network access, which is not allowed".into());
+        }
+        match policy.get("type").and_then(Value::as_str) {
+            Some("readOnly") => Ok(()),
+            Some("workspaceWrite") => check_paths(
+                policy.get("writableRoots"),
+                "sandboxPolicy.writableRoots",
+                roots,
+            ),
+            _ => Err("`sandboxPolicy` is wider than workspace-write".into()),
+        }
+    }
+
+    /// `command/exec`: checks a given sandbox policy, or fills in workspace-write over the
+    /// roots when the request names neither a policy nor a profile (app-server would otherwise
+    /// apply the worker's configured default, which the router cannot see).
+    fn sandbox_policy_or_default(
+        &self,
+        obj: &mut Map<String, Value>,
+        roots: &TenantRoots,
+    ) -> Result<bool, String> {
+        let given = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+        if given("sandboxPolicy") || given("permissionProfile") {
+            return self
+                .check_sandbox_policy(obj.get("sandboxPolicy"), roots)
+                .map(|()| false);
+        }
+        let writable: Vec<Value> = roots
+            .allowed()
+            .iter()
+            .map(|p| Value::String(p.to_string_lossy().into_owned()))
+            .collect();
+        obj.insert(
+            "sandboxPolicy".into(),
+            json!({
+                "type": "workspaceWrite",
+                "writableRoots": writable,
+                "networkAccess": false,
+            }),
+        );
+        Ok(true)
+    }
+
+    /// A thread's `config` overrides may only use allowed top-level keys (dotted keys count by
+    /// their first segment).
+    fn check_config_overrides(&self, config: Option<&Value>) -> Result<(), String> {
+        let config = match config {
+            None | Some(Value::Null) => return Ok(()),
+            Some(Value::Object(c)) => c,
+            Some(_) => return Err("`config` must be an object".into()),
+        };
+        match config.keys().find(|k| {
+            let top = k.split('.').next().unwrap_or(k);
+            !self.thread_config_keys.iter().any(|a| a == top)
+        }) {
+            Some(k) => Err(format!("`config` override `{k}` is not allowed")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The array at `key`, or nothing when absent or null.
+fn array<'a>(v: Option<&'a Value>, key: &str) -> Result<&'a [Value], String> {
+    match v {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(a)) => Ok(a),
+        Some(_) => Err(format!("`{key}` must be an array")),
+    }
+}
+
+/// A path string (or absent, or null) inside the roots.
+fn check_opt_path(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), String> {
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(p)) => roots
+            .check(p)
+            .map(|_| ())
+            .map_err(|e| format!("`{key}` {e}")),
+        Some(_) => Err(format!("`{key}` must be a string")),
+    }
+}
+
+/// The host files named by a turn's input items.
+fn check_inputs(input: Option<&Value>, roots: &TenantRoots) -> Result<(), String> {
+    for item in array(input, "input")? {
+        let kind = item.get("type").and_then(Value::as_str).unwrap_or_default();
+        let path = match item.get("path") {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(p)) => p.as_str(),
+            Some(_) => return Err("`input` has a path that is not a string".into()),
+        };
+        let checked = match kind {
+            "mention" if path.contains("://") => continue,
+            "skill" | "mention" => roots.check_skill(path),
+            _ => roots.check(path),
+        };
+        checked.map_err(|e| format!("`input` {kind} path {e}"))?;
+    }
+    Ok(())
+}
+
+/// Every path of an array (or absent, or null) inside the roots.
+fn check_paths(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), String> {
+    for p in array(v, key)? {
+        check_opt_path(Some(p), key, roots)?;
+    }
+    Ok(())
+}
+
+/// Removes a discovery cwd outside the roots; `true` when it did.
+fn filter_path(obj: &mut Map<String, Value>, key: &str, roots: &TenantRoots) -> bool {
+    let outside = match obj.get(key) {
+        None | Some(Value::Null) => false,
+        Some(Value::String(p)) => roots.check(p).is_err(),
+        Some(_) => true,
+    };
+    if outside {
+        obj.remove(key);
+    }
+    outside
+}
+
+/// Drops the discovery cwds outside the roots; `true` when any were.
+fn filter_paths(obj: &mut Map<String, Value>, key: &str, roots: &TenantRoots) -> bool {
+    let Some(v) = obj.get_mut(key) else {
+        return false;
+    };
+    let Value::Array(items) = v else {
+        let bad = !v.is_null();
+        if bad {
+            obj.remove(key);
+        }
+        return bad;
+    };
+    let before = items.len();
+    items.retain(|p| p.as_str().is_some_and(|p| roots.check(p).is_ok()));
+    items.len() != before
+}
+
+#[cfg(test)]
+mod tests;
