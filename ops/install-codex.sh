@@ -4,7 +4,22 @@
 set -euo pipefail
 CODEX_VERSION="${CODEX_VERSION:-0.171.0}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-prefix="$root/.tools/codex-$CODEX_VERSION"
+tools="${CODEX_FLEET_TOOLS:-$root/.tools}"
+# Workers may run under per-tenant uids (when codex-fleet runs as root): every directory on the
+# way to the binary must be passable by others. A checkout under a private home is not, so the
+# pinned codex then goes to a shared location instead.
+passable() {
+  local d="$1"
+  while [ "$d" != "/" ]; do
+    [ -e "$d" ] || { d="$(dirname "$d")"; continue; }
+    [ "$(( 0$(stat -c %a "$d") & 01 ))" -ne 0 ] || return 1
+    d="$(dirname "$d")"
+  done
+}
+if [ -z "${CODEX_FLEET_TOOLS:-}" ] && [ "$(id -u)" = 0 ] && ! passable "$tools"; then
+  tools=/opt/codex-fleet/tools
+fi
+prefix="$tools/codex-$CODEX_VERSION"
 
 case "$(uname -m)" in
   x86_64) triple=x86_64-unknown-linux-musl; pkg=codex-linux-x64 ;;

@@ -95,6 +95,25 @@ pub struct Workers {
     /// Deadline of one health ping; a miss kills the worker as hung.
     #[serde(default = "defaults::health_timeout_secs")]
     pub health_timeout_secs: u64,
+    /// Per-tenant uids (when codex-fleet runs as root): tenants without a `uid` get one from
+    /// `[start, end)`, remembered in `<state_dir>/tenant-uids`.
+    #[serde(default = "defaults::uid_range")]
+    pub uid_range: [u32; 2],
+    /// Run workers under per-tenant uids when codex-fleet is root (set false to share its uid).
+    #[serde(default = "defaults::yes")]
+    pub per_tenant_uid: bool,
+    /// RLIMIT_NOFILE of each worker.
+    #[serde(default = "defaults::rlimit_nofile")]
+    pub rlimit_nofile: Option<u64>,
+    /// RLIMIT_AS (bytes) of each worker; unset: unlimited.
+    #[serde(default)]
+    pub rlimit_as_bytes: Option<u64>,
+    /// RLIMIT_CPU (seconds) of each worker; unset: unlimited.
+    #[serde(default)]
+    pub rlimit_cpu_secs: Option<u64>,
+    /// Resident memory above which a worker takes no new threads and is replaced once idle.
+    #[serde(default)]
+    pub max_worker_rss_bytes: Option<u64>,
     /// SIGTERM to SIGKILL when stopping a worker.
     #[serde(default = "defaults::stop_grace_secs")]
     pub stop_grace_secs: u64,
@@ -148,6 +167,19 @@ pub struct Tenant {
     /// `-c key=value` overrides for this tenant's workers (after `[workers].config_overrides`).
     #[serde(default)]
     pub config_overrides: Vec<String>,
+    /// Unix uid of this tenant's workers (codex-fleet must run as root); allocated from
+    /// `workers.uid_range` when unset.
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// Unix gid of this tenant's workers; defaults to the uid.
+    #[serde(default)]
+    pub gid: Option<u32>,
+    /// Extra directories (besides `<state_dir>/workspaces/<id>`) this tenant's clients may name.
+    #[serde(default)]
+    pub workspace_roots: Vec<PathBuf>,
+    /// Host-access policy for this tenant's clients (`[tenants.policy]`).
+    #[serde(default)]
+    pub policy: crate::policy::PolicyConfig,
 }
 
 mod defaults {
@@ -194,6 +226,15 @@ mod defaults {
     }
     pub fn max_workers() -> usize {
         4
+    }
+    pub fn uid_range() -> [u32; 2] {
+        [200_000, 300_000]
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn rlimit_nofile() -> Option<u64> {
+        Some(65_536)
     }
     pub fn load_mark() -> usize {
         4
@@ -319,6 +360,10 @@ impl Config {
                 ));
             }
         }
+        let [lo, hi] = self.workers.uid_range;
+        if lo == 0 || lo >= hi {
+            return bad("workers.uid_range must be [start, end) with 0 < start < end".into());
+        }
         if self.workers.max_workers == 0 || self.workers.load_mark == 0 {
             return bad("workers.max_workers and workers.load_mark must be at least 1".into());
         }
@@ -356,6 +401,22 @@ impl Config {
                         t.id
                     ));
                 }
+            }
+            if t.uid == Some(0) || t.gid == Some(0) {
+                return bad(format!(
+                    "tenant {:?}: workers never run as uid or gid 0",
+                    t.id
+                ));
+            }
+            if let Some(root) = t.workspace_roots.iter().find(|r| !r.is_absolute()) {
+                return bad(format!(
+                    "tenant {:?}: workspace root {} is not absolute",
+                    t.id,
+                    root.display()
+                ));
+            }
+            if let Err(e) = t.policy.resolve(false) {
+                return bad(format!("tenant {:?}: {e}", t.id));
             }
             if t.max_workers == 0 {
                 return bad(format!("tenant {:?}: max_workers must be at least 1", t.id));

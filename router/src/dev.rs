@@ -154,6 +154,8 @@ addr = "{admin}"
 command = [{command}]
 state_dir = {state}
 thread_unload_delay_secs = 1800
+# One local developer: the dev tenant shares codex-fleet's uid even when run as root.
+per_tenant_uid = false
 
 [[tenants]]
 id = "dev"

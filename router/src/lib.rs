@@ -6,6 +6,7 @@ pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod dev;
+pub mod identity;
 pub mod jsonrpc;
 pub mod listener;
 pub mod metrics;

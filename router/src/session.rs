@@ -19,6 +19,7 @@ use worker::WorkerId;
 
 use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
 use crate::metrics::RouterMetrics;
+use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
 use legs::{Leg, LegEvent};
 
@@ -360,7 +361,21 @@ impl Session {
         match msg {
             Rpc::Request { id, method, params } => {
                 let thread = jsonrpc::thread_id(params);
-                self.on_client_request(id, &method, thread, &text).await
+                let rewritten = match self.ctx.tenant.policy.check(
+                    &method,
+                    params,
+                    &self.ctx.tenant.roots,
+                ) {
+                    Decision::Allow => None,
+                    Decision::Rewrite(p) => policy::rewritten_request(&id, &method, &p),
+                    Decision::Deny(denial) => {
+                        self.count_error("host_access_denied");
+                        tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
+                        return self.to_client(denial.to_error_response(&id));
+                    }
+                };
+                let text = rewritten.as_deref().unwrap_or(&text);
+                self.on_client_request(id, &method, thread, text).await
             }
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
             Rpc::Response { id } => self.on_client_response(id, &text).await,

@@ -8,10 +8,12 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
 use worker::metrics::WorkerMetrics;
-use worker::{FleetCap, Pool, PoolConfig, PoolEvent, WorkerId};
+use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, WorkerId, WorkerUser};
 
 use crate::auth::TokenTable;
 use crate::config::{self, Config};
+use crate::dev::private_dir;
+use crate::policy::{HostAccessPolicy, TenantRoots};
 use crate::route::ThreadTable;
 
 /// Relayed broadcasts buffered per tenant; a session that lags this far misses some (counted).
@@ -23,6 +25,10 @@ pub struct Tenant {
     pub id: String,
     /// Its workers.
     pub pool: Arc<Pool>,
+    /// What its clients may do on the host (DESIGN decision 11, defence in depth).
+    pub policy: HostAccessPolicy,
+    /// Where its clients may point host-access methods.
+    pub roots: TenantRoots,
     /// threadId → owning worker.
     pub table: ThreadTable,
     relay: broadcast::Sender<Relayed>,
@@ -42,11 +48,18 @@ pub struct Relayed {
 }
 
 impl Tenant {
-    fn new(id: String, pool: Arc<Pool>) -> Arc<Tenant> {
+    fn new(
+        id: String,
+        pool: Arc<Pool>,
+        policy: HostAccessPolicy,
+        roots: TenantRoots,
+    ) -> Arc<Tenant> {
         let (relay, _) = broadcast::channel(RELAY_CAPACITY);
         let tenant = Arc::new(Tenant {
             id,
             pool,
+            policy,
+            roots,
             table: ThreadTable::default(),
             relay,
             reconcile: Arc::new(Notify::new()),
@@ -173,10 +186,17 @@ pub struct Tenants {
 const BASE_ENV: &[&str] = &["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR"];
 
 impl Tenants {
-    /// Builds each tenant's pool (min_workers start in the background).
+    /// Builds each tenant's pool (min_workers start in the background), its host-access policy
+    /// and roots, and — when codex-fleet runs as root — its Unix identity.
     pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
         let program = resolve_program(&cfg.workers.command[0])?;
         let fleet = FleetCap::new(cfg.workers.max_workers);
+        let per_tenant_uid = per_tenant_uid(cfg);
+        let uids = if per_tenant_uid {
+            crate::identity::tenant_uids(cfg)?
+        } else {
+            Default::default()
+        };
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
         for (index, t) in cfg.tenants.iter().enumerate() {
@@ -185,11 +205,15 @@ impl Tenants {
                     tokens.insert(digest, index);
                 }
             }
-            let pool_cfg = pool_config(cfg, t, &program, &fleet);
-            list.push(Tenant::new(
-                t.id.clone(),
-                Pool::new(pool_cfg, metrics.clone()),
-            ));
+            let user = uids.get(&t.id).map(|&(uid, gid)| WorkerUser { uid, gid });
+            let pool_cfg = pool_config(cfg, t, &program, &fleet, user);
+            let roots = tenant_roots(cfg, t)?;
+            let policy = t
+                .policy
+                .resolve(!per_tenant_uid)
+                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
+            let pool = Pool::new(pool_cfg, metrics.clone());
+            list.push(Tenant::new(t.id.clone(), pool, policy, roots));
         }
         Ok(Tenants { list, tokens })
     }
@@ -216,7 +240,13 @@ impl Tenants {
     }
 }
 
-fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path, fleet: &FleetCap) -> PoolConfig {
+fn pool_config(
+    cfg: &Config,
+    t: &config::Tenant,
+    program: &Path,
+    fleet: &FleetCap,
+    user: Option<WorkerUser>,
+) -> PoolConfig {
     let w = &cfg.workers;
     let mut overrides = w.config_overrides.clone();
     overrides.extend(t.config_overrides.iter().cloned());
@@ -241,8 +271,67 @@ fn pool_config(cfg: &Config, t: &config::Tenant, program: &Path, fleet: &FleetCa
         load_mark: w.load_mark,
         worker_idle: Duration::from_secs(w.worker_idle_secs),
         fleet: fleet.clone(),
-        ..PoolConfig::default()
+        max_worker_rss: w.max_worker_rss_bytes,
+        user,
+        rlimits: Rlimits {
+            nofile: w.rlimit_nofile.map(within_hard_nofile),
+            address_space: w.rlimit_as_bytes,
+            cpu_secs: w.rlimit_cpu_secs,
+        },
     }
+}
+
+/// Raising a hard limit needs CAP_SYS_RESOURCE, which containers often lack: ask for at most
+/// what codex-fleet itself may have.
+fn within_hard_nofile(wanted: u64) -> u64 {
+    use nix::sys::resource::{getrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((_, hard)) if hard < wanted => {
+            tracing::warn!(
+                wanted,
+                hard,
+                "workers.rlimit_nofile is above codex-fleet's hard limit; using the hard limit"
+            );
+            hard
+        }
+        _ => wanted,
+    }
+}
+
+/// Whether workers run under per-tenant uids: codex-fleet is root and the config allows it.
+pub fn per_tenant_uid(cfg: &Config) -> bool {
+    cfg.workers.per_tenant_uid && nix::unistd::geteuid().is_root()
+}
+
+/// The tenant's workspace (created 0700) and configured extra roots; codex-fleet's own files and
+/// every other tenant's directories are excluded even if a root contains them.
+fn tenant_roots(cfg: &Config, t: &config::Tenant) -> anyhow::Result<TenantRoots> {
+    let workspace = cfg.tenant_workspace(&t.id);
+    let home = cfg.tenant_home(&t.id);
+    for dir in [&workspace, &home] {
+        private_dir(dir).map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
+    }
+    let mut dirs = vec![workspace];
+    dirs.extend(t.workspace_roots.iter().cloned());
+    let mut roots = TenantRoots::new(&dirs, &home)
+        .map_err(|e| anyhow::anyhow!("tenant {:?}: workspace roots: {e}", t.id))?;
+    let own = [
+        cfg.listen.tls_key.clone(),
+        cfg.listen.tls_cert.clone(),
+        cfg.socket_dir(),
+        cfg.workers.state_dir.join("tenant-uids"),
+    ];
+    for path in own.iter().chain(
+        cfg.tenants
+            .iter()
+            .filter(|o| o.id != t.id)
+            .flat_map(|o| [cfg.tenant_home(&o.id), cfg.tenant_workspace(&o.id)])
+            .collect::<Vec<_>>()
+            .iter(),
+    ) {
+        roots = roots.exclude(path);
+    }
+    Ok(roots)
 }
 
 /// The complete environment of a tenant's workers: an allowlist, never codex-fleet's own.

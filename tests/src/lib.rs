@@ -127,6 +127,11 @@ impl FleetBuilder {
     pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
         router::tls::install_crypto_provider();
         let dir = tempfile::Builder::new().prefix("cf").tempdir_in("/tmp")?;
+        // Workers may run under per-tenant uids: they must be able to pass through (not list).
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )?;
         let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
         let ca = dir.path().join("ca.pem");
         let cert = dir.path().join("tls.crt");
