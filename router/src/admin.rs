@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::tenants::Tenants;
+use crate::tenants::TenantRegistry;
 
 /// State the admin endpoints read.
 pub struct Admin {
@@ -24,7 +24,7 @@ pub struct Admin {
     /// Every metric.
     pub registry: Registry,
     /// Tenants, for readiness detail.
-    pub tenants: Arc<Tenants>,
+    pub tenants: Arc<TenantRegistry>,
     /// Cancelled when draining starts: `/readyz` turns 503 at once.
     pub draining: CancellationToken,
     /// Cancelled when the admin port must close.
@@ -89,6 +89,7 @@ impl Admin {
         let draining = self.draining.is_cancelled();
         let tenants: Vec<_> = self
             .tenants
+            .current()
             .iter()
             .map(|t| {
                 let workers: Vec<_> = t

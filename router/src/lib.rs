@@ -29,7 +29,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::metrics::RouterMetrics;
-use crate::tenants::Tenants;
+use crate::tenants::{TenantRegistry, Tenants};
 
 /// How long open sessions get to receive their close frames at shutdown.
 const SESSION_CLOSE_GRACE: Duration = Duration::from_secs(5);
@@ -37,7 +37,7 @@ const SESSION_CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// A configured, not yet running codex-fleet.
 pub struct Server {
     cfg: Config,
-    tenants: Arc<Tenants>,
+    tenants: Arc<TenantRegistry>,
     metrics: RouterMetrics,
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
@@ -51,7 +51,7 @@ impl Server {
         let tls = tls::server_config(&cfg.listen.tls_cert, &cfg.listen.tls_key)?;
         let metrics = RouterMetrics::register(&registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
-        let tenants = Arc::new(Tenants::build(&cfg, &worker_metrics)?);
+        let tenants = Arc::new(TenantRegistry::new(Tenants::build(&cfg, &worker_metrics)?));
         let mut warnings = Vec::new();
         if !nix::unistd::geteuid().is_root() {
             warnings.push(
@@ -123,6 +123,7 @@ impl Server {
             tracing::warn!("some sessions did not close in time");
         }
         self.tenants
+            .current()
             .shutdown(Duration::from_secs(self.cfg.workers.stop_grace_secs))
             .await;
         admin_stop.cancel();
@@ -136,7 +137,7 @@ impl Server {
     }
 
     /// The tenants (tests and tools inspect worker state through it).
-    pub fn tenants(&self) -> &Arc<Tenants> {
+    pub fn tenants(&self) -> &Arc<TenantRegistry> {
         &self.tenants
     }
 }

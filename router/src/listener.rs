@@ -23,7 +23,7 @@ use tracing::Instrument;
 use crate::auth::AuthError;
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
-use crate::tenants::Tenants;
+use crate::tenants::TenantRegistry;
 
 /// The remote address of a client connection.
 #[derive(Debug, Clone, Copy)]
@@ -36,7 +36,7 @@ pub struct Listener {
     /// TLS server side.
     pub tls: TlsAcceptor,
     /// Tenants and tokens.
-    pub tenants: Arc<Tenants>,
+    pub tenants: Arc<TenantRegistry>,
     /// Router metrics.
     pub metrics: RouterMetrics,
     /// Connection cap.
@@ -54,7 +54,7 @@ pub struct Listener {
 }
 
 struct Conn {
-    tenants: Arc<Tenants>,
+    tenants: Arc<TenantRegistry>,
     metrics: RouterMetrics,
     max_message_bytes: usize,
     client_queue: usize,
@@ -204,8 +204,9 @@ impl Conn {
                 return r;
             }
         };
-        let tenant = match self.tenants.tokens().authenticate(req.headers()) {
-            Ok(i) => self.tenants.get(i).cloned(),
+        let tenants = self.tenants.current();
+        let tenant = match tenants.tokens().authenticate(req.headers()) {
+            Ok(i) => tenants.get(i).cloned(),
             Err(e) => {
                 let reason = match e {
                     AuthError::Missing => "auth_missing",

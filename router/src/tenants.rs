@@ -176,6 +176,37 @@ impl Drop for Tenant {
     }
 }
 
+/// The tenants in force; a reload swaps in a new set while sessions keep the tenant they have.
+pub struct TenantRegistry {
+    current: std::sync::RwLock<Arc<Tenants>>,
+}
+
+impl TenantRegistry {
+    /// Starts with `tenants`.
+    pub fn new(tenants: Tenants) -> TenantRegistry {
+        TenantRegistry {
+            current: std::sync::RwLock::new(Arc::new(tenants)),
+        }
+    }
+
+    /// The tenants in force now.
+    pub fn current(&self) -> Arc<Tenants> {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts `tenants` in force; returns the previous set.
+    pub fn replace(&self, tenants: Arc<Tenants>) -> Arc<Tenants> {
+        let mut cur = self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::replace(&mut *cur, tenants)
+    }
+}
+
 /// Every tenant, and the tokens that name them.
 pub struct Tenants {
     list: Vec<Arc<Tenant>>,

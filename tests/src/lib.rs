@@ -234,7 +234,7 @@ pub struct Fleet {
     /// Its files.
     pub files: FleetFiles,
     /// Its tenants (pools and thread tables), for assertions.
-    pub tenants: Arc<router::tenants::Tenants>,
+    pub tenants: Arc<router::tenants::TenantRegistry>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.
@@ -252,6 +252,7 @@ impl Fleet {
     /// A tenant by id.
     pub fn tenant(&self, id: &str) -> Arc<router::tenants::Tenant> {
         self.tenants
+            .current()
             .iter()
             .find(|t| t.id == id)
             .cloned()
