@@ -53,11 +53,9 @@ impl Server {
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
         let tenants = Arc::new(TenantRegistry::new(Tenants::build(&cfg, &worker_metrics)?));
         let mut warnings = Vec::new();
-        if !nix::unistd::geteuid().is_root() {
-            warnings.push(
-                "codex-fleet is not running as root: every tenant's workers share its Unix uid"
-                    .to_owned(),
-            );
+        if let Some(w) = tenants::shared_uid_warning(&cfg) {
+            tracing::warn!("{w}");
+            warnings.push(w);
         }
         Ok(Server {
             cfg,

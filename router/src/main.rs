@@ -79,7 +79,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_CONFIG);
                 }
             };
-            run_async(serve(cfg))
+            run_async(serve(cfg, &config))
         }
         Command::Dev {
             state_dir,
@@ -119,7 +119,25 @@ fn run_async(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> Exit
     }
 }
 
-async fn serve(cfg: Config) -> anyhow::Result<()> {
+/// codex-fleet's own files must be out of every worker's reach (mode 0600 under per-tenant uids).
+fn warn_if_readable(paths: &[&std::path::Path]) {
+    use std::os::unix::fs::PermissionsExt;
+    for path in paths {
+        if let Ok(meta) = std::fs::metadata(path) {
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                tracing::warn!(
+                    path = %path.display(),
+                    mode = format!("{mode:o}"),
+                    "codex-fleet's own file is readable by other users (workers included); chmod 600 it"
+                );
+            }
+        }
+    }
+}
+
+async fn serve(cfg: Config, config_path: &std::path::Path) -> anyhow::Result<()> {
+    warn_if_readable(&[config_path, &cfg.listen.tls_key]);
     let listener = TcpListener::bind(cfg.listen.addr).await?;
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;

@@ -6,6 +6,8 @@
 //! - by default, an assistant message streamed as deltas whose text is [`reply_text`] of the user text;
 //! - `RUNSHELL` (before any tool output): an `exec_command` call that asks for approval, after whose
 //!   output the default message follows;
+//! - `RUNCMD:<command>` (before any tool output): the same approval-gated `exec_command` call for
+//!   `<command>` (the rest of the user text);
 //! - `SLOW` or `SLOW<n>` (before any tool output): a pause of 5 s or `n` s right after `response.created`;
 //! - `NOCOMPLETE`: no `response.completed`, so the turn fails.
 //!
@@ -292,9 +294,14 @@ fn script(n: usize, prompt: &Prompt) -> Script {
             script.wait(pause);
         }
     }
-    if prompt.text.contains("RUNSHELL") && !prompt.tool_output {
+    let command = match prompt.text.split_once("RUNCMD:") {
+        Some((_, cmd)) => Some(cmd.trim()),
+        None if prompt.text.contains("RUNSHELL") => Some("echo mock-approved"),
+        None => None,
+    };
+    if let Some(cmd) = command.filter(|_| !prompt.tool_output) {
         let arguments = json!({
-            "cmd": "echo mock-approved",
+            "cmd": cmd,
             "yield_time_ms": 1000,
             "sandbox_permissions": "require_escalated",
             "justification": "mock wants to run a command",

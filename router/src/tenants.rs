@@ -329,6 +329,23 @@ fn within_hard_nofile(wanted: u64) -> u64 {
     }
 }
 
+/// The loud warning for a fleet whose tenants share one Unix uid, if they do.
+pub fn shared_uid_warning(cfg: &Config) -> Option<String> {
+    if per_tenant_uid(cfg) {
+        return None;
+    }
+    let why = if nix::unistd::geteuid().is_root() {
+        "workers.per_tenant_uid is false"
+    } else {
+        "codex-fleet is not running as root"
+    };
+    Some(format!(
+        "{why}: every tenant's workers share one Unix uid, so the operating system does not \
+         separate tenants; host-access methods (fs, command/exec, process, …) are denied by \
+         default and only each tenant's [tenants.policy] can allow them"
+    ))
+}
+
 /// Whether workers run under per-tenant uids: codex-fleet is root and the config allows it.
 pub fn per_tenant_uid(cfg: &Config) -> bool {
     cfg.workers.per_tenant_uid && nix::unistd::geteuid().is_root()

@@ -72,6 +72,8 @@ pub struct TenantSpec {
     pub min_workers: usize,
     /// max_workers.
     pub max_workers: usize,
+    /// Extra lines for the tenant's table (e.g. `[tenants.policy]`).
+    pub extra: String,
 }
 
 /// Builds a fleet configuration for tests.
@@ -102,7 +104,17 @@ impl FleetBuilder {
             token: router::dev::random_token(),
             min_workers: 0,
             max_workers: 1,
+            extra: String::new(),
         });
+        self
+    }
+
+    /// Extra TOML for the last added tenant (its own sub-tables, e.g. `[tenants.policy]`).
+    pub fn tenant_toml(mut self, lines: &str) -> Self {
+        if let Some(t) = self.tenants.last_mut() {
+            t.extra.push_str(lines);
+            t.extra.push('\n');
+        }
         self
     }
 
@@ -156,15 +168,16 @@ impl FleetBuilder {
         );
         for t in &self.tenants {
             toml.push_str(&format!(
-                "[[tenants]]\nid = {}\ntoken_sha256 = [{}]\nmin_workers = {}\nmax_workers = {}\n\n",
+                "[[tenants]]\nid = {}\ntoken_sha256 = [{}]\nmin_workers = {}\nmax_workers = {}\n{}\n",
                 q(&t.id),
                 q(&router::auth::token_digest_hex(&t.token)),
                 t.min_workers,
-                t.max_workers
+                t.max_workers,
+                t.extra,
             ));
         }
         let config = dir.path().join("config.toml");
-        std::fs::write(&config, toml)?;
+        router::dev::write_private(&config, &toml)?;
         Ok(FleetFiles {
             dir,
             ca,
@@ -257,6 +270,16 @@ impl Fleet {
             .find(|t| t.id == id)
             .cloned()
             .unwrap_or_else(|| panic!("no tenant {id}"))
+    }
+
+    /// The tenant's CODEX_HOME.
+    pub fn home(&self, tenant: &str) -> PathBuf {
+        self.files.dir.path().join("s/tenants").join(tenant)
+    }
+
+    /// The tenant's workspace (its workers' working directory).
+    pub fn workspace(&self, tenant: &str) -> PathBuf {
+        self.files.dir.path().join("s/workspaces").join(tenant)
     }
 
     /// Connects as a tenant (no initialize yet).

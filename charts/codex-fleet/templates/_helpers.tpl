@@ -65,6 +65,18 @@ values are not printed in float notation.
 {{- end }}
 {{- end }}
 
+{{- define "codex-fleet.toml.bool" -}}
+{{- if not (kindIs "invalid" .v) }}
+{{ .k }} = {{ .v }}
+{{- end }}
+{{- end }}
+
+{{- define "codex-fleet.toml.intlist" -}}
+{{- if not (kindIs "invalid" .v) }}
+{{ .k }} = [{{ range $i, $e := .v }}{{ if $i }}, {{ end }}{{ $e | int64 }}{{ end }}]
+{{- end }}
+{{- end }}
+
 {{/* Kubernetes' grace period: longer than codex-fleet's drain (workers.stop_grace_secs + 6 s). */}}
 {{- define "codex-fleet.terminationGrace" -}}
 {{- $stop := .Values.workers.stop_grace_secs | default 10 | int64 }}

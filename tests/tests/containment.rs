@@ -1,0 +1,267 @@
+//! Tenant containment: a tenant reaches nothing of another tenant or of codex-fleet, through the
+//! router's host-access policy and, as root, through per-tenant Unix uids.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use e2e::{Client, FleetBuilder};
+use serde_json::{json, Value};
+
+const SECRET: &str = "tenant-b-credential-9d1c";
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+fn write(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
+    std::fs::write(path, text)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    Ok(())
+}
+
+fn denied_by_policy(resp: &Value) -> bool {
+    resp["error"]["code"] == -32003 && resp["error"]["data"]["reason"] == "hostAccessDenied"
+}
+
+/// Starts both tenants' workers and plants B's secrets and a file in A's workspace.
+async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(e2e::Fleet, Client, Client)> {
+    let fleet = builder.start().await?;
+    let a = fleet.client("a").await?;
+    let b = fleet.client("b").await?;
+    write(
+        &fleet.home("b").join("auth.json"),
+        &format!("{{\"token\":\"{SECRET}\"}}"),
+        0o600,
+    )?;
+    write(&fleet.workspace("b").join("plans.txt"), SECRET, 0o600)?;
+    write(&fleet.workspace("a").join("mine.txt"), "hello", 0o644)?;
+    Ok((fleet, a, b))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<()> {
+    if !is_root() {
+        eprintln!("skipped: per-tenant uids need root (the shared-uid test covers non-root)");
+        return Ok(());
+    }
+    let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
+    let theirs = [
+        fleet.home("b").join("auth.json"),
+        fleet.workspace("b").join("plans.txt"),
+        fleet.files.dir.path().join("tls.key"),
+        fleet.files.config.clone(),
+    ];
+    for path in &theirs {
+        let r = a.call("fs/readFile", json!({ "path": path })).await?;
+        assert!(denied_by_policy(&r), "fs/readFile {}: {r}", path.display());
+        assert!(!r.to_string().contains(SECRET));
+        let r = a
+            .call(
+                "command/exec",
+                json!({ "command": ["cat", path], "timeoutMs": 10_000 }),
+            )
+            .await?;
+        let leaked = r.to_string().contains(SECRET) || r.to_string().contains("PRIVATE KEY");
+        assert!(!leaked, "command/exec cat {} leaked: {r}", path.display());
+        let refused = r.get("error").is_some() || r["result"]["exitCode"] != 0;
+        assert!(
+            refused,
+            "command/exec cat {} must fail: {r}",
+            path.display()
+        );
+    }
+    let mine = fleet.workspace("a").join("mine.txt");
+    let r = a.request("fs/readFile", json!({ "path": mine })).await?;
+    assert_eq!(r["dataBase64"], "aGVsbG8=", "own file readable: {r}");
+    let r = a
+        .request(
+            "command/exec",
+            json!({ "command": ["cat", "mine.txt"], "timeoutMs": 10_000 }),
+        )
+        .await?;
+    assert_eq!(r["exitCode"], 0, "own workspace usable: {r}");
+    assert_eq!(r["stdout"], "hello");
+    // A cwd outside the tenant's roots is refused too.
+    let r = a
+        .call("thread/start", json!({ "cwd": fleet.workspace("b") }))
+        .await?;
+    assert!(denied_by_policy(&r), "thread/start in B's workspace: {r}");
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyhow::Result<()> {
+    if !is_root() {
+        eprintln!("skipped: per-tenant uids need root");
+        return Ok(());
+    }
+    let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
+    let thread = a.start_thread().await?;
+    let key = fleet.files.dir.path().join("tls.key");
+    let cmd = format!(
+        "cat {} {}",
+        fleet.home("b").join("auth.json").display(),
+        key.display()
+    );
+    a.start_turn(&thread, &format!("RUNCMD:{cmd}")).await?;
+    let ask = a
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    a.send(&json!({ "id": ask["id"], "result": { "decision": "accept" } }))
+        .await?;
+    let msgs = a.until_turn_completed(&thread).await?;
+    let item = msgs
+        .iter()
+        .find(|m| {
+            m["method"] == "item/completed" && m["params"]["item"]["type"] == "commandExecution"
+        })
+        .map(|m| m["params"]["item"].clone())
+        .expect("the command ran");
+    let output = item["aggregatedOutput"].as_str().unwrap_or_default();
+    assert_ne!(item["exitCode"], 0, "{item}");
+    assert!(output.contains("Permission denied"), "{item}");
+    assert!(
+        !output.contains(SECRET) && !output.contains("PRIVATE KEY"),
+        "{item}"
+    );
+    fleet.stop().await
+}
+
+fn status_field(pid: i32, field: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field).map(|v| v.trim().to_owned()))
+}
+
+fn environ(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|e| {
+            e.split(|b| *b == 0)
+                .map(|kv| String::from_utf8_lossy(kv).into_owned())
+                .filter(|kv| !kv.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> anyhow::Result<()> {
+    if !is_root() {
+        eprintln!("skipped: per-tenant uids need root");
+        return Ok(());
+    }
+    let (fleet, _a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
+    let workers = e2e::workers_under(fleet.files.dir.path());
+    assert!(workers.len() >= 2, "both tenants' workers run: {workers:?}");
+    let mut uid_of: HashMap<String, String> = HashMap::new();
+    for pid in workers {
+        let env = environ(pid);
+        let home = env
+            .iter()
+            .find_map(|kv| kv.strip_prefix("CODEX_HOME="))
+            .expect("CODEX_HOME")
+            .to_owned();
+        let tenant = home.rsplit('/').next().unwrap_or_default().to_owned();
+        let uid = status_field(pid, "Uid:").expect("Uid");
+        let first = uid.split_whitespace().next().unwrap_or_default().to_owned();
+        assert!(
+            uid.split_whitespace().all(|u| u == first),
+            "real, effective, saved and fs uid agree: {uid}"
+        );
+        assert_ne!(first, "0", "{tenant}'s worker runs as root");
+        assert_eq!(
+            status_field(pid, "Groups:").unwrap_or_default(),
+            "",
+            "no supplementary groups"
+        );
+        if let Some(other) = uid_of.insert(tenant.clone(), first.clone()) {
+            assert_eq!(other, first, "{tenant}'s workers share the tenant's uid");
+        }
+        // Nothing of codex-fleet's (here: the test process's) environment or secrets leaks.
+        for kv in &env {
+            let name = kv.split('=').next().unwrap_or_default();
+            assert!(
+                [
+                    "PATH",
+                    "LANG",
+                    "LC_ALL",
+                    "LC_CTYPE",
+                    "TZ",
+                    "TMPDIR",
+                    "HOME",
+                    "CODEX_HOME"
+                ]
+                .contains(&name),
+                "{tenant}'s worker has {name} in its environment"
+            );
+            for t in &fleet.files.tenants {
+                assert!(!kv.contains(&t.token), "a bearer token leaked into {name}");
+            }
+        }
+    }
+    assert_eq!(uid_of.len(), 2);
+    assert_ne!(uid_of["a"], uid_of["b"], "tenants have distinct uids");
+    let recorded = std::fs::read_to_string(fleet.files.dir.path().join("s/tenant-uids"))?;
+    for (tenant, uid) in &uid_of {
+        assert!(recorded.contains(&format!("{tenant} {uid}")), "{recorded}");
+    }
+    let mode = |p: &Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).expect("meta").permissions())
+            & 0o777
+    };
+    for t in ["a", "b"] {
+        assert_eq!(mode(&fleet.home(t)), 0o700);
+        assert_eq!(mode(&fleet.workspace(t)), 0o700);
+    }
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_uid_denies_host_access_unless_the_tenant_policy_allows_it() -> anyhow::Result<()>
+{
+    let fleet = FleetBuilder::new()
+        .workers_toml("per_tenant_uid = false")
+        .tenant("a")
+        .tenant("b")
+        .tenant_toml("[tenants.policy]\nfs = \"confine\"")
+        .start()
+        .await?;
+    let (status, body) = fleet.admin_get("/readyz").await?;
+    assert_eq!(status, 200);
+    assert!(body.contains("share one Unix uid"), "{body}");
+    let mut a = fleet.client("a").await?;
+    let mut b = fleet.client("b").await?;
+    write(&fleet.workspace("a").join("mine.txt"), "hello", 0o644)?;
+    write(&fleet.workspace("b").join("mine.txt"), "hello", 0o644)?;
+    let r = a
+        .call(
+            "fs/readFile",
+            json!({ "path": fleet.workspace("a").join("mine.txt") }),
+        )
+        .await?;
+    assert!(denied_by_policy(&r), "shared uid: denied by default: {r}");
+    assert_eq!(r["error"]["data"]["policy"], "fs");
+    let r = a
+        .call("command/exec", json!({ "command": ["true"] }))
+        .await?;
+    assert!(denied_by_policy(&r), "command/exec denied by default: {r}");
+    // b opted in explicitly: confined to its own workspace.
+    let r = b
+        .request(
+            "fs/readFile",
+            json!({ "path": fleet.workspace("b").join("mine.txt") }),
+        )
+        .await?;
+    assert_eq!(r["dataBase64"], "aGVsbG8=");
+    let r = b
+        .call(
+            "fs/readFile",
+            json!({ "path": fleet.workspace("a").join("mine.txt") }),
+        )
+        .await?;
+    assert!(denied_by_policy(&r), "still confined to b's roots: {r}");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    fleet.stop().await
+}
