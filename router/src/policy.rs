@@ -156,6 +156,11 @@ const DEFAULT_CONFIG_KEYS: &[&str] = &[
     "web_search",
     "hide_agent_reasoning",
     "show_raw_agent_reasoning",
+    // Switches the TUI sets for its hidden title thread; each only narrows what the thread does.
+    "skills.include_instructions",
+    "tools.update_plan.enabled",
+    "tools.experimental_request_user_input.enabled",
+    "cloud.skills.enabled",
 ];
 
 /// The resolved policy of one tenant.
@@ -527,10 +532,21 @@ impl HostAccessPolicy {
             Some(Value::Object(c)) => c,
             Some(_) => return Err("`config` must be an object".into()),
         };
-        match config.keys().find(|k| {
-            let top = k.split('.').next().unwrap_or(k);
-            !self.thread_config_keys.iter().any(|a| a == top)
-        }) {
+        // An entry allows its key and everything below it (`features` allows `features.x`).
+        let allowed = |k: &str| {
+            self.thread_config_keys.iter().any(|a| {
+                k == a || (k.starts_with(a.as_str()) && k.as_bytes().get(a.len()) == Some(&b'.'))
+            })
+        };
+        // `mcp_servers = {}` only switches MCP servers off (the TUI's title thread sends it);
+        // any server definition would start a command, so it is not allowed.
+        let harmless =
+            |k: &str, v: &Value| k == "mcp_servers" && v.as_object().is_some_and(|o| o.is_empty());
+        match config
+            .iter()
+            .find(|(k, v)| !allowed(k) && !harmless(k, v))
+            .map(|(k, _)| k)
+        {
             Some(k) => Err(format!("`config` override `{k}` is not allowed")),
             None => Ok(()),
         }

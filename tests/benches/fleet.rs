@@ -146,10 +146,12 @@ async fn main() -> anyhow::Result<()> {
         let mut s = Client::connect(&url, &files.ca, Some(&token)).await?;
         s.initialize("bench-leg").await?;
         let t = Instant::now();
-        s.request("thread/read", json!({ "threadId": thread })).await?;
+        s.request("thread/read", json!({ "threadId": thread }))
+            .await?;
         first.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        s.request("thread/read", json!({ "threadId": thread })).await?;
+        s.request("thread/read", json!({ "threadId": thread }))
+            .await?;
         again.push(t.elapsed().as_secs_f64() * 1e6);
         s.close().await;
     }
