@@ -4,6 +4,7 @@ pub mod control;
 pub mod error;
 pub mod fleet;
 pub mod identity;
+pub mod interrupt;
 pub mod leg;
 pub(crate) mod load;
 pub mod metrics;
@@ -16,5 +17,7 @@ pub use fleet::FleetCap;
 pub use identity::{Rlimits, WorkerUser};
 pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
-pub use supervisor::{Pool, PoolConfig, PoolEvent, WorkerHandle, WorkerInfo, WorkerState};
+pub use supervisor::{
+    Pool, PoolConfig, PoolEvent, Sizes, WorkerHandle, WorkerInfo, WorkerState,
+};
 pub use worker::{ExitReport, WorkerId};
