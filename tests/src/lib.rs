@@ -176,15 +176,24 @@ impl FleetBuilder {
 
     /// Starts codex-fleet in this process, on ephemeral ports.
     pub async fn start(self) -> anyhow::Result<Fleet> {
+        self.prepare().await?.start().await
+    }
+}
+
+impl FleetFiles {
+    /// Starts codex-fleet in this process from these files (edit `config` first if needed).
+    pub async fn start(self) -> anyhow::Result<Fleet> {
         init_tracing();
-        let files = self.prepare().await?;
+        let files = self;
         let cfg = router::config::Config::load(&files.config)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let server = router::Server::build(cfg, prometheus_registry())?;
+        let server = router::Server::build(cfg, prometheus_registry())?
+            .with_config_path(files.config.clone());
         let tenants = server.tenants().clone();
+        let reloader = server.reloader();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(listener, admin, async move {
             let _stopped = stop_rx.await;
@@ -192,6 +201,7 @@ impl FleetBuilder {
         Ok(Fleet {
             files,
             tenants,
+            reloader,
             addr,
             admin_addr,
             stop: Some(stop_tx),
@@ -235,6 +245,8 @@ pub struct Fleet {
     pub files: FleetFiles,
     /// Its tenants (pools and thread tables), for assertions.
     pub tenants: Arc<router::tenants::TenantRegistry>,
+    /// Reloads its configuration file (what SIGHUP does).
+    pub reloader: Arc<router::reload::Reloader>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.
