@@ -126,7 +126,9 @@ impl Admin {
             .collect();
         let no_capacity = count > 0 && !any_capacity;
         if no_capacity {
-            reasons.push("no capacity: no tenant can get a worker (see tenants[].unavailable)".to_owned());
+            reasons.push(
+                "no capacity: no tenant can get a worker (see tenants[].unavailable)".to_owned(),
+            );
         }
         let ready = !draining && !no_capacity;
         let body = json!({

@@ -267,7 +267,12 @@ impl Server {
                 .await;
         }
         let until = Instant::now() + INTERRUPT_WAIT;
-        let mut pools: Vec<_> = self.tenants.current().iter().map(|t| t.pool.clone()).collect();
+        let mut pools: Vec<_> = self
+            .tenants
+            .current()
+            .iter()
+            .map(|t| t.pool.clone())
+            .collect();
         pools.extend(self.reloader.retired().iter().map(|t| t.pool.clone()));
         let interrupted: usize =
             futures_util::future::join_all(pools.iter().map(|p| p.interrupt_active_turns(until)))

@@ -139,9 +139,7 @@ async fn serve(cfg: Config, path: PathBuf) -> anyhow::Result<()> {
 }
 
 /// Reloads the configuration file on every SIGHUP, for as long as the returned handle lives.
-fn reload_on_sighup(
-    server: &Server,
-) -> anyhow::Result<tokio_util::task::AbortOnDropHandle<()>> {
+fn reload_on_sighup(server: &Server) -> anyhow::Result<tokio_util::task::AbortOnDropHandle<()>> {
     let mut hup = signal(SignalKind::hangup())?;
     let reloader = server.reloader();
     Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(

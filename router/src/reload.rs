@@ -152,9 +152,7 @@ impl Reloader {
     pub(crate) async fn stop_unused(&self, grace: Duration) {
         let unused: Vec<Arc<Tenant>> = {
             let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-            let (unused, used) = retired
-                .drain(..)
-                .partition(|t| Arc::strong_count(t) == 1);
+            let (unused, used) = retired.drain(..).partition(|t| Arc::strong_count(t) == 1);
             *retired = used;
             unused
         };
@@ -176,9 +174,8 @@ impl Reloader {
 /// Sections a reload cannot change (they need a restart), named in a warning.
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     let mut out = Vec::new();
-    let differs = |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| {
-        format!("{a:?}") != format!("{b:?}")
-    };
+    let differs =
+        |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
     if differs(&old.listen, &new.listen) {
         out.push("[listen] changed; it applies after a restart".to_owned());
     }

@@ -78,6 +78,7 @@ pub struct TenantSpec {
 pub struct FleetBuilder {
     tenants: Vec<TenantSpec>,
     extra_workers: String,
+    drain: String,
 }
 
 impl Default for FleetBuilder {
@@ -92,6 +93,8 @@ impl FleetBuilder {
         FleetBuilder {
             tenants: Vec::new(),
             extra_workers: String::new(),
+            // Tests stop fleets often: no settle period unless a test asks for one.
+            drain: "settle_secs = 0\n".to_owned(),
         }
     }
 
@@ -123,6 +126,12 @@ impl FleetBuilder {
         self
     }
 
+    /// The `[drain]` table (replaces the default `settle_secs = 0`).
+    pub fn drain_toml(mut self, lines: &str) -> Self {
+        self.drain = format!("{lines}\n");
+        self
+    }
+
     /// Writes TLS material, the mock model and the config into a fresh directory.
     pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
         router::tls::install_crypto_provider();
@@ -146,13 +155,14 @@ impl FleetBuilder {
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
-             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n",
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[drain]\n{}\n",
             q(&cert.display().to_string()),
             q(&key.display().to_string()),
             q(&codex_bin().display().to_string()),
             q(&dir.path().join("s").display().to_string()),
             overrides.join(", "),
             self.extra_workers,
+            self.drain,
         );
         for t in &self.tenants {
             toml.push_str(&format!(

@@ -51,7 +51,11 @@ fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
         return out;
     };
     for dir in tenants.flatten() {
-        for sock in std::fs::read_dir(dir.path()).into_iter().flatten().flatten() {
+        for sock in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let path = sock.path();
             if let Ok(target) = std::fs::read_link(&path) {
                 out.insert(target);
@@ -124,7 +128,11 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
     let b_prompt = "SLOW2 beta carries on";
     let b_thread = busy_turn(&mut b, b_prompt).await?;
     let a_thread = busy_turn(&mut a, "SLOW5 acme is killed").await?;
-    let old_owner = fleet.tenant("acme").table.owner(&a_thread).context("owner")?;
+    let old_owner = fleet
+        .tenant("acme")
+        .table
+        .owner(&a_thread)
+        .context("owner")?;
     let sockets = socket_files(fleet.files.dir.path());
     let pid = ready_pid(&fleet, "acme").context("acme pid")?;
     let killed = Instant::now();
@@ -146,7 +154,11 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
     // The thread loads again from disk on the restarted worker.
     a.request("thread/resume", json!({ "threadId": a_thread }))
         .await?;
-    let new_owner = fleet.tenant("acme").table.owner(&a_thread).context("owner")?;
+    let new_owner = fleet
+        .tenant("acme")
+        .table
+        .owner(&a_thread)
+        .context("owner")?;
     assert_ne!(new_owner, old_owner, "resumed on a new worker");
     a.start_turn(&a_thread, "after the crash").await?;
     let msgs = a.until_turn_completed(&a_thread).await?;
@@ -157,10 +169,7 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
         "{exits}"
     );
     let state = fleet.files.dir.path().to_owned();
-    let sockets: BTreeSet<_> = sockets
-        .union(&socket_files(&state))
-        .cloned()
-        .collect();
+    let sockets: BTreeSet<_> = sockets.union(&socket_files(&state)).cloned().collect();
     a.close().await;
     b.close().await;
     fleet.stop().await?;
@@ -175,7 +184,11 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
         .workers_toml(FAST)
         .start()
         .await?;
-    assert!(wait_until(Duration::from_secs(30), || ready_pid(&fleet, "acme").is_some()).await);
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_pid(&fleet, "acme")
+            .is_some())
+        .await
+    );
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     let sockets = socket_files(fleet.files.dir.path());
@@ -187,7 +200,10 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
     eprintln!("measured: hang (SIGSTOP) to detected, killed and client told: {detected:?} (ping every 1 s, 1 s deadline)");
     // Worst case: a whole interval before the next ping, then its deadline, then the reap.
     assert!(detected < Duration::from_millis(3500), "{detected:?}");
-    assert!(!e2e::process_alive(pid as i32), "the hung worker was killed");
+    assert!(
+        !e2e::process_alive(pid as i32),
+        "the hung worker was killed"
+    );
     assert!(
         wait_until(Duration::from_secs(20), || {
             ready_pid(&fleet, "acme").is_some_and(|p| p != pid)
@@ -195,7 +211,10 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
         .await,
         "a new worker replaces it"
     );
-    let last = workers(&fleet, "acme")[0].last_error.clone().unwrap_or_default();
+    let last = workers(&fleet, "acme")[0]
+        .last_error
+        .clone()
+        .unwrap_or_default();
     assert!(last.contains("hung"), "{last}");
     let t2 = a.start_thread().await?;
     a.start_turn(&t2, "on the replacement").await?;
@@ -255,10 +274,16 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         "{broken:#}"
     );
     let metrics = fleet.admin_get("/metrics").await?.1;
-    let restarts = metric(&metrics, r#"codex_fleet_worker_restarts_total{tenant="broken"}"#);
+    let restarts = metric(
+        &metrics,
+        r#"codex_fleet_worker_restarts_total{tenant="broken"}"#,
+    );
     assert!(restarts >= 4.0, "restarts counted: {restarts}");
     assert_eq!(
-        metric(&metrics, r#"codex_fleet_workers{state="quarantined",tenant="broken"}"#),
+        metric(
+            &metrics,
+            r#"codex_fleet_workers{state="quarantined",tenant="broken"}"#
+        ),
         1.0
     );
     // The other tenant works throughout.
@@ -366,7 +391,9 @@ impl Proc {
         let sink = stderr.clone();
         tokio::spawn(async move {
             while let Ok(Some(l)) = err_lines.next_line().await {
-                let mut s = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut s = sink
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 s.push_str(&l);
                 s.push('\n');
             }
@@ -421,16 +448,13 @@ impl Proc {
     }
 }
 
-fn append(files: &FleetFiles, text: &str) -> anyhow::Result<()> {
-    let all = std::fs::read_to_string(&files.config)? + text;
-    std::fs::write(&files.config, all)?;
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Result<()> {
-    let files = FleetBuilder::new().tenant("acme").prepare().await?;
-    append(&files, "\n[drain]\nsettle_secs = 2\ntimeout_secs = 10\n")?;
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .drain_toml("settle_secs = 2\ntimeout_secs = 10")
+        .prepare()
+        .await?;
     let proc = Proc::spawn(&files).await?;
     let token = files.token("acme");
     let mut c = proc.client(&files, &token).await?;
@@ -451,7 +475,9 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let late = proc.client(&files, &token).await?;
     tokio::time::sleep_until(signalled + Duration::from_millis(2300)).await;
     let refused = Client::connect(&proc.url(), &files.ca, Some(&token)).await;
-    let err = refused.err().context("a connection after the settle period is refused")?;
+    let err = refused
+        .err()
+        .context("a connection after the settle period is refused")?;
     assert!(format!("{err:#}").contains("503"), "{err:#}");
     // The running turn completes, then the session closes with 1001.
     let msgs = c.until_turn_completed(&thread).await?;
@@ -473,8 +499,11 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_that_outlives_the_drain_timeout_is_interrupted() -> anyhow::Result<()> {
-    let files = FleetBuilder::new().tenant("acme").prepare().await?;
-    append(&files, "\n[drain]\nsettle_secs = 0\ntimeout_secs = 2\n")?;
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .drain_toml("settle_secs = 0\ntimeout_secs = 2")
+        .prepare()
+        .await?;
     let proc = Proc::spawn(&files).await?;
     let mut c = proc.client(&files, &files.token("acme")).await?;
     let thread = busy_turn(&mut c, "SLOW60 too long").await?;
@@ -485,7 +514,10 @@ async fn a_turn_that_outlives_the_drain_timeout_is_interrupted() -> anyhow::Resu
     let done = msgs.last().context("turn/completed")?;
     assert_eq!(done["params"]["turn"]["status"], "interrupted", "{done}");
     let at = signalled.elapsed();
-    assert!(at >= Duration::from_secs(2), "not before the timeout: {at:?}");
+    assert!(
+        at >= Duration::from_secs(2),
+        "not before the timeout: {at:?}"
+    );
     assert_eq!(c.recv_close(Duration::from_secs(10)).await?, Some(1001));
     let mut proc = proc;
     let status = tokio::time::timeout(Duration::from_secs(15), proc.child.wait()).await??;
@@ -514,7 +546,10 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
             &router::auth::token_digest_hex(&old_token),
             &router::auth::token_digest_hex(&new_token),
         )
-        .replace("min_workers = 0\nmax_workers = 1", "min_workers = 2\nmax_workers = 2")
+        .replace(
+            "min_workers = 0\nmax_workers = 1",
+            "min_workers = 2\nmax_workers = 2",
+        )
         + &format!(
             "\n[[tenants]]\nid = \"beta\"\ntoken_sha256 = [{:?}]\n",
             router::auth::token_digest_hex(&beta_token)
@@ -559,7 +594,10 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     assert_eq!(grown, 3, "acme min_workers 2 + beta 1");
 
     // An invalid file is refused; the running configuration stays.
-    std::fs::write(&files.config, good.replace("[workers]", "[workers]\nload_mark = 0"))?;
+    std::fs::write(
+        &files.config,
+        good.replace("[workers]", "[workers]\nload_mark = 0"),
+    )?;
     proc.signal(Signal::SIGHUP)?;
     let refused = {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -567,7 +605,10 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
             let m = e2e::http_get(proc.admin, "/metrics").await?.1;
             let n = metric(&m, r#"codex_fleet_config_reloads_total{result="invalid"}"#);
             if n >= 1.0 || Instant::now() > deadline {
-                break (n, metric(&m, r#"codex_fleet_config_reloads_total{result="ok"}"#));
+                break (
+                    n,
+                    metric(&m, r#"codex_fleet_config_reloads_total{result="ok"}"#),
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -582,7 +623,8 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     let t3 = c3.start_thread().await?;
     c3.start_turn(&t3, "still serving").await?;
     c3.until_turn_completed(&t3).await?;
-    c.request("thread/read", json!({ "threadId": thread })).await?;
+    c.request("thread/read", json!({ "threadId": thread }))
+        .await?;
 
     let sockets = socket_files(files.dir.path());
     let mut proc = proc;
@@ -600,7 +642,6 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
         b = b.tenant_pool(&format!("t{i}"), 2, 2);
     }
     let files = b.prepare().await?;
-    append(&files, "\n[drain]\nsettle_secs = 0\n")?;
     let proc = Proc::spawn(&files).await?;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(60);
@@ -609,7 +650,10 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
         if n == 20 {
             break;
         }
-        anyhow::ensure!(Instant::now() < deadline, "only {n} of 20 workers got ready");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "only {n} of 20 workers got ready"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!("measured: 20 workers ready after {:?}", started.elapsed());

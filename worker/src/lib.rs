@@ -17,7 +17,5 @@ pub use fleet::FleetCap;
 pub use identity::{Rlimits, WorkerUser};
 pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
-pub use supervisor::{
-    Pool, PoolConfig, PoolEvent, Sizes, WorkerHandle, WorkerInfo, WorkerState,
-};
+pub use supervisor::{Pool, PoolConfig, PoolEvent, Sizes, WorkerHandle, WorkerInfo, WorkerState};
 pub use worker::{ExitReport, WorkerId};

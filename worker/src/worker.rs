@@ -582,7 +582,9 @@ pub(crate) async fn remove_socket_leftovers(path: &Path) {
     }
     if meta.file_type().is_symlink() {
         if let Ok(target) = tokio::fs::read_link(path).await {
-            let target = path.parent().map_or(target.clone(), |dir| dir.join(&target));
+            let target = path
+                .parent()
+                .map_or(target.clone(), |dir| dir.join(&target));
             let mut lock = target.clone().into_os_string();
             lock.push(".lock");
             for leftover in [target, PathBuf::from(lock)] {

@@ -258,9 +258,11 @@ impl PoolState {
     /// Starts another worker if the pool's and the fleet's caps allow: wakes a stopped slot or adds
     /// one. `Ok(None)` at the pool's cap; an error when only the fleet cap stands in the way.
     fn start_one(&mut self, cfg: &PoolConfig, sizes: Sizes) -> Result<Option<Start>, PoolError> {
-        let stopped = self.slots.iter().take(sizes.max_workers).position(|s| {
-            s.state == WorkerState::Stopped && !s.requested && s.live.is_none()
-        });
+        let stopped = self
+            .slots
+            .iter()
+            .take(sizes.max_workers)
+            .position(|s| s.state == WorkerState::Stopped && !s.requested && s.live.is_none());
         if stopped.is_none() && self.slots.len() >= sizes.max_workers {
             return Ok(None);
         }
@@ -334,7 +336,10 @@ impl PoolState {
     }
 
     /// Each live worker's active threads (running a turn or waiting on a client).
-    pub fn active_threads(&self, cfg: &PoolConfig) -> Vec<(WorkerId, std::path::PathBuf, Vec<String>)> {
+    pub fn active_threads(
+        &self,
+        cfg: &PoolConfig,
+    ) -> Vec<(WorkerId, std::path::PathBuf, Vec<String>)> {
         self.slots
             .iter()
             .enumerate()
@@ -364,7 +369,9 @@ impl PoolState {
             return None;
         }
         let last = self.last_error().unwrap_or_default();
-        Some(format!("every worker slot is quarantined after repeated failures: {last}"))
+        Some(format!(
+            "every worker slot is quarantined after repeated failures: {last}"
+        ))
     }
 
     fn live_mut(&mut self, index: usize, id: WorkerId) -> Option<&mut Live> {
