@@ -458,7 +458,7 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let proc = Proc::spawn(&files).await?;
     let token = files.token("acme");
     let mut c = proc.client(&files, &token).await?;
-    let thread = busy_turn(&mut c, "SLOW4 finish me").await?;
+    let thread = busy_turn(&mut c, "SLOW6 finish me").await?;
     let sockets = socket_files(files.dir.path());
     let signalled = Instant::now();
     proc.signal(Signal::SIGTERM)?;
@@ -483,14 +483,14 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let msgs = c.until_turn_completed(&thread).await?;
     let done = msgs.last().context("turn/completed")?;
     assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
-    assert_eq!(agent_text(&msgs), Some(reply_text("SLOW4 finish me")));
+    assert_eq!(agent_text(&msgs), Some(reply_text("SLOW6 finish me")));
     assert_eq!(c.recv_close(Duration::from_secs(10)).await?, Some(1001));
     let mut late = late;
     assert_eq!(late.recv_close(Duration::from_secs(10)).await?, Some(1001));
     let mut proc = proc;
     let status = tokio::time::timeout(Duration::from_secs(10), proc.child.wait()).await??;
     let took = signalled.elapsed();
-    eprintln!("measured: drain with one running SLOW4 turn: SIGTERM to exit {took:?}");
+    eprintln!("measured: drain with one running SLOW6 turn: SIGTERM to exit {took:?}");
     assert!(status.success(), "{status:?}: {}", proc.stderr());
     assert!(took < Duration::from_secs(10), "within drain.timeout_secs");
     assert_clean(files.dir.path(), &sockets).await;
@@ -510,7 +510,10 @@ async fn a_turn_that_outlives_the_drain_timeout_is_interrupted() -> anyhow::Resu
     let sockets = socket_files(files.dir.path());
     let signalled = Instant::now();
     proc.signal(Signal::SIGTERM)?;
-    let msgs = c.until_turn_completed(&thread).await?;
+    let msgs = c
+        .until_turn_completed(&thread)
+        .await
+        .with_context(|| format!("codex-fleet stderr:\n{}", proc.stderr()))?;
     let done = msgs.last().context("turn/completed")?;
     assert_eq!(done["params"]["turn"]["status"], "interrupted", "{done}");
     let at = signalled.elapsed();

@@ -11,6 +11,11 @@ use tracing::{debug, warn};
 use crate::control::{CLIENT_NAME, CONTROL_MAX_MESSAGE};
 use crate::leg::{self, LegStream};
 
+/// `thread/read` attempts to find a thread's turn in progress.
+const READ_ATTEMPTS: u32 = 5;
+/// Pause between them.
+const READ_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Asks the worker on `socket` to interrupt the running turn of each of `threads`
 /// (`thread/read` with turns finds the turn in progress, then `turn/interrupt`). Subscribers then
 /// get `turn/completed` with status `interrupted`. Returns how many interrupts were accepted;
@@ -45,13 +50,24 @@ async fn interrupt_all(socket: &Path, threads: &[String]) -> anyhow_like::Result
         .await?;
     let mut done = 0;
     for thread in threads {
-        let read = rpc
-            .call(
-                "thread/read",
-                json!({ "threadId": thread, "includeTurns": true }),
-            )
-            .await?;
-        let Some(turn) = running_turn(&read) else {
+        let mut turn = None;
+        // The turn in progress may take a moment to show in the thread's history.
+        for attempt in 0..READ_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(READ_RETRY).await;
+            }
+            let read = rpc
+                .call(
+                    "thread/read",
+                    json!({ "threadId": thread, "includeTurns": true }),
+                )
+                .await?;
+            turn = running_turn(&read);
+            if turn.is_some() {
+                break;
+            }
+        }
+        let Some(turn) = turn else {
             debug!(thread, "no turn in progress");
             continue;
         };
