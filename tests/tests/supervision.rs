@@ -673,3 +673,63 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
     assert_clean(files.dir.path(), &sockets).await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessions(
+) -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 0, 1)
+        .tenant_pool("gone", 1, 1)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_pid(&fleet, "gone")
+            .is_some())
+        .await
+    );
+    let gone_pool = fleet.tenant("gone").pool.clone();
+    let mut session = fleet.client("gone").await?;
+    let seen = Arc::new(Mutex::new(None));
+    let hook_seen = seen.clone();
+    fleet.reloader.on_reload(Box::new(move |cfg| {
+        *hook_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cfg.limits.max_connections);
+    }));
+    // Drop tenant "gone" and change a limit.
+    let text = std::fs::read_to_string(&fleet.files.config)?;
+    let (head, tenants) = text.split_once("[[tenants]]").context("tenants")?;
+    let acme = tenants
+        .split("[[tenants]]")
+        .find(|t| t.contains("\"acme\""))
+        .context("acme")?;
+    std::fs::write(
+        &fleet.files.config,
+        format!("{head}[[tenants]]{acme}\n[limits]\nmax_connections = 77\n"),
+    )?;
+    let summary = fleet.reloader.reload().await?;
+    assert_eq!(summary.removed, vec!["gone".to_owned()]);
+    assert_eq!(
+        *seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+        Some(77)
+    );
+    assert!(fleet.tenants.current().iter().all(|t| t.id != "gone"));
+    // Its open session still works; its workers stop once the session ends.
+    let thread = session.start_thread().await?;
+    session.start_turn(&thread, "still here").await?;
+    session.until_turn_completed(&thread).await?;
+    session.close().await;
+    let stopped = wait_until(Duration::from_secs(10), || {
+        gone_pool.workers().iter().all(|w| w.pid.is_none())
+    })
+    .await;
+    assert!(stopped, "{:?}", gone_pool.workers());
+    let state = fleet.files.dir.path().to_owned();
+    let sockets = socket_files(&state);
+    drop(gone_pool);
+    fleet.stop().await?;
+    assert_clean(&state, &sockets).await;
+    Ok(())
+}
