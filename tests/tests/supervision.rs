@@ -195,7 +195,17 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
     let pid = ready_pid(&fleet, "acme").context("pid")?;
     let stopped = Instant::now();
     kill(Pid::from_raw(pid as i32), Signal::SIGSTOP)?;
+    // A request on the stopped worker stays in flight until the hang is found, then fails.
+    a.send(&json!({ "id": 999, "method": "thread/read", "params": { "threadId": thread } }))
+        .await?;
     let told = told_thread_failed(&mut a, &thread).await?;
+    let answer = a.wait_for(|v| v["id"] == 999).await?;
+    assert_eq!(answer["error"]["code"], -32002, "{answer}");
+    assert_eq!(
+        answer["error"]["data"]["reason"], "workerExited",
+        "{answer}"
+    );
+    assert_eq!(answer["error"]["data"]["retryable"], true, "{answer}");
     let detected = told - stopped;
     eprintln!("measured: hang (SIGSTOP) to detected, killed and client told: {detected:?} (ping every 1 s, 1 s deadline)");
     // Worst case: a whole interval before the next ping, then its deadline, then the reap.
