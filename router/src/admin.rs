@@ -85,13 +85,23 @@ impl Admin {
         }
     }
 
+    /// 200 while accepting work; 503 while draining, or when no tenant can get a worker (every
+    /// tenant's pool is quarantined or misconfigured). The JSON detail says why.
     fn readyz(&self) -> Response<Full<Bytes>> {
         let draining = self.draining.is_cancelled();
-        let tenants: Vec<_> = self
-            .tenants
-            .current()
+        let current = self.tenants.current();
+        let mut reasons = Vec::new();
+        if draining {
+            reasons.push("draining: codex-fleet is shutting down".to_owned());
+        }
+        let mut any_capacity = false;
+        let mut count = 0;
+        let tenants: Vec<_> = current
             .iter()
             .map(|t| {
+                count += 1;
+                let unavailable = t.pool.unavailable();
+                any_capacity |= unavailable.is_none();
                 let workers: Vec<_> = t
                     .pool
                     .workers()
@@ -105,16 +115,26 @@ impl Admin {
                             "restarts": w.restarts,
                             "lastError": w.last_error,
                             "handles": w.handles,
+                            "activeTurns": w.active_turns,
+                            "loadedThreads": w.loaded_threads,
+                            "rssBytes": w.rss_bytes,
                         })
                     })
                     .collect();
-                json!({ "id": t.id, "workers": workers })
+                json!({ "id": t.id, "unavailable": unavailable, "workers": workers })
             })
             .collect();
-        let ready = !draining;
+        let no_capacity = count > 0 && !any_capacity;
+        if no_capacity {
+            reasons.push(
+                "no capacity: no tenant can get a worker (see tenants[].unavailable)".to_owned(),
+            );
+        }
+        let ready = !draining && !no_capacity;
         let body = json!({
             "ready": ready,
             "draining": draining,
+            "reasons": reasons,
             "warnings": self.warnings,
             "tenants": tenants,
         });

@@ -21,6 +21,9 @@ pub struct Config {
     /// Limits that protect the service.
     #[serde(default)]
     pub limits: Limits,
+    /// How a SIGTERM drains the service.
+    #[serde(default)]
+    pub drain: Drain,
     /// The tenants; each has its own workers, home and tokens.
     #[serde(default)]
     pub tenants: Vec<Tenant>,
@@ -125,6 +128,28 @@ pub struct Workers {
     pub restart_backoff_max_ms: u64,
 }
 
+/// `[drain]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drain {
+    /// After SIGTERM, `/readyz` is 503 at once but new connections are still served this long, so
+    /// load balancers notice first; after it they get 503 with `Retry-After`.
+    #[serde(default = "defaults::drain_settle_secs")]
+    pub settle_secs: u64,
+    /// Longest wait for running turns to finish; turns still running then are interrupted.
+    #[serde(default = "defaults::drain_timeout_secs")]
+    pub timeout_secs: u64,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain {
+            settle_secs: defaults::drain_settle_secs(),
+            timeout_secs: defaults::drain_timeout_secs(),
+        }
+    }
+}
+
 /// `[limits]`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -161,6 +186,9 @@ pub struct Tenant {
     /// Workers kept running even when idle.
     #[serde(default)]
     pub min_workers: usize,
+    /// This tenant's worker command instead of `workers.command` (e.g. a pinned codex version).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
     /// Most workers this tenant may run.
     #[serde(default = "defaults::max_workers")]
     pub max_workers: usize,
@@ -241,6 +269,12 @@ mod defaults {
     }
     pub fn max_workers_total() -> usize {
         64
+    }
+    pub fn drain_settle_secs() -> u64 {
+        5
+    }
+    pub fn drain_timeout_secs() -> u64 {
+        300
     }
 }
 
@@ -418,6 +452,9 @@ impl Config {
             if let Err(e) = t.policy.resolve(false) {
                 return bad(format!("tenant {:?}: {e}", t.id));
             }
+            if t.command.as_ref().is_some_and(Vec::is_empty) {
+                return bad(format!("tenant {:?}: command must name a program", t.id));
+            }
             if t.max_workers == 0 {
                 return bad(format!("tenant {:?}: max_workers must be at least 1", t.id));
             }
@@ -444,6 +481,11 @@ impl Config {
     /// `<state_dir>/workspaces/<id>`: the workers' working directory.
     pub fn tenant_workspace(&self, id: &str) -> PathBuf {
         self.workers.state_dir.join("workspaces").join(id)
+    }
+
+    /// The worker command of tenant `t`: its own, or `workers.command`.
+    pub fn worker_command<'a>(&'a self, t: &'a Tenant) -> &'a [String] {
+        t.command.as_deref().unwrap_or(&self.workers.command)
     }
 
     /// Handshake deadline.

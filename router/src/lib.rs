@@ -12,27 +12,39 @@ pub mod listener;
 pub mod metrics;
 pub mod mock_model;
 pub mod policy;
+pub mod reload;
 pub mod route;
 pub mod session;
 pub mod tenants;
 pub mod tls;
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::metrics::RouterMetrics;
+use crate::reload::{ReloadHook, Reloader};
 use crate::tenants::{TenantRegistry, Tenants};
 
 /// How long open sessions get to receive their close frames at shutdown.
 const SESSION_CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// How often the drain looks at the running turns, and removed tenants' pools are checked.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// After the last turn ends, a moment for its `turn/completed` to reach the client before 1001.
+const LAST_FRAMES: Duration = Duration::from_millis(250);
+/// At the drain deadline, how long interrupted turns get to report `turn/completed`.
+const INTERRUPT_WAIT: Duration = Duration::from_secs(5);
+/// How often removed tenants are checked for remaining sessions.
+const RETIRE_POLL: Duration = Duration::from_secs(1);
 
 /// A configured, not yet running codex-fleet.
 pub struct Server {
@@ -42,6 +54,19 @@ pub struct Server {
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
     warnings: Vec<String>,
+    reloader: Arc<Reloader>,
+    events: ServerEvents,
+}
+
+/// Moments of a shutdown, for tests and tools (each token is cancelled when it happens).
+#[derive(Clone, Default)]
+pub struct ServerEvents {
+    /// The drain began: `/readyz` is 503.
+    pub draining: CancellationToken,
+    /// New connections are refused (after the settle period).
+    pub refusing: CancellationToken,
+    /// Sessions are being closed with 1001.
+    pub closing: CancellationToken,
 }
 
 impl Server {
@@ -52,6 +77,7 @@ impl Server {
         let metrics = RouterMetrics::register(&registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
         let tenants = Arc::new(TenantRegistry::new(Tenants::build(&cfg, &worker_metrics)?));
+        let reloader = Reloader::new(cfg.clone(), tenants.clone(), worker_metrics, &registry)?;
         let mut warnings = Vec::new();
         if let Some(w) = tenants::shared_uid_warning(&cfg) {
             tracing::warn!("{w}");
@@ -64,18 +90,51 @@ impl Server {
             registry,
             tls: tokio_rustls::TlsAcceptor::from(tls),
             warnings,
+            reloader: Arc::new(reloader),
+            events: ServerEvents::default(),
         })
     }
 
+    /// The file [`Reloader::reload`] re-reads (SIGHUP). Call before [`Server::reloader`].
+    pub fn with_config_path(mut self, path: PathBuf) -> Server {
+        if let Some(r) = Arc::get_mut(&mut self.reloader) {
+            r.set_path(path);
+        }
+        self
+    }
+
+    /// Reloads the configuration file on demand (main wires SIGHUP to it).
+    pub fn reloader(&self) -> Arc<Reloader> {
+        self.reloader.clone()
+    }
+
+    /// Adds a hook called with every configuration a reload puts in force, after the tenants
+    /// changed (e.g. admission reconfigures its limits from `cfg.limits`).
+    pub fn on_reload(&self, hook: impl Fn(&Config) + Send + Sync + 'static) {
+        let hook: ReloadHook = Box::new(hook);
+        self.reloader.on_reload(hook);
+    }
+
+    /// The moments of the shutdown, to watch.
+    pub fn events(&self) -> ServerEvents {
+        self.events.clone()
+    }
+
     /// Serves clients on `listener` and the admin endpoints on `admin` until `shutdown`
-    /// resolves; then refuses new upgrades, closes sessions with 1001 and stops every worker.
+    /// resolves; then drains: `/readyz` 503 at once, new connections refused after
+    /// `drain.settle_secs`, running turns awaited up to `drain.timeout_secs` (then interrupted),
+    /// sessions closed with 1001, workers stopped gracefully.
     pub async fn run(
         self,
         listener: TcpListener,
         admin: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> anyhow::Result<()> {
-        let draining = CancellationToken::new();
+        let ServerEvents {
+            draining,
+            refusing,
+            closing,
+        } = self.events.clone();
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();
@@ -101,15 +160,47 @@ impl Server {
                 handshake_timeout: self.cfg.handshake_timeout(),
                 max_message_bytes: self.cfg.limits.max_message_bytes,
                 client_queue: self.cfg.limits.client_queue,
-                shutdown: draining.clone(),
+                refuse: refusing.clone(),
+                shutdown: closing.clone(),
                 tracker: tracker.clone(),
             }
             .run(),
         );
+        let grace = Duration::from_secs(self.cfg.workers.stop_grace_secs);
+        let retire = {
+            let reloader = self.reloader.clone();
+            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(RETIRE_POLL).await;
+                    reloader.stop_unused(grace).await;
+                }
+            }))
+        };
         shutdown.await;
-        tracing::info!("shutting down: closing sessions and stopping workers");
+        let began = Instant::now();
+        tracing::info!(
+            settle_secs = self.cfg.drain.settle_secs,
+            timeout_secs = self.cfg.drain.timeout_secs,
+            "draining: /readyz is 503; waiting for running turns"
+        );
         self.metrics.draining.set(1);
         draining.cancel();
+        let settle = began + Duration::from_secs(self.cfg.drain.settle_secs);
+        let refuse_at = {
+            let refusing = refusing.clone();
+            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                tokio::time::sleep_until(settle).await;
+                tracing::info!("settle period over: refusing new connections");
+                refusing.cancel();
+            }))
+        };
+        self.wait_for_turns(began + Duration::from_secs(self.cfg.drain.timeout_secs))
+            .await;
+        tokio::time::sleep_until(settle).await;
+        refusing.cancel();
+        drop(refuse_at);
+        tracing::info!(elapsed = ?began.elapsed(), "no turn running: closing sessions and stopping workers");
+        closing.cancel();
         if let Err(e) = accept.await {
             tracing::warn!(error = %e, "accept loop ended abnormally");
         }
@@ -120,18 +211,75 @@ impl Server {
         {
             tracing::warn!("some sessions did not close in time");
         }
-        self.tenants
-            .current()
-            .shutdown(Duration::from_secs(self.cfg.workers.stop_grace_secs))
-            .await;
+        drop(retire);
+        let retired = self.reloader.retired();
+        let current = self.tenants.current();
+        futures_util::future::join(
+            current.shutdown(grace),
+            futures_util::future::join_all(retired.iter().map(|t| t.pool.shutdown(grace))),
+        )
+        .await;
         admin_stop.cancel();
         admin_tracker.close();
         let _admin_done = tokio::time::timeout(Duration::from_secs(1), admin_tracker.wait()).await;
         if let Err(e) = admin_task.await {
             tracing::warn!(error = %e, "admin task ended abnormally");
         }
-        tracing::info!("stopped");
+        tracing::info!(elapsed = ?began.elapsed(), "stopped");
         Ok(())
+    }
+
+    /// Running turns over every pool, including removed tenants' pools still serving sessions.
+    fn active_turns(&self) -> usize {
+        self.tenants.current().active_turns()
+            + self
+                .reloader
+                .retired()
+                .iter()
+                .map(|t| t.pool.active_turns())
+                .sum::<usize>()
+    }
+
+    /// Waits until no turn runs anywhere, up to `deadline`; then interrupts the turns still running
+    /// (clients see `turn/completed` "interrupted") and waits briefly for them to end.
+    async fn wait_for_turns(&self, deadline: Instant) {
+        let mut seen_active = false;
+        loop {
+            let active = self.active_turns();
+            if active == 0 {
+                if seen_active {
+                    tokio::time::sleep(LAST_FRAMES).await;
+                }
+                return;
+            }
+            seen_active = true;
+            if Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(DRAIN_POLL.min(deadline.saturating_duration_since(Instant::now())))
+                .await;
+        }
+        let until = Instant::now() + INTERRUPT_WAIT;
+        let mut pools: Vec<_> = self
+            .tenants
+            .current()
+            .iter()
+            .map(|t| t.pool.clone())
+            .collect();
+        pools.extend(self.reloader.retired().iter().map(|t| t.pool.clone()));
+        let interrupted: usize =
+            futures_util::future::join_all(pools.iter().map(|p| p.interrupt_active_turns(until)))
+                .await
+                .into_iter()
+                .sum();
+        tracing::warn!(
+            interrupted,
+            "drain timeout: interrupted the turns still running"
+        );
+        while self.active_turns() > 0 && Instant::now() < until {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        tokio::time::sleep(LAST_FRAMES).await;
     }
 
     /// The tenants (tests and tools inspect worker state through it).

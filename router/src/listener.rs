@@ -47,6 +47,8 @@ pub struct Listener {
     pub max_message_bytes: usize,
     /// Frames queued towards one client.
     pub client_queue: usize,
+    /// Cancelled when draining refuses new connections (503 + Retry-After); sessions go on.
+    pub refuse: CancellationToken,
     /// Cancelled to stop accepting and close sessions with 1001.
     pub shutdown: CancellationToken,
     /// Tracks every connection task.
@@ -58,6 +60,7 @@ struct Conn {
     metrics: RouterMetrics,
     max_message_bytes: usize,
     client_queue: usize,
+    refuse: CancellationToken,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     addr: ClientAddr,
@@ -95,6 +98,7 @@ impl Listener {
                 metrics: this.metrics.clone(),
                 max_message_bytes: this.max_message_bytes,
                 client_queue: this.client_queue,
+                refuse: this.refuse.clone(),
                 shutdown: this.shutdown.clone(),
                 tracker: this.tracker.clone(),
                 addr: ClientAddr(addr),
@@ -181,7 +185,7 @@ impl Conn {
                 "not found: the WebSocket endpoint is /",
             );
         }
-        if self.shutdown.is_cancelled() {
+        if self.shutdown.is_cancelled() || self.refuse.is_cancelled() {
             let mut r = self.plain(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "draining",

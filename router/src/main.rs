@@ -61,25 +61,25 @@ fn main() -> ExitCode {
     init_tracing();
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { file } => match Config::load(&file) {
+        Command::CheckConfig { file } => match load_checked(&file) {
             Ok(_) => {
                 println!("{}: ok", file.display());
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("invalid configuration: {e}");
+                eprintln!("invalid configuration: {e:#}");
                 ExitCode::from(EX_CONFIG)
             }
         },
         Command::Serve { config } => {
-            let cfg = match Config::load(&config) {
+            let cfg = match load_checked(&config) {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("invalid configuration: {e}");
+                    eprintln!("invalid configuration: {e:#}");
                     return ExitCode::from(EX_CONFIG);
                 }
             };
-            run_async(serve(cfg, &config))
+            run_async(serve(cfg, config))
         }
         Command::Dev {
             state_dir,
@@ -88,6 +88,13 @@ fn main() -> ExitCode {
             codex,
         } => run_async(dev_main(state_dir, port, admin_port, codex)),
     }
+}
+
+/// Loads and validates a configuration, including that every worker program can be run.
+fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
+    let cfg = Config::load(path)?;
+    router::tenants::check_worker_programs(&cfg)?;
+    Ok(cfg)
 }
 
 fn init_tracing() {
@@ -136,16 +143,32 @@ fn warn_if_readable(paths: &[&std::path::Path]) {
     }
 }
 
-async fn serve(cfg: Config, config_path: &std::path::Path) -> anyhow::Result<()> {
-    warn_if_readable(&[config_path, &cfg.listen.tls_key]);
+async fn serve(cfg: Config, path: PathBuf) -> anyhow::Result<()> {
+    warn_if_readable(&[&path, &cfg.listen.tls_key]);
     let listener = TcpListener::bind(cfg.listen.addr).await?;
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
-    let server = Server::build(cfg, Registry::new())?;
+    let server = Server::build(cfg, Registry::new())?.with_config_path(path);
+    let _reload_on_hup = reload_on_sighup(&server)?;
     // One machine-readable line on stdout: tools and tests read the bound ports from it.
     println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");
     server.run(listener, admin, shutdown_signal()).await
+}
+
+/// Reloads the configuration file on every SIGHUP, for as long as the returned handle lives.
+fn reload_on_sighup(server: &Server) -> anyhow::Result<tokio_util::task::AbortOnDropHandle<()>> {
+    let mut hup = signal(SignalKind::hangup())?;
+    let reloader = server.reloader();
+    Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+        async move {
+            while hup.recv().await.is_some() {
+                tracing::info!("SIGHUP: reloading the configuration");
+                // The outcome is logged and counted by the reloader.
+                let _outcome = reloader.reload().await;
+            }
+        },
+    )))
 }
 
 /// Resolves on the first SIGTERM or SIGINT; a second one exits at once (workers die with us
@@ -212,7 +235,8 @@ async fn dev_main(
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
-    let server = Server::build(cfg, Registry::new())?;
+    let server = Server::build(cfg, Registry::new())?.with_config_path(setup.config_path.clone());
+    let _reload_on_hup = reload_on_sighup(&server)?;
     let ca = setup.ca_path.display();
     let token = &setup.token;
     let port = addr.port();

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
 use worker::metrics::WorkerMetrics;
-use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, WorkerId, WorkerUser};
+use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, Sizes, WorkerId, WorkerUser};
 
 use crate::auth::TokenTable;
 use crate::config::{self, Config};
@@ -31,6 +31,8 @@ pub struct Tenant {
     pub roots: TenantRoots,
     /// threadId → owning worker.
     pub table: ThreadTable,
+    /// The settings a reload cannot change in place (see [`fingerprint`]).
+    settings: String,
     relay: broadcast::Sender<Relayed>,
     reconcile: Arc<Notify>,
     events: std::sync::Mutex<Option<JoinHandle<()>>>,
@@ -53,6 +55,7 @@ impl Tenant {
         pool: Arc<Pool>,
         policy: HostAccessPolicy,
         roots: TenantRoots,
+        settings: String,
     ) -> Arc<Tenant> {
         let (relay, _) = broadcast::channel(RELAY_CAPACITY);
         let tenant = Arc::new(Tenant {
@@ -60,6 +63,7 @@ impl Tenant {
             pool,
             policy,
             roots,
+            settings,
             table: ThreadTable::default(),
             relay,
             reconcile: Arc::new(Notify::new()),
@@ -211,6 +215,17 @@ impl TenantRegistry {
 pub struct Tenants {
     list: Vec<Arc<Tenant>>,
     tokens: TokenTable,
+    fleet: FleetCap,
+}
+
+/// The outcome of [`Tenants::rebuild`].
+pub struct Rebuilt {
+    /// The new set.
+    pub tenants: Tenants,
+    /// Tenants no longer configured: their pools stop once their sessions end.
+    pub removed: Vec<Arc<Tenant>>,
+    /// Changes that were not applied (they need a restart).
+    pub warnings: Vec<String>,
 }
 
 /// Environment variables workers get from codex-fleet's own environment, when set.
@@ -220,8 +235,33 @@ impl Tenants {
     /// Builds each tenant's pool (min_workers start in the background), its host-access policy
     /// and roots, and — when codex-fleet runs as root — its Unix identity.
     pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
-        let program = resolve_program(&cfg.workers.command[0])?;
-        let fleet = FleetCap::new(cfg.workers.max_workers);
+        Ok(Tenants::rebuild(cfg, metrics, None)?.tenants)
+    }
+
+    /// Builds the tenants `cfg` names, reusing from `old` every tenant (its running pool, thread
+    /// table and sessions) whose worker settings are unchanged; only its pool sizes are updated in
+    /// place. A tenant whose worker settings changed keeps its running workers and settings (a
+    /// warning says a restart applies them). Nothing of `old` is touched when this fails.
+    pub fn rebuild(
+        cfg: &Config,
+        metrics: &WorkerMetrics,
+        old: Option<&Tenants>,
+    ) -> anyhow::Result<Rebuilt> {
+        check_worker_programs(cfg)?;
+        let mut warnings = Vec::new();
+        let fleet = match old {
+            Some(old) => {
+                if old.fleet.max() != cfg.workers.max_workers {
+                    warnings.push(format!(
+                        "workers.max_workers changed ({} -> {}); it applies after a restart",
+                        old.fleet.max(),
+                        cfg.workers.max_workers
+                    ));
+                }
+                old.fleet.clone()
+            }
+            None => FleetCap::new(cfg.workers.max_workers),
+        };
         let per_tenant_uid = per_tenant_uid(cfg);
         let uids = if per_tenant_uid {
             crate::identity::tenant_uids(cfg)?
@@ -230,23 +270,70 @@ impl Tenants {
         };
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
+        let mut resizes = Vec::new();
         for (index, t) in cfg.tenants.iter().enumerate() {
             for d in &t.token_sha256 {
                 if let Some(digest) = config::parse_digest(d) {
                     tokens.insert(digest, index);
                 }
             }
+            let settings = fingerprint(cfg, t);
+            if let Some(existing) = old.and_then(|o| o.iter().find(|e| e.id == t.id)) {
+                if existing.settings != settings {
+                    warnings.push(format!(
+                        "tenant {:?}: worker settings changed; the running ones stay until a restart",
+                        t.id
+                    ));
+                }
+                resizes.push((existing.clone(), pool_sizes(cfg, t)));
+                list.push(existing.clone());
+                continue;
+            }
+            let program = resolve_program(&cfg.worker_command(t)[0])?;
             let user = uids.get(&t.id).map(|&(uid, gid)| WorkerUser { uid, gid });
             let pool_cfg = pool_config(cfg, t, &program, &fleet, user);
+            pool_cfg
+                .validate()
+                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
             let roots = tenant_roots(cfg, t)?;
             let policy = t
                 .policy
                 .resolve(!per_tenant_uid)
                 .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
             let pool = Pool::new(pool_cfg, metrics.clone());
-            list.push(Tenant::new(t.id.clone(), pool, policy, roots));
+            list.push(Tenant::new(t.id.clone(), pool, policy, roots, settings));
         }
-        Ok(Tenants { list, tokens })
+        // Resizing changes running pools: only once everything else succeeded.
+        for (tenant, sizes) in resizes {
+            if tenant.pool.sizes() != sizes {
+                tenant
+                    .pool
+                    .resize(sizes)
+                    .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", tenant.id))?;
+            }
+        }
+        let removed = old
+            .map(|o| {
+                o.iter()
+                    .filter(|e| !cfg.tenants.iter().any(|t| t.id == e.id))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Rebuilt {
+            tenants: Tenants {
+                list,
+                tokens,
+                fleet,
+            },
+            removed,
+            warnings,
+        })
+    }
+
+    /// Running turns across every tenant.
+    pub fn active_turns(&self) -> usize {
+        self.list.iter().map(|t| t.pool.active_turns()).sum()
     }
 
     /// The token table.
@@ -271,6 +358,53 @@ impl Tenants {
     }
 }
 
+/// What a reload may change in a running pool.
+fn pool_sizes(cfg: &Config, t: &config::Tenant) -> Sizes {
+    Sizes {
+        min_workers: t.min_workers,
+        max_workers: t.max_workers,
+        load_mark: cfg.workers.load_mark,
+        worker_idle: Duration::from_secs(cfg.workers.worker_idle_secs),
+    }
+}
+
+/// Everything about a tenant's workers, policy and roots that a reload cannot change in place:
+/// the configuration minus tokens and pool sizes.
+fn fingerprint(cfg: &Config, t: &config::Tenant) -> String {
+    let mut w = cfg.workers.clone();
+    w.worker_idle_secs = 0;
+    w.load_mark = 0;
+    w.max_workers = 0;
+    let mut t = t.clone();
+    t.token_sha256.clear();
+    t.min_workers = 0;
+    t.max_workers = 0;
+    format!("{w:?}|{t:?}")
+}
+
+/// Fails with a clear message when a worker command's program is missing or not executable (a
+/// worker that cannot start at all is a configuration error, caught before anything starts).
+pub fn check_worker_programs(cfg: &Config) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let commands = std::iter::once((None, &cfg.workers.command)).chain(
+        cfg.tenants
+            .iter()
+            .filter_map(|t| t.command.as_ref().map(|c| (Some(t.id.as_str()), c))),
+    );
+    for (tenant, command) in commands {
+        let whose = tenant.map_or("workers.command".to_owned(), |t| {
+            format!("tenant {t:?}: command")
+        });
+        let program = resolve_program(&command[0]).map_err(|e| anyhow::anyhow!("{whose}: {e}"))?;
+        let meta = std::fs::metadata(&program)
+            .map_err(|e| anyhow::anyhow!("{whose}: {}: {e}", program.display()))?;
+        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+            anyhow::bail!("{whose}: {} is not an executable file", program.display());
+        }
+    }
+    Ok(())
+}
+
 fn pool_config(
     cfg: &Config,
     t: &config::Tenant,
@@ -284,7 +418,7 @@ fn pool_config(
     PoolConfig {
         tenant: t.id.clone(),
         program: program.to_owned(),
-        args: w.command[1..].to_vec(),
+        args: cfg.worker_command(t)[1..].to_vec(),
         codex_home: cfg.tenant_home(&t.id),
         cwd: cfg.tenant_workspace(&t.id),
         socket_dir: cfg.socket_dir(),

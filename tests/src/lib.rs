@@ -80,6 +80,7 @@ pub struct TenantSpec {
 pub struct FleetBuilder {
     tenants: Vec<TenantSpec>,
     extra_workers: String,
+    drain: String,
 }
 
 impl Default for FleetBuilder {
@@ -94,6 +95,8 @@ impl FleetBuilder {
         FleetBuilder {
             tenants: Vec::new(),
             extra_workers: String::new(),
+            // Tests stop fleets often: no settle period unless a test asks for one.
+            drain: "settle_secs = 0\n".to_owned(),
         }
     }
 
@@ -135,6 +138,12 @@ impl FleetBuilder {
         self
     }
 
+    /// The `[drain]` table (replaces the default `settle_secs = 0`).
+    pub fn drain_toml(mut self, lines: &str) -> Self {
+        self.drain = format!("{lines}\n");
+        self
+    }
+
     /// Writes TLS material, the mock model and the config into a fresh directory.
     pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
         router::tls::install_crypto_provider();
@@ -158,13 +167,14 @@ impl FleetBuilder {
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
-             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n",
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[drain]\n{}\n",
             q(&cert.display().to_string()),
             q(&key.display().to_string()),
             q(&codex_bin().display().to_string()),
             q(&dir.path().join("s").display().to_string()),
             overrides.join(", "),
             self.extra_workers,
+            self.drain,
         );
         for t in &self.tenants {
             toml.push_str(&format!(
@@ -189,15 +199,24 @@ impl FleetBuilder {
 
     /// Starts codex-fleet in this process, on ephemeral ports.
     pub async fn start(self) -> anyhow::Result<Fleet> {
+        self.prepare().await?.start().await
+    }
+}
+
+impl FleetFiles {
+    /// Starts codex-fleet in this process from these files (edit `config` first if needed).
+    pub async fn start(self) -> anyhow::Result<Fleet> {
         init_tracing();
-        let files = self.prepare().await?;
+        let files = self;
         let cfg = router::config::Config::load(&files.config)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let server = router::Server::build(cfg, prometheus_registry())?;
+        let server = router::Server::build(cfg, prometheus_registry())?
+            .with_config_path(files.config.clone());
         let tenants = server.tenants().clone();
+        let reloader = server.reloader();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(listener, admin, async move {
             let _stopped = stop_rx.await;
@@ -205,6 +224,7 @@ impl FleetBuilder {
         Ok(Fleet {
             files,
             tenants,
+            reloader,
             addr,
             admin_addr,
             stop: Some(stop_tx),
@@ -248,6 +268,8 @@ pub struct Fleet {
     pub files: FleetFiles,
     /// Its tenants (pools and thread tables), for assertions.
     pub tenants: Arc<router::tenants::TenantRegistry>,
+    /// Reloads its configuration file (what SIGHUP does).
+    pub reloader: Arc<router::reload::Reloader>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.

@@ -137,6 +137,18 @@ impl ThreadView {
         ids
     }
 
+    /// Active thread ids, sorted.
+    pub(crate) fn active_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .threads
+            .iter()
+            .filter(|(_, &active)| active)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     pub(crate) fn apply(&mut self, event: Lifecycle) {
         match event {
             Lifecycle::Started { thread, active } | Lifecycle::Status { thread, active } => {

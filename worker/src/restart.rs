@@ -66,6 +66,9 @@ impl RestartPolicy {
 #[derive(Debug, Default)]
 pub struct RestartTracker {
     failures: VecDeque<Instant>,
+    /// The slot came out of quarantine and has not yet run a worker that got ready: the next
+    /// failure is the failed probe, and quarantines again at once.
+    probing: bool,
 }
 
 // === impl RestartTracker ===
@@ -80,12 +83,18 @@ impl RestartTracker {
     ) -> RestartDecision {
         self.prune(policy, now);
         self.failures.push_back(now);
-        if self.failures.len() >= policy.crash_loop_failures {
+        if self.probing || self.failures.len() >= policy.crash_loop_failures {
             self.failures.clear();
+            self.probing = true;
             return RestartDecision::Quarantine(policy.quarantine);
         }
         let attempt = u32::try_from(self.failures.len() - 1).unwrap_or(u32::MAX);
         RestartDecision::Backoff(policy.backoff(attempt, jitter))
+    }
+
+    /// A worker of the slot got ready: a quarantine probe succeeded.
+    pub fn record_ready(&mut self) {
+        self.probing = false;
     }
 
     /// Failures still inside the crash-loop window at `now`.
@@ -152,8 +161,14 @@ mod tests {
             t.record_failure(&p, Instant::now(), 1.0),
             RestartDecision::Quarantine(QUARANTINE)
         );
-        // After quarantine the count starts over.
+        // After quarantine one probe start: its failure quarantines again at once.
         assert_eq!(t.recent_failures(&p, Instant::now()), 0);
+        assert_eq!(
+            t.record_failure(&p, Instant::now(), 1.0),
+            RestartDecision::Quarantine(QUARANTINE)
+        );
+        // A probe that gets ready ends it; the count starts over.
+        t.record_ready();
         assert_eq!(
             t.record_failure(&p, Instant::now(), 1.0),
             RestartDecision::Backoff(Duration::from_millis(100))

@@ -25,6 +25,7 @@ use crate::metrics::WorkerMetrics;
 use crate::restart::RestartPolicy;
 use crate::worker::{self, intern_tenant, ExitReport, WorkerId};
 
+pub use self::state::Sizes;
 use self::state::{Pick, PoolState, Start};
 
 /// Socket paths must be shorter than this (the kernel allows 107 bytes; keep a margin).
@@ -555,6 +556,66 @@ impl Pool {
             .into_iter()
             .flatten()
             .collect()
+    }
+
+    /// The sizes in force (the configuration's until [`Pool::resize`]).
+    pub fn sizes(&self) -> Sizes {
+        self.shared.lock().sizes(&self.shared.cfg)
+    }
+
+    /// Changes the pool's sizes in place (a reload): running workers stay. More `min_workers` start
+    /// at once; workers beyond a lower `max_workers` or `min_workers` stop when idle, as usual.
+    pub fn resize(self: &Arc<Self>, sizes: Sizes) -> Result<(), ConfigError> {
+        let mut check = self.shared.cfg.clone();
+        check.min_workers = sizes.min_workers;
+        check.max_workers = sizes.max_workers;
+        check.load_mark = sizes.load_mark;
+        check.worker_idle = sizes.worker_idle;
+        check.validate()?;
+        let shared = &self.shared;
+        let added = shared.update(|state| {
+            state.sizes = Some(sizes);
+            let mut added = 0;
+            if shared.invalid.is_none() && !state.stopping {
+                while state.slots.len() < sizes.min_workers {
+                    shared.add_slot(state, None);
+                    added += 1;
+                }
+            }
+            added
+        });
+        info!(tenant = shared.tenant, ?sizes, added, "pool resized");
+        Ok(())
+    }
+
+    /// Active threads (a turn running, or waiting on a client) over every live worker.
+    pub fn active_turns(&self) -> usize {
+        self.shared
+            .lock()
+            .active_threads(&self.shared.cfg)
+            .iter()
+            .map(|(_, _, threads)| threads.len())
+            .sum()
+    }
+
+    /// Interrupts every running turn (`turn/interrupt`, end of a drain); returns how many were
+    /// interrupted. Gives up at `deadline`.
+    pub async fn interrupt_active_turns(&self, deadline: Instant) -> usize {
+        let active = self.shared.lock().active_threads(&self.shared.cfg);
+        let asks = active.iter().map(|(id, socket, threads)| async move {
+            info!(worker = %id, threads = threads.len(), "interrupting running turns");
+            crate::interrupt::interrupt_turns(socket, threads, deadline).await
+        });
+        futures_util::future::join_all(asks).await.into_iter().sum()
+    }
+
+    /// Why this pool cannot provide any worker now, if so (an invalid configuration, or every
+    /// possible slot quarantined).
+    pub fn unavailable(&self) -> Option<String> {
+        if let Some(e) = &self.shared.invalid {
+            return Some(format!("invalid worker configuration: {e}"));
+        }
+        self.shared.lock().unavailable(&self.shared.cfg)
     }
 
     /// A snapshot of every slot.

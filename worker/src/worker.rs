@@ -570,6 +570,39 @@ pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
     }
 }
 
+/// After a worker is gone: removes what it leaves when killed (facts §11) — the socket path, the
+/// `/tmp/codex-daemon-<uid>/<hash>` socket it points to and that socket's lock file — so no socket
+/// file outlives its worker. Best effort; a live listener is never touched.
+pub(crate) async fn remove_socket_leftovers(path: &Path) {
+    let Ok(meta) = tokio::fs::symlink_metadata(path).await else {
+        return;
+    };
+    if socket_is_live(path).await {
+        return;
+    }
+    if meta.file_type().is_symlink() {
+        if let Ok(target) = tokio::fs::read_link(path).await {
+            let target = path
+                .parent()
+                .map_or(target.clone(), |dir| dir.join(&target));
+            let mut lock = target.clone().into_os_string();
+            lock.push(".lock");
+            for leftover in [target, PathBuf::from(lock)] {
+                if let Err(e) = tokio::fs::remove_file(&leftover).await {
+                    if e.kind() != io::ErrorKind::NotFound {
+                        debug!(path = %leftover.display(), error = %e, "cannot remove socket leftover");
+                    }
+                }
+            }
+        }
+    }
+    if let Err(e) = tokio::fs::remove_file(path).await {
+        if e.kind() != io::ErrorKind::NotFound {
+            debug!(path = %path.display(), error = %e, "cannot remove socket path");
+        }
+    }
+}
+
 /// A connect that does not answer promptly counts as live: better to refuse than to steal the path.
 async fn socket_is_live(path: &Path) -> bool {
     !matches!(

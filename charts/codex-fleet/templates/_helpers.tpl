@@ -77,14 +77,16 @@ values are not printed in float notation.
 {{- end }}
 {{- end }}
 
-{{/* Kubernetes' grace period: longer than codex-fleet's drain (workers.stop_grace_secs + 6 s). */}}
+{{/* Kubernetes' grace period: longer than codex-fleet's whole drain (turns, interrupt, sessions, workers). */}}
 {{- define "codex-fleet.terminationGrace" -}}
 {{- $stop := .Values.workers.stop_grace_secs | default 10 | int64 }}
-{{- $drain := add $stop 6 }}
+{{- $turns := .Values.drain.timeout_secs | default 300 | int64 }}
+{{- $settle := .Values.drain.settle_secs | default 5 | int64 }}
+{{- $drain := add (max $turns $settle) $stop 16 }}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
-{{- add $stop 20 }}
+{{- add $drain 10 }}
 {{- else if le (.Values.terminationGracePeriodSeconds | int64) $drain }}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be longer than the drain: workers.stop_grace_secs + 6 = %d" .Values.terminationGracePeriodSeconds $drain) }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be longer than the drain: max(drain.timeout_secs, drain.settle_secs) + workers.stop_grace_secs + 16 = %d" .Values.terminationGracePeriodSeconds $drain) }}
 {{- else }}
 {{- .Values.terminationGracePeriodSeconds | int64 }}
 {{- end }}

@@ -39,6 +39,7 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         let ended = run_worker(&shared, index, id)
             .instrument(info_span!("worker", worker = %id))
             .await;
+        worker::remove_socket_leftovers(&shared.cfg.socket_path(id.slot())).await;
         // The process is gone: its fleet slot is free again.
         drop(permit);
         let Some(retry_at) = finish(&shared, index, ended, &mut restarts) else {
@@ -63,7 +64,7 @@ async fn wait_until_wanted(shared: &Shared, index: usize) -> bool {
             if state.stopping {
                 return false;
             }
-            if index < shared.cfg.min_workers || state.slots[index].requested {
+            if index < state.sizes(&shared.cfg).min_workers || state.slots[index].requested {
                 return true;
             }
             let idle = state.slots[index].state != WorkerState::Stopped;
@@ -342,6 +343,9 @@ fn finish(
     restarts: &mut RestartTracker,
 ) -> Option<Instant> {
     let now = Instant::now();
+    if ended.reason != ExitReason::StartFail {
+        restarts.record_ready();
+    }
     if matches!(ended.reason, ExitReason::Idle | ExitReason::Memory) {
         return Some(retire_done(shared, index, ended, now));
     }

@@ -124,7 +124,34 @@ pub(super) struct PoolState {
     pub stopping: bool,
     /// The pool was dropped: its slots no longer count in the gauges.
     detached: bool,
+    /// Pool sizes set by [`super::Pool::resize`]; `None`: the configuration's.
+    pub sizes: Option<Sizes>,
     pub slots: Vec<Slot>,
+}
+
+/// The settings of a pool that a reload may change in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizes {
+    /// Workers started eagerly and kept running.
+    pub min_workers: usize,
+    /// Most workers.
+    pub max_workers: usize,
+    /// Active turns per worker at or above which placement starts another worker.
+    pub load_mark: usize,
+    /// Idle time after which a worker above `min_workers` is stopped.
+    pub worker_idle: std::time::Duration,
+}
+
+impl Sizes {
+    /// The sizes a configuration asks for.
+    pub fn of(cfg: &PoolConfig) -> Self {
+        Self {
+            min_workers: cfg.min_workers,
+            max_workers: cfg.max_workers,
+            load_mark: cfg.load_mark,
+            worker_idle: cfg.worker_idle,
+        }
+    }
 }
 
 // === impl PoolState ===
@@ -136,6 +163,7 @@ impl PoolState {
             metrics,
             stopping: false,
             detached: false,
+            sizes: None,
             slots: Vec::new(),
         }
     }
@@ -180,15 +208,16 @@ impl PoolState {
     /// when all are at or above `load_mark`); else wait for a start in progress; else start one;
     /// else wait for a backoff that ends before `deadline`; else fail.
     pub fn pick(&mut self, cfg: &PoolConfig, now: Instant, deadline: Instant) -> Pick {
+        let sizes = self.sizes(cfg);
         if self.stopping {
             return Pick::Fail(PoolError::ShuttingDown {
                 tenant: self.tenant,
             });
         }
-        if let Some((handle, busy)) = self.least_loaded(cfg) {
+        if let Some((handle, busy)) = self.least_loaded(cfg, sizes) {
             let start = if busy && !self.start_pending() {
                 // Best effort: at a cap, the ready worker takes the thread anyway.
-                self.start_one(cfg).ok().flatten()
+                self.start_one(cfg, sizes).ok().flatten()
             } else {
                 None
             };
@@ -197,7 +226,7 @@ impl PoolState {
         if self.start_pending() {
             return Pick::Wait { changed: false };
         }
-        match self.start_one(cfg) {
+        match self.start_one(cfg, sizes) {
             Ok(Some(start)) => return Pick::Start(start),
             Ok(None) => {}
             Err(e) => return Pick::Fail(e),
@@ -206,7 +235,7 @@ impl PoolState {
     }
 
     /// The ready worker to place on, and whether even it is at or above `load_mark`.
-    fn least_loaded(&self, cfg: &PoolConfig) -> Option<(WorkerHandle, bool)> {
+    fn least_loaded(&self, cfg: &PoolConfig, sizes: Sizes) -> Option<(WorkerHandle, bool)> {
         let (index, key) = self
             .slots
             .iter()
@@ -216,7 +245,7 @@ impl PoolState {
             .filter(|(_, live)| !live.has_exited() && live.retire.is_none())
             .map(|(i, live)| (i, live.load_key()))
             .min_by_key(|(_, key)| *key)?;
-        Some((self.handle(index, cfg)?, key.0 >= cfg.load_mark))
+        Some((self.handle(index, cfg)?, key.0 >= sizes.load_mark))
     }
 
     /// A start is under way or asked for.
@@ -228,12 +257,13 @@ impl PoolState {
 
     /// Starts another worker if the pool's and the fleet's caps allow: wakes a stopped slot or adds
     /// one. `Ok(None)` at the pool's cap; an error when only the fleet cap stands in the way.
-    fn start_one(&mut self, cfg: &PoolConfig) -> Result<Option<Start>, PoolError> {
+    fn start_one(&mut self, cfg: &PoolConfig, sizes: Sizes) -> Result<Option<Start>, PoolError> {
         let stopped = self
             .slots
             .iter()
+            .take(sizes.max_workers)
             .position(|s| s.state == WorkerState::Stopped && !s.requested && s.live.is_none());
-        if stopped.is_none() && self.slots.len() >= cfg.max_workers {
+        if stopped.is_none() && self.slots.len() >= sizes.max_workers {
             return Ok(None);
         }
         let permit = cfg.fleet.try_take().ok_or(PoolError::FleetFull {
@@ -300,6 +330,50 @@ impl PoolState {
             .collect()
     }
 
+    /// The sizes in force.
+    pub fn sizes(&self, cfg: &PoolConfig) -> Sizes {
+        self.sizes.unwrap_or_else(|| Sizes::of(cfg))
+    }
+
+    /// Each live worker's active threads (running a turn or waiting on a client).
+    pub fn active_threads(
+        &self,
+        cfg: &PoolConfig,
+    ) -> Vec<(WorkerId, std::path::PathBuf, Vec<String>)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(index, s)| s.live.as_ref().map(|live| (index, live)))
+            .filter(|(_, live)| !live.has_exited() && live.threads.active() > 0)
+            .map(|(index, live)| {
+                (
+                    live.id,
+                    cfg.socket_path(slot_number(index)),
+                    live.threads.active_ids(),
+                )
+            })
+            .collect()
+    }
+
+    /// Why no worker can be had at all, if so: an invalid command that keeps failing leaves every
+    /// possible slot quarantined.
+    pub fn unavailable(&self, cfg: &PoolConfig) -> Option<String> {
+        let sizes = self.sizes(cfg);
+        let quarantined = self
+            .slots
+            .iter()
+            .take(sizes.max_workers)
+            .filter(|s| s.state == WorkerState::Quarantined)
+            .count();
+        if quarantined < sizes.max_workers {
+            return None;
+        }
+        let last = self.last_error().unwrap_or_default();
+        Some(format!(
+            "every worker slot is quarantined after repeated failures: {last}"
+        ))
+    }
+
     fn live_mut(&mut self, index: usize, id: WorkerId) -> Option<&mut Live> {
         self.slots[index].live.as_mut().filter(|live| live.id == id)
     }
@@ -326,7 +400,8 @@ impl PoolState {
         cfg: &PoolConfig,
         now: Instant,
     ) -> Verdict {
-        let protected = index < cfg.min_workers || self.stopping;
+        let sizes = self.sizes(cfg);
+        let protected = index < sizes.min_workers || self.stopping;
         let ready = self.slots[index].state == WorkerState::Ready;
         let Some(live) = self.live_mut(index, id) else {
             return Verdict::Keep;
@@ -346,7 +421,7 @@ impl PoolState {
             live.idle_since = None;
         } else if live.retire.is_none() {
             let since = *live.idle_since.get_or_insert(now);
-            if now.saturating_duration_since(since) >= cfg.worker_idle {
+            if now.saturating_duration_since(since) >= sizes.worker_idle {
                 live.retire = Some(Retire::new(ExitReason::Idle));
                 draining = true;
             }

@@ -1,0 +1,745 @@
+//! Supervision that survives faults, against real workers: a worker killed mid-turn, a hung
+//! worker, a crash-looping command, a SIGTERM drain, a SIGHUP reload — and after each, no process
+//! and no socket file left behind.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use e2e::{agent_text, reply_text, workers_under, Client, Fleet, FleetBuilder, FleetFiles};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+/// Fast fault detection for tests: ping every second, one second to answer, quick restarts.
+const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+
+async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+fn workers(fleet: &Fleet, tenant: &str) -> Vec<worker::WorkerInfo> {
+    fleet.tenant(tenant).pool.workers()
+}
+
+fn ready_pid(fleet: &Fleet, tenant: &str) -> Option<u32> {
+    workers(fleet, tenant)
+        .into_iter()
+        .find(|w| w.state == worker::WorkerState::Ready)
+        .and_then(|w| w.pid)
+}
+
+/// The socket files our workers use now: each slot's path and the `/tmp/codex-daemon-<uid>/…`
+/// socket it points to (facts §11).
+fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
+    let mut out = BTreeSet::new();
+    let Ok(tenants) = std::fs::read_dir(state.join("s/sockets")) else {
+        return out;
+    };
+    for dir in tenants.flatten() {
+        for sock in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = sock.path();
+            if let Ok(target) = std::fs::read_link(&path) {
+                out.insert(target);
+            }
+            out.insert(path);
+        }
+    }
+    out
+}
+
+/// Issue 4 test 6: nothing started by codex-fleet runs any more, and no socket file remains.
+async fn assert_clean(state: &Path, sockets: &BTreeSet<PathBuf>) {
+    let gone = wait_until(Duration::from_secs(10), || workers_under(state).is_empty()).await;
+    assert!(
+        gone,
+        "processes outlived codex-fleet: {:?}",
+        workers_under(state)
+    );
+    let now = socket_files(state);
+    let left: Vec<_> = sockets
+        .iter()
+        .chain(now.iter())
+        .filter(|p| std::fs::symlink_metadata(p).is_ok())
+        .collect();
+    assert!(left.is_empty(), "socket files left behind: {left:?}");
+}
+
+fn is_thread_closed(v: &Value, thread: &str) -> bool {
+    v["method"] == "thread/closed" && v["params"]["threadId"] == thread
+}
+
+fn is_system_error(v: &Value, thread: &str) -> bool {
+    v["method"] == "thread/status/changed"
+        && v["params"]["threadId"] == thread
+        && v["params"]["status"]["type"] == "systemError"
+}
+
+/// Waits for `systemError` then `thread/closed` about `thread`; returns when the latter came.
+async fn told_thread_failed(c: &mut Client, thread: &str) -> anyhow::Result<Instant> {
+    c.wait_for(|v| is_system_error(v, thread))
+        .await
+        .context("systemError")?;
+    c.wait_for(|v| is_thread_closed(v, thread))
+        .await
+        .context("thread/closed")?;
+    Ok(Instant::now())
+}
+
+async fn busy_turn(c: &mut Client, prompt: &str) -> anyhow::Result<String> {
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, prompt).await?;
+    c.notification("turn/started").await?;
+    Ok(thread)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
+) -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .tenant_pool("beta", 1, 1)
+        .workers_toml(FAST)
+        .start()
+        .await?;
+    for t in ["acme", "beta"] {
+        assert!(wait_until(Duration::from_secs(30), || ready_pid(&fleet, t).is_some()).await);
+    }
+    let mut a = fleet.client("acme").await?;
+    let mut b = fleet.client("beta").await?;
+    let b_prompt = "SLOW2 beta carries on";
+    let b_thread = busy_turn(&mut b, b_prompt).await?;
+    let a_thread = busy_turn(&mut a, "SLOW5 acme is killed").await?;
+    let old_owner = fleet
+        .tenant("acme")
+        .table
+        .owner(&a_thread)
+        .context("owner")?;
+    let sockets = socket_files(fleet.files.dir.path());
+    let pid = ready_pid(&fleet, "acme").context("acme pid")?;
+    let killed = Instant::now();
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL)?;
+    let told = told_thread_failed(&mut a, &a_thread).await?;
+    let notified = told - killed;
+    eprintln!("measured: crash to client notified (systemError + thread/closed): {notified:?}");
+    assert!(notified < Duration::from_secs(2), "{notified:?}");
+    // The other tenant's turn on its own worker is untouched.
+    let msgs = b.until_turn_completed(&b_thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text(b_prompt)));
+    assert!(
+        !b.backlog
+            .iter()
+            .chain(msgs.iter())
+            .any(|m| is_system_error(m, &b_thread)),
+        "beta was told about acme's crash"
+    );
+    // The thread loads again from disk on the restarted worker.
+    a.request("thread/resume", json!({ "threadId": a_thread }))
+        .await?;
+    let new_owner = fleet
+        .tenant("acme")
+        .table
+        .owner(&a_thread)
+        .context("owner")?;
+    assert_ne!(new_owner, old_owner, "resumed on a new worker");
+    a.start_turn(&a_thread, "after the crash").await?;
+    let msgs = a.until_turn_completed(&a_thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("after the crash")));
+    let exits = fleet.admin_get("/metrics").await?.1;
+    assert!(
+        exits.contains(r#"codex_fleet_worker_exits_total{reason="crash",tenant="acme"} 1"#),
+        "{exits}"
+    );
+    let state = fleet.files.dir.path().to_owned();
+    let sockets: BTreeSet<_> = sockets.union(&socket_files(&state)).cloned().collect();
+    a.close().await;
+    b.close().await;
+    fleet.stop().await?;
+    assert_clean(&state, &sockets).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .workers_toml(FAST)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_pid(&fleet, "acme")
+            .is_some())
+        .await
+    );
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    let sockets = socket_files(fleet.files.dir.path());
+    let pid = ready_pid(&fleet, "acme").context("pid")?;
+    let stopped = Instant::now();
+    kill(Pid::from_raw(pid as i32), Signal::SIGSTOP)?;
+    // A request on the stopped worker stays in flight until the hang is found, then fails.
+    a.send(&json!({ "id": 999, "method": "thread/read", "params": { "threadId": thread } }))
+        .await?;
+    let told = told_thread_failed(&mut a, &thread).await?;
+    let answer = a.wait_for(|v| v["id"] == 999).await?;
+    assert_eq!(answer["error"]["code"], -32002, "{answer}");
+    assert_eq!(
+        answer["error"]["data"]["reason"], "workerExited",
+        "{answer}"
+    );
+    assert_eq!(answer["error"]["data"]["retryable"], true, "{answer}");
+    let detected = told - stopped;
+    eprintln!("measured: hang (SIGSTOP) to detected, killed and client told: {detected:?} (ping every 1 s, 1 s deadline)");
+    // Worst case: a whole interval before the next ping, then its deadline, then the reap.
+    assert!(detected < Duration::from_millis(3500), "{detected:?}");
+    assert!(
+        !e2e::process_alive(pid as i32),
+        "the hung worker was killed"
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            ready_pid(&fleet, "acme").is_some_and(|p| p != pid)
+        })
+        .await,
+        "a new worker replaces it"
+    );
+    let last = workers(&fleet, "acme")[0]
+        .last_error
+        .clone()
+        .unwrap_or_default();
+    assert!(last.contains("hung"), "{last}");
+    let t2 = a.start_thread().await?;
+    a.start_turn(&t2, "on the replacement").await?;
+    a.until_turn_completed(&t2).await?;
+    let state = fleet.files.dir.path().to_owned();
+    let sockets: BTreeSet<_> = sockets.union(&socket_files(&state)).cloned().collect();
+    a.close().await;
+    fleet.stop().await?;
+    assert_clean(&state, &sockets).await;
+    Ok(())
+}
+
+/// Appends a tenant whose workers run `command` to a prepared config.
+fn add_tenant_with_command(files: &FleetFiles, id: &str, command: &[&str]) -> anyhow::Result<()> {
+    let token = router::dev::random_token();
+    let text = std::fs::read_to_string(&files.config)?
+        + &format!(
+            "\n[[tenants]]\nid = {id:?}\ntoken_sha256 = [{:?}]\nmin_workers = 1\nmax_workers = 1\ncommand = {}\n",
+            router::auth::token_digest_hex(&token),
+            serde_json::to_string(command)?
+        );
+    std::fs::write(&files.config, text)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .workers_toml("restart_backoff_initial_ms = 20\nrestart_backoff_max_ms = 100")
+        .prepare()
+        .await?;
+    add_tenant_with_command(&files, "broken", &["/bin/false"])?;
+    let config_text = std::fs::read_to_string(&files.config)?;
+    let fleet = files.start().await?;
+    let quarantined = wait_until(Duration::from_secs(15), || {
+        workers(&fleet, "broken")
+            .iter()
+            .all(|w| w.state == worker::WorkerState::Quarantined)
+    })
+    .await;
+    assert!(quarantined, "{:?}", workers(&fleet, "broken"));
+    let (status, body) = fleet.admin_get("/readyz").await?;
+    assert_eq!(status, 200, "acme still serves: {body}");
+    let detail: Value = serde_json::from_str(&body)?;
+    let broken = detail["tenants"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|t| t["id"] == "broken"))
+        .context("broken in /readyz")?;
+    let why = broken["unavailable"].as_str().unwrap_or_default();
+    assert!(why.contains("quarantined"), "{broken:#}");
+    assert_eq!(broken["workers"][0]["state"], "quarantined");
+    assert!(
+        broken["workers"][0]["lastError"]
+            .as_str()
+            .is_some_and(|e| e.contains("exit status: 1")),
+        "{broken:#}"
+    );
+    let metrics = fleet.admin_get("/metrics").await?.1;
+    let restarts = metric(
+        &metrics,
+        r#"codex_fleet_worker_restarts_total{tenant="broken"}"#,
+    );
+    assert!(restarts >= 4.0, "restarts counted: {restarts}");
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"codex_fleet_workers{state="quarantined",tenant="broken"}"#
+        ),
+        1.0
+    );
+    // The other tenant works throughout.
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "unaffected").await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("unaffected")));
+    c.close().await;
+    let state = fleet.files.dir.path().to_owned();
+    let sockets = socket_files(&state);
+    fleet.stop().await?;
+    assert_clean(&state, &sockets).await;
+
+    // A fleet whose only tenant cannot get a worker is not ready, and says why.
+    let only = FleetBuilder::new()
+        .workers_toml("restart_backoff_initial_ms = 20\nrestart_backoff_max_ms = 100")
+        .prepare()
+        .await?;
+    add_tenant_with_command(&only, "broken", &["/bin/false"])?;
+    let fleet = only.start().await?;
+    let mut last;
+    let unready = {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            last = fleet.admin_get("/readyz").await?;
+            if last.0 == 503 || Instant::now() > deadline {
+                break last.0 == 503;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert!(unready, "{last:?}");
+    assert!(last.1.contains("no capacity"), "{}", last.1);
+    fleet.stop().await?;
+
+    // A command that cannot start at all is refused before anything starts.
+    let dir = tempfile::tempdir()?;
+    let bad = dir.path().join("missing.toml");
+    let text = config_text.replace("/bin/false", "/nonexistent/codex");
+    std::fs::write(&bad, text)?;
+    let out = Command::new(e2e::fleet_bin())
+        .arg("check-config")
+        .arg(&bad)
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("broken") && stderr.contains("/nonexistent/codex"),
+        "{stderr}"
+    );
+    let out = Command::new(e2e::fleet_bin())
+        .args(["serve", "--config"])
+        .arg(&bad)
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(78));
+    Ok(())
+}
+
+/// The value of one sample line of a Prometheus text exposition (0 when absent).
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// `codex-fleet serve` as a child process, with its ports and collected stderr.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+    admin: SocketAddr,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    async fn spawn(files: &FleetFiles) -> anyhow::Result<Proc> {
+        let mut child = Command::new(e2e::fleet_bin())
+            .args(["serve", "--config"])
+            .arg(&files.config)
+            .env("CODEX_FLEET_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .context("codex-fleet did not report its address")??
+            .context("codex-fleet exited before listening")?;
+        let addr = |prefix: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(prefix))
+                .and_then(|a| a.trim_end_matches('/').parse::<SocketAddr>().ok())
+                .with_context(|| format!("unexpected first line {line:?}"))
+        };
+        let (addr, admin) = (addr("wss://")?, addr("http://")?);
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err_lines = BufReader::new(child.stderr.take().context("stderr")?).lines();
+        let sink = stderr.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(l)) = err_lines.next_line().await {
+                let mut s = sink
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                s.push_str(&l);
+                s.push('\n');
+            }
+        });
+        Ok(Proc {
+            child,
+            addr,
+            admin,
+            stderr,
+        })
+    }
+
+    fn url(&self) -> String {
+        format!("wss://localhost:{}/", self.addr.port())
+    }
+
+    async fn client(&self, files: &FleetFiles, token: &str) -> anyhow::Result<Client> {
+        let mut c = Client::connect(&self.url(), &files.ca, Some(token)).await?;
+        c.initialize("supervision-test").await?;
+        Ok(c)
+    }
+
+    fn signal(&self, sig: Signal) -> anyhow::Result<()> {
+        let pid = self.child.id().context("pid")?;
+        kill(Pid::from_raw(pid as i32), sig)?;
+        Ok(())
+    }
+
+    async fn readyz(&self) -> anyhow::Result<(u16, String)> {
+        e2e::http_get(self.admin, "/readyz").await
+    }
+
+    async fn ready_workers(&self) -> anyhow::Result<usize> {
+        let (_, body) = self.readyz().await?;
+        let v: Value = serde_json::from_str(&body)?;
+        Ok(v["tenants"]
+            .as_array()
+            .map(|ts| {
+                ts.iter()
+                    .flat_map(|t| t["workers"].as_array().cloned().unwrap_or_default())
+                    .filter(|w| w["state"] == "ready")
+                    .count()
+            })
+            .unwrap_or(0))
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .drain_toml("settle_secs = 2\ntimeout_secs = 10")
+        .prepare()
+        .await?;
+    let proc = Proc::spawn(&files).await?;
+    let token = files.token("acme");
+    let mut c = proc.client(&files, &token).await?;
+    let thread = busy_turn(&mut c, "SLOW6 finish me").await?;
+    let sockets = socket_files(files.dir.path());
+    let signalled = Instant::now();
+    proc.signal(Signal::SIGTERM)?;
+    // Not ready at once; new connections are still served during the settle period.
+    let mut readyz = proc.readyz().await?;
+    while readyz.0 != 503 && signalled.elapsed() < Duration::from_millis(500) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        readyz = proc.readyz().await?;
+    }
+    let unready_after = signalled.elapsed();
+    assert_eq!(readyz.0, 503, "{}", readyz.1);
+    assert!(readyz.1.contains("draining"), "{}", readyz.1);
+    eprintln!("measured: SIGTERM to /readyz 503: {unready_after:?}");
+    let late = proc.client(&files, &token).await?;
+    tokio::time::sleep_until(signalled + Duration::from_millis(2300)).await;
+    let refused = Client::connect(&proc.url(), &files.ca, Some(&token)).await;
+    let err = refused
+        .err()
+        .context("a connection after the settle period is refused")?;
+    assert!(format!("{err:#}").contains("503"), "{err:#}");
+    // The running turn completes, then the session closes with 1001.
+    let msgs = c.until_turn_completed(&thread).await?;
+    let done = msgs.last().context("turn/completed")?;
+    assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
+    assert_eq!(agent_text(&msgs), Some(reply_text("SLOW6 finish me")));
+    assert_eq!(c.recv_close(Duration::from_secs(10)).await?, Some(1001));
+    let mut late = late;
+    assert_eq!(late.recv_close(Duration::from_secs(10)).await?, Some(1001));
+    let mut proc = proc;
+    let status = tokio::time::timeout(Duration::from_secs(10), proc.child.wait()).await??;
+    let took = signalled.elapsed();
+    eprintln!("measured: drain with one running SLOW6 turn: SIGTERM to exit {took:?}");
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
+    assert!(took < Duration::from_secs(10), "within drain.timeout_secs");
+    assert_clean(files.dir.path(), &sockets).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_that_outlives_the_drain_timeout_is_interrupted() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .drain_toml("settle_secs = 0\ntimeout_secs = 2")
+        .prepare()
+        .await?;
+    let proc = Proc::spawn(&files).await?;
+    let mut c = proc.client(&files, &files.token("acme")).await?;
+    let thread = busy_turn(&mut c, "SLOW60 too long").await?;
+    let sockets = socket_files(files.dir.path());
+    let signalled = Instant::now();
+    proc.signal(Signal::SIGTERM)?;
+    let msgs = c
+        .until_turn_completed(&thread)
+        .await
+        .with_context(|| format!("codex-fleet stderr:\n{}", proc.stderr()))?;
+    let done = msgs.last().context("turn/completed")?;
+    assert_eq!(done["params"]["turn"]["status"], "interrupted", "{done}");
+    let at = signalled.elapsed();
+    assert!(
+        at >= Duration::from_secs(2),
+        "not before the timeout: {at:?}"
+    );
+    assert_eq!(c.recv_close(Duration::from_secs(10)).await?, Some(1001));
+    let mut proc = proc;
+    let status = tokio::time::timeout(Duration::from_secs(15), proc.child.wait()).await??;
+    let took = signalled.elapsed();
+    eprintln!("measured: drain with a turn past drain.timeout_secs=2: interrupted at {at:?}, exit at {took:?}");
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
+    assert_clean(files.dir.path(), &sockets).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> anyhow::Result<()> {
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let proc = Proc::spawn(&files).await?;
+    let old_token = files.token("acme");
+    let mut c = proc.client(&files, &old_token).await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "before the reload").await?;
+    c.until_turn_completed(&thread).await?;
+
+    // New token for acme, two workers kept for it, and a new tenant.
+    let new_token = router::dev::random_token();
+    let beta_token = router::dev::random_token();
+    let text = std::fs::read_to_string(&files.config)?
+        .replace(
+            &router::auth::token_digest_hex(&old_token),
+            &router::auth::token_digest_hex(&new_token),
+        )
+        .replace(
+            "min_workers = 0\nmax_workers = 1",
+            "min_workers = 2\nmax_workers = 2",
+        )
+        + &format!(
+            "\n[[tenants]]\nid = \"beta\"\ntoken_sha256 = [{:?}]\n",
+            router::auth::token_digest_hex(&beta_token)
+        );
+    let good = text.clone();
+    std::fs::write(&files.config, &text)?;
+    proc.signal(Signal::SIGHUP)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut beta = loop {
+        match proc.client(&files, &beta_token).await {
+            Ok(b) => break b,
+            Err(e) if Instant::now() > deadline => return Err(e.context("beta after reload")),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let bt = beta.start_thread().await?;
+    beta.start_turn(&bt, "beta is new").await?;
+    assert_eq!(
+        agent_text(&beta.until_turn_completed(&bt).await?),
+        Some(reply_text("beta is new"))
+    );
+    let mut c2 = proc.client(&files, &new_token).await?;
+    c2.start_thread().await?;
+    let old = Client::connect(&proc.url(), &files.ca, Some(&old_token)).await;
+    assert!(old.is_err(), "the old token no longer authenticates");
+    // The session opened before the reload is untouched.
+    c.start_turn(&thread, "after the reload").await?;
+    assert_eq!(
+        agent_text(&c.until_turn_completed(&thread).await?),
+        Some(reply_text("after the reload"))
+    );
+    let grown = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let n = proc.ready_workers().await?;
+            if n >= 3 || Instant::now() > deadline {
+                break n;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    assert_eq!(grown, 3, "acme min_workers 2 + beta 1");
+
+    // An invalid file is refused; the running configuration stays.
+    std::fs::write(
+        &files.config,
+        good.replace("[workers]", "[workers]\nload_mark = 0"),
+    )?;
+    proc.signal(Signal::SIGHUP)?;
+    let refused = {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = e2e::http_get(proc.admin, "/metrics").await?.1;
+            let n = metric(&m, r#"codex_fleet_config_reloads_total{result="invalid"}"#);
+            if n >= 1.0 || Instant::now() > deadline {
+                break (
+                    n,
+                    metric(&m, r#"codex_fleet_config_reloads_total{result="ok"}"#),
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert_eq!(refused, (1.0, 1.0));
+    assert!(
+        proc.stderr().contains("configuration reload refused"),
+        "{}",
+        proc.stderr()
+    );
+    let mut c3 = proc.client(&files, &new_token).await?;
+    let t3 = c3.start_thread().await?;
+    c3.start_turn(&t3, "still serving").await?;
+    c3.until_turn_completed(&t3).await?;
+    c.request("thread/read", json!({ "threadId": thread }))
+        .await?;
+
+    let sockets = socket_files(files.dir.path());
+    let mut proc = proc;
+    proc.signal(Signal::SIGTERM)?;
+    let status = tokio::time::timeout(Duration::from_secs(30), proc.child.wait()).await??;
+    assert!(status.success(), "{status:?}");
+    assert_clean(files.dir.path(), &sockets).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> {
+    let mut b = FleetBuilder::new();
+    for i in 0..10 {
+        b = b.tenant_pool(&format!("t{i}"), 2, 2);
+    }
+    let files = b.prepare().await?;
+    let proc = Proc::spawn(&files).await?;
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
+    loop {
+        let n = proc.ready_workers().await?;
+        if n == 20 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "only {n} of 20 workers got ready"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("measured: 20 workers ready after {:?}", started.elapsed());
+    let sockets = socket_files(files.dir.path());
+    let pids = workers_under(files.dir.path());
+    assert!(pids.len() >= 20, "{pids:?}");
+    let signalled = Instant::now();
+    proc.signal(Signal::SIGTERM)?;
+    let mut proc = proc;
+    let status = tokio::time::timeout(Duration::from_secs(30), proc.child.wait()).await??;
+    let took = signalled.elapsed();
+    eprintln!("measured: idle fleet of 20 workers, SIGTERM to exit: {took:?}");
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
+    assert_clean(files.dir.path(), &sockets).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessions(
+) -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 0, 1)
+        .tenant_pool("gone", 1, 1)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_pid(&fleet, "gone")
+            .is_some())
+        .await
+    );
+    let gone_pool = fleet.tenant("gone").pool.clone();
+    let mut session = fleet.client("gone").await?;
+    let seen = Arc::new(Mutex::new(None));
+    let hook_seen = seen.clone();
+    fleet.reloader.on_reload(Box::new(move |cfg| {
+        *hook_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cfg.limits.max_connections);
+    }));
+    // Drop tenant "gone" and change a limit.
+    let text = std::fs::read_to_string(&fleet.files.config)?;
+    let (head, tenants) = text.split_once("[[tenants]]").context("tenants")?;
+    let acme = tenants
+        .split("[[tenants]]")
+        .find(|t| t.contains("\"acme\""))
+        .context("acme")?;
+    std::fs::write(
+        &fleet.files.config,
+        format!("{head}[[tenants]]{acme}\n[limits]\nmax_connections = 77\n"),
+    )?;
+    let summary = fleet.reloader.reload().await?;
+    assert_eq!(summary.removed, vec!["gone".to_owned()]);
+    assert_eq!(
+        *seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+        Some(77)
+    );
+    assert!(fleet.tenants.current().iter().all(|t| t.id != "gone"));
+    // Its open session still works; its workers stop once the session ends.
+    let thread = session.start_thread().await?;
+    session.start_turn(&thread, "still here").await?;
+    session.until_turn_completed(&thread).await?;
+    session.close().await;
+    let stopped = wait_until(Duration::from_secs(10), || {
+        gone_pool.workers().iter().all(|w| w.pid.is_none())
+    })
+    .await;
+    assert!(stopped, "{:?}", gone_pool.workers());
+    let state = fleet.files.dir.path().to_owned();
+    let sockets = socket_files(&state);
+    drop(gone_pool);
+    fleet.stop().await?;
+    assert_clean(&state, &sockets).await;
+    Ok(())
+}
