@@ -39,9 +39,15 @@ pub async fn connect(socket_path: &Path, max_message_size: usize) -> Result<LegS
     Ok(ws)
 }
 
+/// Initial read buffer of a leg. tungstenite allocates its default (128 KiB) up front for every
+/// connection, which made legs the largest per-session cost; frames larger than this still
+/// arrive whole, the buffer grows for them.
+const READ_BUFFER_SIZE: usize = 16 << 10;
+
 /// The WebSocket limits used for every leg.
 pub fn ws_config(max_message_size: usize) -> WebSocketConfig {
     WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER_SIZE)
         .write_buffer_size(WRITE_BUFFER_SIZE)
         .max_write_buffer_size(WRITE_BUFFER_SIZE.saturating_add(max_message_size))
         .max_message_size(Some(max_message_size))
