@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -34,6 +33,9 @@ use crate::tenants::{TenantRegistry, Tenants};
 /// How long open sessions get to receive their close frames at shutdown.
 const SESSION_CLOSE_GRACE: Duration = Duration::from_secs(5);
 
+/// How often idle per-key admission state (limiter keys, worker slots) is dropped.
+const ADMISSION_PRUNE_EVERY: Duration = Duration::from_secs(60);
+
 /// A configured, not yet running codex-fleet.
 pub struct Server {
     cfg: Config,
@@ -42,6 +44,7 @@ pub struct Server {
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
     warnings: Vec<String>,
+    admission: Arc<admission::Admission>,
 }
 
 impl Server {
@@ -59,7 +62,9 @@ impl Server {
                     .to_owned(),
             );
         }
+        let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         Ok(Server {
+            admission,
             cfg,
             tenants,
             metrics,
@@ -77,6 +82,7 @@ impl Server {
         admin: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> anyhow::Result<()> {
+        let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
         let draining = CancellationToken::new();
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -99,7 +105,7 @@ impl Server {
                 tls: self.tls.clone(),
                 tenants: self.tenants.clone(),
                 metrics: self.metrics.clone(),
-                connections: Arc::new(Semaphore::new(self.cfg.limits.max_connections)),
+                admission: self.admission.clone(),
                 handshake_timeout: self.cfg.handshake_timeout(),
                 max_message_bytes: self.cfg.limits.max_message_bytes,
                 client_queue: self.cfg.limits.client_queue,
@@ -134,6 +140,11 @@ impl Server {
         }
         tracing::info!("stopped");
         Ok(())
+    }
+
+    /// Admission control; a reload applies new `[limits]` with [`admission::Admission::reconfigure`].
+    pub fn admission(&self) -> &Arc<admission::Admission> {
+        &self.admission
     }
 
     /// The tenants (tests and tools inspect worker state through it).

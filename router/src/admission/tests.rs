@@ -12,8 +12,8 @@ fn small() -> AdmissionConfig {
         turn_start_burst: 2,
         handshakes_per_sec_per_ip: 20,
         handshake_burst: 2,
-        max_conns_per_tenant: 2,
-        max_conns_total: 3,
+        max_connections_per_tenant: 2,
+        max_connections: 3,
         max_active_turns_per_tenant: 2,
         max_in_flight_per_worker: 2,
         in_flight_wait_ms: 30,
@@ -287,7 +287,7 @@ async fn reconfigure_keeps_counts_and_applies_new_limits() {
     assert!(adm.check_request("a", "thread/list", None).is_err());
     let wider = AdmissionConfig {
         tenant_burst: 10,
-        max_conns_per_tenant: 1,
+        max_connections_per_tenant: 1,
         ..small()
     };
     adm.reconfigure(wider).unwrap();
