@@ -78,6 +78,7 @@ pub struct TenantSpec {
 pub struct FleetBuilder {
     tenants: Vec<TenantSpec>,
     extra_workers: String,
+    extra_limits: String,
 }
 
 impl Default for FleetBuilder {
@@ -92,6 +93,7 @@ impl FleetBuilder {
         FleetBuilder {
             tenants: Vec::new(),
             extra_workers: String::new(),
+            extra_limits: String::new(),
         }
     }
 
@@ -123,6 +125,13 @@ impl FleetBuilder {
         self
     }
 
+    /// Lines for the `[limits]` table (message size, client queue, rates and caps).
+    pub fn limits_toml(mut self, lines: &str) -> Self {
+        self.extra_limits.push_str(lines);
+        self.extra_limits.push('\n');
+        self
+    }
+
     /// Writes TLS material, the mock model and the config into a fresh directory.
     pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
         router::tls::install_crypto_provider();
@@ -146,13 +155,14 @@ impl FleetBuilder {
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
-             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n",
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[limits]\n{}\n",
             q(&cert.display().to_string()),
             q(&key.display().to_string()),
             q(&codex_bin().display().to_string()),
             q(&dir.path().join("s").display().to_string()),
             overrides.join(", "),
             self.extra_workers,
+            self.extra_limits,
         );
         for t in &self.tenants {
             toml.push_str(&format!(
@@ -340,9 +350,69 @@ pub struct Client {
     pub backlog: std::collections::VecDeque<Value>,
 }
 
+/// What an upgrade attempt got.
+pub enum Upgrade {
+    /// Upgraded.
+    Open(Client),
+    /// Refused with an HTTP answer.
+    Refused {
+        /// The status code.
+        status: u16,
+        /// `Retry-After` in seconds, when sent.
+        retry_after: Option<u64>,
+        /// The body.
+        body: String,
+    },
+}
+
 impl Client {
     /// Opens the wss connection; `token` goes in `Authorization: Bearer`.
     pub async fn connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Client> {
+        Client::connect_over(url, ca, token, None).await
+    }
+
+    /// Opens the wss connection over a TCP socket with a small receive buffer, so a client
+    /// that stops reading backs up into codex-fleet quickly.
+    pub async fn connect_small_window(
+        addr: SocketAddr,
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        rcvbuf: u32,
+    ) -> anyhow::Result<Client> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_recv_buffer_size(rcvbuf)?;
+        let tcp = socket.connect(addr).await?;
+        Client::connect_over(url, ca, token, Some(tcp)).await
+    }
+
+    /// One upgrade attempt: the client, or the refusal's status and `Retry-After`.
+    pub async fn try_connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Upgrade> {
+        match Client::connect(url, ca, token).await {
+            Ok(c) => Ok(Upgrade::Open(c)),
+            Err(e) => match e.downcast::<tokio_tungstenite::tungstenite::Error>() {
+                Ok(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Upgrade::Refused {
+                    status: resp.status().as_u16(),
+                    retry_after: resp
+                        .headers()
+                        .get("retry-after")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse().ok()),
+                    body: String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default())
+                        .into_owned(),
+                }),
+                Ok(other) => Err(other.into()),
+                Err(e) => Err(e),
+            },
+        }
+    }
+
+    async fn connect_over(
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        tcp: Option<TcpStream>,
+    ) -> anyhow::Result<Client> {
         let mut req = url.into_client_request()?;
         if let Some(t) = token {
             req.headers_mut()
@@ -351,12 +421,31 @@ impl Client {
         req.headers_mut()
             .insert("x-codex-app-server-compression", "zstd-stream-v1".parse()?);
         let connector = Connector::Rustls(client_tls(ca)?);
-        let (ws, resp) = tokio::time::timeout(
-            STEP,
-            tokio_tungstenite::connect_async_tls_with_config(req, None, false, Some(connector)),
-        )
-        .await
-        .context("connect timed out")??;
+        let connecting = async {
+            match tcp {
+                Some(tcp) => {
+                    tokio_tungstenite::client_async_tls_with_config(
+                        req,
+                        tcp,
+                        None,
+                        Some(connector),
+                    )
+                    .await
+                }
+                None => {
+                    tokio_tungstenite::connect_async_tls_with_config(
+                        req,
+                        None,
+                        false,
+                        Some(connector),
+                    )
+                    .await
+                }
+            }
+        };
+        let (ws, resp) = tokio::time::timeout(STEP, connecting)
+            .await
+            .context("connect timed out")??;
         if resp
             .headers()
             .contains_key("x-codex-app-server-compression")
@@ -520,6 +609,15 @@ impl Client {
                 return Ok(seen);
             }
         }
+    }
+
+    /// Sends a request without waiting for its answer; returns its id.
+    pub async fn send_request(&mut self, method: &str, params: Value) -> anyhow::Result<i64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        Ok(id)
     }
 
     /// Closes the connection politely.
