@@ -980,36 +980,4 @@ impl Session {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn server_request_ids_are_session_unique_and_mapped_back() {
-        let mut s = ServerRequests::default();
-        let w1 = WorkerId::new("t", 1, 1);
-        let w2 = WorkerId::new("t", 2, 1);
-        let a = s.insert(w1, RequestId::Int(0));
-        let b = s.insert(w2, RequestId::Int(0));
-        assert_ne!(a, b, "the same worker id on two workers must not collide");
-        assert_eq!(s.insert(w1, RequestId::Int(0)), a, "a replay keeps its id");
-        assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
-        assert_eq!(
-            s.take(b),
-            None,
-            "a resolved request can no longer be answered"
-        );
-        assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
-        assert_eq!(s.take(a), None, "only the first answer is forwarded");
-    }
-
-    #[test]
-    fn server_requests_stay_bounded() {
-        let mut s = ServerRequests::default();
-        let w = WorkerId::new("t", 1, 1);
-        for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
-            s.insert(w, RequestId::Int(n));
-        }
-        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
-        assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
-    }
-}
+mod tests;
