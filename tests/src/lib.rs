@@ -195,6 +195,7 @@ impl FleetBuilder {
         let admin_addr = admin.local_addr()?;
         let server = router::Server::build(cfg, prometheus_registry())?;
         let tenants = server.tenants().clone();
+        let admission = server.admission().clone();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(listener, admin, async move {
             let _stopped = stop_rx.await;
@@ -202,6 +203,7 @@ impl FleetBuilder {
         Ok(Fleet {
             files,
             tenants,
+            admission,
             addr,
             admin_addr,
             stop: Some(stop_tx),
@@ -245,6 +247,8 @@ pub struct Fleet {
     pub files: FleetFiles,
     /// Its tenants (pools and thread tables), for assertions.
     pub tenants: Arc<router::tenants::TenantRegistry>,
+    /// Its admission control, for assertions on connection and turn counts.
+    pub admission: Arc<router::admission::Admission>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.
@@ -465,6 +469,12 @@ impl Client {
         Ok(())
     }
 
+    /// Sends a binary frame.
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
+        self.ws.send(Message::binary(bytes)).await?;
+        Ok(())
+    }
+
     /// Sends a JSON value.
     pub async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
         self.send_text(&v.to_string()).await
@@ -488,12 +498,23 @@ impl Client {
 
     /// Waits for the close frame (or end) and returns its code.
     pub async fn recv_close(&mut self, within: Duration) -> anyhow::Result<Option<u16>> {
+        Ok(self.recv_close_frame(within).await?.map(|(code, _)| code))
+    }
+
+    /// Waits for the close frame (or end) and returns its code and reason; text frames on the
+    /// way go to the backlog.
+    pub async fn recv_close_frame(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<Option<(u16, String)>> {
         loop {
             let frame = tokio::time::timeout(within, self.ws.next())
                 .await
                 .context("timed out waiting for close")?;
             match frame {
-                Some(Ok(Message::Close(c))) => return Ok(c.map(|c| u16::from(c.code))),
+                Some(Ok(Message::Close(c))) => {
+                    return Ok(c.map(|c| (u16::from(c.code), c.reason.to_string())))
+                }
                 Some(Ok(Message::Text(t))) => self.backlog.push_back(serde_json::from_str(&t)?),
                 Some(Ok(_)) => continue,
                 Some(Err(_)) | None => return Ok(None),
