@@ -140,7 +140,10 @@ impl AdmissionConfig {
             ("handshake_burst", self.handshake_burst),
         ];
         let caps = [
-            ("max_connections_per_tenant", self.max_connections_per_tenant),
+            (
+                "max_connections_per_tenant",
+                self.max_connections_per_tenant,
+            ),
             ("max_connections", self.max_connections),
             (
                 "max_active_turns_per_tenant",

@@ -594,7 +594,10 @@ token_sha256 = ["{DIGEST}"]
             cfg.limits.admission.conn_fps,
             AdmissionConfig::default().conn_fps
         );
-        assert_eq!(Config::parse(&minimal("")).expect("valid").limits, Limits::default());
+        assert_eq!(
+            Config::parse(&minimal("")).expect("valid").limits,
+            Limits::default()
+        );
         let typo = text.replace("tenant_rps", "tenant_rsp");
         let err = Config::parse(&typo).unwrap_err().to_string();
         assert!(err.contains("tenant_rsp"), "{err}");

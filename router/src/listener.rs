@@ -201,7 +201,8 @@ impl Conn {
     /// is closed after the answer.
     fn overloaded(&self, r: &Rejection, reason: &str) -> Response<Full<Bytes>> {
         self.metrics.rejected(r);
-        let status = StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let status =
+            StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut resp = self.plain(
             status,
             reason,

@@ -144,7 +144,10 @@ const MAX_MANY: usize = 100_000;
 /// The delta count a `MANY<n>` prompt asks for.
 fn many(text: &str) -> Option<usize> {
     let start = text.find("MANY")? + "MANY".len();
-    let digits: String = text[start..].chars().take_while(char::is_ascii_digit).collect();
+    let digits: String = text[start..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
     digits.parse().ok().map(|n: usize| n.min(MAX_MANY))
 }
 

@@ -315,7 +315,10 @@ where
         // Normally the close frame follows what is queued (e.g. the errors that led to it); a
         // slow client's queue is dropped instead, and it gets the close frame next.
         let queued = end != End::SlowClient
-            && session.out.try_send(Message::Close(Some(frame.clone()))).is_ok();
+            && session
+                .out
+                .try_send(Message::Close(Some(frame.clone())))
+                .is_ok();
         if !queued {
             let _sent = urgent.try_send(frame);
         }

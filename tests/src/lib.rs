@@ -357,7 +357,7 @@ pub struct Client {
 /// What an upgrade attempt got.
 pub enum Upgrade {
     /// Upgraded.
-    Open(Client),
+    Open(Box<Client>),
     /// Refused with an HTTP answer.
     Refused {
         /// The status code.
@@ -393,7 +393,7 @@ impl Client {
     /// One upgrade attempt: the client, or the refusal's status and `Retry-After`.
     pub async fn try_connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Upgrade> {
         match Client::connect(url, ca, token).await {
-            Ok(c) => Ok(Upgrade::Open(c)),
+            Ok(c) => Ok(Upgrade::Open(Box::new(c))),
             Err(e) => match e.downcast::<tokio_tungstenite::tungstenite::Error>() {
                 Ok(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Upgrade::Refused {
                     status: resp.status().as_u16(),
@@ -428,13 +428,8 @@ impl Client {
         let connecting = async {
             match tcp {
                 Some(tcp) => {
-                    tokio_tungstenite::client_async_tls_with_config(
-                        req,
-                        tcp,
-                        None,
-                        Some(connector),
-                    )
-                    .await
+                    tokio_tungstenite::client_async_tls_with_config(req, tcp, None, Some(connector))
+                        .await
                 }
                 None => {
                     tokio_tungstenite::connect_async_tls_with_config(

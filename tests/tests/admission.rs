@@ -100,9 +100,7 @@ async fn answers(c: &mut Client, ids: &[i64]) -> anyhow::Result<HashMap<i64, Val
 async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
     let fleet = FleetBuilder::new()
         .tenant("acme")
-        .limits_toml(
-            "conn_fps = 5\nconn_burst = 10\ntenant_rps = 100000\ntenant_burst = 100000",
-        )
+        .limits_toml("conn_fps = 5\nconn_burst = 10\ntenant_rps = 100000\ntenant_burst = 100000")
         .start()
         .await?;
     let mut a = fleet.client("acme").await?; // initialize + initialized: 2 frames
@@ -128,7 +126,10 @@ async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
     b.request("thread/loaded/list", json!({})).await?;
     // After retryAfterMs the first connection is served again.
     let wait = data["retryAfterMs"].as_u64().unwrap_or(1000);
-    assert!(wait <= 250, "one frame at 5/s is due within 200 ms (+jitter): {wait}");
+    assert!(
+        wait <= 250,
+        "one frame at 5/s is due within 200 ms (+jitter): {wait}"
+    );
     tokio::time::sleep(Duration::from_millis(wait)).await;
     a.request("thread/loaded/list", json!({})).await?;
     assert!(
@@ -346,10 +347,17 @@ async fn the_worker_in_flight_cap_answers_every_pipelined_request() -> anyhow::R
         "test3: with 1 slot and a 1 ms wait, 1000 pipelined requests: {} results, {busy} -32001 workerBusy",
         1000 - busy
     );
-    assert!(busy > 0, "a single slot with no wait must shed some of a burst");
+    assert!(
+        busy > 0,
+        "a single slot with no wait must shed some of a burst"
+    );
     // And it is healthy: it answers and runs a turn.
     let w = fleet.tenant("acme").pool.workers();
-    assert!(w.iter().all(|w| w.state.as_str() == "ready" && w.restarts == 0), "{w:?}");
+    assert!(
+        w.iter()
+            .all(|w| w.state.as_str() == "ready" && w.restarts == 0),
+        "{w:?}"
+    );
     burst.request("thread/loaded/list", json!({})).await?;
     other.start_turn(&thread, "after the burst").await?;
     let msgs = other.until_turn_completed(&thread).await?;
@@ -378,7 +386,7 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
         async move { Client::try_connect(&url, &ca, token.as_deref()).await }
     };
     let open = |u: Upgrade| match u {
-        Upgrade::Open(c) => c,
+        Upgrade::Open(c) => *c,
         Upgrade::Refused { status, body, .. } => panic!("refused {status}: {body}"),
     };
     let refused = |u: Upgrade| match u {
@@ -393,7 +401,10 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
     let _a2 = open(attempt(Some(acme.clone())).await?);
     let (status, retry, body) = refused(attempt(Some(acme.clone())).await?);
     assert_eq!((status, retry), (503, Some(2)), "tenant cap: {body}");
-    assert!(body.contains("tenant") && body.contains("tooManyConnections"), "{body}");
+    assert!(
+        body.contains("tenant") && body.contains("tooManyConnections"),
+        "{body}"
+    );
     let _b1 = open(attempt(Some(beta.clone())).await?);
     let (status, retry, body) = refused(attempt(Some(beta.clone())).await?);
     assert_eq!((status, retry), (503, Some(2)), "fleet cap: {body}");
@@ -401,10 +412,15 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
     // A closed connection gives its slot back.
     a1.close().await;
     assert!(
-        wait_until(Duration::from_secs(5), || fleet.admission.connections("acme").0 == 1).await
+        wait_until(Duration::from_secs(5), || fleet
+            .admission
+            .connections("acme")
+            .0
+            == 1)
+        .await
     );
     let _a3 = open(attempt(Some(acme.clone())).await?); // the 6th handshake: the burst is spent
-    // The 7th, and even one without a token, hits the per-address rate before authentication.
+                                                        // The 7th, and even one without a token, hits the per-address rate before authentication.
     for token in [Some(acme.clone()), None] {
         let (status, retry, body) = refused(attempt(token).await?);
         assert_eq!(status, 429, "{body}");
@@ -412,7 +428,12 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
         assert!(body.contains("handshakeRateLimited"), "{body}");
     }
     for (reason, at_least) in [("handshake_rate", 2.0), ("connection_cap", 2.0)] {
-        let n = metric(&fleet, "codex_fleet_upgrades_refused_total", &[("reason", reason)]).await?;
+        let n = metric(
+            &fleet,
+            "codex_fleet_upgrades_refused_total",
+            &[("reason", reason)],
+        )
+        .await?;
         assert!(n >= at_least, "{reason}: {n}");
     }
     fleet.stop().await
@@ -448,7 +469,10 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
     c.send_binary(b"{\"id\":1}".to_vec()).await?;
     let v = next_error(&mut c).await?;
     bad_request(&v, -32600);
-    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("binary"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("binary"));
     // A response to a server-request id never sent: dropped (no answer) and counted.
     c.send(&json!({ "id": 424242, "result": {} })).await?;
     c.send(&json!({ "id": "nope", "result": {} })).await?;
@@ -461,8 +485,12 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
         c.backlog
     );
     assert_eq!(
-        metric(&fleet, "codex_fleet_client_errors_total", &[("reason", "unknown_response")])
-            .await?,
+        metric(
+            &fleet,
+            "codex_fleet_client_errors_total",
+            &[("reason", "unknown_response")]
+        )
+        .await?,
         2.0
     );
     // Too big: 1009.
@@ -539,8 +567,11 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     // It asks for the thread's history (hundreds of KiB per answer) and reads nothing, until
     // the kernel's socket buffers are full and codex-fleet's queue for it starts to grow.
     for _ in 0..16 {
-        slow.send_request("thread/read", json!({ "threadId": thread, "includeTurns": true }))
-            .await?;
+        slow.send_request(
+            "thread/read",
+            json!({ "threadId": thread, "includeTurns": true }),
+        )
+        .await?;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let dropped_before = metric(&fleet, "codex_fleet_client_deltas_dropped_total", &[]).await?;
@@ -567,7 +598,10 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
         close,
         Some((1008, "client is not reading fast enough".to_owned()))
     );
-    assert!(dropped > 0.0, "deltas above the soft mark are dropped for the slow client");
+    assert!(
+        dropped > 0.0,
+        "deltas above the soft mark are dropped for the slow client"
+    );
     assert!(
         loaded <= baseline * 2 + Duration::from_secs(1),
         "the fast subscriber was slowed: {loaded:?} vs {baseline:?}"

@@ -60,7 +60,18 @@ impl Rng {
             1 | 2 => RequestId::Int(self.next() as i64),
             3 => RequestId::Str(String::new()),
             _ => {
-                let parts = ["a", "\"", "\\", "é", "\u{1F600}", "\n", "\u{0}", "id-", "7", " "];
+                let parts = [
+                    "a",
+                    "\"",
+                    "\\",
+                    "é",
+                    "\u{1F600}",
+                    "\n",
+                    "\u{0}",
+                    "id-",
+                    "7",
+                    " ",
+                ];
                 RequestId::Str((0..self.below(12)).map(|_| *self.pick(&parts)).collect())
             }
         }
@@ -82,7 +93,9 @@ const FRAMES: &[&str] = &[
 
 /// Random bytes, or a known frame mutated: truncated, spliced, bytes flipped or inserted.
 fn arbitrary_frame(rng: &mut Rng) -> String {
-    let tokens = ["{", "}", "[", "]", "\"", ":", ",", "null", "-32001", "\"id\"", "\\u", "1e999", "\u{FFFD}"];
+    let tokens = [
+        "{", "}", "[", "]", "\"", ":", ",", "null", "-32001", "\"id\"", "\\u", "1e999", "\u{FFFD}",
+    ];
     match rng.below(4) {
         0 => {
             let bytes: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
@@ -148,7 +161,10 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
             }
         }
     }
-    assert!(parsed > 1_000 && refused > 1_000, "{parsed} parsed, {refused} refused");
+    assert!(
+        parsed > 1_000 && refused > 1_000,
+        "{parsed} parsed, {refused} refused"
+    );
 }
 
 #[test]
@@ -163,7 +179,10 @@ fn any_id_survives_the_round_trip_through_the_router() {
             panic!("{to_client}")
         };
         assert_eq!(seen, sid);
-        let answer = format!(r#"{{"id":{},"result":{{}}}}"#, serde_json::to_string(&sid).unwrap());
+        let answer = format!(
+            r#"{{"id":{},"result":{{}}}}"#,
+            serde_json::to_string(&sid).unwrap()
+        );
         let to_worker = jsonrpc::with_id(&answer, &id).expect("object");
         let Ok(Rpc::Response { id: back }) = jsonrpc::parse(&to_worker) else {
             panic!("{to_worker}")
