@@ -422,6 +422,31 @@ impl Admission {
         }
     }
 
+    /// Corrects the tenant's tracked turns towards `running`, the workers' own count (their
+    /// control legs see every thread, also when no session of the tenant saw a turn end).
+    /// Only turns seen to start more than `settled` ago are dropped, oldest first, because the
+    /// workers' count trails what sessions see on their own legs by a moment.
+    pub fn reconcile_turns(&self, tenant: &str, running: usize, settled: Duration) {
+        let mut counts = lock(&self.counts);
+        let Some(state) = counts.tenants.get_mut(tenant) else {
+            return;
+        };
+        if state.turns.len() <= running {
+            return;
+        }
+        let mut stale: Vec<(String, Instant)> = state
+            .turns
+            .iter()
+            .filter(|(_, since)| since.elapsed() > settled)
+            .map(|(t, since)| (t.clone(), *since))
+            .collect();
+        stale.sort_by_key(|(_, since)| *since);
+        let excess = state.turns.len() - running;
+        for (thread, _) in stale.into_iter().take(excess) {
+            state.turns.remove(&thread);
+        }
+    }
+
     /// Turns `tenant` is known to be running.
     pub fn active_turns(&self, tenant: &str) -> usize {
         lock(&self.counts)

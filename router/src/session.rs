@@ -54,6 +54,8 @@ const MAX_IN_FLIGHT: usize = 4096;
 const LEG_EVENTS: usize = 1024;
 /// How long the closing frame may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long after a turn was seen to start the workers' own count must include it.
+const TURN_COUNT_SETTLED: Duration = Duration::from_secs(10);
 /// `retryAfterMs` when this connection has `MAX_IN_FLIGHT` requests unanswered.
 const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
 
@@ -325,11 +327,24 @@ where
     }
     drop(session);
     drop(urgent);
+    // Until the close frame is out, and then until the client answers it, what the client
+    // still sends is read and discarded: closing a socket with unread input resets it, and the
+    // reset would destroy the close frame (and whatever preceded it) on its way to the client.
     let mut writer = writer;
-    if tokio::time::timeout(CLOSE_GRACE, &mut writer)
-        .await
-        .is_err()
-    {
+    let closing = async {
+        let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+        tokio::pin!(drain);
+        let drained = tokio::select! {
+            _written = &mut writer => false,
+            () = &mut drain => true,
+        };
+        if drained {
+            let _written = (&mut writer).await;
+        } else {
+            drain.await;
+        }
+    };
+    if tokio::time::timeout(CLOSE_GRACE, closing).await.is_err() {
         writer.abort();
     }
     metrics.sessions.with_label_values(&[&tenant]).dec();
@@ -427,6 +442,25 @@ impl Session {
         Rejection::cap(scope, reason, back_off)
     }
 
+    /// At the active-turn cap, asks the workers' own view (their control legs see every
+    /// thread) before refusing, so a turn that ended while no session of the tenant was there
+    /// to see it does not hold a slot until `active_turn_ttl_secs`.
+    fn reconcile_turns(&self) {
+        let admission = &self.ctx.admission;
+        if admission.active_turns(self.tenant()) < admission.config().max_active_turns_per_tenant {
+            return;
+        }
+        let running = self
+            .ctx
+            .tenant
+            .pool
+            .workers()
+            .iter()
+            .map(|w| w.active_turns)
+            .sum();
+        admission.reconcile_turns(self.tenant(), running, TURN_COUNT_SETTLED);
+    }
+
     /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
     /// seen on a leg and relayed from the control leg counts once).
     fn track_turns(&self, method: &str, params: Option<&serde_json::value::RawValue>) {
@@ -497,6 +531,9 @@ impl Session {
         match msg {
             Rpc::Request { id, method, params } => {
                 let thread = jsonrpc::thread_id(params);
+                if method == "turn/start" {
+                    self.reconcile_turns();
+                }
                 let admitted = self.guard.check_frame().and_then(|()| {
                     self.ctx
                         .admission

@@ -535,7 +535,12 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     let mut fast = fleet.client("acme").await?;
     let thread = fast.start_thread().await?;
 
-    async fn timed_turn(c: &mut Client, thread: &str, prompt: &str) -> anyhow::Result<Duration> {
+    /// Runs a turn; returns how long it took and how many deltas arrived.
+    async fn timed_turn(
+        c: &mut Client,
+        thread: &str,
+        prompt: &str,
+    ) -> anyhow::Result<(Duration, usize)> {
         let t = Instant::now();
         c.start_turn(thread, prompt).await?;
         let msgs = c.until_turn_completed(thread).await?;
@@ -547,9 +552,14 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
         let done = msgs.last().expect("turn/completed");
         anyhow::ensure!(done["params"]["turn"]["status"] == "completed", "{done}");
         c.backlog.clear();
-        Ok(elapsed)
+        let deltas = msgs
+            .iter()
+            .filter(|m| m["method"] == "item/agentMessage/delta")
+            .count();
+        Ok((elapsed, deltas))
     }
-    let baseline = timed_turn(&mut fast, &thread, &format!("MANY{DELTAS} alone")).await?;
+    let (baseline, alone_deltas) =
+        timed_turn(&mut fast, &thread, &format!("MANY{DELTAS} alone")).await?;
     let rss_before = rss_bytes();
 
     // The slow client subscribes to the same thread, then stops reading.
@@ -575,7 +585,11 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let dropped_before = metric(&fleet, "codex_fleet_client_deltas_dropped_total", &[]).await?;
-    let loaded = timed_turn(&mut fast, &thread, &format!("MANY{DELTAS} shared")).await?;
+    let (loaded, fast_deltas) =
+        timed_turn(&mut fast, &thread, &format!("MANY{DELTAS} shared")).await?;
+    let sent = reply_text(&format!("MANY{DELTAS} shared"))
+        .split_inclusive(' ')
+        .count();
     let dropped =
         metric(&fleet, "codex_fleet_client_deltas_dropped_total", &[]).await? - dropped_before;
     let rss_after = rss_bytes();
@@ -585,10 +599,12 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     }
     let close = slow.recv_close_frame(e2e::STEP).await?;
     eprintln!(
-        "test6: fast subscriber's {DELTAS}-delta turn took {baseline:?} alone and {loaded:?} with \
-         a stalled subscriber on the thread; {dropped} deltas dropped for the slow one; slow one \
+        "test6: fast subscriber's {DELTAS}-delta turn took {baseline:?} alone ({alone_deltas} deltas received) and {loaded:?} with \
+         a stalled subscriber on the thread; of its {sent} deltas the fast one got {fast_deltas} \
+         (a debug-build test client lags too), {} were dropped for the slow one; slow one \
          closed with {close:?} after reading {} frames; RSS {} MiB before, {} MiB after \
          (growth {} KiB)",
+        dropped - (sent - fast_deltas) as f64,
         slow.backlog.len(),
         rss_before >> 20,
         rss_after >> 20,
