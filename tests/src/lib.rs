@@ -155,14 +155,19 @@ impl FleetBuilder {
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
-             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[limits]\n{}\n",
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n{}",
             q(&cert.display().to_string()),
             q(&key.display().to_string()),
             q(&codex_bin().display().to_string()),
             q(&dir.path().join("s").display().to_string()),
             overrides.join(", "),
             self.extra_workers,
-            self.extra_limits,
+            // Only when asked for, so a test may still append its own [limits].
+            if self.extra_limits.is_empty() {
+                String::new()
+            } else {
+                format!("[limits]\n{}\n", self.extra_limits)
+            },
         );
         for t in &self.tenants {
             toml.push_str(&format!(
