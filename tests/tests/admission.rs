@@ -272,6 +272,14 @@ async fn the_worker_in_flight_cap_answers_every_pipelined_request() -> anyhow::R
     let mut burst = fleet.client("acme").await?;
     let mut other = fleet.client("acme").await?;
     let thread = other.start_thread().await?;
+    let mut unloaded = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        other.request("thread/loaded/list", json!({})).await?;
+        unloaded.push(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let unloaded = median(unloaded);
     const N: usize = 5000;
     let started = Instant::now();
     let sender = tokio::spawn(async move {
@@ -311,7 +319,8 @@ async fn the_worker_in_flight_cap_answers_every_pipelined_request() -> anyhow::R
     }
     eprintln!(
         "test3: {N} pipelined requests answered in {elapsed:?}: {by_scope:?}; another session \
-         on the same worker meanwhile: median {:?}, max {:?}, {other_refused} refused",
+         on the same worker meanwhile: median {:?} (unloaded {unloaded:?}), max {:?}, \
+         {other_refused} refused",
         median(other_lat.clone()),
         other_lat.iter().max().copied().unwrap_or_default()
     );
