@@ -226,15 +226,15 @@ impl Conn {
         mut req: Request<Incoming>,
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
+        if let Some(r) = &self.throttled {
+            return self.overloaded(r, "handshake_rate");
+        }
         if req.uri().path() != "/" {
             return self.plain(
                 StatusCode::NOT_FOUND,
                 "path",
                 "not found: the WebSocket endpoint is /",
             );
-        }
-        if let Some(r) = &self.throttled {
-            return self.overloaded(r, "handshake_rate");
         }
         if self.shutdown.is_cancelled() {
             let mut r = self.plain(
