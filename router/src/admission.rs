@@ -57,7 +57,8 @@ type KeyedLimiter<K> = RateLimiter<K, DefaultKeyedStateStore<K>, TokioClock, NoO
 /// A limiter for one thing, on tokio's clock.
 type DirectLimiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>;
 
-/// `[limits.admission]`: every rate and cap admission enforces. All have defaults.
+/// The admission keys of `[limits]` (flattened there): every rate and cap admission enforces.
+/// All have defaults.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdmissionConfig {
@@ -78,9 +79,10 @@ pub struct AdmissionConfig {
     /// Upgrades a source address may attempt at once above its rate.
     pub handshake_burst: u32,
     /// Open client connections per tenant.
-    pub max_conns_per_tenant: usize,
-    /// Open client connections in total.
-    pub max_conns_total: usize,
+    pub max_connections_per_tenant: usize,
+    /// Open client connections in total (sessions; connections still in their TLS or HTTP
+    /// handshake are bounded separately by the listener).
+    pub max_connections: usize,
     /// Turns running at once per tenant; a further `turn/start` is refused.
     pub max_active_turns_per_tenant: usize,
     /// Requests in flight per worker (app-server itself sheds at 128 queued).
@@ -105,8 +107,8 @@ impl Default for AdmissionConfig {
             turn_start_burst: 20,
             handshakes_per_sec_per_ip: 10,
             handshake_burst: 50,
-            max_conns_per_tenant: 256,
-            max_conns_total: 10_000,
+            max_connections_per_tenant: 256,
+            max_connections: 10_000,
             max_active_turns_per_tenant: 32,
             max_in_flight_per_worker: 32,
             in_flight_wait_ms: 250,
@@ -138,8 +140,11 @@ impl AdmissionConfig {
             ("handshake_burst", self.handshake_burst),
         ];
         let caps = [
-            ("max_conns_per_tenant", self.max_conns_per_tenant),
-            ("max_conns_total", self.max_conns_total),
+            (
+                "max_connections_per_tenant",
+                self.max_connections_per_tenant,
+            ),
+            ("max_connections", self.max_connections),
             (
                 "max_active_turns_per_tenant",
                 self.max_active_turns_per_tenant,
@@ -325,7 +330,7 @@ impl Admission {
         let cfg = self.config();
         {
             let mut counts = lock(&self.counts);
-            if counts.total_conns >= cfg.max_conns_total {
+            if counts.total_conns >= cfg.max_connections {
                 return Err(Rejection::cap(
                     Scope::Fleet,
                     Reason::TooManyConnections,
@@ -333,7 +338,7 @@ impl Admission {
                 ));
             }
             let state = counts.tenants.entry(tenant.to_owned()).or_default();
-            if state.conns >= cfg.max_conns_per_tenant {
+            if state.conns >= cfg.max_connections_per_tenant {
                 return Err(Rejection::cap(
                     Scope::Tenant,
                     Reason::TooManyConnections,
@@ -414,6 +419,31 @@ impl Admission {
             if state.conns == 0 && state.turns.is_empty() {
                 counts.tenants.remove(tenant);
             }
+        }
+    }
+
+    /// Corrects the tenant's tracked turns towards `running`, the workers' own count (their
+    /// control legs see every thread, also when no session of the tenant saw a turn end).
+    /// Only turns seen to start more than `settled` ago are dropped, oldest first, because the
+    /// workers' count trails what sessions see on their own legs by a moment.
+    pub fn reconcile_turns(&self, tenant: &str, running: usize, settled: Duration) {
+        let mut counts = lock(&self.counts);
+        let Some(state) = counts.tenants.get_mut(tenant) else {
+            return;
+        };
+        if state.turns.len() <= running {
+            return;
+        }
+        let mut stale: Vec<(String, Instant)> = state
+            .turns
+            .iter()
+            .filter(|(_, since)| since.elapsed() > settled)
+            .map(|(t, since)| (t.clone(), *since))
+            .collect();
+        stale.sort_by_key(|(_, since)| *since);
+        let excess = state.turns.len() - running;
+        for (thread, _) in stale.into_iter().take(excess) {
+            state.turns.remove(&thread);
         }
     }
 

@@ -1,11 +1,13 @@
 //! Typed configuration: parsed from TOML, validated before anything binds, passed down by value.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
+
+use crate::admission::AdmissionConfig;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
@@ -150,28 +152,69 @@ impl Default for Drain {
     }
 }
 
-/// `[limits]`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// `[limits]`: message size, the client queue, and every rate and cap of admission control
+/// (decision 7; the admission keys are [`AdmissionConfig`]'s, flattened into this table).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "RawLimits")]
 pub struct Limits {
-    /// Client connections in total.
-    #[serde(default = "defaults::max_connections")]
-    pub max_connections: usize,
     /// Largest WebSocket message (and frame) accepted from a client or a worker.
-    #[serde(default = "defaults::max_message_bytes")]
     pub max_message_bytes: usize,
-    /// Messages queued towards one client before it counts as too slow and is closed (1008).
-    #[serde(default = "defaults::client_queue")]
+    /// Messages queued towards one client before it counts as too slow and is closed (1008);
+    /// above half of it, streaming deltas to that client are dropped.
     pub client_queue: usize,
+    /// Rates and caps: connections, frames, requests, turns, requests in flight per worker.
+    pub admission: AdmissionConfig,
+}
+
+impl Limits {
+    /// Queued messages above which streaming deltas to a client are dropped.
+    pub fn client_queue_soft_mark(&self) -> usize {
+        soft_mark(self.client_queue)
+    }
+}
+
+/// Half the queue (at least 1): deltas are expendable (`item/completed` carries the full
+/// text), so a slow client loses them long before it loses anything that matters.
+pub fn soft_mark(client_queue: usize) -> usize {
+    (client_queue / 2).max(1)
 }
 
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_connections: defaults::max_connections(),
             max_message_bytes: defaults::max_message_bytes(),
             client_queue: defaults::client_queue(),
+            admission: AdmissionConfig::default(),
         }
+    }
+}
+
+/// `[limits]` as written: serde cannot combine `flatten` with `deny_unknown_fields`, so the
+/// leftovers are collected and refused by name.
+#[derive(Deserialize)]
+struct RawLimits {
+    #[serde(default = "defaults::max_message_bytes")]
+    max_message_bytes: usize,
+    #[serde(default = "defaults::client_queue")]
+    client_queue: usize,
+    #[serde(flatten)]
+    admission: AdmissionConfig,
+    #[serde(flatten)]
+    unknown: BTreeMap<String, toml::Value>,
+}
+
+impl TryFrom<RawLimits> for Limits {
+    type Error = String;
+
+    fn try_from(raw: RawLimits) -> Result<Limits, String> {
+        if let Some(key) = raw.unknown.keys().next() {
+            return Err(format!("unknown field `{key}` in [limits]"));
+        }
+        Ok(Limits {
+            max_message_bytes: raw.max_message_bytes,
+            client_queue: raw.client_queue,
+            admission: raw.admission,
+        })
     }
 }
 
@@ -242,9 +285,6 @@ mod defaults {
     }
     pub fn restart_backoff_max_ms() -> u64 {
         30_000
-    }
-    pub fn max_connections() -> usize {
-        10_000
     }
     pub fn max_message_bytes() -> usize {
         32 << 20
@@ -404,8 +444,11 @@ impl Config {
         if self.limits.max_message_bytes < 1024 {
             return bad("limits.max_message_bytes must be at least 1024".into());
         }
-        if self.limits.max_connections == 0 || self.limits.client_queue == 0 {
-            return bad("limits.max_connections and limits.client_queue must be at least 1".into());
+        if self.limits.client_queue == 0 {
+            return bad("limits.client_queue must be at least 1".into());
+        }
+        if let Err(e) = self.limits.admission.validate() {
+            return bad(e.to_string());
         }
         let mut ids = HashSet::new();
         let mut digests = HashSet::new();
@@ -576,6 +619,33 @@ token_sha256 = ["{DIGEST}"]
             .unwrap_err()
             .to_string()
             .contains("too long"));
+    }
+
+    #[test]
+    fn limits_take_admission_keys_by_name_and_refuse_unknown_ones() {
+        let text = minimal("").replace(
+            "[[tenants]]",
+            "[limits]\nmax_connections = 7\ntenant_rps = 3\nclient_queue = 64\n\n[[tenants]]",
+        );
+        let cfg = Config::parse(&text).expect("valid");
+        assert_eq!(cfg.limits.admission.max_connections, 7);
+        assert_eq!(cfg.limits.admission.tenant_rps, 3);
+        assert_eq!(cfg.limits.client_queue, 64);
+        assert_eq!(cfg.limits.client_queue_soft_mark(), 32);
+        assert_eq!(
+            cfg.limits.admission.conn_fps,
+            AdmissionConfig::default().conn_fps
+        );
+        assert_eq!(
+            Config::parse(&minimal("")).expect("valid").limits,
+            Limits::default()
+        );
+        let typo = text.replace("tenant_rps", "tenant_rsp");
+        let err = Config::parse(&typo).unwrap_err().to_string();
+        assert!(err.contains("tenant_rsp"), "{err}");
+        let zero = text.replace("tenant_rps = 3", "tenant_rps = 0");
+        let err = Config::parse(&zero).unwrap_err().to_string();
+        assert!(err.contains("tenant_rps"), "{err}");
     }
 
     #[test]

@@ -217,19 +217,27 @@ pub fn request(id: &RequestId, method: &str, params: Option<&RawValue>) -> Strin
     Value::Object(m).to_string()
 }
 
+/// A JSON object whose members stay as they arrived: only the envelope is rebuilt, so any
+/// frame [`parse`] accepts can have its id rewritten (even with numbers `f64` cannot hold).
+type RawObject<'a> = std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>;
+
 /// Rewrites the top-level `id` of a message; `None` if the text is not a JSON object.
 pub fn with_id(text: &str, id: &RequestId) -> Option<String> {
-    let mut m: Map<String, Value> = serde_json::from_str(text).ok()?;
-    m.insert("id".into(), serde_json::to_value(id).ok()?);
-    Some(Value::Object(m).to_string())
+    let mut m: RawObject<'_> = serde_json::from_str(text).ok()?;
+    let id = serde_json::value::to_raw_value(id).ok()?;
+    m.insert(Cow::Borrowed("id"), &id);
+    serde_json::to_string(&m).ok()
 }
 
 /// Rewrites `params.requestId` (as in `serverRequest/resolved`).
 pub fn with_params_request_id(text: &str, id: &RequestId) -> Option<String> {
-    let mut m: Map<String, Value> = serde_json::from_str(text).ok()?;
-    let params = m.get_mut("params")?.as_object_mut()?;
-    params.insert("requestId".into(), serde_json::to_value(id).ok()?);
-    Some(Value::Object(m).to_string())
+    let mut m: RawObject<'_> = serde_json::from_str(text).ok()?;
+    let mut params: RawObject<'_> = serde_json::from_str(m.get("params")?.get()).ok()?;
+    let id = serde_json::value::to_raw_value(id).ok()?;
+    params.insert(Cow::Borrowed("requestId"), &id);
+    let params = serde_json::value::to_raw_value(&params).ok()?;
+    m.insert(Cow::Borrowed("params"), &params);
+    serde_json::to_string(&m).ok()
 }
 
 /// `params.requestId` of a notification such as `serverRequest/resolved`.

@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use prometheus::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -46,6 +45,9 @@ const INTERRUPT_WAIT: Duration = Duration::from_secs(5);
 /// How often removed tenants are checked for remaining sessions.
 const RETIRE_POLL: Duration = Duration::from_secs(1);
 
+/// How often idle per-key admission state (limiter keys, worker slots) is dropped.
+const ADMISSION_PRUNE_EVERY: Duration = Duration::from_secs(60);
+
 /// A configured, not yet running codex-fleet.
 pub struct Server {
     cfg: Config,
@@ -56,6 +58,7 @@ pub struct Server {
     warnings: Vec<String>,
     reloader: Arc<Reloader>,
     events: ServerEvents,
+    admission: Arc<admission::Admission>,
 }
 
 /// Moments of a shutdown, for tests and tools (each token is cancelled when it happens).
@@ -83,7 +86,16 @@ impl Server {
             tracing::warn!("{w}");
             warnings.push(w);
         }
+        let admission = admission::Admission::new(cfg.limits.admission.clone())?;
+        // A reload applies new [limits] rates and caps to the running admission control.
+        let reconfigure = admission.clone();
+        reloader.on_reload(Box::new(move |new: &Config| {
+            if let Err(e) = reconfigure.reconfigure(new.limits.admission.clone()) {
+                tracing::error!(error = %e, "reload: new [limits] refused; the old limits stay");
+            }
+        }));
         Ok(Server {
+            admission,
             cfg,
             tenants,
             metrics,
@@ -135,6 +147,7 @@ impl Server {
             refusing,
             closing,
         } = self.events.clone();
+        let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();
@@ -156,7 +169,7 @@ impl Server {
                 tls: self.tls.clone(),
                 tenants: self.tenants.clone(),
                 metrics: self.metrics.clone(),
-                connections: Arc::new(Semaphore::new(self.cfg.limits.max_connections)),
+                admission: self.admission.clone(),
                 handshake_timeout: self.cfg.handshake_timeout(),
                 max_message_bytes: self.cfg.limits.max_message_bytes,
                 client_queue: self.cfg.limits.client_queue,
@@ -280,6 +293,11 @@ impl Server {
             tokio::time::sleep(DRAIN_POLL).await;
         }
         tokio::time::sleep(LAST_FRAMES).await;
+    }
+
+    /// Admission control; a reload applies new `[limits]` with [`admission::Admission::reconfigure`].
+    pub fn admission(&self) -> &Arc<admission::Admission> {
+        &self.admission
     }
 
     /// The tenants (tests and tools inspect worker state through it).

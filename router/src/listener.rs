@@ -1,4 +1,14 @@
 //! Accepts TLS connections, authenticates the WebSocket upgrade and hands each one to a session.
+//!
+//! Admission at the door (decision 7): the per-source-address handshake rate is checked right
+//! after `accept`, before any TLS work is started on the connection's behalf, so that a refused
+//! address cannot reach token checking at all. Its answer still has to be HTTP (429 with
+//! `Retry-After`, so a well-behaved client learns when to come back), and HTTP only exists inside
+//! TLS here, so a refused connection completes its TLS handshake (under the handshake timeout
+//! and the accept backstop) and every request on it gets 429 and `Connection: close`. The
+//! connection caps (per tenant, in total) need the tenant, so they apply after authentication
+//! and answer 503 with `Retry-After`. The admitted connection's [`ConnectionGuard`] lives as long
+//! as its session.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -20,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::admission::{Admission, ConnectionGuard, Rejection};
 use crate::auth::AuthError;
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
@@ -39,8 +50,8 @@ pub struct Listener {
     pub tenants: Arc<TenantRegistry>,
     /// Router metrics.
     pub metrics: RouterMetrics,
-    /// Connection cap.
-    pub connections: Arc<Semaphore>,
+    /// Rates and caps; also bounds the TCP connections in flight (see [`accept_backstop`]).
+    pub admission: Arc<Admission>,
     /// TLS handshake plus upgrade deadline.
     pub handshake_timeout: std::time::Duration,
     /// Largest message in either direction.
@@ -55,8 +66,21 @@ pub struct Listener {
     pub tracker: TaskTracker,
 }
 
+/// TCP connections allowed above `limits.max_connections` for handshakes in progress (and for
+/// refusals being answered); beyond that, accepts wait.
+const HANDSHAKE_HEADROOM: usize = 1024;
+
+/// Open TCP connections at most: every admitted session plus the handshakes in progress.
+pub fn accept_backstop(max_connections: usize) -> usize {
+    max_connections.saturating_add(HANDSHAKE_HEADROOM)
+}
+
 struct Conn {
     tenants: Arc<TenantRegistry>,
+    admission: Arc<Admission>,
+    /// Set when the source address was over its handshake rate at accept: every request on
+    /// this connection is answered 429.
+    throttled: Option<Rejection>,
     metrics: RouterMetrics,
     max_message_bytes: usize,
     client_queue: usize,
@@ -72,9 +96,11 @@ impl Listener {
     /// Accepts until shutdown; each connection runs in its own tracked task.
     pub async fn run(self) {
         let this = Arc::new(self);
+        let backstop = accept_backstop(this.admission.config().max_connections);
+        let connections = Arc::new(Semaphore::new(backstop));
         loop {
             let permit = tokio::select! {
-                p = this.connections.clone().acquire_owned() => match p {
+                p = connections.clone().acquire_owned() => match p {
                     Ok(p) => p,
                     Err(_) => return,
                 },
@@ -93,8 +119,11 @@ impl Listener {
             };
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
+            let throttled = this.admission.check_handshake(addr.ip()).err();
             let conn = Arc::new(Conn {
                 tenants: this.tenants.clone(),
+                admission: this.admission.clone(),
+                throttled,
                 metrics: this.metrics.clone(),
                 max_message_bytes: this.max_message_bytes,
                 client_queue: this.client_queue,
@@ -172,12 +201,38 @@ impl Conn {
         resp
     }
 
+    /// An admission refusal: 429 (rates) or 503 (caps) with `Retry-After`, and the connection
+    /// is closed after the answer.
+    fn overloaded(&self, r: &Rejection, reason: &str) -> Response<Full<Bytes>> {
+        self.metrics.rejected(r);
+        let status =
+            StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let mut resp = self.plain(
+            status,
+            reason,
+            &format!(
+                "{} (scope {}, reason {}); retry after {} ms",
+                crate::admission::OVERLOADED_MESSAGE,
+                r.scope.as_str(),
+                r.reason.as_str(),
+                r.retry_after_ms_jittered()
+            ),
+        );
+        let h = resp.headers_mut();
+        h.insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp
+    }
+
     /// Checks the upgrade request; on success answers 101 and starts the session task.
     fn upgrade(
         self: &Arc<Self>,
         mut req: Request<Incoming>,
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
+        if let Some(r) = &self.throttled {
+            return self.overloaded(r, "handshake_rate");
+        }
         if req.uri().path() != "/" {
             return self.plain(
                 StatusCode::NOT_FOUND,
@@ -228,6 +283,13 @@ impl Conn {
                 "invalid bearer token",
             );
         };
+        let guard: ConnectionGuard = match self.admission.open_connection(&tenant.id) {
+            Ok(g) => g,
+            Err(r) => {
+                tracing::info!(tenant = %tenant.id, scope = r.scope.as_str(), "upgrade refused: connection cap");
+                return self.overloaded(&r, "connection_cap");
+            }
+        };
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
         let ctx = SessionCtx {
@@ -235,6 +297,7 @@ impl Conn {
             metrics: self.metrics.clone(),
             max_message_bytes: self.max_message_bytes,
             client_queue: self.client_queue,
+            admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
         };
         let max = self.max_message_bytes;
@@ -259,7 +322,7 @@ impl Conn {
                 .await;
                 let (sink, stream) = futures_util::StreamExt::split(ws);
                 tracing::info!("session started");
-                let end = session::serve(sink, stream, ctx).await;
+                let end = session::serve(sink, stream, ctx, guard).await;
                 tracing::info!(?end, "session ended");
             }
             .instrument(span),
@@ -280,6 +343,9 @@ impl Conn {
 /// The WebSocket limits used on both sides of the router.
 pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
     WebSocketConfig::default()
+        // tungstenite preallocates its read buffer (128 KiB by default) per connection; start
+        // small and let it grow for large frames.
+        .read_buffer_size(16 << 10)
         .max_message_size(Some(max_message_bytes))
         .max_frame_size(Some(max_message_bytes))
         .max_write_buffer_size(max_message_bytes.saturating_mul(2).max(1 << 20))

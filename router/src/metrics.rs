@@ -26,6 +26,10 @@ pub mod names {
     pub const HANDSHAKE_SECONDS: &str = "codex_fleet_handshake_duration_seconds";
     /// 1 while draining.
     pub const DRAINING: &str = "codex_fleet_draining";
+    /// Admission refusals, by scope and reason.
+    pub const ADMISSION_REJECTIONS: &str = "codex_fleet_admission_rejections_total";
+    /// Streaming deltas not sent to a client whose queue was above its soft mark.
+    pub const DELTAS_DROPPED: &str = "codex_fleet_client_deltas_dropped_total";
 }
 
 /// The router's metrics.
@@ -51,6 +55,10 @@ pub struct RouterMetrics {
     pub handshake_seconds: Histogram,
     /// See [`names::DRAINING`].
     pub draining: IntGauge,
+    /// See [`names::ADMISSION_REJECTIONS`]; labels `scope`, `reason` (both closed enums).
+    pub admission_rejections: IntCounterVec,
+    /// See [`names::DELTAS_DROPPED`].
+    pub deltas_dropped: prometheus::IntCounter,
 }
 
 impl RouterMetrics {
@@ -108,6 +116,17 @@ impl RouterMetrics {
                 ),
             )?,
             draining: IntGauge::new(names::DRAINING, "1 while codex-fleet drains for shutdown.")?,
+            admission_rejections: IntCounterVec::new(
+                Opts::new(
+                    names::ADMISSION_REJECTIONS,
+                    "Connections, frames and requests refused by admission control.",
+                ),
+                &["scope", "reason"],
+            )?,
+            deltas_dropped: prometheus::IntCounter::new(
+                names::DELTAS_DROPPED,
+                "Streaming deltas not sent to clients that fell behind (item/completed still is).",
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
@@ -119,6 +138,15 @@ impl RouterMetrics {
         registry.register(Box::new(m.request_seconds.clone()))?;
         registry.register(Box::new(m.handshake_seconds.clone()))?;
         registry.register(Box::new(m.draining.clone()))?;
+        registry.register(Box::new(m.admission_rejections.clone()))?;
+        registry.register(Box::new(m.deltas_dropped.clone()))?;
         Ok(m)
+    }
+
+    /// Counts one admission refusal.
+    pub fn rejected(&self, r: &crate::admission::Rejection) {
+        self.admission_rejections
+            .with_label_values(&[r.scope.as_str(), r.reason.as_str()])
+            .inc();
     }
 }

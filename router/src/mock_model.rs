@@ -9,7 +9,9 @@
 //! - `RUNCMD:<command>` (before any tool output): the same approval-gated `exec_command` call for
 //!   `<command>` (the rest of the user text);
 //! - `SLOW` or `SLOW<n>` (before any tool output): a pause of 5 s or `n` s right after `response.created`;
-//! - `NOCOMPLETE`: no `response.completed`, so the turn fails.
+//! - `NOCOMPLETE`: no `response.completed`, so the turn fails;
+//! - `MANY<n>`: [`reply_text`] grows by `n` padded words, streamed as one delta each with no
+//!   pause in between (a flood of `item/agentMessage/delta`).
 //!
 //! `GET …/models` answers `{"models": []}`; everything else is 404.
 
@@ -129,7 +131,26 @@ impl Drop for MockModel {
 ///
 /// A user message made of several text parts is seen as the parts joined with `\n`.
 pub fn reply_text(user_text: &str) -> String {
-    format!("mock reply: {user_text}")
+    let mut text = format!("mock reply: {user_text}");
+    for i in 0..many(user_text).unwrap_or(0) {
+        text.push_str(&format!(" w{i:06}{MANY_PAD}"));
+    }
+    text
+}
+
+/// Padding of every `MANY` word, so a flood of deltas is also a flood of bytes.
+const MANY_PAD: &str = "................................................................";
+/// Most deltas a `MANY<n>` prompt asks for.
+const MAX_MANY: usize = 100_000;
+
+/// The delta count a `MANY<n>` prompt asks for.
+fn many(text: &str) -> Option<usize> {
+    let start = text.find("MANY")? + "MANY".len();
+    let digits: String = text[start..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok().map(|n: usize| n.min(MAX_MANY))
 }
 
 /// A TOML basic string; JSON string escaping is valid TOML for the characters we emit.
@@ -329,8 +350,15 @@ fn script(n: usize, prompt: &Prompt) -> Script {
                 "content": [],
             },
         }));
+        let gap = if many(&prompt.text).is_some() {
+            Duration::ZERO
+        } else {
+            DELTA_GAP
+        };
         for delta in text.split_inclusive(' ') {
-            script.wait(DELTA_GAP);
+            if !gap.is_zero() {
+                script.wait(gap);
+            }
             script.event(json!({
                 "type": "response.output_text.delta",
                 "item_id": item_id,
@@ -462,6 +490,17 @@ mod tests {
         assert_eq!(slow("SLOW"), Some(DEFAULT_SLOW));
         assert_eq!(slow("SLOW99999999999999999999999"), Some(DEFAULT_SLOW));
         assert_eq!(slow("fast"), None);
+    }
+
+    #[test]
+    fn many_adds_padded_words_deterministically() {
+        assert_eq!(many("go MANY3 now"), Some(3));
+        assert_eq!(many("MANY"), None);
+        assert_eq!(many("MANY999999999"), Some(MAX_MANY));
+        let text = reply_text("MANY3");
+        assert_eq!(text, reply_text("MANY3"));
+        assert_eq!(text.split_inclusive(' ').count(), 3 + 3);
+        assert!(text.ends_with(&format!(" w000002{MANY_PAD}")));
     }
 
     #[test]

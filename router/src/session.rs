@@ -1,9 +1,25 @@
 //! One client connection, bound to one tenant: relays JSON-RPC between the client and the
 //! tenant's workers through the session's legs, rewriting server-request ids on the way.
+//!
+//! Admission (decision 7) runs on every client frame, in the order the admission module gives:
+//! the connection's frame rate, then for requests the tenant's rates and turn cap, then the
+//! host-access policy and routing, then a slot among the worker's requests in flight. A request
+//! that finds the worker full parks: the session stops reading *this* client for at most
+//! `in_flight_wait_ms` while it keeps relaying worker output (which frees the session's own
+//! slots), then forwards the request or answers `-32001` with scope `worker`. Other sessions
+//! never wait on it: each session is its own task with its own legs.
+//!
+//! Slow readers (decision 8): above the soft mark of the client queue, streaming deltas are
+//! dropped for this session only and counted (`item/completed` carries the whole item); at the
+//! hard mark (the queue full) the session closes with 1008.
 
 pub mod legs;
+mod turns;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +33,9 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
+use crate::admission::{
+    Admission, ConnectionGuard, InFlightPermit, Reason, Rejection, Scope, FLOOD_CLOSE_REASON,
+};
 use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
 use crate::metrics::RouterMetrics;
 use crate::policy::{self, Decision};
@@ -35,6 +54,10 @@ const MAX_IN_FLIGHT: usize = 4096;
 const LEG_EVENTS: usize = 1024;
 /// How long the closing frame may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long after a turn was seen to start the workers' own count must include it.
+const TURN_COUNT_SETTLED: Duration = Duration::from_secs(10);
+/// `retryAfterMs` when this connection has `MAX_IN_FLIGHT` requests unanswered.
+const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
 
 /// What a session needs from the rest of the router.
 #[derive(Clone)]
@@ -45,8 +68,11 @@ pub struct SessionCtx {
     pub metrics: RouterMetrics,
     /// Largest message in either direction.
     pub max_message_bytes: usize,
-    /// Frames queued towards the client before it counts as too slow.
+    /// Frames queued towards the client before it counts as too slow (the hard mark); above
+    /// half of it streaming deltas are dropped (the soft mark).
     pub client_queue: usize,
+    /// Rates and caps shared by all sessions.
+    pub admission: Arc<Admission>,
     /// Cancelled when codex-fleet shuts down.
     pub shutdown: CancellationToken,
 }
@@ -64,6 +90,9 @@ pub enum End {
     TooBig,
     /// Too many protocol errors in a row (1008).
     ProtocolErrors,
+    /// Notifications or responses beyond the connection's frame rate (1008): they cannot be
+    /// answered with `-32001` and are never dropped silently.
+    Flooded,
 }
 
 impl End {
@@ -74,6 +103,7 @@ impl End {
             End::SlowClient => "slow_client",
             End::TooBig => "too_big",
             End::ProtocolErrors => "protocol_errors",
+            End::Flooded => "flooded",
         }
     }
 
@@ -85,6 +115,7 @@ impl End {
             End::SlowClient => (CloseCode::Policy, "client is not reading fast enough"),
             End::TooBig => (CloseCode::Size, "message too big"),
             End::ProtocolErrors => (CloseCode::Policy, "too many protocol errors"),
+            End::Flooded => (CloseCode::Policy, FLOOD_CLOSE_REASON),
         };
         Some(CloseFrame {
             code,
@@ -148,7 +179,22 @@ struct InFlight {
     worker: WorkerId,
     since: Instant,
     learn: Learn,
+    /// The request's slot among the worker's requests in flight; freed with the entry.
+    _slot: Option<InFlightPermit>,
 }
+
+/// A client request routed to a worker that had no free slot: waits (the session stops reading
+/// the client meanwhile) for at most `in_flight_wait_ms`.
+struct Parked {
+    id: RequestId,
+    worker: WorkerId,
+    text: String,
+    learn: Learn,
+    first_initialize: bool,
+}
+
+/// The bounded wait of a parked request for a worker slot.
+type SlotWait = Pin<Box<dyn Future<Output = Result<InFlightPermit, Rejection>> + Send>>;
 
 /// What a response teaches the tenant table.
 enum Learn {
@@ -188,11 +234,17 @@ struct Session {
     live: HashSet<WorkerId>,
     /// The client's initialize went out on some leg, so any further leg needs it replayed.
     init_sent: bool,
+    /// This connection's admission: its slot under the connection caps and its frame rate.
+    guard: ConnectionGuard,
+    /// A request waiting for a worker slot (at most one: the client is not read meanwhile).
+    parked: Option<Parked>,
+    /// Queued frames above which deltas are dropped.
+    soft_mark: usize,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
 /// can drive it through channels.
-pub async fn serve<Si, St>(sink: Si, mut stream: St, ctx: SessionCtx) -> End
+pub async fn serve<Si, St>(sink: Si, mut stream: St, ctx: SessionCtx, guard: ConnectionGuard) -> End
 where
     Si: Sink<Message, Error = WsError> + Send + Unpin + 'static,
     St: Stream<Item = Result<Message, WsError>> + Unpin,
@@ -200,8 +252,11 @@ where
     let tenant = ctx.tenant.id.clone();
     let metrics = ctx.metrics.clone();
     metrics.sessions.with_label_values(&[&tenant]).inc();
+    let ctx_client_queue = ctx.client_queue;
     let (out, out_rx) = mpsc::channel(ctx.client_queue);
-    let writer = tokio::spawn(write_client(sink, out_rx));
+    // The close frame of a client that is too slow skips its full queue.
+    let (urgent, urgent_rx) = mpsc::channel(1);
+    let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx));
     let (events_tx, mut events_rx) = mpsc::channel(LEG_EVENTS);
     let mut session = Session {
         ctx,
@@ -215,15 +270,43 @@ where
         protocol_errors: 0,
         live: HashSet::new(),
         init_sent: false,
+        guard,
+        parked: None,
+        soft_mark: crate::config::soft_mark(ctx_client_queue),
     };
     let shutdown = session.ctx.shutdown.clone();
+    let admission = session.ctx.admission.clone();
     let mut relay = Some(session.ctx.tenant.subscribe());
+    let mut slot: Option<SlotWait> = None;
     let end = loop {
-        let step = tokio::select! {
-            frame = stream.next() => session.on_client_frame(frame).await,
-            Some(ev) = events_rx.recv() => session.on_leg_event(ev).await,
-            r = recv_relay(&mut relay) => session.on_relayed(r),
-            () = shutdown.cancelled() => Err(End::Shutdown),
+        if slot.is_none() {
+            if let Some(worker) = session.parked.as_ref().map(|p| p.worker) {
+                let admission = admission.clone();
+                slot = Some(Box::pin(async move { admission.worker_slot(worker).await }));
+            }
+        }
+        // While a request is parked the client is not read; worker output still flows.
+        let step = match slot.as_mut() {
+            Some(wait) => tokio::select! {
+                permit = wait => Ok(Some(permit)),
+                Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
+                r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                () = shutdown.cancelled() => Err(End::Shutdown),
+            },
+            None => tokio::select! {
+                frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
+                Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
+                r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                () = shutdown.cancelled() => Err(End::Shutdown),
+            },
+        };
+        let step = match step {
+            Ok(Some(permit)) => {
+                slot = None;
+                session.unpark(permit).await
+            }
+            Ok(None) => Ok(()),
+            Err(end) => Err(end),
         };
         if let Err(end) = step {
             break end;
@@ -231,15 +314,37 @@ where
     };
     session.legs.clear();
     if let Some(frame) = end.close_frame() {
-        // A full queue means the client is not reading; the close frame may then be lost.
-        let _queued = session.out.try_send(Message::Close(Some(frame)));
+        // Normally the close frame follows what is queued (e.g. the errors that led to it); a
+        // slow client's queue is dropped instead, and it gets the close frame next.
+        let queued = end != End::SlowClient
+            && session
+                .out
+                .try_send(Message::Close(Some(frame.clone())))
+                .is_ok();
+        if !queued {
+            let _sent = urgent.try_send(frame);
+        }
     }
     drop(session);
+    drop(urgent);
+    // Until the close frame is out, and then until the client answers it, what the client
+    // still sends is read and discarded: closing a socket with unread input resets it, and the
+    // reset would destroy the close frame (and whatever preceded it) on its way to the client.
     let mut writer = writer;
-    if tokio::time::timeout(CLOSE_GRACE, &mut writer)
-        .await
-        .is_err()
-    {
+    let closing = async {
+        let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+        tokio::pin!(drain);
+        let drained = tokio::select! {
+            _written = &mut writer => false,
+            () = &mut drain => true,
+        };
+        if drained {
+            let _written = (&mut writer).await;
+        } else {
+            drain.await;
+        }
+    };
+    if tokio::time::timeout(CLOSE_GRACE, closing).await.is_err() {
         writer.abort();
     }
     metrics.sessions.with_label_values(&[&tenant]).dec();
@@ -250,14 +355,31 @@ where
     end
 }
 
-async fn write_client<Si>(mut sink: Si, mut rx: mpsc::Receiver<Message>)
-where
+async fn write_client<Si>(
+    mut sink: Si,
+    mut rx: mpsc::Receiver<Message>,
+    mut urgent: mpsc::Receiver<CloseFrame>,
+) where
     Si: Sink<Message, Error = WsError> + Unpin,
 {
-    while let Some(msg) = rx.recv().await {
-        let closing = matches!(msg, Message::Close(_));
-        if sink.send(msg).await.is_err() || closing {
-            break;
+    let mut urgent_open = true;
+    loop {
+        tokio::select! {
+            biased;
+            close = urgent.recv(), if urgent_open => match close {
+                Some(frame) => {
+                    let _sent = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+                None => urgent_open = false,
+            },
+            msg = rx.recv() => {
+                let Some(msg) = msg else { break };
+                let closing = matches!(msg, Message::Close(_));
+                if sink.send(msg).await.is_err() || closing {
+                    break;
+                }
+            }
         }
     }
     let _flushed = sink.close().await;
@@ -279,10 +401,6 @@ async fn recv_relay(relay: &mut Option<broadcast::Receiver<Relayed>>) -> Option<
             std::future::pending().await
         }
     }
-}
-
-fn overloaded(scope: &str, reason: &str, retry_after_ms: u64) -> serde_json::Value {
-    json!({ "retryAfterMs": retry_after_ms, "scope": scope, "reason": reason })
 }
 
 // === impl Session ===
@@ -307,6 +425,53 @@ impl Session {
             .map_err(|_| End::SlowClient)
     }
 
+    /// Frames waiting for the client.
+    fn queued(&self) -> usize {
+        self.out.max_capacity() - self.out.capacity()
+    }
+
+    /// Answers a refused request with `-32001` and counts the refusal.
+    fn reject(&self, id: &RequestId, r: &Rejection) -> Result<(), End> {
+        self.ctx.metrics.rejected(r);
+        self.to_client(r.to_error_response(id))
+    }
+
+    /// A cap-style refusal with the configured back-off.
+    fn cap(&self, scope: Scope, reason: Reason) -> Rejection {
+        let back_off = Duration::from_millis(self.ctx.admission.config().cap_retry_after_ms);
+        Rejection::cap(scope, reason, back_off)
+    }
+
+    /// At the active-turn cap, asks the workers' own view (their control legs see every
+    /// thread) before refusing, so a turn that ended while no session of the tenant was there
+    /// to see it does not hold a slot until `active_turn_ttl_secs`.
+    fn reconcile_turns(&self) {
+        let admission = &self.ctx.admission;
+        if admission.active_turns(self.tenant()) < admission.config().max_active_turns_per_tenant {
+            return;
+        }
+        let running = self
+            .ctx
+            .tenant
+            .pool
+            .workers()
+            .iter()
+            .map(|w| w.active_turns)
+            .sum();
+        admission.reconcile_turns(self.tenant(), running, TURN_COUNT_SETTLED);
+    }
+
+    /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
+    /// seen on a leg and relayed from the control leg counts once).
+    fn track_turns(&self, method: &str, params: Option<&serde_json::value::RawValue>) {
+        if let Some((event, thread)) = turns::event(method, params) {
+            match event {
+                turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), &thread),
+                turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), &thread),
+            }
+        }
+    }
+
     fn reply_error(
         &self,
         id: Option<&RequestId>,
@@ -325,6 +490,7 @@ impl Session {
             None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
             Some(Ok(Message::Text(t))) => t,
             Some(Ok(Message::Binary(_))) => {
+                self.check_unanswerable_frame()?;
                 self.count_error("binary_frame");
                 self.reply_error(
                     None,
@@ -352,15 +518,30 @@ impl Session {
         let msg = match jsonrpc::parse(&text) {
             Ok(msg) => msg,
             Err(e) => {
+                self.check_unanswerable_frame()?;
                 self.count_error("invalid_message");
                 self.reply_error(None, e.code(), &e.to_string(), None)?;
                 return self.protocol_error();
             }
         };
         self.protocol_errors = 0;
+        if !matches!(msg, Rpc::Request { .. }) {
+            self.check_unanswerable_frame()?;
+        }
         match msg {
             Rpc::Request { id, method, params } => {
                 let thread = jsonrpc::thread_id(params);
+                if method == "turn/start" {
+                    self.reconcile_turns();
+                }
+                let admitted = self.guard.check_frame().and_then(|()| {
+                    self.ctx
+                        .admission
+                        .check_request(self.tenant(), &method, thread.as_deref())
+                });
+                if let Err(r) = admitted {
+                    return self.reject(&id, &r);
+                }
                 let rewritten = match self.ctx.tenant.policy.check(
                     &method,
                     params,
@@ -380,6 +561,16 @@ impl Session {
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
             Rpc::Response { id } => self.on_client_response(id, &text).await,
         }
+    }
+
+    /// The frame rate for frames that cannot get a `-32001` (notifications, responses, bad
+    /// frames): over it, the connection is closed rather than the frame dropped silently.
+    fn check_unanswerable_frame(&self) -> Result<(), End> {
+        self.guard.check_frame().map_err(|r| {
+            self.ctx.metrics.rejected(&r);
+            tracing::info!("closing a connection that floods notifications or responses");
+            End::Flooded
+        })
     }
 
     fn protocol_error(&mut self) -> Result<(), End> {
@@ -410,13 +601,12 @@ impl Session {
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
         }
         if self.in_flight.len() >= MAX_IN_FLIGHT {
-            self.count_error("in_flight");
-            return self.reply_error(
-                Some(&id),
-                codes::OVERLOADED,
-                "Server overloaded; retry later.",
-                Some(overloaded("connection", "tooManyRequestsInFlight", 100)),
+            let r = Rejection::cap(
+                Scope::Connection,
+                Reason::TooManyRequestsInFlight,
+                SESSION_IN_FLIGHT_RETRY,
             );
+            return self.reject(&id, &r);
         }
         let target = self.target(method, thread.as_deref());
         let worker = match self.leg_for(target, method == "thread/resume").await {
@@ -426,12 +616,7 @@ impl Session {
                     self.init = None;
                 }
                 self.count_error("no_worker");
-                return self.reply_error(
-                    Some(&id),
-                    codes::OVERLOADED,
-                    "Server overloaded; retry later.",
-                    Some(overloaded("worker", &reason, 1000)),
-                );
+                return self.reject(&id, &self.cap(Scope::Worker, reason));
             }
         };
         let learn = match (method, thread) {
@@ -442,16 +627,61 @@ impl Session {
             },
             _ => Learn::Nothing,
         };
+        let parked = Parked {
+            id,
+            worker,
+            text: text.to_owned(),
+            learn,
+            first_initialize,
+        };
+        match self.ctx.admission.try_worker_slot(worker) {
+            Ok(slot) => self.dispatch(parked, slot).await,
+            Err(_) => {
+                self.parked = Some(parked);
+                Ok(())
+            }
+        }
+    }
+
+    /// The parked request got a worker slot, or waited as long as it may.
+    async fn unpark(&mut self, slot: Result<InFlightPermit, Rejection>) -> Result<(), End> {
+        let Some(parked) = self.parked.take() else {
+            return Ok(());
+        };
+        match slot {
+            Ok(slot) => self.dispatch(parked, slot).await,
+            Err(r) => {
+                if parked.first_initialize {
+                    self.init = None;
+                }
+                self.reject(&parked.id, &r)
+            }
+        }
+    }
+
+    /// Sends an admitted request to its worker, holding its slot until the answer.
+    async fn dispatch(&mut self, req: Parked, slot: InFlightPermit) -> Result<(), End> {
+        let Parked {
+            id,
+            worker,
+            text,
+            learn,
+            first_initialize,
+        } = req;
         self.in_flight.insert(
             id.clone(),
             InFlight {
                 worker,
                 since: Instant::now(),
                 learn,
+                _slot: Some(slot),
             },
         );
-        if !self.send_to_leg(worker, text.to_owned()).await {
+        if !self.send_to_leg(worker, text).await {
             self.in_flight.remove(&id);
+            if first_initialize {
+                self.init = None;
+            }
             return self.worker_gone_reply(&id);
         }
         self.init_sent |= first_initialize;
@@ -475,7 +705,7 @@ impl Session {
     }
 
     /// The leg a target resolves to, opened on demand (with the client's initialize replayed).
-    async fn leg_for(&mut self, target: Target, place_if_gone: bool) -> Result<WorkerId, String> {
+    async fn leg_for(&mut self, target: Target, place_if_gone: bool) -> Result<WorkerId, Reason> {
         match target {
             Target::Home => self.home_leg().await,
             Target::Owner(w) if self.legs.contains_key(&w) => Ok(w),
@@ -495,10 +725,10 @@ impl Session {
         }
     }
 
-    async fn placed_leg(&mut self) -> Result<WorkerId, String> {
+    async fn placed_leg(&mut self) -> Result<WorkerId, Reason> {
         let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
             tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
-            "noWorkerAvailable".to_owned()
+            Reason::NoWorkerAvailable
         })?;
         if self.legs.contains_key(&handle.id) {
             return Ok(handle.id);
@@ -561,6 +791,12 @@ impl Session {
                 }
             }
             Rpc::Notification { method, params } => {
+                self.track_turns(&method, params);
+                if turns::is_delta(&method) && self.queued() >= self.soft_mark {
+                    // Behind: item/completed will carry the whole item, so the delta can go.
+                    self.ctx.metrics.deltas_dropped.inc();
+                    return Ok(());
+                }
                 if method == "serverRequest/resolved" {
                     if let Some(sid) = jsonrpc::params_request_id(params)
                         .and_then(|rid| self.server_requests.resolved(worker, rid))
@@ -590,6 +826,16 @@ impl Session {
             }
             return Ok(());
         }
+        let rewritten = self.ctx.admission.rewrite_worker_overload(text);
+        if rewritten.is_some() {
+            self.ctx
+                .metrics
+                .admission_rejections
+                .with_label_values(&[Scope::Worker.as_str(), Reason::WorkerOverloaded.as_str()])
+                .inc();
+        }
+        let text: Cow<'_, str> = rewritten.map_or(Cow::Borrowed(text), Cow::Owned);
+        let text = text.as_ref();
         let flight = self.in_flight.remove(&id);
         if let Some(f) = &flight {
             self.ctx
@@ -657,6 +903,7 @@ impl Session {
                             thread,
                             retry: None,
                         },
+                        _slot: None,
                     },
                 );
                 if self.send_to_leg(target, retry).await {
@@ -673,6 +920,9 @@ impl Session {
     /// to that worker delivers it (so each broadcast arrives once).
     fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
         let Some(r) = relayed else { return Ok(()) };
+        if let Ok(Rpc::Notification { method, params }) = jsonrpc::parse(&r.text) {
+            self.track_turns(&method, params);
+        }
         if self.init.as_ref().is_none_or(|i| !i.answered) {
             return Ok(());
         }
@@ -725,7 +975,7 @@ impl Session {
     }
 
     /// The home leg, opened on the least-loaded worker if there is none.
-    async fn home_leg(&mut self) -> Result<WorkerId, String> {
+    async fn home_leg(&mut self) -> Result<WorkerId, Reason> {
         if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
             return Ok(home);
         }
@@ -736,12 +986,12 @@ impl Session {
 
     /// Opens a leg to `handle`'s worker; once the client has sent its initialize, every new
     /// leg gets it replayed first (with the router's own id, whose answer is swallowed).
-    async fn open_leg(&mut self, handle: worker::WorkerHandle) -> Result<WorkerId, String> {
+    async fn open_leg(&mut self, handle: worker::WorkerHandle) -> Result<WorkerId, Reason> {
         let leg = Leg::open(handle, self.ctx.max_message_bytes, self.events_tx.clone())
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "cannot open leg");
-                "workerUnreachable".to_owned()
+                Reason::WorkerUnreachable
             })?;
         self.ctx
             .metrics
@@ -770,36 +1020,4 @@ impl Session {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn server_request_ids_are_session_unique_and_mapped_back() {
-        let mut s = ServerRequests::default();
-        let w1 = WorkerId::new("t", 1, 1);
-        let w2 = WorkerId::new("t", 2, 1);
-        let a = s.insert(w1, RequestId::Int(0));
-        let b = s.insert(w2, RequestId::Int(0));
-        assert_ne!(a, b, "the same worker id on two workers must not collide");
-        assert_eq!(s.insert(w1, RequestId::Int(0)), a, "a replay keeps its id");
-        assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
-        assert_eq!(
-            s.take(b),
-            None,
-            "a resolved request can no longer be answered"
-        );
-        assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
-        assert_eq!(s.take(a), None, "only the first answer is forwarded");
-    }
-
-    #[test]
-    fn server_requests_stay_bounded() {
-        let mut s = ServerRequests::default();
-        let w = WorkerId::new("t", 1, 1);
-        for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
-            s.insert(w, RequestId::Int(n));
-        }
-        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
-        assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
-    }
-}
+mod tests;

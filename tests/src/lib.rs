@@ -81,6 +81,7 @@ pub struct FleetBuilder {
     tenants: Vec<TenantSpec>,
     extra_workers: String,
     drain: String,
+    extra_limits: String,
 }
 
 impl Default for FleetBuilder {
@@ -97,6 +98,7 @@ impl FleetBuilder {
             extra_workers: String::new(),
             // Tests stop fleets often: no settle period unless a test asks for one.
             drain: "settle_secs = 0\n".to_owned(),
+            extra_limits: String::new(),
         }
     }
 
@@ -144,6 +146,13 @@ impl FleetBuilder {
         self
     }
 
+    /// Lines for the `[limits]` table (message size, client queue, rates and caps).
+    pub fn limits_toml(mut self, lines: &str) -> Self {
+        self.extra_limits.push_str(lines);
+        self.extra_limits.push('\n');
+        self
+    }
+
     /// Writes TLS material, the mock model and the config into a fresh directory.
     pub async fn prepare(self) -> anyhow::Result<FleetFiles> {
         router::tls::install_crypto_provider();
@@ -167,7 +176,7 @@ impl FleetBuilder {
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {}\ntls_key = {}\nhandshake_timeout_secs = 5\n\n\
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{}, \"app-server\"]\nstate_dir = {}\nconfig_overrides = [{}]\n\
-             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[drain]\n{}\n",
+             ready_timeout_secs = 20\nstop_grace_secs = 5\n{}\n[drain]\n{}\n{}",
             q(&cert.display().to_string()),
             q(&key.display().to_string()),
             q(&codex_bin().display().to_string()),
@@ -175,6 +184,12 @@ impl FleetBuilder {
             overrides.join(", "),
             self.extra_workers,
             self.drain,
+            // Only when asked for, so a test may still append its own [limits].
+            if self.extra_limits.is_empty() {
+                String::new()
+            } else {
+                format!("[limits]\n{}\n", self.extra_limits)
+            },
         );
         for t in &self.tenants {
             toml.push_str(&format!(
@@ -217,6 +232,7 @@ impl FleetFiles {
             .with_config_path(files.config.clone());
         let tenants = server.tenants().clone();
         let reloader = server.reloader();
+        let admission = server.admission().clone();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(listener, admin, async move {
             let _stopped = stop_rx.await;
@@ -225,6 +241,7 @@ impl FleetFiles {
             files,
             tenants,
             reloader,
+            admission,
             addr,
             admin_addr,
             stop: Some(stop_tx),
@@ -270,6 +287,8 @@ pub struct Fleet {
     pub tenants: Arc<router::tenants::TenantRegistry>,
     /// Reloads its configuration file (what SIGHUP does).
     pub reloader: Arc<router::reload::Reloader>,
+    /// Its admission control, for assertions on connection and turn counts.
+    pub admission: Arc<router::admission::Admission>,
     /// The wss address.
     pub addr: SocketAddr,
     /// The admin address.
@@ -385,9 +404,69 @@ pub struct Client {
     pub backlog: std::collections::VecDeque<Value>,
 }
 
+/// What an upgrade attempt got.
+pub enum Upgrade {
+    /// Upgraded.
+    Open(Box<Client>),
+    /// Refused with an HTTP answer.
+    Refused {
+        /// The status code.
+        status: u16,
+        /// `Retry-After` in seconds, when sent.
+        retry_after: Option<u64>,
+        /// The body.
+        body: String,
+    },
+}
+
 impl Client {
     /// Opens the wss connection; `token` goes in `Authorization: Bearer`.
     pub async fn connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Client> {
+        Client::connect_over(url, ca, token, None).await
+    }
+
+    /// Opens the wss connection over a TCP socket with a small receive buffer, so a client
+    /// that stops reading backs up into codex-fleet quickly.
+    pub async fn connect_small_window(
+        addr: SocketAddr,
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        rcvbuf: u32,
+    ) -> anyhow::Result<Client> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_recv_buffer_size(rcvbuf)?;
+        let tcp = socket.connect(addr).await?;
+        Client::connect_over(url, ca, token, Some(tcp)).await
+    }
+
+    /// One upgrade attempt: the client, or the refusal's status and `Retry-After`.
+    pub async fn try_connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Upgrade> {
+        match Client::connect(url, ca, token).await {
+            Ok(c) => Ok(Upgrade::Open(Box::new(c))),
+            Err(e) => match e.downcast::<tokio_tungstenite::tungstenite::Error>() {
+                Ok(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Upgrade::Refused {
+                    status: resp.status().as_u16(),
+                    retry_after: resp
+                        .headers()
+                        .get("retry-after")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse().ok()),
+                    body: String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default())
+                        .into_owned(),
+                }),
+                Ok(other) => Err(other.into()),
+                Err(e) => Err(e),
+            },
+        }
+    }
+
+    async fn connect_over(
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        tcp: Option<TcpStream>,
+    ) -> anyhow::Result<Client> {
         let mut req = url.into_client_request()?;
         if let Some(t) = token {
             req.headers_mut()
@@ -396,12 +475,26 @@ impl Client {
         req.headers_mut()
             .insert("x-codex-app-server-compression", "zstd-stream-v1".parse()?);
         let connector = Connector::Rustls(client_tls(ca)?);
-        let (ws, resp) = tokio::time::timeout(
-            STEP,
-            tokio_tungstenite::connect_async_tls_with_config(req, None, false, Some(connector)),
-        )
-        .await
-        .context("connect timed out")??;
+        let connecting = async {
+            match tcp {
+                Some(tcp) => {
+                    tokio_tungstenite::client_async_tls_with_config(req, tcp, None, Some(connector))
+                        .await
+                }
+                None => {
+                    tokio_tungstenite::connect_async_tls_with_config(
+                        req,
+                        None,
+                        false,
+                        Some(connector),
+                    )
+                    .await
+                }
+            }
+        };
+        let (ws, resp) = tokio::time::timeout(STEP, connecting)
+            .await
+            .context("connect timed out")??;
         if resp
             .headers()
             .contains_key("x-codex-app-server-compression")
@@ -418,6 +511,12 @@ impl Client {
     /// Sends a raw text frame.
     pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
         self.ws.send(Message::text(text)).await?;
+        Ok(())
+    }
+
+    /// Sends a binary frame.
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
+        self.ws.send(Message::binary(bytes)).await?;
         Ok(())
     }
 
@@ -444,12 +543,23 @@ impl Client {
 
     /// Waits for the close frame (or end) and returns its code.
     pub async fn recv_close(&mut self, within: Duration) -> anyhow::Result<Option<u16>> {
+        Ok(self.recv_close_frame(within).await?.map(|(code, _)| code))
+    }
+
+    /// Waits for the close frame (or end) and returns its code and reason; text frames on the
+    /// way go to the backlog.
+    pub async fn recv_close_frame(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<Option<(u16, String)>> {
         loop {
             let frame = tokio::time::timeout(within, self.ws.next())
                 .await
                 .context("timed out waiting for close")?;
             match frame {
-                Some(Ok(Message::Close(c))) => return Ok(c.map(|c| u16::from(c.code))),
+                Some(Ok(Message::Close(c))) => {
+                    return Ok(c.map(|c| (u16::from(c.code), c.reason.to_string())))
+                }
                 Some(Ok(Message::Text(t))) => self.backlog.push_back(serde_json::from_str(&t)?),
                 Some(Ok(_)) => continue,
                 Some(Err(_)) | None => return Ok(None),
@@ -565,6 +675,15 @@ impl Client {
                 return Ok(seen);
             }
         }
+    }
+
+    /// Sends a request without waiting for its answer; returns its id.
+    pub async fn send_request(&mut self, method: &str, params: Value) -> anyhow::Result<i64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        Ok(id)
     }
 
     /// Closes the connection politely.

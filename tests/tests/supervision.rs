@@ -704,7 +704,8 @@ async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessi
     fleet.reloader.on_reload(Box::new(move |cfg| {
         *hook_seen
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cfg.limits.max_connections);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(cfg.limits.admission.max_connections);
     }));
     // Drop tenant "gone" and change a limit.
     let text = std::fs::read_to_string(&fleet.files.config)?;

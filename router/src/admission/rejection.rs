@@ -49,6 +49,24 @@ pub enum Reason {
     WorkerOverloaded,
     /// Connection cap of the tenant (scope tenant) or of codex-fleet (scope fleet).
     TooManyConnections,
+    /// This connection already has its maximum of requests awaiting an answer.
+    TooManyRequestsInFlight,
+    /// No worker of the tenant could be started (caps, or start failures).
+    NoWorkerAvailable,
+    /// The chosen worker did not accept a connection.
+    WorkerUnreachable,
+}
+
+impl Scope {
+    /// The wire spelling, e.g. `"tenant"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Connection => "connection",
+            Scope::Tenant => "tenant",
+            Scope::Worker => "worker",
+            Scope::Fleet => "fleet",
+        }
+    }
 }
 
 impl Reason {
@@ -63,6 +81,9 @@ impl Reason {
             Reason::WorkerBusy => "workerBusy",
             Reason::WorkerOverloaded => "workerOverloaded",
             Reason::TooManyConnections => "tooManyConnections",
+            Reason::TooManyRequestsInFlight => "tooManyRequestsInFlight",
+            Reason::NoWorkerAvailable => "noWorkerAvailable",
+            Reason::WorkerUnreachable => "workerUnreachable",
         }
     }
 }

@@ -12,8 +12,8 @@ fn small() -> AdmissionConfig {
         turn_start_burst: 2,
         handshakes_per_sec_per_ip: 20,
         handshake_burst: 2,
-        max_conns_per_tenant: 2,
-        max_conns_total: 3,
+        max_connections_per_tenant: 2,
+        max_connections: 3,
         max_active_turns_per_tenant: 2,
         max_in_flight_per_worker: 2,
         in_flight_wait_ms: 30,
@@ -287,7 +287,7 @@ async fn reconfigure_keeps_counts_and_applies_new_limits() {
     assert!(adm.check_request("a", "thread/list", None).is_err());
     let wider = AdmissionConfig {
         tenant_burst: 10,
-        max_conns_per_tenant: 1,
+        max_connections_per_tenant: 1,
         ..small()
     };
     adm.reconfigure(wider).unwrap();
@@ -333,4 +333,24 @@ fn worker_overload_is_rewritten_with_the_configured_wait() {
     let ms = v["error"]["data"]["retryAfterMs"].as_u64().unwrap();
     assert!((30..=37).contains(&ms), "{ms}");
     assert_eq!(adm.rewrite_worker_overload(r#"{"id":3,"result":{}}"#), None);
+}
+
+#[tokio::test]
+async fn tracked_turns_are_corrected_by_the_workers_count_once_settled() {
+    let adm = Admission::new(small()).unwrap();
+    let settled = Duration::from_millis(50);
+    adm.turn_started("acme", "t1");
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    adm.turn_started("acme", "t2");
+    assert!(adm.check_request("acme", TURN_START, Some("t3")).is_err());
+    // The workers say none runs: only t1 is old enough to be dropped (t2 may just not have
+    // reached the workers' count yet).
+    adm.reconcile_turns("acme", 0, settled);
+    assert_eq!(adm.active_turns("acme"), 1);
+    adm.turn_ended("acme", "t2");
+    assert_eq!(adm.active_turns("acme"), 0, "t2 was the one kept");
+    adm.reconcile_turns("nobody", 0, settled);
+    adm.turn_started("acme", "t4");
+    adm.reconcile_turns("acme", 5, Duration::ZERO);
+    assert_eq!(adm.active_turns("acme"), 1);
 }

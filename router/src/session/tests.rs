@@ -1,0 +1,258 @@
+//! Session unit tests: server-request id mapping, and property tests of the frame classifier
+//! and id rewriting over pseudo-random input (issue 5, test 7).
+
+use super::*;
+
+#[test]
+fn server_request_ids_are_session_unique_and_mapped_back() {
+    let mut s = ServerRequests::default();
+    let w1 = WorkerId::new("t", 1, 1);
+    let w2 = WorkerId::new("t", 2, 1);
+    let a = s.insert(w1, RequestId::Int(0));
+    let b = s.insert(w2, RequestId::Int(0));
+    assert_ne!(a, b, "the same worker id on two workers must not collide");
+    assert_eq!(s.insert(w1, RequestId::Int(0)), a, "a replay keeps its id");
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert_eq!(
+        s.take(b),
+        None,
+        "a resolved request can no longer be answered"
+    );
+    assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
+    assert_eq!(s.take(a), None, "only the first answer is forwarded");
+}
+
+#[test]
+fn server_requests_stay_bounded() {
+    let mut s = ServerRequests::default();
+    let w = WorkerId::new("t", 1, 1);
+    for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
+        s.insert(w, RequestId::Int(n));
+    }
+    assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
+    assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
+}
+
+/// A small deterministic generator (xorshift64*), so failures reproduce from the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+
+    fn id(&mut self) -> RequestId {
+        match self.below(6) {
+            0 => RequestId::Int(*self.pick(&[0, -1, 1, i64::MAX, i64::MIN, 9_007_199_254_740_993])),
+            1 | 2 => RequestId::Int(self.next() as i64),
+            3 => RequestId::Str(String::new()),
+            _ => {
+                let parts = [
+                    "a",
+                    "\"",
+                    "\\",
+                    "é",
+                    "\u{1F600}",
+                    "\n",
+                    "\u{0}",
+                    "id-",
+                    "7",
+                    " ",
+                ];
+                RequestId::Str((0..self.below(12)).map(|_| *self.pick(&parts)).collect())
+            }
+        }
+    }
+}
+
+const FRAMES: &[&str] = &[
+    r#"{"id":1,"method":"thread/start","params":{"cwd":"/w"}}"#,
+    r#"{"id":"initialize","method":"initialize","params":{"clientInfo":{"name":"x","version":"1"}}}"#,
+    r#"{"method":"initialized"}"#,
+    r#"{"id":5,"result":{"decision":"accept"}}"#,
+    r#"{"id":6,"error":{"code":-32001,"message":"Server overloaded; retry later."}}"#,
+    r#"{"method":"serverRequest/resolved","params":{"threadId":"t","requestId":3}}"#,
+    r#"[{"id":1,"method":"a"}]"#,
+    r#"{"id":null,"method":"a"}"#,
+    r#"{"id":3.5,"method":"a"}"#,
+    r#""just a string""#,
+];
+
+/// Random bytes, or a known frame mutated: truncated, spliced, bytes flipped or inserted.
+fn arbitrary_frame(rng: &mut Rng) -> String {
+    let tokens = [
+        "{", "}", "[", "]", "\"", ":", ",", "null", "-32001", "\"id\"", "\\u", "1e999", "\u{FFFD}",
+    ];
+    match rng.below(4) {
+        0 => {
+            let bytes: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        1 => {
+            let f = rng.pick(FRAMES);
+            let cut = rng.below(f.len() + 1);
+            f.get(..cut).unwrap_or(f).to_owned()
+        }
+        _ => {
+            let mut f: Vec<char> = rng.pick(FRAMES).chars().collect();
+            for _ in 0..=rng.below(4) {
+                let at = rng.below(f.len() + 1);
+                match rng.below(3) {
+                    0 if !f.is_empty() => {
+                        f.remove(at.min(f.len() - 1));
+                    }
+                    1 => f.splice(at..at, rng.pick(&tokens).chars()).for_each(drop),
+                    _ => f.insert(at, char::from(rng.next() as u8 & 0x7f)),
+                }
+            }
+            f.into_iter().collect()
+        }
+    }
+}
+
+#[test]
+fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let (mut parsed, mut refused) = (0, 0);
+    for _ in 0..50_000 {
+        let text = arbitrary_frame(&mut rng);
+        // The classifier, and the rewriting of a worker's -32001, never panic.
+        let _ = crate::admission::rewrite_worker_overload(&text, Duration::from_millis(5));
+        let _ = jsonrpc::with_params_request_id(&text, &RequestId::Int(1));
+        let _ = turns::event("thread/status/changed", None);
+        match jsonrpc::parse(&text) {
+            Err(e) => {
+                refused += 1;
+                assert!(e.code() == codes::PARSE_ERROR || e.code() == codes::INVALID_REQUEST);
+            }
+            Ok(msg) => {
+                parsed += 1;
+                let id = match msg {
+                    Rpc::Request { id, .. } | Rpc::Response { id } => id,
+                    Rpc::Notification { .. } => continue,
+                };
+                // Rewriting the id to a session id and back restores it exactly.
+                let sid = RequestId::Int(rng.next() as i64);
+                let there = jsonrpc::with_id(&text, &sid).unwrap_or_else(|| panic!("{text}"));
+                let back = jsonrpc::with_id(&there, &id).expect("an object");
+                match (jsonrpc::parse(&there), jsonrpc::parse(&back)) {
+                    (
+                        Ok(Rpc::Request { id: a, .. } | Rpc::Response { id: a }),
+                        Ok(Rpc::Request { id: b, .. } | Rpc::Response { id: b }),
+                    ) => {
+                        assert_eq!(a, sid, "{text}");
+                        assert_eq!(b, id, "{text}");
+                    }
+                    other => panic!("{text}: {other:?}"),
+                }
+            }
+        }
+    }
+    assert!(
+        parsed > 1_000 && refused > 1_000,
+        "{parsed} parsed, {refused} refused"
+    );
+}
+
+#[test]
+fn any_id_survives_the_round_trip_through_the_router() {
+    let mut rng = Rng(0xfeed_0000_0000_0007);
+    for _ in 0..20_000 {
+        let id = rng.id();
+        let sid = RequestId::Int(rng.next() as i64);
+        let request = jsonrpc::request(&id, "item/tool/call", None);
+        let to_client = jsonrpc::with_id(&request, &sid).expect("object");
+        let Ok(Rpc::Request { id: seen, .. }) = jsonrpc::parse(&to_client) else {
+            panic!("{to_client}")
+        };
+        assert_eq!(seen, sid);
+        let answer = format!(
+            r#"{{"id":{},"result":{{}}}}"#,
+            serde_json::to_string(&sid).unwrap()
+        );
+        let to_worker = jsonrpc::with_id(&answer, &id).expect("object");
+        let Ok(Rpc::Response { id: back }) = jsonrpc::parse(&to_worker) else {
+            panic!("{to_worker}")
+        };
+        assert_eq!(back, id, "{to_worker}");
+        // A worker's -32001 for this id keeps the id when its data is filled in.
+        let overload = jsonrpc::error_response(Some(&id), codes::OVERLOADED, "x", None);
+        let rewritten =
+            crate::admission::rewrite_worker_overload(&overload, Duration::from_millis(3))
+                .expect("rewritten");
+        let Ok(Rpc::Response { id: kept }) = jsonrpc::parse(&rewritten) else {
+            panic!("{rewritten}")
+        };
+        assert_eq!(kept, id);
+    }
+}
+
+#[test]
+fn server_request_ids_match_a_model_under_random_operations() {
+    let mut rng = Rng(0x0dd_ba11_0000_0042);
+    let workers = [
+        WorkerId::new("t", 1, 1),
+        WorkerId::new("t", 2, 1),
+        WorkerId::new("t", 1, 2),
+    ];
+    let mut s = ServerRequests::default();
+    // The model: session id -> (worker, original id), for requests still answerable.
+    let mut model: HashMap<i64, (WorkerId, RequestId)> = HashMap::new();
+    let mut issued: HashSet<i64> = HashSet::new();
+    for _ in 0..50_000 {
+        let w = *rng.pick(&workers);
+        match rng.below(5) {
+            0 | 1 => {
+                let id = RequestId::Int(rng.below(64) as i64);
+                let sid = s.insert(w, id.clone());
+                match model.iter().find(|(_, v)| **v == (w, id.clone())) {
+                    Some((known, _)) => assert_eq!(*known, sid, "a replay keeps its id"),
+                    None => {
+                        assert!(issued.insert(sid), "session ids are never reused");
+                        model.insert(sid, (w, id));
+                    }
+                }
+            }
+            2 => {
+                let sid = if model.is_empty() || rng.below(4) == 0 {
+                    rng.next() as i64
+                } else {
+                    let keys: Vec<i64> = model.keys().copied().collect();
+                    *rng.pick(&keys)
+                };
+                assert_eq!(s.take(sid), model.remove(&sid), "answer to {sid}");
+            }
+            3 => {
+                let id = RequestId::Int(rng.below(64) as i64);
+                let expect = model
+                    .iter()
+                    .find(|(_, v)| **v == (w, id.clone()))
+                    .map(|(k, _)| *k);
+                assert_eq!(s.resolved(w, id), expect);
+                if let Some(k) = expect {
+                    model.remove(&k);
+                }
+            }
+            _ if rng.below(50) == 0 => {
+                s.forget_worker(w);
+                model.retain(|_, v| v.0 != w);
+            }
+            _ => {}
+        }
+        assert_eq!(s.by_session.len(), model.len());
+        assert_eq!(s.by_worker.len(), model.len());
+    }
+}
