@@ -82,6 +82,8 @@ async fn main() -> anyhow::Result<()> {
     let files = FleetBuilder::new()
         .tenant_pool("acme", 2, 2)
         .workers_toml("per_tenant_uid = false")
+        // The bench opens hundreds of sessions from one address on purpose.
+        .limits_toml("handshakes_per_sec_per_ip = 100000\nhandshake_burst = 100000")
         .prepare()
         .await?;
     let (child, addr, admin, started) = spawn(&files).await?;
