@@ -14,10 +14,12 @@
 //! hard mark (the queue full) the session closes with 1008.
 
 pub mod legs;
+mod routing;
+mod server_requests;
 mod turns;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -41,6 +43,8 @@ use crate::metrics::RouterMetrics;
 use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
 use legs::{Leg, LegEvent};
+use routing::Learn;
+use server_requests::ServerRequests;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
@@ -132,49 +136,6 @@ struct Init {
     initialized: bool,
 }
 
-/// Server→client requests in flight: session-unique ids mapped to (worker, the worker's id).
-#[derive(Default)]
-struct ServerRequests {
-    next: i64,
-    by_session: BTreeMap<i64, (WorkerId, RequestId)>,
-    by_worker: HashMap<(WorkerId, RequestId), i64>,
-}
-
-impl ServerRequests {
-    fn insert(&mut self, worker: WorkerId, id: RequestId) -> i64 {
-        if let Some(&sid) = self.by_worker.get(&(worker, id.clone())) {
-            return sid; // the same pending request replayed (e.g. after thread/resume)
-        }
-        if self.by_session.len() >= MAX_SERVER_REQUESTS {
-            if let Some((_, key)) = self.by_session.pop_first() {
-                self.by_worker.remove(&key);
-            }
-        }
-        let sid = self.next;
-        self.next += 1;
-        self.by_session.insert(sid, (worker, id.clone()));
-        self.by_worker.insert((worker, id), sid);
-        sid
-    }
-
-    fn take(&mut self, sid: i64) -> Option<(WorkerId, RequestId)> {
-        let key = self.by_session.remove(&sid)?;
-        self.by_worker.remove(&key);
-        Some(key)
-    }
-
-    fn resolved(&mut self, worker: WorkerId, id: RequestId) -> Option<i64> {
-        let sid = self.by_worker.remove(&(worker, id))?;
-        self.by_session.remove(&sid);
-        Some(sid)
-    }
-
-    fn forget_worker(&mut self, worker: WorkerId) {
-        self.by_session.retain(|_, (w, _)| *w != worker);
-        self.by_worker.retain(|(w, _), _| *w != worker);
-    }
-}
-
 struct InFlight {
     worker: WorkerId,
     since: Instant,
@@ -195,30 +156,6 @@ struct Parked {
 
 /// The bounded wait of a parked request for a worker slot.
 type SlotWait = Pin<Box<dyn Future<Output = Result<InFlightPermit, Rejection>> + Send>>;
-
-/// What a response teaches the tenant table.
-enum Learn {
-    Nothing,
-    /// `thread/start`, `thread/fork`: the new thread lives on the worker that answered.
-    NewThread,
-    /// `thread/resume`: the thread is now loaded where it was sent; the text is kept for one
-    /// retry on the real owner if the worker answers "already has an active writer".
-    Resume {
-        thread: String,
-        retry: Option<String>,
-    },
-}
-
-/// Where a request goes.
-#[derive(Debug)]
-enum Target {
-    /// The session's home leg (global methods, unknown threads).
-    Home,
-    /// The worker that owns the request's thread.
-    Owner(WorkerId),
-    /// The least-loaded worker of the tenant (new threads).
-    Place,
-}
 
 struct Session {
     ctx: SessionCtx,
@@ -688,54 +625,6 @@ impl Session {
         Ok(())
     }
 
-    /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
-    /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
-    /// unknown id and another tenant's id get the same answer from the tenant's own worker.
-    fn target(&self, method: &str, thread: Option<&str>) -> Target {
-        match (method, thread) {
-            ("initialize", _) => Target::Home,
-            ("thread/start", _) => Target::Place,
-            (_, None) => Target::Home,
-            (_, Some(t)) => match self.ctx.tenant.find_owner(t) {
-                Some(w) => Target::Owner(w),
-                None if method == "thread/resume" => Target::Place,
-                None => Target::Home,
-            },
-        }
-    }
-
-    /// The leg a target resolves to, opened on demand (with the client's initialize replayed).
-    async fn leg_for(&mut self, target: Target, place_if_gone: bool) -> Result<WorkerId, Reason> {
-        match target {
-            Target::Home => self.home_leg().await,
-            Target::Owner(w) if self.legs.contains_key(&w) => Ok(w),
-            Target::Owner(w) => match self.ctx.tenant.pool.get(w) {
-                Some(handle) => self.open_leg(handle).await,
-                None => {
-                    // The owner is gone: the thread is not loaded anywhere any more.
-                    self.ctx.tenant.reconcile_soon();
-                    if place_if_gone {
-                        self.placed_leg().await
-                    } else {
-                        self.home_leg().await
-                    }
-                }
-            },
-            Target::Place => self.placed_leg().await,
-        }
-    }
-
-    async fn placed_leg(&mut self) -> Result<WorkerId, Reason> {
-        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
-            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
-            Reason::NoWorkerAvailable
-        })?;
-        if self.legs.contains_key(&handle.id) {
-            return Ok(handle.id);
-        }
-        self.open_leg(handle).await
-    }
-
     async fn on_client_notification(&mut self, method: &str, text: &str) -> Result<(), End> {
         let Some(init) = self.init.as_mut() else {
             // app-server ignores notifications before initialize; so do we.
@@ -860,62 +749,6 @@ impl Session {
         self.to_client(text.to_owned())
     }
 
-    /// Updates the tenant table from a response; may retry a resume on the real owner, in
-    /// which case the client sees only the retry's answer.
-    async fn learn(
-        &mut self,
-        worker: WorkerId,
-        id: &RequestId,
-        f: InFlight,
-        text: &str,
-    ) -> Option<Result<(), End>> {
-        let table = &self.ctx.tenant.table;
-        match f.learn {
-            Learn::Nothing => None,
-            Learn::NewThread => {
-                if let Some(thread) = jsonrpc::result_thread_id(text) {
-                    table.learn(&thread, worker);
-                }
-                None
-            }
-            Learn::Resume { thread, retry } => {
-                if jsonrpc::result_thread_id(text).is_some() {
-                    table.learn(&thread, worker);
-                    return None;
-                }
-                let busy = jsonrpc::error_message(text)
-                    .is_some_and(|m| m.contains("already has an active writer"));
-                let retry = retry.filter(|_| busy)?;
-                // Another worker holds the thread: find it and send the resume there, once.
-                self.ctx.tenant.reconcile_now().await;
-                let owner = self
-                    .ctx
-                    .tenant
-                    .find_owner(&thread)
-                    .filter(|o| *o != worker)?;
-                let target = self.leg_for(Target::Owner(owner), false).await.ok()?;
-                self.in_flight.insert(
-                    id.clone(),
-                    InFlight {
-                        worker: target,
-                        since: f.since,
-                        learn: Learn::Resume {
-                            thread,
-                            retry: None,
-                        },
-                        _slot: None,
-                    },
-                );
-                if self.send_to_leg(target, retry).await {
-                    Some(Ok(()))
-                } else {
-                    self.in_flight.remove(id);
-                    None
-                }
-            }
-        }
-    }
-
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
     /// to that worker delivers it (so each broadcast arrives once).
     fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
@@ -971,50 +804,6 @@ impl Session {
         match self.legs.get(&worker) {
             Some(leg) => leg.send(text).await,
             None => false,
-        }
-    }
-
-    /// The home leg, opened on the least-loaded worker if there is none.
-    async fn home_leg(&mut self) -> Result<WorkerId, Reason> {
-        if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
-            return Ok(home);
-        }
-        let worker = self.placed_leg().await?;
-        self.home = Some(worker);
-        Ok(worker)
-    }
-
-    /// Opens a leg to `handle`'s worker; once the client has sent its initialize, every new
-    /// leg gets it replayed first (with the router's own id, whose answer is swallowed).
-    async fn open_leg(&mut self, handle: worker::WorkerHandle) -> Result<WorkerId, Reason> {
-        let leg = Leg::open(handle, self.ctx.max_message_bytes, self.events_tx.clone())
-            .await
-            .map_err(|e| {
-                tracing::warn!(error = %e, "cannot open leg");
-                Reason::WorkerUnreachable
-            })?;
-        self.ctx
-            .metrics
-            .legs_opened
-            .with_label_values(&[&self.ctx.tenant.id])
-            .inc();
-        let worker = leg.worker();
-        if let Some(init) = self.init.as_ref().filter(|_| self.init_sent) {
-            self.replay_initialize(&leg, init).await;
-        }
-        self.legs.insert(worker, leg);
-        Ok(worker)
-    }
-
-    async fn replay_initialize(&self, leg: &Leg, init: &Init) {
-        let params = match jsonrpc::parse(&init.text) {
-            Ok(Rpc::Request { params, .. }) => params,
-            _ => None,
-        };
-        let replay = jsonrpc::request(&RequestId::Str(REPLAY_INIT_ID.into()), "initialize", params);
-        leg.send(replay).await;
-        if init.initialized {
-            leg.send(r#"{"method":"initialized"}"#.to_owned()).await;
         }
     }
 }

@@ -1,0 +1,193 @@
+//! Where a session's requests go (DESIGN 3, 4): the thread's owner, the least-loaded worker for
+//! new threads, or the home leg; legs opened on demand with the client's initialize replayed;
+//! and what responses teach the tenant table.
+
+use worker::WorkerId;
+
+use super::legs::Leg;
+use super::{End, InFlight, Init, Session, REPLAY_INIT_ID};
+use crate::admission::Reason;
+use crate::jsonrpc::{self, Message as Rpc, RequestId};
+
+/// What a response teaches the tenant table.
+pub(super) enum Learn {
+    Nothing,
+    /// `thread/start`, `thread/fork`: the new thread lives on the worker that answered.
+    NewThread,
+    /// `thread/resume`: the thread is now loaded where it was sent; the text is kept for one
+    /// retry on the real owner if the worker answers "already has an active writer".
+    Resume {
+        thread: String,
+        retry: Option<String>,
+    },
+}
+
+/// Where a request goes.
+#[derive(Debug)]
+pub(super) enum Target {
+    /// The session's home leg (global methods, unknown threads).
+    Home,
+    /// The worker that owns the request's thread.
+    Owner(WorkerId),
+    /// The least-loaded worker of the tenant (new threads).
+    Place,
+}
+
+// === impl Session: routing ===
+
+impl Session {
+    /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
+    /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
+    /// unknown id and another tenant's id get the same answer from the tenant's own worker.
+    pub(super) fn target(&self, method: &str, thread: Option<&str>) -> Target {
+        match (method, thread) {
+            ("initialize", _) => Target::Home,
+            ("thread/start", _) => Target::Place,
+            (_, None) => Target::Home,
+            (_, Some(t)) => match self.ctx.tenant.find_owner(t) {
+                Some(w) => Target::Owner(w),
+                None if method == "thread/resume" => Target::Place,
+                None => Target::Home,
+            },
+        }
+    }
+
+    /// The leg a target resolves to, opened on demand (with the client's initialize replayed).
+    pub(super) async fn leg_for(
+        &mut self,
+        target: Target,
+        place_if_gone: bool,
+    ) -> Result<WorkerId, Reason> {
+        match target {
+            Target::Home => self.home_leg().await,
+            Target::Owner(w) if self.legs.contains_key(&w) => Ok(w),
+            Target::Owner(w) => match self.ctx.tenant.pool.get(w) {
+                Some(handle) => self.open_leg(handle).await,
+                None => {
+                    // The owner is gone: the thread is not loaded anywhere any more.
+                    self.ctx.tenant.reconcile_soon();
+                    if place_if_gone {
+                        self.placed_leg().await
+                    } else {
+                        self.home_leg().await
+                    }
+                }
+            },
+            Target::Place => self.placed_leg().await,
+        }
+    }
+
+    pub(super) async fn placed_leg(&mut self) -> Result<WorkerId, Reason> {
+        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
+            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
+            Reason::NoWorkerAvailable
+        })?;
+        if self.legs.contains_key(&handle.id) {
+            return Ok(handle.id);
+        }
+        self.open_leg(handle).await
+    }
+
+    /// Updates the tenant table from a response; may retry a resume on the real owner, in
+    /// which case the client sees only the retry's answer.
+    pub(super) async fn learn(
+        &mut self,
+        worker: WorkerId,
+        id: &RequestId,
+        f: InFlight,
+        text: &str,
+    ) -> Option<Result<(), End>> {
+        let table = &self.ctx.tenant.table;
+        match f.learn {
+            Learn::Nothing => None,
+            Learn::NewThread => {
+                if let Some(thread) = jsonrpc::result_thread_id(text) {
+                    table.learn(&thread, worker);
+                }
+                None
+            }
+            Learn::Resume { thread, retry } => {
+                if jsonrpc::result_thread_id(text).is_some() {
+                    table.learn(&thread, worker);
+                    return None;
+                }
+                let busy = jsonrpc::error_message(text)
+                    .is_some_and(|m| m.contains("already has an active writer"));
+                let retry = retry.filter(|_| busy)?;
+                // Another worker holds the thread: find it and send the resume there, once.
+                self.ctx.tenant.reconcile_now().await;
+                let owner = self
+                    .ctx
+                    .tenant
+                    .find_owner(&thread)
+                    .filter(|o| *o != worker)?;
+                let target = self.leg_for(Target::Owner(owner), false).await.ok()?;
+                self.in_flight.insert(
+                    id.clone(),
+                    InFlight {
+                        worker: target,
+                        since: f.since,
+                        learn: Learn::Resume {
+                            thread,
+                            retry: None,
+                        },
+                        _slot: None,
+                    },
+                );
+                if self.send_to_leg(target, retry).await {
+                    Some(Ok(()))
+                } else {
+                    self.in_flight.remove(id);
+                    None
+                }
+            }
+        }
+    }
+
+    /// The home leg, opened on the least-loaded worker if there is none.
+    pub(super) async fn home_leg(&mut self) -> Result<WorkerId, Reason> {
+        if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
+            return Ok(home);
+        }
+        let worker = self.placed_leg().await?;
+        self.home = Some(worker);
+        Ok(worker)
+    }
+
+    /// Opens a leg to `handle`'s worker; once the client has sent its initialize, every new
+    /// leg gets it replayed first (with the router's own id, whose answer is swallowed).
+    pub(super) async fn open_leg(
+        &mut self,
+        handle: worker::WorkerHandle,
+    ) -> Result<WorkerId, Reason> {
+        let leg = Leg::open(handle, self.ctx.max_message_bytes, self.events_tx.clone())
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "cannot open leg");
+                Reason::WorkerUnreachable
+            })?;
+        self.ctx
+            .metrics
+            .legs_opened
+            .with_label_values(&[&self.ctx.tenant.id])
+            .inc();
+        let worker = leg.worker();
+        if let Some(init) = self.init.as_ref().filter(|_| self.init_sent) {
+            self.replay_initialize(&leg, init).await;
+        }
+        self.legs.insert(worker, leg);
+        Ok(worker)
+    }
+
+    pub(super) async fn replay_initialize(&self, leg: &Leg, init: &Init) {
+        let params = match jsonrpc::parse(&init.text) {
+            Ok(Rpc::Request { params, .. }) => params,
+            _ => None,
+        };
+        let replay = jsonrpc::request(&RequestId::Str(REPLAY_INIT_ID.into()), "initialize", params);
+        leg.send(replay).await;
+        if init.initialized {
+            leg.send(r#"{"method":"initialized"}"#.to_owned()).await;
+        }
+    }
+}
