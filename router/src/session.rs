@@ -553,7 +553,11 @@ impl Session {
                     self.init = None;
                 }
                 self.count_error("no_worker");
-                return self.reject(&id, &self.cap(Scope::Worker, reason));
+                let scope = match reason {
+                    Reason::FleetWorkerLimit => Scope::Fleet,
+                    _ => Scope::Worker,
+                };
+                return self.reject(&id, &self.cap(scope, reason));
             }
         };
         let learn = match (method, thread) {

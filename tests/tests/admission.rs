@@ -640,3 +640,40 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     timed_turn(&mut fast, &thread, "after the slow one").await?;
     fleet.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_worker_cap_answers_with_scope_fleet() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .workers_toml("max_workers = 1")
+        .tenant_pool("a", 1, 1)
+        .tenant("b")
+        .start()
+        .await?;
+    let a_ready = || {
+        fleet
+            .tenant("a")
+            .pool
+            .workers()
+            .iter()
+            .any(|w| w.state.as_str() == "ready")
+    };
+    assert!(wait_until(Duration::from_secs(30), a_ready).await);
+    let mut b = fleet.connect("b").await?;
+    let r = b
+        .call(
+            "initialize",
+            json!({ "clientInfo": { "name": "b", "version": "1" } }),
+        )
+        .await?;
+    assert_eq!(r["error"]["code"], -32001, "{r}");
+    assert_eq!(r["error"]["data"]["scope"], "fleet", "{r}");
+    assert_eq!(r["error"]["data"]["reason"], "fleetWorkerLimit", "{r}");
+    assert!(
+        r["error"]["data"]["retryAfterMs"].as_u64().unwrap_or(0) > 0,
+        "{r}"
+    );
+    // The tenant holding the fleet's only worker is unaffected.
+    let mut a = fleet.client("a").await?;
+    a.request("thread/loaded/list", json!({})).await?;
+    fleet.stop().await
+}

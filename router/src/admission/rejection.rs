@@ -55,6 +55,8 @@ pub enum Reason {
     NoWorkerAvailable,
     /// The chosen worker did not accept a connection.
     WorkerUnreachable,
+    /// Every worker slot of the fleet (`workers.max_workers`) is taken by other tenants.
+    FleetWorkerLimit,
 }
 
 impl Scope {
@@ -84,6 +86,7 @@ impl Reason {
             Reason::TooManyRequestsInFlight => "tooManyRequestsInFlight",
             Reason::NoWorkerAvailable => "noWorkerAvailable",
             Reason::WorkerUnreachable => "workerUnreachable",
+            Reason::FleetWorkerLimit => "fleetWorkerLimit",
         }
     }
 }

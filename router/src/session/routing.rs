@@ -80,7 +80,10 @@ impl Session {
     pub(super) async fn placed_leg(&mut self) -> Result<WorkerId, Reason> {
         let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
             tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
-            Reason::NoWorkerAvailable
+            match e {
+                worker::PoolError::FleetFull { .. } => Reason::FleetWorkerLimit,
+                _ => Reason::NoWorkerAvailable,
+            }
         })?;
         if self.legs.contains_key(&handle.id) {
             return Ok(handle.id);
