@@ -128,6 +128,13 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         "the thread did not move"
     );
 
+    // C never touches the thread and has no leg to its worker: it sees the thread's
+    // broadcasts only through the control-leg relay. Every session must see each once.
+    let mut c = fleet.client("acme").await?;
+    for s in [&mut a, &mut b, &mut c] {
+        s.request("thread/loaded/list", json!({})).await?;
+        s.backlog.clear();
+    }
     a.start_turn(&thread, "shared RUNSHELL").await?;
     let ask_a = a
         .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
@@ -147,6 +154,17 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         .await?;
     let msgs_a = a.until_turn_completed(&thread).await?;
     let msgs_b = b.until_turn_completed(&thread).await?;
+    let mut msgs_c = Vec::new();
+    while statuses(&msgs_c, &thread).last().map(String::as_str) != Some("idle") {
+        msgs_c.push(c.wait_for(|_| true).await?);
+    }
+    assert_eq!(statuses(&msgs_a, &thread), statuses(&msgs_b, &thread));
+    assert_eq!(
+        statuses(&msgs_a, &thread),
+        statuses(&msgs_c, &thread),
+        "a session without a leg there sees the same broadcasts, once"
+    );
+    assert!(statuses(&msgs_c, &thread).len() >= 2, "{msgs_c:?}");
     for msgs in [&msgs_a, &msgs_b] {
         assert_eq!(agent_text(msgs), Some(reply_text("shared RUNSHELL")));
         let cmd = msgs
@@ -161,6 +179,20 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         );
     }
     fleet.stop().await
+}
+
+/// The `thread/status/changed` sequence a session saw for `thread` ("active:[flags]", "idle", …).
+fn statuses(msgs: &[Value], thread: &str) -> Vec<String> {
+    msgs.iter()
+        .filter(|m| m["method"] == "thread/status/changed" && m["params"]["threadId"] == thread)
+        .map(|m| {
+            let st = &m["params"]["status"];
+            match st["type"].as_str() {
+                Some("active") => format!("active:{}", st["activeFlags"]),
+                other => other.unwrap_or_default().to_owned(),
+            }
+        })
+        .collect()
 }
 
 fn scrub(v: &Value, id: &str) -> String {
