@@ -226,8 +226,16 @@ async fn dev_main(
         state_dir: state_dir.clone(),
         listen: SocketAddr::from(([127, 0, 0, 1], port)),
         admin: SocketAddr::from(([127, 0, 0, 1], admin_port)),
-        command: vec![codex, "app-server".into()],
+        command: vec![codex.clone(), "app-server".into()],
         overrides,
+    };
+    // The same CLI is the client: print `codex` when it is on PATH, else the pinned binary.
+    let client = if router::tenants::resolve_program("codex").is_ok() {
+        "codex".to_owned()
+    } else {
+        router::tenants::resolve_program(&codex)
+            .map(|p| p.display().to_string())
+            .unwrap_or(codex)
     };
     let setup = dev::prepare(&opts)?;
     let cfg = Config::load(&setup.config_path)?;
@@ -249,10 +257,10 @@ codex-fleet dev is running.
   model:   {model}
 
 Connect the Codex TUI:
-  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} codex --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN
+  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} {client} --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN
 
 Run one prompt:
-  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} codex exec --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN "say hello"
+  SSL_CERT_FILE={ca} CODEX_FLEET_TOKEN={token} {client} exec --remote wss://localhost:{port}/ --remote-auth-token-env CODEX_FLEET_TOKEN "say hello"
 
 Health and metrics: curl http://{admin_addr}/readyz   curl http://{admin_addr}/metrics
 Stop with Ctrl-C.

@@ -452,11 +452,14 @@ fn within_hard_nofile(wanted: u64) -> u64 {
     use nix::sys::resource::{getrlimit, Resource};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((_, hard)) if hard < wanted => {
-            tracing::warn!(
-                wanted,
-                hard,
-                "workers.rlimit_nofile is above codex-fleet's hard limit; using the hard limit"
-            );
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    wanted,
+                    hard,
+                    "workers.rlimit_nofile is above codex-fleet's hard limit; using the hard limit"
+                );
+            });
             hard
         }
         _ => wanted,
