@@ -162,6 +162,23 @@ async fn main() -> anyhow::Result<()> {
         median(first),
         median(again)
     );
+    // What a new leg costs the worker itself: connect + initialize on its socket, no router.
+    let mut bare_open = Vec::new();
+    for i in 0..20 {
+        let t = Instant::now();
+        let mut leg = worker::connect(&socket, 64 << 20).await?;
+        leg.send(Message::text(
+            json!({"id": 0, "method": "initialize", "params": {"clientInfo": {"name": "bench", "version": "0"}}})
+                .to_string(),
+        ))
+        .await?;
+        worker_call(&mut leg, 1000 + i, "thread/loaded/list").await?;
+        bare_open.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    println!(
+        "direct on the worker socket: connect + initialize + one request {:.0} us (median of 20)",
+        median(bare_open)
+    );
 
     println!(
         "codex-fleet peak RSS with one worker and {} session(s): {} KiB",

@@ -482,10 +482,12 @@ impl Client {
                         .await
                 }
                 None => {
+                    // Nagle off, as interactive clients want: with it, a request written right
+                    // after another small frame waits ~40 ms for the server's delayed ACK.
                     tokio_tungstenite::connect_async_tls_with_config(
                         req,
                         None,
-                        false,
+                        true,
                         Some(connector),
                     )
                     .await
