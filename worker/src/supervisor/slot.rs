@@ -189,6 +189,7 @@ fn register(
             rss: None,
             idle_since: None,
             retire: None,
+            placed: Default::default(),
         });
         state.stopping
     });

@@ -31,7 +31,16 @@ pub(super) struct Live {
     pub idle_since: Option<Instant>,
     /// The worker is being retired on purpose (idle, memory).
     pub retire: Option<Retire>,
+    /// When placements chose this worker lately. The control leg reports a new thread a few
+    /// milliseconds after its `thread/start` answer, so placements close together would all see
+    /// the same counts and pile onto one worker; recent ones count as provisional load.
+    pub placed: std::collections::VecDeque<Instant>,
 }
+
+/// How long a placement counts as load before the control leg's own counts take over.
+const PLACEMENT_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Placements remembered per worker (older ones no longer matter).
+const MAX_RECENT_PLACEMENTS: usize = 64;
 
 /// A worker on its way out on purpose: no restart, not a failure.
 #[derive(Debug, Clone, Copy)]
@@ -59,9 +68,32 @@ impl Live {
         self.exit.borrow().is_some()
     }
 
-    /// Placement order: fewest active turns, then fewest loaded threads, then fewest handles.
-    fn load_key(&self) -> (usize, usize, usize) {
-        (self.threads.active(), self.threads.loaded(), self.handles())
+    /// Placement order: fewest active turns, then fewest loaded threads (counting placements
+    /// not yet reported), then fewest handles.
+    fn load_key(&self, now: Instant) -> (usize, usize, usize) {
+        let recent = self
+            .placed
+            .iter()
+            .filter(|t| now.saturating_duration_since(**t) < PLACEMENT_SETTLE)
+            .count();
+        (
+            self.threads.active(),
+            self.threads.loaded() + recent,
+            self.handles(),
+        )
+    }
+
+    /// Remembers that placement chose this worker at `now`.
+    fn placed_at(&mut self, now: Instant) {
+        while self
+            .placed
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) >= PLACEMENT_SETTLE)
+            || self.placed.len() >= MAX_RECENT_PLACEMENTS
+        {
+            self.placed.pop_front();
+        }
+        self.placed.push_back(now);
     }
 
     fn is_idle(&self) -> bool {
@@ -214,7 +246,15 @@ impl PoolState {
                 tenant: self.tenant,
             });
         }
-        if let Some((handle, busy)) = self.least_loaded(cfg, sizes) {
+        if let Some((handle, busy)) = self.least_loaded(cfg, sizes, now) {
+            if let Some(live) = self
+                .slots
+                .iter_mut()
+                .filter_map(|s| s.live.as_mut())
+                .find(|l| l.id == handle.id)
+            {
+                live.placed_at(now);
+            }
             let start = if busy && !self.start_pending() {
                 // Best effort: at a cap, the ready worker takes the thread anyway.
                 self.start_one(cfg, sizes).ok().flatten()
@@ -235,7 +275,12 @@ impl PoolState {
     }
 
     /// The ready worker to place on, and whether even it is at or above `load_mark`.
-    fn least_loaded(&self, cfg: &PoolConfig, sizes: Sizes) -> Option<(WorkerHandle, bool)> {
+    fn least_loaded(
+        &self,
+        cfg: &PoolConfig,
+        sizes: Sizes,
+        now: Instant,
+    ) -> Option<(WorkerHandle, bool)> {
         let (index, key) = self
             .slots
             .iter()
@@ -243,7 +288,7 @@ impl PoolState {
             .filter(|(_, s)| s.state == WorkerState::Ready)
             .filter_map(|(i, s)| s.live.as_ref().map(|live| (i, live)))
             .filter(|(_, live)| !live.has_exited() && live.retire.is_none())
-            .map(|(i, live)| (i, live.load_key()))
+            .map(|(i, live)| (i, live.load_key(now)))
             .min_by_key(|(_, key)| *key)?;
         Some((self.handle(index, cfg)?, key.0 >= sizes.load_mark))
     }

@@ -37,6 +37,7 @@ fn ready(state: &mut PoolState) -> usize {
         rss: None,
         idle_since: None,
         retire: None,
+        placed: Default::default(),
     });
     state.enter(index, WorkerState::Ready);
     index
@@ -83,10 +84,28 @@ async fn placement_orders_by_active_then_loaded_then_handles() {
     assert_eq!(picked(s.pick(&cfg, now, now)).0, 0);
     status(&mut s, a, "t4", false);
     status(&mut s, a, "t5", false);
-    // Equal on active and loaded: handles decide.
+    // Equal on active and loaded (once the placements above have settled): handles decide.
+    let later = now + Duration::from_secs(3);
     let held = s.handle(a, &cfg).unwrap();
-    assert_eq!(picked(s.pick(&cfg, now, now)).0, 1);
+    assert_eq!(picked(s.pick(&cfg, later, later)).0, 1);
     drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn placements_close_together_spread_before_the_counts_arrive() {
+    let fleet = FleetCap::new(8);
+    let cfg = cfg(4, &fleet);
+    let mut s = state();
+    ready(&mut s);
+    ready(&mut s);
+    let now = Instant::now();
+    // Nothing reported yet: each placement counts until the control leg's counts arrive.
+    let slots: Vec<u32> = (0..4).map(|_| picked(s.pick(&cfg, now, now)).0).collect();
+    assert_eq!(slots.iter().filter(|s| **s == 0).count(), 2, "{slots:?}");
+    assert_eq!(slots.iter().filter(|s| **s == 1).count(), 2, "{slots:?}");
+    // Settled placements no longer count.
+    let later = now + Duration::from_secs(3);
+    assert_eq!(picked(s.pick(&cfg, later, later)).0, 0);
 }
 
 #[tokio::test(start_paused = true)]
