@@ -448,6 +448,18 @@ impl Admission {
     }
 
     /// Turns `tenant` is known to be running.
+    /// Turns sessions saw start within `within` and not end, over every tenant: the freshest
+    /// view of turns the workers' own counts may not show yet.
+    pub fn turns_started_within(&self, within: Duration) -> usize {
+        let now = Instant::now();
+        lock(&self.counts)
+            .tenants
+            .values()
+            .flat_map(|t| t.turns.values())
+            .filter(|at| now.saturating_duration_since(**at) < within)
+            .count()
+    }
+
     pub fn active_turns(&self, tenant: &str) -> usize {
         lock(&self.counts)
             .tenants

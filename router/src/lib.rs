@@ -38,6 +38,8 @@ use crate::tenants::{TenantRegistry, Tenants};
 const SESSION_CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// How often the drain looks at the running turns, and removed tenants' pools are checked.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// How long a turn a session saw start counts as running before the workers' counts must agree.
+const FRESH_TURN: Duration = Duration::from_secs(3);
 /// After the last turn ends, a moment for its `turn/completed` to reach the client before 1001.
 const LAST_FRAMES: Duration = Duration::from_millis(250);
 /// At the drain deadline, how long interrupted turns get to report `turn/completed`.
@@ -243,8 +245,11 @@ impl Server {
     }
 
     /// Running turns over every pool, including removed tenants' pools still serving sessions.
+    /// Turns a session saw start in the last few seconds count too: a worker's control leg may
+    /// report a turn a moment after the client saw it begin.
     fn active_turns(&self) -> usize {
-        self.tenants.current().active_turns()
+        let fresh = self.admission.turns_started_within(FRESH_TURN);
+        fresh.max(self.tenants.current().active_turns())
             + self
                 .reloader
                 .retired()

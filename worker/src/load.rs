@@ -1,9 +1,11 @@
 //! One worker's load as seen from its control leg: loaded threads and which of them are active.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
+use tokio::time::Instant;
 use tracing::warn;
 
 /// Most threads tracked per worker; beyond it new ids are ignored (the next list resets the view).
@@ -115,7 +117,8 @@ impl Lifecycle {
 /// approval or user input).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct ThreadView {
-    threads: HashMap<String, bool>,
+    /// Thread id → (active, when its last lifecycle event arrived).
+    threads: HashMap<String, (bool, Instant)>,
     active: usize,
 }
 
@@ -142,7 +145,7 @@ impl ThreadView {
         let mut ids: Vec<String> = self
             .threads
             .iter()
-            .filter(|(_, &active)| active)
+            .filter(|(_, (active, _))| *active)
             .map(|(id, _)| id.clone())
             .collect();
         ids.sort_unstable();
@@ -155,7 +158,11 @@ impl ThreadView {
                 self.set(thread, active);
             }
             Lifecycle::Unloaded { thread } => {
-                if self.threads.remove(&thread) == Some(true) {
+                if self
+                    .threads
+                    .remove(&thread)
+                    .is_some_and(|(active, _)| active)
+                {
                     self.active -= 1;
                 }
             }
@@ -163,21 +170,35 @@ impl ThreadView {
     }
 
     /// The level-triggered truth from `thread/loaded/list`: keeps what is known about listed threads
-    /// (a listed thread not seen before counts as not active), drops the rest.
-    pub(crate) fn reset(&mut self, loaded: &[String]) {
+    /// (a listed thread not seen before counts as not active), drops the rest — except threads
+    /// whose lifecycle event arrived within `fresh`: app-server may have built the list before
+    /// such a thread started (the answer and the broadcast race on the control leg), and dropping
+    /// it would hide a running turn until its next status change.
+    pub(crate) fn reset(&mut self, loaded: &[String], fresh: Duration) {
+        let now = Instant::now();
         let mut next = HashMap::with_capacity(loaded.len().min(MAX_TRACKED_THREADS));
         for id in loaded.iter().take(MAX_TRACKED_THREADS) {
-            let active = self.threads.get(id).copied().unwrap_or(false);
-            next.insert(id.clone(), active);
+            let entry = self.threads.get(id).copied().unwrap_or((false, now));
+            next.insert(id.clone(), entry);
         }
-        self.active = next.values().filter(|&&active| active).count();
+        for (id, entry) in &self.threads {
+            if next.len() < MAX_TRACKED_THREADS
+                && now.saturating_duration_since(entry.1) < fresh
+                && !next.contains_key(id)
+            {
+                next.insert(id.clone(), *entry);
+            }
+        }
+        self.active = next.values().filter(|(active, _)| *active).count();
         self.threads = next;
     }
 
     fn set(&mut self, thread: String, active: bool) {
+        let now = Instant::now();
         let len = self.threads.len();
         match self.threads.get_mut(&thread) {
-            Some(was) => {
+            Some((was, at)) => {
+                *at = now;
                 if *was != active {
                     *was = active;
                     if active {
@@ -194,7 +215,7 @@ impl ThreadView {
                 );
             }
             None => {
-                self.threads.insert(thread, active);
+                self.threads.insert(thread, (active, now));
                 self.active += usize::from(active);
             }
         }
@@ -272,12 +293,31 @@ mod tests {
         v.apply(Lifecycle::parse(&status("c", "notLoaded")).unwrap());
         assert_eq!((v.loaded(), v.active()), (2, 0));
         // A missed close is repaired by the list; a missed start too.
-        v.reset(&["b".into(), "d".into()]);
+        v.reset(&["b".into(), "d".into()], Duration::ZERO);
         assert_eq!(v.ids(), ["b", "d"]);
         assert_eq!((v.loaded(), v.active()), (2, 0));
         v.apply(Lifecycle::parse(&status("d", "active")).unwrap());
-        v.reset(&["d".into()]);
+        v.reset(&["d".into()], Duration::ZERO);
         assert_eq!((v.loaded(), v.active()), (1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_list_older_than_a_new_thread_does_not_hide_it() {
+        let mut v = ThreadView::default();
+        v.apply(Lifecycle::parse(&status("old", "idle")).unwrap());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        // The list was built before "new" started, and is read after its broadcast.
+        v.apply(Lifecycle::parse(&status("new", "active")).unwrap());
+        v.reset(&[], Duration::from_secs(2));
+        assert_eq!(
+            v.ids(),
+            ["new"],
+            "the stale entry goes, the fresh one stays"
+        );
+        assert_eq!(v.active(), 1);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        v.reset(&[], Duration::from_secs(2));
+        assert_eq!(v.loaded(), 0, "a later list is believed");
     }
 
     #[test]

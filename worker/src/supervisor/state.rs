@@ -451,7 +451,8 @@ impl PoolState {
         let Some(live) = self.live_mut(index, id) else {
             return Verdict::Keep;
         };
-        live.threads.reset(loaded);
+        // Events newer than the request (at most one health timeout old) outrank the list.
+        live.threads.reset(loaded, cfg.health_timeout);
         live.rss = rss.or(live.rss);
         let mut draining = false;
         if ready && live.retire.is_none() {
