@@ -56,6 +56,8 @@ const MAX_SERVER_REQUESTS: usize = 4096;
 const MAX_IN_FLIGHT: usize = 4096;
 /// Frames from legs buffered before legs wait.
 const LEG_EVENTS: usize = 1024;
+/// After a 1009 close, how long the socket stays open (unread) before it is dropped.
+const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
 /// How long the closing frame may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long after a turn was seen to start the workers' own count must include it.
@@ -277,6 +279,11 @@ where
         };
         if drained {
             let _written = (&mut writer).await;
+            if end == End::TooBig {
+                // The rest of the oversized message is still unread and cannot be parsed away:
+                // give the client a moment to read the 1009 before our close resets the socket.
+                tokio::time::sleep(TOO_BIG_LINGER).await;
+            }
         } else {
             drain.await;
         }
