@@ -9,4 +9,7 @@ echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo build --locked --bins
-cargo test --locked --workspace
+cargo test --locked --workspace --exclude e2e
+# End-to-end tests one at a time: several of them measure latency or timing against a baseline
+# taken in the same test, which other tests' real workers running at once would distort.
+cargo test --locked -p e2e -- --test-threads=1
