@@ -98,7 +98,10 @@ fn parse_args() -> anyhow::Result<Settings> {
     };
     let num = |k: &str| -> anyhow::Result<Option<u64>> {
         kv.get(k)
-            .map(|v| v.parse().with_context(|| format!("{k}={v} is not a number")))
+            .map(|v| {
+                v.parse()
+                    .with_context(|| format!("{k}={v} is not a number"))
+            })
             .transpose()
     };
     Ok(Settings {
@@ -237,13 +240,18 @@ impl Sim {
 
 /// Queues a text frame to a connection; a full queue disconnects it (slow consumer).
 fn send_to(st: &mut State, conn: ConnId, text: String) {
-    let full = match st.conns.get(&conn) {
-        Some(c) => c.tx.try_send(text).is_err(),
-        None => false,
+    let failed = match st.conns.get(&conn) {
+        Some(c) => c.tx.try_send(text).err(),
+        None => None,
     };
-    if full {
-        eprintln!("codex-app-server-sim: disconnecting slow connection {conn}");
-        drop_conn(st, conn);
+    match failed {
+        None => {}
+        Some(mpsc::error::TrySendError::Full(_)) => {
+            eprintln!("codex-app-server-sim: disconnecting slow connection {conn}");
+            drop_conn(st, conn);
+        }
+        // The connection is going away; its Closed event will clean up.
+        Some(mpsc::error::TrySendError::Closed(_)) => {}
     }
 }
 
@@ -310,8 +318,7 @@ fn arm_unload(sim: &Arc<Sim>, thread: String, epoch: u64) {
         let Some(t) = st.threads.get_mut(&thread) else {
             return;
         };
-        if t.unload_epoch != epoch || !t.loaded || !t.subscribers.is_empty() || t.active.is_some()
-        {
+        if t.unload_epoch != epoch || !t.loaded || !t.subscribers.is_empty() || t.active.is_some() {
             return;
         }
         t.loaded = false;
@@ -462,7 +469,12 @@ async fn connection(sim: Arc<Sim>, id: ConnId, stream: UnixStream, inbound: mpsc
         match inbound.try_send(Inbound::Message(id, v)) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(Inbound::Message(_, v))) if is_request => {
-                let frame = error_frame(&v["id"], OVERLOADED, "Server overloaded; retry later.", None);
+                let frame = error_frame(
+                    &v["id"],
+                    OVERLOADED,
+                    "Server overloaded; retry later.",
+                    None,
+                );
                 let mut st = sim.lock();
                 send_to(&mut st, id, frame);
             }
@@ -520,7 +532,12 @@ fn handle(sim: &Arc<Sim>, conn: ConnId, v: Value) {
             }
             let Some(params) = v.get("params").cloned() else {
                 let mut st = sim.lock();
-                let f = error_frame(&id, INVALID_REQUEST, "Invalid request: missing field `params`", None);
+                let f = error_frame(
+                    &id,
+                    INVALID_REQUEST,
+                    "Invalid request: missing field `params`",
+                    None,
+                );
                 send_to(&mut st, conn, f);
                 return;
             };
@@ -571,11 +588,17 @@ fn request(sim: &Arc<Sim>, conn: ConnId, method: &str, params: &Value) -> Answer
         if initialized {
             return invalid("Already initialized");
         }
-        let name = params["clientInfo"]["name"].as_str().unwrap_or("unknown").to_owned();
+        let name = params["clientInfo"]["name"]
+            .as_str()
+            .unwrap_or("unknown")
+            .to_owned();
         if st.originator.is_none() && name != "codex_app_server_daemon" && name != "codex-backend" {
             st.originator = Some(name.clone());
         }
-        let prefix = st.originator.clone().unwrap_or_else(|| "codex_app_server_daemon".into());
+        let prefix = st
+            .originator
+            .clone()
+            .unwrap_or_else(|| "codex_app_server_daemon".into());
         if let Some(c) = st.conns.get_mut(&conn) {
             c.initialized = true;
         }
@@ -622,7 +645,8 @@ fn request(sim: &Arc<Sim>, conn: ConnId, method: &str, params: &Value) -> Answer
             let summary = t.summary(&sim.codex_home);
             st.threads.insert(id, t);
             // Broadcast after the response is queued, as the real server does.
-            st.deferred.push(("thread/started", json!({"thread": summary.clone()})));
+            st.deferred
+                .push(("thread/started", json!({"thread": summary.clone()})));
             Ok(json!({
                 "thread": summary,
                 "model": "sim-model",
@@ -660,12 +684,21 @@ fn request(sim: &Arc<Sim>, conn: ConnId, method: &str, params: &Value) -> Answer
             }
         }
         "thread/list" => {
-            let mut data: Vec<Value> = st.threads.values().map(|t| t.summary(&sim.codex_home)).collect();
+            let mut data: Vec<Value> = st
+                .threads
+                .values()
+                .map(|t| t.summary(&sim.codex_home))
+                .collect();
             data.sort_by(|a, b| b["id"].as_str().cmp(&a["id"].as_str()));
             Ok(json!({"data": data, "nextCursor": null}))
         }
         "thread/loaded/list" => {
-            let data: Vec<&String> = st.threads.values().filter(|t| t.loaded).map(|t| &t.id).collect();
+            let data: Vec<&String> = st
+                .threads
+                .values()
+                .filter(|t| t.loaded)
+                .map(|t| &t.id)
+                .collect();
             Ok(json!({"data": data, "nextCursor": null}))
         }
         "thread/unsubscribe" => {
@@ -698,7 +731,9 @@ fn request(sim: &Arc<Sim>, conn: ConnId, method: &str, params: &Value) -> Answer
                 return invalid(format!("thread not found: {id}"));
             };
             if t.active.is_some() {
-                return invalid(format!("thread {id} already has an active turn (simulator: one turn at a time)"));
+                return invalid(format!(
+                    "thread {id} already has an active turn (simulator: one turn at a time)"
+                ));
             }
             let turn_id = uuid_v7();
             let (stop_tx, stop_rx) = watch::channel(false);
@@ -735,6 +770,10 @@ async fn run_turn(
     text: String,
     mut stop: watch::Receiver<bool>,
 ) {
+    if text.contains("CRASH") || text.contains("STALL") {
+        // Let the turn/start answer reach the client first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     if text.contains("CRASH") {
         eprintln!("codex-app-server-sim: CRASH in the prompt, aborting");
         std::process::abort();
@@ -753,10 +792,22 @@ async fn run_turn(
             "thread/status/changed",
             json!({"threadId": thread, "status": {"type": "active", "activeFlags": []}}),
         );
-        sub(&mut st, "turn/started", json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": "inProgress", "error": null}}));
+        sub(
+            &mut st,
+            "turn/started",
+            json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": "inProgress", "error": null}}),
+        );
         let user = json!({"type": "userMessage", "id": uuid_v7(), "content": [{"type": "text", "text": text, "text_elements": []}]});
-        sub(&mut st, "item/started", json!({"threadId": thread, "turnId": turn, "item": user}));
-        sub(&mut st, "item/completed", json!({"threadId": thread, "turnId": turn, "item": user}));
+        sub(
+            &mut st,
+            "item/started",
+            json!({"threadId": thread, "turnId": turn, "item": user}),
+        );
+        sub(
+            &mut st,
+            "item/completed",
+            json!({"threadId": thread, "turnId": turn, "item": user}),
+        );
     }
     let mut interrupted = false;
     if text.contains("RUNSHELL") {
@@ -770,7 +821,11 @@ async fn run_turn(
     }
     if !interrupted {
         let item = json!({"type": "agentMessage", "id": item_id, "text": ""});
-        sub(&mut sim.lock(), "item/started", json!({"threadId": thread, "turnId": turn, "item": item}));
+        sub(
+            &mut sim.lock(),
+            "item/started",
+            json!({"threadId": thread, "turnId": turn, "item": item}),
+        );
         let n = sim.settings.deltas.max(1) as usize;
         let chars: Vec<char> = reply.chars().collect();
         let chunk = chars.len().div_ceil(n).max(1);
@@ -789,12 +844,24 @@ async fn run_turn(
         }
         if !interrupted {
             let item = json!({"type": "agentMessage", "id": item_id, "text": reply});
-            sub(&mut sim.lock(), "item/completed", json!({"threadId": thread, "turnId": turn, "item": item}));
+            sub(
+                &mut sim.lock(),
+                "item/completed",
+                json!({"threadId": thread, "turnId": turn, "item": item}),
+            );
         }
     }
     let mut st = sim.lock();
-    let status = if interrupted { "interrupted" } else { "completed" };
-    sub(&mut st, "turn/completed", json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": status, "error": null}}));
+    let status = if interrupted {
+        "interrupted"
+    } else {
+        "completed"
+    };
+    sub(
+        &mut st,
+        "turn/completed",
+        json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": status, "error": null}}),
+    );
     st.running_turns = st.running_turns.saturating_sub(1);
     let mut orphan = None;
     if let Some(t) = st.threads.get_mut(&thread) {
@@ -817,7 +884,12 @@ async fn run_turn(
 
 /// `item/commandExecution/requestApproval` to the subscribers; waits for the first answer.
 /// Returns true when the turn was interrupted instead.
-async fn approval(sim: &Arc<Sim>, thread: &str, turn: &str, stop: &mut watch::Receiver<bool>) -> bool {
+async fn approval(
+    sim: &Arc<Sim>,
+    thread: &str,
+    turn: &str,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
     let item_id = format!("call-{}", uuid_v7());
     let (tx, rx) = oneshot::channel();
     let request_id;
@@ -827,7 +899,14 @@ async fn approval(sim: &Arc<Sim>, thread: &str, turn: &str, stop: &mut watch::Re
         st.next_server_request += 1;
         st.pending.insert(request_id, tx);
         let item = json!({"type": "commandExecution", "id": item_id, "command": "/bin/bash -lc 'touch /tmp/x'", "cwd": "/", "status": "inProgress", "commandActions": []});
-        to_subscribers(&mut st, thread, notification("item/started", json!({"threadId": thread, "turnId": turn, "item": item})));
+        to_subscribers(
+            &mut st,
+            thread,
+            notification(
+                "item/started",
+                json!({"threadId": thread, "turnId": turn, "item": item}),
+            ),
+        );
         let req = json!({
             "id": request_id,
             "method": "item/commandExecution/requestApproval",
@@ -855,15 +934,32 @@ async fn approval(sim: &Arc<Sim>, thread: &str, turn: &str, stop: &mut watch::Re
     to_subscribers(
         &mut st,
         thread,
-        notification("serverRequest/resolved", json!({"threadId": thread, "requestId": request_id})),
+        notification(
+            "serverRequest/resolved",
+            json!({"threadId": thread, "requestId": request_id}),
+        ),
     );
     let Some(answer) = outcome else {
         return true;
     };
-    let decision = answer["result"]["decision"].as_str().unwrap_or("decline").to_owned();
-    let status = if decision == "accept" { "completed" } else { "declined" };
+    let decision = answer["result"]["decision"]
+        .as_str()
+        .unwrap_or("decline")
+        .to_owned();
+    let status = if decision == "accept" {
+        "completed"
+    } else {
+        "declined"
+    };
     let item = json!({"type": "commandExecution", "id": item_id, "command": "/bin/bash -lc 'touch /tmp/x'", "cwd": "/", "status": status, "exitCode": if status == "completed" { json!(0) } else { Value::Null }, "commandActions": []});
-    to_subscribers(&mut st, thread, notification("item/completed", json!({"threadId": thread, "turnId": turn, "item": item})));
+    to_subscribers(
+        &mut st,
+        thread,
+        notification(
+            "item/completed",
+            json!({"threadId": thread, "turnId": turn, "item": item}),
+        ),
+    );
     broadcast(
         &mut st,
         "thread/status/changed",

@@ -21,7 +21,10 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{Connector, WebSocketStream};
 
 #[derive(Parser, Debug, Clone)]
-#[command(name = "fleet-load", about = "Load test of codex-fleet with simulated app-server workers")]
+#[command(
+    name = "fleet-load",
+    about = "Load test of codex-fleet with simulated app-server workers"
+)]
 struct Args {
     /// Tenants.
     #[arg(long, default_value_t = 50)]
@@ -68,7 +71,10 @@ fn beside_me(name: &str) -> anyhow::Result<PathBuf> {
     if p.is_file() {
         return Ok(p);
     }
-    bail!("{} is missing: run `cargo build --bins` (or pass a path flag)", p.display())
+    bail!(
+        "{} is missing: run `cargo build --bins` (or pass a path flag)",
+        p.display()
+    )
 }
 
 struct Samples(Vec<Duration>);
@@ -120,7 +126,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
         let id = self.next_id;
         self.next_id += 1;
         let t0 = Instant::now();
-        self.send(json!({"id": id, "method": method, "params": params})).await?;
+        self.send(json!({"id": id, "method": method, "params": params}))
+            .await?;
         loop {
             let v = self.recv().await?;
             if v["id"] == id && v.get("method").is_none() {
@@ -136,7 +143,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
 
     async fn answer_server_request(&mut self, v: &Value) -> anyhow::Result<()> {
         if v.get("method").is_some() && v.get("id").is_some() {
-            self.send(json!({"id": v["id"], "result": {"decision": "accept"}})).await?;
+            self.send(json!({"id": v["id"], "result": {"decision": "accept"}}))
+                .await?;
         }
         Ok(())
     }
@@ -157,10 +165,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
 
     async fn initialize(&mut self) -> anyhow::Result<Duration> {
         let t0 = Instant::now();
-        self.send(json!({"id": "initialize", "method": "initialize", "params": {
+        self.send(
+            json!({"id": "initialize", "method": "initialize", "params": {
             "clientInfo": {"name": "fleet-load", "title": null, "version": "0.0.1"},
-            "capabilities": {"experimentalApi": true}}}))
-            .await?;
+            "capabilities": {"experimentalApi": true}}}),
+        )
+        .await?;
         loop {
             let v = self.recv().await?;
             if v["id"] == "initialize" {
@@ -195,7 +205,10 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
         stats.latencies.push(rpc.initialize().await?);
         let (started, took) = rpc.call("thread/start", json!({})).await?;
         stats.latencies.push(took);
-        let thread = started["thread"]["id"].as_str().context("thread id")?.to_owned();
+        let thread = started["thread"]["id"]
+            .as_str()
+            .context("thread id")?
+            .to_owned();
         anyhow::Ok(thread)
     }
     .await;
@@ -409,7 +422,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "fleet-load: {} tenants × {} simulated workers = {total_workers} workers, {} sessions × {} turns ({} ms, {} deltas), {} thread/read per turn",
         args.tenants, args.workers, args.sessions, args.turns, args.turn_ms, args.deltas, args.reads
     );
-    println!("  codex-fleet: {}\n  simulator:   {}", fleet_bin.display(), sim_bin.display());
+    println!(
+        "  codex-fleet: {}\n  simulator:   {}",
+        fleet_bin.display(),
+        sim_bin.display()
+    );
 
     // --- start codex-fleet ---
     let log = std::fs::File::create(dir.path().join("fleet.log"))?;
@@ -430,7 +447,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
         .context("codex-fleet did not print its ports")??
-        .ok_or_else(|| anyhow!("codex-fleet exited; see {}", dir.path().join("fleet.log").display()))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "codex-fleet exited; see {}",
+                dir.path().join("fleet.log").display()
+            )
+        })?;
     // "codex-fleet listening on wss://ADDR/ admin http://ADDR/"
     let words: Vec<&str> = line.split_whitespace().collect();
     let wss = words.get(3).context("wss addr")?.to_string();
@@ -440,13 +462,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .and_then(|a| a.strip_suffix('/'))
         .context("admin addr")?
         .parse()?;
-    let port = wss.trim_end_matches('/').rsplit(':').next().context("port")?.to_owned();
+    let port = wss
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .context("port")?
+        .to_owned();
     let url = format!("wss://localhost:{port}/");
     let rss_listening = proc_status_kb(pid, "VmRSS:");
     let mut last = (0, 0);
     let ready_at = loop {
         if let Ok(Some(status)) = child.try_wait() {
-            bail!("codex-fleet exited early ({status}); see {}", dir.path().join("fleet.log").display());
+            bail!(
+                "codex-fleet exited early ({status}); see {}",
+                dir.path().join("fleet.log").display()
+            );
         }
         if let Ok(c) = admin_ready_count(admin).await {
             last = c;
@@ -462,7 +492,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Let the pool settle (no starts in flight) before the idle sample.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_ready = proc_status_kb(pid, "VmRSS:");
-    println!("\nall {total_workers} workers ready {} after spawn", ms(ready_at));
+    println!(
+        "\nall {total_workers} workers ready {} after spawn",
+        ms(ready_at)
+    );
 
     // --- phase 1: through codex-fleet ---
     let tls = e2e::client_tls(&ca)?;
@@ -476,7 +509,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let token = tokens[i % ntenants].clone();
             async move {
                 let mut req = url.into_client_request()?;
-                req.headers_mut().insert("authorization", format!("Bearer {token}").parse()?);
+                req.headers_mut()
+                    .insert("authorization", format!("Bearer {token}").parse()?);
                 let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(
                     req,
                     None,
@@ -557,7 +591,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "\n{name}: {} sessions ok, {} failed{}",
             r.ok,
             r.failed,
-            r.first_error.as_ref().map(|e| format!(" (first error: {e})")).unwrap_or_default()
+            r.first_error
+                .as_ref()
+                .map(|e| format!(" (first error: {e})"))
+                .unwrap_or_default()
         );
         println!(
             "  turns: {} in {:.2} s = {:.0} turns/s ({} deltas received)",
@@ -580,16 +617,34 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
     };
     report("through codex-fleet (wss, TLS)", &fleet);
-    report(&format!("direct on {direct_n} simulator sockets (ws over unix)"), &direct);
+    report(
+        &format!("direct on {direct_n} simulator sockets (ws over unix)"),
+        &direct,
+    );
     let ratio = |p: f64| {
         fleet.latencies.pct(p).as_secs_f64() / direct.latencies.pct(p).as_secs_f64().max(1e-9)
     };
-    println!("\nlatency ratio fleet/direct: p50 {:.1}×, p99 {:.1}×", ratio(0.5), ratio(0.99));
-    if let (Some(l), Some(r), Some(s), Some(e), Some(h)) =
-        (rss_listening, rss_ready, fleet.rss_with_sessions, rss_end, hwm)
-    {
+    println!(
+        "\nlatency ratio fleet/direct: p50 {:.1}×, p99 {:.1}×",
+        ratio(0.5),
+        ratio(0.99)
+    );
+    if let (Some(l), Some(r), Some(s), Some(e), Some(h)) = (
+        rss_listening,
+        rss_ready,
+        fleet.rss_with_sessions,
+        rss_end,
+        hwm,
+    ) {
         println!("\ncodex-fleet memory (pid {pid}):");
-        println!("  VmRSS at first line {}, all workers ready {}, {} sessions open {}, end {}", mib(l), mib(r), args.sessions, mib(s), mib(e));
+        println!(
+            "  VmRSS at first line {}, all workers ready {}, {} sessions open {}, end {}",
+            mib(l),
+            mib(r),
+            args.sessions,
+            mib(s),
+            mib(e)
+        );
         println!("  VmHWM (peak) {}", mib(h));
         println!(
             "  estimate per worker: {:.1} KiB ((ready - first line) / {total_workers}; an upper bound if workers were already starting)",
