@@ -245,7 +245,8 @@ struct PhaseResult {
     turn_wall: Duration,
     latencies: Samples,
     turn_latencies: Samples,
-    rss_with_sessions: Option<u64>,
+    /// What `at_barrier` sampled: codex-fleet (VmRSS KiB, CPU ticks) with every session open.
+    at_barrier: Option<(u64, u64)>,
 }
 
 /// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
@@ -253,7 +254,7 @@ struct PhaseResult {
 async fn phase<S, F, Fut>(
     args: &Args,
     connect: F,
-    at_barrier: impl FnOnce() -> Option<u64>,
+    at_barrier: impl FnOnce() -> Option<(u64, u64)>,
 ) -> anyhow::Result<PhaseResult>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -282,7 +283,7 @@ where
     while arrived.load(Ordering::SeqCst) < args.sessions {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let rss = at_barrier();
+    let sampled = at_barrier();
     let t0 = Instant::now();
     let _ = go_tx.send(true);
     let mut res = PhaseResult {
@@ -294,7 +295,7 @@ where
         turn_wall: Duration::ZERO,
         latencies: Samples(Vec::new()),
         turn_latencies: Samples(Vec::new()),
-        rss_with_sessions: rss,
+        at_barrier: sampled,
     };
     for t in tasks {
         match t.await? {
@@ -321,6 +322,15 @@ fn proc_status_kb(pid: u32, key: &str) -> Option<u64> {
         .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
+}
+
+/// utime + stime of a process, in clock ticks (100 per second on Linux).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state is field 3; utime and stime are fields 14 and 15.
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
 fn mib(kb: u64) -> String {
@@ -521,9 +531,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 Ok(Rpc { ws, next_id: 1 })
             }
         },
-        || proc_status_kb(pid, "VmRSS:"),
+        || Some((proc_status_kb(pid, "VmRSS:")?, cpu_ticks(pid)?)),
     )
     .await?;
+    let cpu_end = cpu_ticks(pid);
     let rss_end = proc_status_kb(pid, "VmRSS:");
     let hwm = proc_status_kb(pid, "VmHWM:");
 
@@ -629,13 +640,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ratio(0.5),
         ratio(0.99)
     );
-    if let (Some(l), Some(r), Some(s), Some(e), Some(h)) = (
-        rss_listening,
-        rss_ready,
-        fleet.rss_with_sessions,
-        rss_end,
-        hwm,
-    ) {
+    if let (Some((_, c0)), Some(c1)) = (fleet.at_barrier, cpu_end) {
+        let cpu = (c1.saturating_sub(c0)) as f64 / 100.0;
+        println!(
+            "codex-fleet CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
+            fleet.turn_wall.as_secs_f64(),
+            100.0 * cpu / fleet.turn_wall.as_secs_f64().max(1e-9),
+            1000.0 * cpu / (fleet.turns.max(1) as f64)
+        );
+    }
+    if let (Some(l), Some(r), Some((s, _)), Some(e), Some(h)) =
+        (rss_listening, rss_ready, fleet.at_barrier, rss_end, hwm)
+    {
         println!("\ncodex-fleet memory (pid {pid}):");
         println!(
             "  VmRSS at first line {}, all workers ready {}, {} sessions open {}, end {}",
