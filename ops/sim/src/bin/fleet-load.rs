@@ -59,6 +59,9 @@ struct Args {
     /// Give up after this long in total.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// How often `/readyz` is polled while workers start (each poll renders every worker).
+    #[arg(long, default_value_t = 50)]
+    ready_poll_ms: u64,
     /// Keep the generated directory (config, logs) and print its path.
     #[arg(long)]
     keep: bool,
@@ -479,6 +482,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .context("port")?
         .to_owned();
     let url = format!("wss://localhost:{port}/");
+    let listening_at = t_spawn.elapsed();
     let rss_listening = proc_status_kb(pid, "VmRSS:");
     let mut last = (0, 0);
     let ready_at = loop {
@@ -497,13 +501,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if t_spawn.elapsed() > Duration::from_secs(120) {
             bail!("only {}/{} workers ready after 120 s", last.0, last.1);
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(args.ready_poll_ms)).await;
     };
     // Let the pool settle (no starts in flight) before the idle sample.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_ready = proc_status_kb(pid, "VmRSS:");
     println!(
-        "\nall {total_workers} workers ready {} after spawn",
+        "\ncodex-fleet printed its ports {} after spawn; all {total_workers} workers ready {} after spawn",
+        ms(listening_at),
         ms(ready_at)
     );
 
