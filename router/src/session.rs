@@ -319,14 +319,46 @@ async fn write_client<Si>(
             },
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
-                let closing = matches!(msg, Message::Close(_));
-                if sink.send(msg).await.is_err() || closing {
-                    break;
+                match write_batch(&mut sink, msg, &mut rx).await {
+                    Ok(false) => {}
+                    Ok(true) | Err(_) => break,
                 }
             }
         }
     }
     let _flushed = sink.close().await;
+}
+
+/// Frames written before one flush: a streaming turn queues many small deltas, and flushing
+/// each one alone costs a TLS record and a syscall apiece.
+const WRITE_BATCH: usize = 64;
+
+/// Writes `first` and whatever else is already queued (up to [`WRITE_BATCH`]), then flushes
+/// once. `Ok(true)` when a close frame was written.
+async fn write_batch<Si>(
+    sink: &mut Si,
+    first: Message,
+    rx: &mut mpsc::Receiver<Message>,
+) -> Result<bool, WsError>
+where
+    Si: Sink<Message, Error = WsError> + Unpin,
+{
+    let mut next = Some(first);
+    let mut written = 0;
+    while let Some(msg) = next.take() {
+        let closing = matches!(msg, Message::Close(_));
+        sink.feed(msg).await?;
+        written += 1;
+        if closing {
+            sink.flush().await?;
+            return Ok(true);
+        }
+        if written < WRITE_BATCH {
+            next = rx.try_recv().ok();
+        }
+    }
+    sink.flush().await?;
+    Ok(false)
 }
 
 /// The next relayed broadcast; pending forever once the relay is closed.

@@ -16,8 +16,9 @@ use crate::dev::private_dir;
 use crate::policy::{HostAccessPolicy, TenantRoots};
 use crate::route::ThreadTable;
 
-/// Relayed broadcasts buffered per tenant; a session that lags this far misses some (counted).
-const RELAY_CAPACITY: usize = 4096;
+/// Relayed broadcasts buffered per tenant; a session that lags this far misses some (logged).
+/// tokio allocates every slot up front, so this is a fixed cost per tenant.
+const RELAY_CAPACITY: usize = 512;
 
 /// One tenant: its id, its pool of workers and the table of which worker owns each thread.
 pub struct Tenant {
@@ -504,17 +505,26 @@ fn tenant_roots(cfg: &Config, t: &config::Tenant) -> anyhow::Result<TenantRoots>
         cfg.listen.tls_key.clone(),
         cfg.listen.tls_cert.clone(),
         cfg.socket_dir(),
-        cfg.workers.state_dir.join("tenant-uids"),
+        cfg.workers.state_dir.join(crate::identity::UID_FILE),
     ];
-    for path in own.iter().chain(
-        cfg.tenants
-            .iter()
-            .filter(|o| o.id != t.id)
-            .flat_map(|o| [cfg.tenant_home(&o.id), cfg.tenant_workspace(&o.id)])
-            .collect::<Vec<_>>()
-            .iter(),
-    ) {
+    for path in &own {
         roots = roots.exclude(path);
+    }
+    // Other tenants' directories all live under state_dir, which the tenant's own workspace does
+    // not contain; only an extra root that contains state_dir needs them excluded one by one
+    // (doing it for every tenant made start-up quadratic in the number of tenants).
+    let state = std::fs::canonicalize(&cfg.workers.state_dir)
+        .unwrap_or_else(|_| cfg.workers.state_dir.clone());
+    let covers_state = t.workspace_roots.iter().any(|r| {
+        let r = std::fs::canonicalize(r).unwrap_or_else(|_| r.clone());
+        state.starts_with(&r)
+    });
+    if covers_state {
+        for o in cfg.tenants.iter().filter(|o| o.id != t.id) {
+            roots = roots
+                .exclude(&cfg.tenant_home(&o.id))
+                .exclude(&cfg.tenant_workspace(&o.id));
+        }
     }
     Ok(roots)
 }

@@ -32,8 +32,9 @@ use self::state::{Pick, PoolState, Start};
 pub const MAX_SOCKET_PATH: usize = 100;
 /// Upper bound on `max_workers` for one tenant.
 pub const MAX_WORKERS_PER_POOL: usize = 256;
-/// Capacity of a pool's event broadcast; a subscriber that falls this far behind skips events.
-pub const EVENT_CAPACITY: usize = 1024;
+/// Capacity of a pool's event broadcast; a subscriber that falls this far behind skips events
+/// (the router then reconciles). tokio allocates every slot up front, per pool.
+pub const EVENT_CAPACITY: usize = 256;
 /// After SIGKILL at shutdown, how long to wait for the processes to be reaped.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Default [`PoolConfig::load_mark`].
