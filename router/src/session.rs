@@ -796,8 +796,12 @@ impl Session {
     /// to that worker delivers it (so each broadcast arrives once).
     fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
         let Some(r) = relayed else { return Ok(()) };
+        // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
+        // "active" after the leg's turn/completed would count a finished turn as running.
         if let Ok(Rpc::Notification { method, params }) = jsonrpc::parse(&r.text) {
-            self.track_turns(&method, params);
+            if let Some((turns::Event::Ended, thread)) = turns::event(&method, params) {
+                self.ctx.admission.turn_ended(self.tenant(), &thread);
+            }
         }
         if self.init.as_ref().is_none_or(|i| !i.answered) {
             return Ok(());
