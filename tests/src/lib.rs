@@ -20,6 +20,29 @@ pub use router::mock_model::{reply_text, MockModel};
 /// How long a test waits for any one expected message.
 pub const STEP: Duration = Duration::from_secs(30);
 
+/// Polls `cond` every 20 ms until it holds or `within` passes; its last answer.
+pub async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+/// Ready workers of a tenant's pool.
+pub fn ready_workers(fleet: &Fleet, tenant: &str) -> usize {
+    fleet
+        .tenant(tenant)
+        .pool
+        .workers()
+        .iter()
+        .filter(|w| w.state.as_str() == "ready")
+        .count()
+}
+
 /// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
 pub fn codex_bin() -> PathBuf {
     match std::env::var_os("CODEX_BIN") {

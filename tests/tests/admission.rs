@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use e2e::{agent_text, reply_text, Client, Fleet, FleetBuilder, Upgrade};
+use e2e::{agent_text, reply_text, wait_until, Client, Fleet, FleetBuilder, Upgrade};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
@@ -67,17 +67,6 @@ fn rss_bytes() -> u64 {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|kb| kb.parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
-}
-
-async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cond()
 }
 
 /// Reads answers until every id in `ids` has one; returns them by id.
@@ -649,15 +638,11 @@ async fn the_fleet_worker_cap_answers_with_scope_fleet() -> anyhow::Result<()> {
         .tenant("b")
         .start()
         .await?;
-    let a_ready = || {
-        fleet
-            .tenant("a")
-            .pool
-            .workers()
-            .iter()
-            .any(|w| w.state.as_str() == "ready")
-    };
-    assert!(wait_until(Duration::from_secs(30), a_ready).await);
+    assert!(
+        wait_until(Duration::from_secs(30), || e2e::ready_workers(&fleet, "a")
+            == 1)
+        .await
+    );
     let mut b = fleet.connect("b").await?;
     let r = b
         .call(

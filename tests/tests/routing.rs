@@ -4,30 +4,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use e2e::{agent_text, reply_text, FleetBuilder};
+use e2e::{agent_text, ready_workers, reply_text, wait_until, FleetBuilder};
 use futures_util::future::try_join_all;
 use serde_json::{json, Value};
-
-async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + within;
-    while tokio::time::Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    cond()
-}
-
-fn ready_workers(fleet: &e2e::Fleet, tenant: &str) -> usize {
-    fleet
-        .tenant(tenant)
-        .pool
-        .workers()
-        .iter()
-        .filter(|w| w.state.as_str() == "ready")
-        .count()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyhow::Result<()> {

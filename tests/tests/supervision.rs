@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, workers_under, Client, Fleet, FleetBuilder, FleetFiles};
+use e2e::{
+    agent_text, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder, FleetFiles,
+};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
@@ -20,17 +22,6 @@ use tokio::time::Instant;
 
 /// Fast fault detection for tests: ping every second, one second to answer, quick restarts.
 const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
-
-async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cond()
-}
 
 fn workers(fleet: &Fleet, tenant: &str) -> Vec<worker::WorkerInfo> {
     fleet.tenant(tenant).pool.workers()
