@@ -265,3 +265,96 @@ async fn a_shared_uid_denies_host_access_unless_the_tenant_policy_allows_it() ->
     tokio::time::sleep(Duration::from_millis(10)).await;
     fleet.stop().await
 }
+
+/// Gives a tree to `uid`/`gid` (the test runs as root).
+fn chown_tree(path: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
+    nix::unistd::chown(
+        path,
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(gid)),
+    )?;
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            chown_tree(&entry?.path(), uid, gid)?;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    if !is_root() {
+        eprintln!("skipped: needs root to start codex-fleet as another, unprivileged user");
+        return Ok(());
+    }
+    const NOBODY: u32 = 65534;
+    let files = FleetBuilder::new().tenant("a").prepare().await?;
+    // The binary goes where the unprivileged user can reach it (the checkout may be private).
+    let bin = files.dir.path().join("codex-fleet");
+    std::fs::copy(e2e::fleet_bin(), &bin)?;
+    chown_tree(files.dir.path(), NOBODY, NOBODY)?;
+    let mut child = tokio::process::Command::new(&bin)
+        .args(["serve", "--config"])
+        .arg(&files.config)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env("CODEX_FLEET_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut out = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut err = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+        .await??
+        .expect("an address line");
+    let word = |prefix: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(prefix))
+            .map(|a| a.trim_end_matches('/').to_owned())
+            .expect("address")
+    };
+    let (addr, admin): (std::net::SocketAddr, std::net::SocketAddr) =
+        (word("wss://").parse()?, word("http://").parse()?);
+    // The loud start-up warning.
+    let mut warned = false;
+    while let Ok(Ok(Some(l))) = tokio::time::timeout(Duration::from_secs(5), err.next_line()).await
+    {
+        if l.contains("not running as root") {
+            warned = true;
+            break;
+        }
+    }
+    assert!(warned, "no start-up warning about the shared uid");
+    let (_, body) = e2e::http_get(admin, "/readyz").await?;
+    assert!(body.contains("not running as root"), "{body}");
+
+    let url = format!("wss://localhost:{}/", addr.port());
+    let mut c = Client::connect(&url, &files.ca, Some(&files.token("a"))).await?;
+    c.initialize("non-root").await?;
+    let workspace = files.dir.path().join("s/workspaces/a");
+    write(&workspace.join("mine.txt"), "hello", 0o644)?;
+    let r = c
+        .call("fs/readFile", json!({ "path": workspace.join("mine.txt") }))
+        .await?;
+    assert!(
+        denied_by_policy(&r),
+        "host access is denied by default: {r}"
+    );
+    let r = c.call("command/exec", json!({ "command": ["id"] })).await?;
+    assert!(denied_by_policy(&r), "{r}");
+    // Its workers run as the unprivileged user too (nothing can switch uids).
+    for pid in e2e::workers_under(files.dir.path()) {
+        let uid = status_field(pid, "Uid:").unwrap_or_default();
+        assert!(uid.starts_with(&NOBODY.to_string()), "worker {pid}: {uid}");
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id().expect("pid") as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
+    assert!(status.success(), "{status:?}");
+    Ok(())
+}
