@@ -20,6 +20,30 @@ pub use router::mock_model::{reply_text, MockModel};
 /// How long a test waits for any one expected message.
 pub const STEP: Duration = Duration::from_secs(30);
 
+/// Reads the first stdout line of a `codex-fleet serve`/`dev` child ("codex-fleet listening on
+/// wss://ADDR/ admin http://ADDR/"), returns (wss address, admin address), and keeps draining the
+/// rest of stdout so the child never blocks on it.
+pub async fn read_addresses(
+    child: &mut tokio::process::Child,
+) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+    use tokio::io::AsyncBufReadExt;
+    let stdout = child.stdout.take().context("stdout is not piped")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .context("codex-fleet did not report its address")??
+        .context("codex-fleet exited before listening")?;
+    let addr = |prefix: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(prefix))
+            .and_then(|a| a.trim_end_matches('/').parse::<SocketAddr>().ok())
+            .with_context(|| format!("unexpected first line {line:?}"))
+    };
+    let addrs = (addr("wss://")?, addr("http://")?);
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(addrs)
+}
+
 /// Polls `cond` every 20 ms until it holds or `within` passes; its last answer.
 pub async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + within;

@@ -305,19 +305,8 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
-    let mut out = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let (addr, admin) = e2e::read_addresses(&mut child).await?;
     let mut err = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
-        .await??
-        .expect("an address line");
-    let word = |prefix: &str| {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(prefix))
-            .map(|a| a.trim_end_matches('/').to_owned())
-            .expect("address")
-    };
-    let (addr, admin): (std::net::SocketAddr, std::net::SocketAddr) =
-        (word("wss://").parse()?, word("http://").parse()?);
     // The loud start-up warning.
     let mut warned = false;
     while let Ok(Ok(Some(l))) = tokio::time::timeout(Duration::from_secs(5), err.next_line()).await

@@ -21,18 +21,7 @@ async fn spawn_fleet(files: &FleetFiles) -> anyhow::Result<(Child, SocketAddr)> 
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
-    let stdout = child.stdout.take().context("stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .context("codex-fleet did not report its address")??
-        .context("codex-fleet exited before listening")?;
-    let addr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("wss://"))
-        .and_then(|a| a.trim_end_matches('/').parse().ok())
-        .with_context(|| format!("unexpected first line {line:?}"))?;
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (addr, _admin) = e2e::read_addresses(&mut child).await?;
     Ok((child, addr))
 }
 

@@ -373,20 +373,7 @@ impl Proc {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .context("codex-fleet did not report its address")??
-            .context("codex-fleet exited before listening")?;
-        let addr = |prefix: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(prefix))
-                .and_then(|a| a.trim_end_matches('/').parse::<SocketAddr>().ok())
-                .with_context(|| format!("unexpected first line {line:?}"))
-        };
-        let (addr, admin) = (addr("wss://")?, addr("http://")?);
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let (addr, admin) = e2e::read_addresses(&mut child).await?;
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut err_lines = BufReader::new(child.stderr.take().context("stderr")?).lines();
         let sink = stderr.clone();
