@@ -27,9 +27,24 @@ pub enum LegError {
         #[source]
         source: Box<tokio_tungstenite::tungstenite::Error>,
     },
+    /// Something other than the worker listens on its socket path (the path was replaced).
+    #[error("socket {path} is not the worker's: expected {expected}, found {found}")]
+    PeerMismatch {
+        /// Socket path that was dialled.
+        path: PathBuf,
+        /// The worker that should listen there.
+        expected: crate::leg::Peer,
+        /// Who does.
+        found: String,
+    },
 }
 
 impl LegError {
+    /// True when the listener is not the worker: a fault of the worker's socket, never retried.
+    pub fn is_peer_mismatch(&self) -> bool {
+        matches!(self, LegError::PeerMismatch { .. })
+    }
+
     /// True when the socket is not there or nobody listens yet: worth retrying while a worker starts.
     pub fn is_not_listening(&self) -> bool {
         match self {
@@ -37,7 +52,7 @@ impl LegError {
                 source.kind(),
                 io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
             ),
-            LegError::Handshake { .. } => false,
+            LegError::Handshake { .. } | LegError::PeerMismatch { .. } => false,
         }
     }
 }

@@ -20,8 +20,13 @@ const READ_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 /// (`thread/read` with turns finds the turn in progress, then `turn/interrupt`). Subscribers then
 /// get `turn/completed` with status `interrupted`. Returns how many interrupts were accepted;
 /// gives up at `deadline`.
-pub async fn interrupt_turns(socket: &Path, threads: &[String], deadline: Instant) -> usize {
-    match timeout_at(deadline, interrupt_all(socket, threads)).await {
+pub async fn interrupt_turns(
+    socket: &Path,
+    peer: leg::Peer,
+    threads: &[String],
+    deadline: Instant,
+) -> usize {
+    match timeout_at(deadline, interrupt_all(socket, peer, threads)).await {
         Ok(Ok(n)) => n,
         Ok(Err(e)) => {
             warn!(socket = %socket.display(), error = %e, "cannot interrupt turns");
@@ -34,8 +39,12 @@ pub async fn interrupt_turns(socket: &Path, threads: &[String], deadline: Instan
     }
 }
 
-async fn interrupt_all(socket: &Path, threads: &[String]) -> anyhow_like::Result<usize> {
-    let ws = leg::connect(socket, CONTROL_MAX_MESSAGE).await?;
+async fn interrupt_all(
+    socket: &Path,
+    peer: leg::Peer,
+    threads: &[String],
+) -> anyhow_like::Result<usize> {
+    let ws = leg::connect(socket, peer, CONTROL_MAX_MESSAGE).await?;
     let mut rpc = Rpc { ws, next_id: 0 };
     rpc.call(
         "initialize",

@@ -17,15 +17,41 @@ const MAX_FRAME_SIZE: usize = 16 << 20;
 /// tungstenite's default write buffer target; the hard cap must exceed it by a message.
 const WRITE_BUFFER_SIZE: usize = 128 << 10;
 
-/// Opens a leg: connects to `socket_path` and performs the WebSocket upgrade,
-/// with explicit message, frame and write-buffer limits derived from `max_message_size`.
-pub async fn connect(socket_path: &Path, max_message_size: usize) -> Result<LegStream, LegError> {
+/// Who must be listening on a worker's socket: the worker process itself, under its uid.
+///
+/// The socket path lives in a folder the tenant's uid owns, so a tenant can point it anywhere
+/// (another tenant's worker, a listener of its own). Every connection checks the listener's
+/// credentials (`SO_PEERCRED`, taken by the kernel when the listener was created) before a single
+/// byte is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// The worker's process id (it listens itself; app-server does not fork a listener).
+    pub pid: u32,
+    /// The uid the worker runs as.
+    pub uid: u32,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} uid {}", self.pid, self.uid)
+    }
+}
+
+/// Opens a leg: connects to `socket_path`, checks that `expected` is the listener, and performs
+/// the WebSocket upgrade, with explicit message, frame and write-buffer limits derived from
+/// `max_message_size`.
+pub async fn connect(
+    socket_path: &Path,
+    expected: Peer,
+    max_message_size: usize,
+) -> Result<LegStream, LegError> {
     let stream = UnixStream::connect(socket_path)
         .await
         .map_err(|source| LegError::Connect {
             path: socket_path.to_path_buf(),
             source,
         })?;
+    check_peer(&stream, socket_path, expected)?;
     let (ws, _response) = tokio_tungstenite::client_async_with_config(
         LEG_URI,
         stream,
@@ -37,6 +63,27 @@ pub async fn connect(socket_path: &Path, max_message_size: usize) -> Result<LegS
         source: Box::new(source),
     })?;
     Ok(ws)
+}
+
+/// Fails unless the listener at the other end of `stream` is exactly `expected`.
+pub fn check_peer(stream: &UnixStream, socket_path: &Path, expected: Peer) -> Result<(), LegError> {
+    let cred = stream.peer_cred().map_err(|source| LegError::Connect {
+        path: socket_path.to_path_buf(),
+        source,
+    })?;
+    let pid = cred.pid().and_then(|pid| u32::try_from(pid).ok());
+    if pid == Some(expected.pid) && cred.uid() == expected.uid {
+        return Ok(());
+    }
+    Err(LegError::PeerMismatch {
+        path: socket_path.to_path_buf(),
+        expected,
+        found: format!(
+            "pid {} uid {}",
+            pid.map_or_else(|| "unknown".to_owned(), |p| p.to_string()),
+            cred.uid()
+        ),
+    })
 }
 
 /// Initial read buffer of a leg. tungstenite allocates its default (128 KiB) up front for every
@@ -68,10 +115,51 @@ mod tests {
         assert_eq!(big.max_frame_size, Some(MAX_FRAME_SIZE));
     }
 
+    fn own_peer() -> Peer {
+        Peer {
+            pid: std::process::id(),
+            uid: nix::unistd::geteuid().as_raw(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_listener_that_is_not_the_worker_is_refused_before_anything_is_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let accept = tokio::spawn(async move {
+            let mut buf = Vec::new();
+            for _ in 0..2 {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut buf)
+                    .await
+                    .unwrap();
+            }
+            buf
+        });
+        // This process listens, so its own credentials are the right ones; another pid is not.
+        let other = Peer {
+            pid: std::process::id() + 1,
+            ..own_peer()
+        };
+        let err = connect(&path, other, 1024).await.unwrap_err();
+        assert!(err.is_peer_mismatch(), "{err}");
+        let other_uid = Peer {
+            uid: own_peer().uid + 1,
+            ..own_peer()
+        };
+        assert!(connect(&path, other_uid, 1024)
+            .await
+            .unwrap_err()
+            .is_peer_mismatch());
+        // Nothing at all reached the listener: not even the upgrade request.
+        assert!(accept.await.unwrap().is_empty());
+    }
+
     #[tokio::test]
     async fn missing_socket_is_not_listening() {
         let dir = tempfile::tempdir().unwrap();
-        let err = connect(&dir.path().join("none.sock"), 1024)
+        let err = connect(&dir.path().join("none.sock"), own_peer(), 1024)
             .await
             .unwrap_err();
         assert!(err.is_not_listening(), "{err}");

@@ -34,6 +34,8 @@ pub enum ExitReason {
     Idle,
     /// Its memory went above `max_worker_rss` and it was drained.
     Memory,
+    /// Its socket led to another listener (the peer check failed); it was killed and replaced.
+    Fault,
 }
 
 impl ExitReason {
@@ -46,6 +48,7 @@ impl ExitReason {
             ExitReason::StartFail => "startfail",
             ExitReason::Idle => "idle",
             ExitReason::Memory => "memory",
+            ExitReason::Fault => "fault",
         }
     }
 }

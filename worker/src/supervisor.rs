@@ -181,6 +181,12 @@ impl PoolConfig {
         Ok(())
     }
 
+    /// The uid the workers run as (the tenant's, or codex-fleet's own).
+    pub fn worker_uid(&self) -> u32 {
+        self.user
+            .map_or_else(|| nix::unistd::geteuid().as_raw(), |user| user.uid)
+    }
+
     /// The socket path of `slot`.
     pub fn socket_path(&self, slot: u32) -> PathBuf {
         worker::socket_path(&self.socket_dir, &self.tenant, slot)
@@ -348,8 +354,11 @@ pub struct WorkerHandle {
     pub id: WorkerId,
     /// Its process id.
     pub pid: u32,
+    /// Who must listen on `socket_path`: check it on every connection ([`crate::leg::connect`]).
+    pub peer: crate::leg::Peer,
     /// Where to open legs ([`crate::leg::connect`]).
     pub socket_path: PathBuf,
+    fault: Arc<Fault>,
     exit: watch::Receiver<Option<ExitReport>>,
     _load: Arc<Load>,
 }
@@ -362,12 +371,65 @@ impl WorkerHandle {
         worker::wait_exit(self.exit.clone()).await;
     }
 
+    /// Opens a leg to the worker ([`crate::leg::connect`], with the peer check). When something else
+    /// listens on its socket path, the worker is reported faulty ([`Self::report_fault`]) before the
+    /// error is returned.
+    pub async fn connect(
+        &self,
+        max_message_size: usize,
+    ) -> Result<crate::leg::LegStream, crate::LegError> {
+        let result = crate::leg::connect(&self.socket_path, self.peer, max_message_size).await;
+        if let Err(e) = &result {
+            if e.is_peer_mismatch() {
+                error!(worker = %self.id, error = %e, "worker socket leads to another listener");
+                self.report_fault(e.to_string());
+            }
+        }
+        result
+    }
+
+    /// Reports that the worker cannot be used safely (its socket path leads to another listener):
+    /// the pool kills and replaces it, logs the reason and counts it as a `fault` exit. Sessions
+    /// are not affected beyond the worker's end.
+    pub fn report_fault(&self, reason: impl Into<String>) {
+        self.fault.report(reason.into());
+    }
+
     /// The exit status once the process is gone.
     pub fn exit_status(&self) -> Option<String> {
         self.exit
             .borrow()
             .as_ref()
             .map(|report| report.status.clone())
+    }
+}
+
+/// A fault found outside the control leg, reported through a [`WorkerHandle`].
+#[derive(Debug, Default)]
+pub(crate) struct Fault {
+    reported: CancellationToken,
+    reason: Mutex<Option<String>>,
+}
+
+// === impl Fault ===
+
+impl Fault {
+    fn report(&self, reason: String) {
+        self.reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(reason);
+        self.reported.cancel();
+    }
+
+    /// Resolves with the first reason once a fault is reported.
+    pub(crate) async fn reported(&self) -> String {
+        self.reported.cancelled().await;
+        self.reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .unwrap_or_default()
     }
 }
 
@@ -595,7 +657,7 @@ impl Pool {
             .lock()
             .active_threads(&self.shared.cfg)
             .iter()
-            .map(|(_, _, threads)| threads.len())
+            .map(|(_, _, _, threads)| threads.len())
             .sum()
     }
 
@@ -603,9 +665,9 @@ impl Pool {
     /// interrupted. Gives up at `deadline`.
     pub async fn interrupt_active_turns(&self, deadline: Instant) -> usize {
         let active = self.shared.lock().active_threads(&self.shared.cfg);
-        let asks = active.iter().map(|(id, socket, threads)| async move {
+        let asks = active.iter().map(|(id, socket, peer, threads)| async move {
             info!(worker = %id, threads = threads.len(), "interrupting running turns");
-            crate::interrupt::interrupt_turns(socket, threads, deadline).await
+            crate::interrupt::interrupt_turns(socket, *peer, threads, deadline).await
         });
         futures_util::future::join_all(asks).await.into_iter().sum()
     }

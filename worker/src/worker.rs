@@ -162,6 +162,7 @@ pub(crate) struct Spawn<'a> {
 pub(crate) struct WorkerProcess {
     id: WorkerId,
     pid: u32,
+    uid: u32,
     group: Arc<ProcessGroup>,
     exit: watch::Receiver<Option<ExitReport>>,
     stderr_tail: Arc<StderrTail>,
@@ -216,6 +217,9 @@ impl WorkerProcess {
         Ok(Self {
             id: spec.id,
             pid,
+            uid: spec
+                .user
+                .map_or_else(|| nix::unistd::geteuid().as_raw(), |user| user.uid),
             group,
             exit,
             stderr_tail,
@@ -232,6 +236,14 @@ impl WorkerProcess {
 
     pub(crate) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Who must listen on the worker's socket.
+    pub(crate) fn peer(&self) -> leg::Peer {
+        leg::Peer {
+            pid: self.pid,
+            uid: self.uid,
+        }
     }
 
     pub(crate) fn group(&self) -> &Arc<ProcessGroup> {
@@ -261,7 +273,7 @@ impl WorkerProcess {
         ready_timeout: Duration,
     ) -> Result<ControlLeg, StartError> {
         let attempt = async {
-            let ws = connect_when_listening(socket).await?;
+            let ws = connect_when_listening(socket, self.peer()).await?;
             Ok::<_, StartError>(ControlLeg::initialize(ws).await?)
         };
         let result = tokio::select! {
@@ -527,9 +539,12 @@ impl StderrTail {
 }
 
 /// Connects as soon as the socket accepts; retries while it is missing or refusing.
-async fn connect_when_listening(socket: &Path) -> Result<leg::LegStream, StartError> {
+async fn connect_when_listening(
+    socket: &Path,
+    peer: leg::Peer,
+) -> Result<leg::LegStream, StartError> {
     loop {
-        match leg::connect(socket, CONTROL_MAX_MESSAGE).await {
+        match leg::connect(socket, peer, CONTROL_MAX_MESSAGE).await {
             Ok(ws) => return Ok(ws),
             Err(e) if e.is_not_listening() => sleep(CONNECT_POLL).await,
             Err(e) => return Err(StartError::Control(e.into())),
@@ -537,9 +552,11 @@ async fn connect_when_listening(socket: &Path) -> Result<leg::LegStream, StartEr
     }
 }
 
-/// Clears a leftover socket path (facts §11): a regular file, a dangling or stale symlink, or a dead
-/// socket would make the new worker exit 1. A live listener or a directory is an error.
-pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
+/// Clears a leftover socket path (facts §11) before a spawn: a regular file, a symlink that is not
+/// this slot's own (a tenant may point the path anywhere), a dangling or stale link, or a dead socket
+/// would make the new worker exit 1. This slot's own live listener, or a directory, is an error.
+/// Only the path itself is unlinked: nothing a link points to is touched.
+pub(crate) async fn clean_socket_path(path: &Path, uid: u32) -> Result<(), StartError> {
     let prepare = |source| StartError::Prepare {
         path: path.to_path_buf(),
         source,
@@ -556,7 +573,12 @@ pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
             what: "a directory",
         });
     }
-    if (kind.is_symlink() || kind.is_socket()) && socket_is_live(path).await {
+    let ours = if kind.is_symlink() {
+        daemon_socket(path, uid).is_some()
+    } else {
+        kind.is_socket()
+    };
+    if ours && socket_is_live(path).await {
         return Err(StartError::SocketInUse {
             path: path.to_path_buf(),
             what: "a live listener",
@@ -570,10 +592,15 @@ pub(crate) async fn clean_socket_path(path: &Path) -> Result<(), StartError> {
     }
 }
 
-/// After a worker is gone: removes what it leaves when killed (facts §11) — the socket path, the
-/// `/tmp/codex-daemon-<uid>/<hash>` socket it points to and that socket's lock file — so no socket
-/// file outlives its worker. Best effort; a live listener is never touched.
-pub(crate) async fn remove_socket_leftovers(path: &Path) {
+/// After a worker is gone: removes what it leaves when killed (facts §11) — the socket path, and the
+/// `codex-daemon-<uid>/<sha256 of the path>` socket it links to with that socket's lock file — so
+/// no socket file outlives its worker. Best effort; a live listener is never touched.
+///
+/// The socket folder and the daemon folder belong to the worker's uid, so everything in them is the
+/// tenant's to change. Nothing is followed: the link must name exactly the file app-server would
+/// have made, in a folder named for `uid`; that folder is opened without following links and must be
+/// owned by `uid`; the two names are unlinked inside it. Anything else is left alone.
+pub(crate) async fn remove_socket_leftovers(path: &Path, uid: u32) {
     let Ok(meta) = tokio::fs::symlink_metadata(path).await else {
         return;
     };
@@ -581,24 +608,71 @@ pub(crate) async fn remove_socket_leftovers(path: &Path) {
         return;
     }
     if meta.file_type().is_symlink() {
-        if let Ok(target) = tokio::fs::read_link(path).await {
-            let target = path
-                .parent()
-                .map_or(target.clone(), |dir| dir.join(&target));
-            let mut lock = target.clone().into_os_string();
-            lock.push(".lock");
-            for leftover in [target, PathBuf::from(lock)] {
-                if let Err(e) = tokio::fs::remove_file(&leftover).await {
-                    if e.kind() != io::ErrorKind::NotFound {
-                        debug!(path = %leftover.display(), error = %e, "cannot remove socket leftover");
-                    }
-                }
+        match daemon_socket(path, uid) {
+            Some((dir, name)) => remove_in_dir(&dir, &name, uid),
+            None => {
+                warn!(path = %path.display(), "socket path links somewhere unexpected; removing only the link")
             }
         }
     }
     if let Err(e) = tokio::fs::remove_file(path).await {
         if e.kind() != io::ErrorKind::NotFound {
             debug!(path = %path.display(), error = %e, "cannot remove socket path");
+        }
+    }
+}
+
+/// The daemon folder and socket name that the link at `path` names, if they are exactly the ones
+/// app-server makes for `path` under `uid`: `<tmp>/codex-daemon-<uid>/<sha256 hex of path>`.
+fn daemon_socket(path: &Path, uid: u32) -> Option<(PathBuf, String)> {
+    use sha2::Digest;
+    let target = std::fs::read_link(path).ok()?;
+    let name = hex::encode(sha2::Sha256::digest(path.as_os_str().as_encoded_bytes()));
+    let dir = target.parent()?;
+    let expected_dir = format!("codex-daemon-{uid}");
+    let named_right = target.file_name()? == name.as_str()
+        && dir.file_name()? == expected_dir.as_str()
+        && target.is_absolute();
+    named_right.then(|| (dir.to_path_buf(), name))
+}
+
+/// Unlinks `name` and `name.lock` inside `dir`, opened without following a link and only if `uid`
+/// owns it.
+fn remove_in_dir(dir: &Path, name: &str, uid: u32) {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(dir);
+    let dir_fd = match opened {
+        Ok(fd) => fd,
+        Err(e) => {
+            debug!(dir = %dir.display(), error = %e, "cannot open the daemon socket folder");
+            return;
+        }
+    };
+    match dir_fd.metadata() {
+        Ok(meta) if meta.uid() == uid => {}
+        Ok(meta) => {
+            warn!(dir = %dir.display(), owner = meta.uid(), uid, "daemon socket folder has another owner; left alone");
+            return;
+        }
+        Err(e) => {
+            debug!(dir = %dir.display(), error = %e, "cannot stat the daemon socket folder");
+            return;
+        }
+    }
+    for leftover in [name.to_owned(), format!("{name}.lock")] {
+        let removed = nix::unistd::unlinkat(
+            &dir_fd,
+            leftover.as_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
+        match removed {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(e) => {
+                debug!(dir = %dir.display(), name = %leftover, error = %e, "cannot remove socket leftover")
+            }
         }
     }
 }

@@ -86,7 +86,7 @@ async fn worker_runs_as_the_tenant_uid() {
     );
     assert_eq!(owner_and_mode(&target).0, UID);
 
-    let mut client = Client::connect(&handle.socket_path, "uid_client").await;
+    let mut client = Client::connect(&handle, "uid_client").await;
     let thread = client.start_thread().await;
     assert_eq!(pool.reconcile().await, vec![(handle.id, vec![thread])]);
     // Files it writes are its own and private.
@@ -141,6 +141,6 @@ async fn rlimits_apply_without_a_uid() {
         proc_line(handle.pid, "limits", "Max cpu time"),
         "Max cpu time 3600 3600 seconds"
     );
-    Client::connect(&handle.socket_path, "rl_client").await;
+    Client::connect(&handle, "rl_client").await;
     pool.shutdown(Duration::from_secs(2)).await;
 }

@@ -72,7 +72,7 @@ async fn idle_worker_is_stopped_then_started_again() {
     );
     assert_eq!((again.id.slot(), again.id.generation()), (0, 2));
     assert_ne!(again.pid, pid);
-    Client::connect(&again.socket_path, "after_idle").await;
+    Client::connect(&again, "after_idle").await;
     pool.shutdown(Duration::from_secs(2)).await;
 }
 
@@ -105,7 +105,7 @@ async fn a_loaded_thread_keeps_the_worker() {
     let handle = pool.acquire().await.unwrap();
     let (id, pid) = (handle.id, handle.pid);
     let mut events = pool.subscribe();
-    let mut client = Client::connect(&handle.socket_path, "il_client").await;
+    let mut client = Client::connect(&handle, "il_client").await;
     client.start_thread().await;
     drop(handle);
     sleep(IDLE * 2).await;

@@ -23,7 +23,7 @@ async fn worker_over_its_memory_cap_drains_after_its_turn() {
     let pool = Pool::new(cfg, metrics);
     let handle = pool.acquire().await.unwrap();
     let mut events = pool.subscribe();
-    let mut client = Client::connect(&handle.socket_path, "mem_client").await;
+    let mut client = Client::connect(&handle, "mem_client").await;
     let thread = client.start_thread().await;
     client.start_turn(&thread).await;
 

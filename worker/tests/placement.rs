@@ -19,7 +19,7 @@ async fn threads_are_tracked_and_reconciled() {
     let pool = Pool::new(cfg, metrics);
     let handle = pool.acquire().await.unwrap();
     let mut events = pool.subscribe();
-    let mut client = Client::connect(&handle.socket_path, "lt_client").await;
+    let mut client = Client::connect(&handle, "lt_client").await;
     let thread = client.start_thread().await;
 
     // thread/started reaches the control leg: the view follows at once.
@@ -112,7 +112,7 @@ async fn placement_prefers_the_least_loaded_and_grows_at_the_mark() {
     );
 
     // One active turn puts worker 0 at the mark.
-    let mut client = Client::connect(&first.socket_path, "pl_client").await;
+    let mut client = Client::connect(&first, "pl_client").await;
     let thread = client.start_thread().await;
     client.start_turn(&thread).await;
     eventually("active turn", || info(&pool, 0).active_turns == 1).await;

@@ -13,7 +13,9 @@ use tempfile::TempDir;
 use tokio::sync::broadcast;
 use tokio::time::{timeout, Duration, Instant};
 use tokio_tungstenite::tungstenite::Message;
-use worker::{leg, Pool, PoolConfig, PoolError, PoolEvent, WorkerId, WorkerMetrics, WorkerState};
+use worker::{
+    Pool, PoolConfig, PoolError, PoolEvent, WorkerHandle, WorkerId, WorkerMetrics, WorkerState,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -107,8 +109,8 @@ fn counter(registry: &Registry, name: &str, label: (&str, &str)) -> u64 {
 }
 
 /// Opens a leg and initializes it as a client named `name`; returns the initialize result.
-async fn initialize(socket: &Path, name: &str) -> Value {
-    let mut ws = leg::connect(socket, 1 << 20).await.unwrap();
+async fn initialize(handle: &WorkerHandle, name: &str) -> Value {
+    let mut ws = handle.connect(1 << 20).await.unwrap();
     let init = json!({"id": 1, "method": "initialize", "params": {
         "clientInfo": {"name": name, "title": null, "version": "0.0.1"},
         "capabilities": {"experimentalApi": true}}});
@@ -188,7 +190,7 @@ async fn starts_worker_and_serves_a_second_connection() {
     assert_eq!(handle.id.to_string(), "t#0.g1");
     assert_eq!(handle.socket_path, cfg.socket_path(0));
 
-    let result = initialize(&handle.socket_path, "fleet_test").await;
+    let result = initialize(&handle, "fleet_test").await;
     assert_eq!(
         result["codexHome"],
         json!(cfg.codex_home.display().to_string())
@@ -239,7 +241,7 @@ async fn killed_worker_is_reported_and_replaced() {
     assert_ne!(fresh.pid, handle.pid);
     assert_eq!(fresh.id.slot(), handle.id.slot());
     assert_eq!(fresh.id.generation(), handle.id.generation() + 1);
-    initialize(&fresh.socket_path, "after_crash").await;
+    initialize(&fresh, "after_crash").await;
     let info = &pool.workers()[0];
     assert_eq!(info.restarts, 1);
     assert!(
@@ -307,7 +309,7 @@ async fn hung_worker_is_killed_and_replaced() {
 
     let fresh = pool.acquire().await.unwrap();
     assert_ne!(fresh.pid, handle.pid);
-    initialize(&fresh.socket_path, "after_hang").await;
+    initialize(&fresh, "after_hang").await;
     pool.shutdown(Duration::from_secs(2)).await;
 }
 

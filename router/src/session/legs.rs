@@ -57,7 +57,9 @@ impl Leg {
         events: mpsc::Sender<LegEvent>,
     ) -> Result<Leg, LegError> {
         let worker = handle.id;
-        let connect = worker::leg::connect(&handle.socket_path, max_message_bytes);
+        // Checks the listener is the worker itself; a mismatch is reported to the pool, which
+        // replaces the worker. The session only sees this request fail.
+        let connect = handle.connect(max_message_bytes);
         let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {

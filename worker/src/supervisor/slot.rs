@@ -9,7 +9,7 @@ use tokio::time::{sleep_until, timeout, Duration, Instant};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::state::{Live, Verdict};
-use super::{Load, PoolEvent, Shared, WorkerState};
+use super::{Fault, Load, PoolEvent, Shared, WorkerState};
 use crate::control::{ControlCommand, ControlEnd, ControlLeg, Health, Observed, COMMAND_CAPACITY};
 use crate::error::StartError;
 use crate::fleet::FleetPermit;
@@ -39,7 +39,11 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         let ended = run_worker(&shared, index, id)
             .instrument(info_span!("worker", worker = %id))
             .await;
-        worker::remove_socket_leftovers(&shared.cfg.socket_path(id.slot())).await;
+        worker::remove_socket_leftovers(
+            &shared.cfg.socket_path(id.slot()),
+            shared.cfg.worker_uid(),
+        )
+        .await;
         // The process is gone: its fleet slot is free again.
         drop(permit);
         let Some(retry_at) = finish(&shared, index, ended, &mut restarts) else {
@@ -123,7 +127,8 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
         Err(e) => return Ended::start_failed(id, &e, None),
     };
     let (control_tx, mut commands) = mpsc::channel(COMMAND_CAPACITY);
-    register(shared, index, &process, control_tx);
+    let fault = Arc::new(Fault::default());
+    register(shared, index, &process, control_tx, fault.clone());
     let control = match process.wait_ready(&socket, shared.cfg.ready_timeout).await {
         Ok(control) => control,
         Err(e) => {
@@ -141,7 +146,7 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
     });
     info!(pid = process.pid(), ?elapsed, "worker ready");
     shared.publish(PoolEvent::WorkerReady { worker: id });
-    supervise(shared, index, &process, control, &mut commands).await
+    supervise(shared, index, &process, control, &mut commands, &fault).await
 }
 
 async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerProcess, StartError> {
@@ -156,7 +161,7 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
             identity::check_reachable(dir, user)?;
         }
     }
-    worker::clean_socket_path(socket).await?;
+    worker::clean_socket_path(socket, cfg.worker_uid()).await?;
     WorkerProcess::spawn(Spawn {
         id,
         program: &cfg.program,
@@ -176,11 +181,14 @@ fn register(
     index: usize,
     process: &WorkerProcess,
     control: mpsc::Sender<ControlCommand>,
+    fault: Arc<Fault>,
 ) {
     let stopping = shared.update(|state| {
         state.slots[index].live = Some(Live {
             id: process.id(),
             pid: process.pid(),
+            peer: process.peer(),
+            fault,
             group: process.group().clone(),
             exit: process.exit_watch(),
             load: Arc::new(Load),
@@ -205,6 +213,7 @@ async fn supervise(
     process: &WorkerProcess,
     control: ControlLeg,
     commands: &mut mpsc::Receiver<ControlCommand>,
+    fault: &Fault,
 ) -> Ended {
     let id = process.id();
     let health = Health {
@@ -215,6 +224,7 @@ async fn supervise(
     let end = tokio::select! {
         report = process.exited() => Err(report),
         end = control.run(health, commands, &mut observe) => Ok(end),
+        reason = fault.reported() => return faulted(process, reason).await,
     };
     if shared.is_stopping() {
         // Draining: the worker drops its connections and exits; shutdown kills it after the grace.
@@ -285,6 +295,20 @@ fn act(verdict: Verdict) {
             info!("retiring worker: SIGTERM");
             group.signal(Signal::SIGTERM);
         }
+    }
+}
+
+/// The router found the worker unusable (its socket path leads to another listener): it is killed
+/// and replaced like a crashed one, counted as a `fault`.
+async fn faulted(process: &WorkerProcess, reason: String) -> Ended {
+    warn!(%reason, "worker fault reported; killing its process group");
+    process.kill();
+    let report = process.exited().await;
+    Ended {
+        id: process.id(),
+        reason: ExitReason::Fault,
+        error: format!("worker fault: {reason}; killed ({})", report.status),
+        status: Some(report.status),
     }
 }
 

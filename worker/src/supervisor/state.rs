@@ -6,10 +6,11 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{slot_number, Load, PoolConfig, WorkerHandle, WorkerInfo, WorkerState};
+use super::{slot_number, Fault, Load, PoolConfig, WorkerHandle, WorkerInfo, WorkerState};
 use crate::control::ControlCommand;
 use crate::error::PoolError;
 use crate::fleet::FleetPermit;
+use crate::leg::Peer;
 use crate::load::{Lifecycle, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
 use crate::worker::{ExitReport, ProcessGroup, WorkerId};
@@ -18,6 +19,10 @@ use crate::worker::{ExitReport, ProcessGroup, WorkerId};
 pub(super) struct Live {
     pub id: WorkerId,
     pub pid: u32,
+    /// Who must listen on its socket.
+    pub peer: Peer,
+    /// Faults the router reports (its socket leads elsewhere); the slot replaces the worker.
+    pub fault: Arc<Fault>,
     pub group: Arc<ProcessGroup>,
     pub exit: watch::Receiver<Option<ExitReport>>,
     pub load: Arc<Load>,
@@ -332,7 +337,9 @@ impl PoolState {
         Some(WorkerHandle {
             id: live.id,
             pid: live.pid,
+            peer: live.peer,
             socket_path: cfg.socket_path(slot_number(index)),
+            fault: live.fault.clone(),
             exit: live.exit.clone(),
             _load: live.load.clone(),
         })
@@ -384,7 +391,7 @@ impl PoolState {
     pub fn active_threads(
         &self,
         cfg: &PoolConfig,
-    ) -> Vec<(WorkerId, std::path::PathBuf, Vec<String>)> {
+    ) -> Vec<(WorkerId, std::path::PathBuf, Peer, Vec<String>)> {
         self.slots
             .iter()
             .enumerate()
@@ -394,6 +401,7 @@ impl PoolState {
                 (
                     live.id,
                     cfg.socket_path(slot_number(index)),
+                    live.peer,
                     live.threads.active_ids(),
                 )
             })

@@ -12,7 +12,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::broadcast;
 use tokio::time::{sleep, timeout, Duration, Instant};
 use tokio_tungstenite::tungstenite::Message;
-use worker::{leg, LegStream, Pool, PoolConfig, PoolEvent, WorkerId, WorkerInfo, WorkerMetrics};
+use worker::{
+    LegStream, Pool, PoolConfig, PoolEvent, WorkerHandle, WorkerId, WorkerInfo, WorkerMetrics,
+};
 
 pub const WAIT: Duration = Duration::from_secs(10);
 
@@ -120,8 +122,8 @@ pub struct Client {
 
 impl Client {
     /// Connects and initializes as `name`.
-    pub async fn connect(socket: &Path, name: &str) -> Client {
-        let ws = leg::connect(socket, 16 << 20).await.unwrap();
+    pub async fn connect(handle: &WorkerHandle, name: &str) -> Client {
+        let ws = handle.connect(16 << 20).await.unwrap();
         let mut client = Client { ws, next_id: 1 };
         client
             .request(

@@ -29,6 +29,8 @@ fn ready(state: &mut PoolState) -> usize {
     state.slots[index].live = Some(Live {
         id: state.id(index),
         pid: 1,
+        peer: crate::leg::Peer { pid: 1, uid: 0 },
+        fault: Arc::default(),
         group: ProcessGroup::inert(),
         exit,
         load: Arc::new(Load),
