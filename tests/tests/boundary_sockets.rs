@@ -264,3 +264,101 @@ async fn cleanup_after_a_worker_exit_never_follows_a_tenants_link() -> anyhow::R
     b.start_thread().await?;
     fleet.stop().await
 }
+
+/// Pids of the processes running `sleep <marker>` (the marker is a unique duration).
+fn sleepers(marker: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c == format!("sleep\0{marker}\0").as_bytes())
+        })
+        .collect()
+}
+
+/// A daemon started under the tenant's uid with `setsid` (as a model's command could) has left
+/// every worker's process group. It must survive while the tenant has a worker, and end with the
+/// tenant's last worker; a process of another uid is never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setsid_daemon_of_the_tenant_ends_with_its_last_worker() -> anyhow::Result<()> {
+    if !root_or_skip()? {
+        return Ok(());
+    }
+    let fleet = FleetBuilder::new()
+        .tenant_pool("a", 2, 2)
+        .tenant_pool("b", 1, 1)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "a") == 2
+            && ready_workers(&fleet, "b") == 1)
+        .await
+    );
+    let (uid, gid) = tenant_ids(&fleet, "a")?;
+    let (b_uid, b_gid) = tenant_ids(&fleet, "b")?;
+    let marker = format!("{}", 3000 + std::process::id() % 1000);
+    let other = format!("{}", 5000 + std::process::id() % 1000);
+    run_as(
+        uid,
+        gid,
+        "setsid",
+        &[Path::new("-f"), Path::new("sleep"), Path::new(&marker)],
+    )?;
+    // B's own daemon: B still has its worker, and it is B's uid.
+    run_as(
+        b_uid,
+        b_gid,
+        "setsid",
+        &[Path::new("-f"), Path::new("sleep"), Path::new(&other)],
+    )?;
+    assert!(wait_until(Duration::from_secs(5), || sleepers(&marker).len() == 1).await);
+    assert!(wait_until(Duration::from_secs(5), || sleepers(&other).len() == 1).await);
+
+    // One of A's two workers dies: A still has a worker, so its daemon lives on.
+    let victim = worker_pid(&fleet, "a").context("a's worker")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(victim)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            ready_workers(&fleet, "a") == 2
+                && fleet
+                    .tenant("a")
+                    .pool
+                    .workers()
+                    .iter()
+                    .all(|w| w.pid != Some(victim))
+        })
+        .await
+    );
+    assert_eq!(
+        sleepers(&marker).len(),
+        1,
+        "killed while A still had a worker"
+    );
+
+    // A's pool stops (the tenant's last worker ends): its daemon goes with it; B's stays.
+    fleet
+        .tenant("a")
+        .pool
+        .shutdown(Duration::from_secs(5))
+        .await;
+    assert!(
+        wait_until(Duration::from_secs(10), || sleepers(&marker).is_empty()).await,
+        "the setsid daemon outlived the tenant's last worker"
+    );
+    let b_left = sleepers(&other);
+    assert_eq!(b_left.len(), 1, "another tenant's process was killed");
+    for pid in b_left {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+    }
+    fleet.stop().await
+}

@@ -10,6 +10,7 @@ pub(crate) mod load;
 pub mod metrics;
 pub mod restart;
 pub mod supervisor;
+mod sweep;
 pub mod worker;
 
 pub use error::{ConfigError, ControlError, LegError, PoolError, StartError};

@@ -46,7 +46,9 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         .await;
         // The process is gone: its fleet slot is free again.
         drop(permit);
-        let Some(retry_at) = finish(&shared, index, ended, &mut restarts) else {
+        let next = finish(&shared, index, ended, &mut restarts);
+        sweep_tenant_uid(&shared);
+        let Some(retry_at) = next else {
             break;
         };
         tokio::select! {
@@ -55,6 +57,41 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         }
     }
     shared.update(|state| state.enter(index, WorkerState::Stopped));
+}
+
+/// With a uid of the tenant's own, and no worker of the tenant left (none live, none starting):
+/// kills every process still running under that uid, such as a daemon a command started with
+/// `setsid`, which left the worker's process group and so outlived the group kill.
+fn sweep_tenant_uid(shared: &Shared) {
+    let Some(user) = shared.cfg.user else {
+        return;
+    };
+    if user.uid == 0 || user.uid == nix::unistd::geteuid().as_raw() {
+        return;
+    }
+    let leftovers = crate::sweep::processes_of(user.uid);
+    if leftovers.is_empty() {
+        return;
+    }
+    // Under the lock, so no slot can begin a start between the check and the kill; the pids were
+    // read before, so a worker started later is never among them.
+    let killed = {
+        let state = shared.lock();
+        let busy = state
+            .slots
+            .iter()
+            .any(|s| s.live.is_some() || s.state == WorkerState::Starting);
+        if busy {
+            return;
+        }
+        crate::sweep::kill_all(&leftovers)
+    };
+    if killed > 0 {
+        warn!(
+            uid = user.uid,
+            killed, "the tenant's last worker is gone; killed processes left under its uid"
+        );
+    }
 }
 
 /// Waits until the slot should run a worker: it is within `min_workers`, or an `acquire` asked.
