@@ -58,6 +58,10 @@ pub struct Listener {
     pub max_message_bytes: usize,
     /// Frames queued towards one client.
     pub client_queue: usize,
+    /// Bytes queued towards one client.
+    pub client_queue_bytes: usize,
+    /// Bytes queued towards all of one tenant's clients.
+    pub tenant_queue_bytes: usize,
     /// Cancelled when draining refuses new connections (503 + Retry-After); sessions go on.
     pub refuse: CancellationToken,
     /// Cancelled to stop accepting and close sessions with 1001.
@@ -84,6 +88,8 @@ struct Conn {
     metrics: RouterMetrics,
     max_message_bytes: usize,
     client_queue: usize,
+    client_queue_bytes: usize,
+    tenant_queue_bytes: usize,
     refuse: CancellationToken,
     shutdown: CancellationToken,
     tracker: TaskTracker,
@@ -127,6 +133,8 @@ impl Listener {
                 metrics: this.metrics.clone(),
                 max_message_bytes: this.max_message_bytes,
                 client_queue: this.client_queue,
+                client_queue_bytes: this.client_queue_bytes,
+                tenant_queue_bytes: this.tenant_queue_bytes,
                 refuse: this.refuse.clone(),
                 shutdown: this.shutdown.clone(),
                 tracker: this.tracker.clone(),
@@ -297,6 +305,8 @@ impl Conn {
             metrics: self.metrics.clone(),
             max_message_bytes: self.max_message_bytes,
             client_queue: self.client_queue,
+            client_queue_bytes: self.client_queue_bytes,
+            tenant_queue_bytes: self.tenant_queue_bytes,
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
         };
