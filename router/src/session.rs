@@ -15,6 +15,10 @@
 //! frames and in bytes (`client_queue_bytes` per session, `tenant_queue_bytes` over all the
 //! tenant's sessions): a client that never reads answers echoing megabytes must not pin
 //! router memory, so either bound's half is a soft mark and either bound is a hard mark.
+//!
+//! Request ids: a request reusing the id of one still in flight, or using the id the router
+//! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
+//! request keeps its entry and its worker slot.
 
 pub mod legs;
 mod routing;
@@ -515,7 +519,11 @@ impl Session {
                 )?;
                 return self.protocol_error();
             }
-            Some(Ok(_)) => return Ok(()), // ping/pong are answered by the WebSocket layer
+            Some(Ok(_)) => {
+                // Ping and pong (answered by the WebSocket layer) cost a write each: they count
+                // against the frame rate like any frame that cannot get a `-32001`.
+                return self.check_unanswerable_frame();
+            }
             Some(Err(WsError::Capacity(_))) => {
                 self.count_error("too_big");
                 return Err(End::TooBig);
@@ -603,6 +611,14 @@ impl Session {
         thread: Option<String>,
         text: &str,
     ) -> Result<(), End> {
+        if let Some(why) = self.unusable_id(&id) {
+            self.count_error(why);
+            let message = match why {
+                "duplicate_id" => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
+                _ => "Invalid request: this request id is reserved by codex-fleet",
+            };
+            return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
+        }
         let first_initialize = method == "initialize" && self.init.is_none();
         if first_initialize {
             self.init = Some(Init {
@@ -659,6 +675,20 @@ impl Session {
                 self.parked = Some(parked);
                 Ok(())
             }
+        }
+    }
+
+    /// Why a client request's id cannot be used, as a `client_errors` reason: it is still in
+    /// flight (its answer would be delivered to the wrong request, and a second entry would
+    /// free the first one's worker slot), or it is the router's own id on legs (its answer
+    /// would be swallowed and the request never answered).
+    fn unusable_id(&self, id: &RequestId) -> Option<&'static str> {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
+            Some("reserved_id")
+        } else if self.in_flight.contains_key(id) {
+            Some("duplicate_id")
+        } else {
+            None
         }
     }
 
