@@ -29,11 +29,13 @@
 //!    long as the server.
 
 mod clock;
+mod queue_bytes;
 mod rejection;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::num::NonZeroU32;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -50,6 +52,7 @@ use tokio::time::Instant;
 use worker::WorkerId;
 
 pub use clock::TokioClock;
+pub use queue_bytes::QueueBytes;
 pub use rejection::{rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE};
 
 /// A limiter keyed by `K`, on tokio's clock.
@@ -242,6 +245,8 @@ pub struct Admission {
     limiters: RwLock<Arc<Limiters>>,
     counts: Mutex<Counts>,
     workers: Mutex<HashMap<WorkerId, Arc<Semaphore>>>,
+    /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
+    queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -283,6 +288,7 @@ impl Admission {
             limiters: RwLock::new(Arc::new(Limiters::new(quotas))),
             counts: Mutex::new(Counts::default()),
             workers: Mutex::new(HashMap::new()),
+            queued: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -465,6 +471,28 @@ impl Admission {
             .tenants
             .get(tenant)
             .map_or(0, |t| t.turns.len())
+    }
+
+    /// The account of one session's queue towards its client, bounded in bytes per session
+    /// and against the tenant's total over all its sessions.
+    pub fn client_queue_bytes(
+        &self,
+        tenant: &str,
+        session_bound: usize,
+        tenant_bound: usize,
+    ) -> Arc<QueueBytes> {
+        let total = lock(&self.queued)
+            .entry(tenant.to_owned())
+            .or_default()
+            .clone();
+        QueueBytes::new(total, session_bound, tenant_bound)
+    }
+
+    /// Bytes queued towards `tenant`'s clients, over all its sessions.
+    pub fn queued_bytes(&self, tenant: &str) -> usize {
+        lock(&self.queued)
+            .get(tenant)
+            .map_or(0, |t| t.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Open connections of `tenant` and in total.

@@ -162,6 +162,14 @@ pub struct Limits {
     /// Messages queued towards one client before it counts as too slow and is closed (1008);
     /// above half of it, streaming deltas to that client are dropped.
     pub client_queue: usize,
+    /// Bytes queued towards one client before it counts as too slow and is closed (1008);
+    /// above half of it, streaming deltas to that client are dropped. At least
+    /// `max_message_bytes`, so one message of the largest size always fits.
+    pub client_queue_bytes: usize,
+    /// Bytes queued towards all of one tenant's clients together; a session that would take
+    /// the tenant over it is closed like a slow reader (1008), and above half of it streaming
+    /// deltas to the tenant's clients are dropped.
+    pub tenant_queue_bytes: usize,
     /// Rates and caps: connections, frames, requests, turns, requests in flight per worker.
     pub admission: AdmissionConfig,
 }
@@ -184,6 +192,8 @@ impl Default for Limits {
         Limits {
             max_message_bytes: defaults::max_message_bytes(),
             client_queue: defaults::client_queue(),
+            client_queue_bytes: defaults::client_queue_bytes(),
+            tenant_queue_bytes: defaults::tenant_queue_bytes(),
             admission: AdmissionConfig::default(),
         }
     }
@@ -197,6 +207,10 @@ struct RawLimits {
     max_message_bytes: usize,
     #[serde(default = "defaults::client_queue")]
     client_queue: usize,
+    #[serde(default = "defaults::client_queue_bytes")]
+    client_queue_bytes: usize,
+    #[serde(default = "defaults::tenant_queue_bytes")]
+    tenant_queue_bytes: usize,
     #[serde(flatten)]
     admission: AdmissionConfig,
     #[serde(flatten)]
@@ -213,6 +227,8 @@ impl TryFrom<RawLimits> for Limits {
         Ok(Limits {
             max_message_bytes: raw.max_message_bytes,
             client_queue: raw.client_queue,
+            client_queue_bytes: raw.client_queue_bytes,
+            tenant_queue_bytes: raw.tenant_queue_bytes,
             admission: raw.admission,
         })
     }
@@ -291,6 +307,12 @@ mod defaults {
     }
     pub fn client_queue() -> usize {
         8192
+    }
+    pub fn client_queue_bytes() -> usize {
+        64 << 20
+    }
+    pub fn tenant_queue_bytes() -> usize {
+        256 << 20
     }
     pub fn max_workers() -> usize {
         4
@@ -446,6 +468,16 @@ impl Config {
         }
         if self.limits.client_queue == 0 {
             return bad("limits.client_queue must be at least 1".into());
+        }
+        if self.limits.client_queue_bytes < self.limits.max_message_bytes {
+            return bad(
+                "limits.client_queue_bytes must be at least limits.max_message_bytes".into(),
+            );
+        }
+        if self.limits.tenant_queue_bytes < self.limits.client_queue_bytes {
+            return bad(
+                "limits.tenant_queue_bytes must be at least limits.client_queue_bytes".into(),
+            );
         }
         if let Err(e) = self.limits.admission.validate() {
             return bad(e.to_string());
@@ -646,6 +678,25 @@ token_sha256 = ["{DIGEST}"]
         let zero = text.replace("tenant_rps = 3", "tenant_rps = 0");
         let err = Config::parse(&zero).unwrap_err().to_string();
         assert!(err.contains("tenant_rps"), "{err}");
+    }
+
+    #[test]
+    fn queue_byte_bounds_hold_a_largest_message() {
+        let with = |lines: &str| {
+            minimal("").replace("[[tenants]]", &format!("[limits]\n{lines}\n\n[[tenants]]"))
+        };
+        let cfg = Config::parse(&with(
+            "client_queue_bytes = 2048\ntenant_queue_bytes = 4096\nmax_message_bytes = 1024",
+        ))
+        .expect("valid");
+        assert_eq!(cfg.limits.client_queue_bytes, 2048);
+        assert_eq!(cfg.limits.tenant_queue_bytes, 4096);
+        let small = with("client_queue_bytes = 1024\nmax_message_bytes = 2048");
+        let err = Config::parse(&small).unwrap_err().to_string();
+        assert!(err.contains("client_queue_bytes"), "{err}");
+        let tenant = with("client_queue_bytes = 67108864\ntenant_queue_bytes = 1048576");
+        let err = Config::parse(&tenant).unwrap_err().to_string();
+        assert!(err.contains("tenant_queue_bytes"), "{err}");
     }
 
     #[test]

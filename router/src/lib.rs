@@ -175,6 +175,8 @@ impl Server {
                 handshake_timeout: self.cfg.handshake_timeout(),
                 max_message_bytes: self.cfg.limits.max_message_bytes,
                 client_queue: self.cfg.limits.client_queue,
+                client_queue_bytes: self.cfg.limits.client_queue_bytes,
+                tenant_queue_bytes: self.cfg.limits.tenant_queue_bytes,
                 refuse: refusing.clone(),
                 shutdown: closing.clone(),
                 tracker: tracker.clone(),

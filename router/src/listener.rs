@@ -5,10 +5,16 @@
 //! address cannot reach token checking at all. Its answer still has to be HTTP (429 with
 //! `Retry-After`, so a well-behaved client learns when to come back), and HTTP only exists inside
 //! TLS here, so a refused connection completes its TLS handshake (under the handshake timeout
-//! and the accept backstop) and every request on it gets 429 and `Connection: close`. The
-//! connection caps (per tenant, in total) need the tenant, so they apply after authentication
-//! and answer 503 with `Retry-After`. The admitted connection's [`ConnectionGuard`] lives as long
-//! as its session.
+//! and the accept backstop) and gets 429. A failed authentication is charged to the source
+//! address's handshake rate once more, so guessing tokens is throttled twice as fast as
+//! connecting. The connection caps (per tenant, in total) need the tenant, so they apply after
+//! authentication and answer 503 with `Retry-After`. The admitted connection's
+//! [`ConnectionGuard`] lives as long as its session.
+//!
+//! Before the upgrade a connection gets one request and one deadline: every answer other than
+//! 101 carries `Connection: close` and the connection is closed after it (no keep-alive, so
+//! one connection cannot try token after token), and `handshake_timeout_secs` counts from
+//! `accept` over the TLS handshake and the request together.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -58,6 +64,10 @@ pub struct Listener {
     pub max_message_bytes: usize,
     /// Frames queued towards one client.
     pub client_queue: usize,
+    /// Bytes queued towards one client.
+    pub client_queue_bytes: usize,
+    /// Bytes queued towards all of one tenant's clients.
+    pub tenant_queue_bytes: usize,
     /// Cancelled when draining refuses new connections (503 + Retry-After); sessions go on.
     pub refuse: CancellationToken,
     /// Cancelled to stop accepting and close sessions with 1001.
@@ -84,6 +94,8 @@ struct Conn {
     metrics: RouterMetrics,
     max_message_bytes: usize,
     client_queue: usize,
+    client_queue_bytes: usize,
+    tenant_queue_bytes: usize,
     refuse: CancellationToken,
     shutdown: CancellationToken,
     tracker: TaskTracker,
@@ -127,6 +139,8 @@ impl Listener {
                 metrics: this.metrics.clone(),
                 max_message_bytes: this.max_message_bytes,
                 client_queue: this.client_queue,
+                client_queue_bytes: this.client_queue_bytes,
+                tenant_queue_bytes: this.tenant_queue_bytes,
                 refuse: this.refuse.clone(),
                 shutdown: this.shutdown.clone(),
                 tracker: this.tracker.clone(),
@@ -156,7 +170,9 @@ impl Conn {
         timeout: std::time::Duration,
     ) {
         let started = tokio::time::Instant::now();
-        let stream = match tokio::time::timeout(timeout, tls.accept(tcp)).await {
+        // One deadline from accept to upgrade, whatever the client spends it on.
+        let deadline = started + timeout;
+        let stream = match tokio::time::timeout_at(deadline, tls.accept(tcp)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "TLS handshake failed");
@@ -175,12 +191,23 @@ impl Conn {
         });
         let conn = http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(timeout)
+            .header_read_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()))
             .serve_connection(TokioIo::new(stream), service)
             .with_upgrades();
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "HTTP connection ended with an error");
+        // The connection future ends when the request is answered and, for 101, handed over
+        // to the session task; past the deadline the connection is dropped (closed).
+        match tokio::time::timeout_at(deadline, conn).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "HTTP connection ended with an error"),
+            Err(_) => self.refused("handshake_timeout"),
         }
+    }
+
+    /// A failed authentication costs the source address one more handshake: over its rate,
+    /// its next connections are answered 429.
+    fn charge_failed_auth(&self) {
+        // Refused or not, the attempt is counted; the refusal shows on the next connection.
+        let _charged = self.admission.check_handshake(self.addr.0.ip());
     }
 
     fn refused(&self, reason: &str) {
@@ -194,10 +221,13 @@ impl Conn {
         self.refused(reason);
         let mut resp = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
         *resp.status_mut() = status;
-        resp.headers_mut().insert(
+        let h = resp.headers_mut();
+        h.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; charset=utf-8"),
         );
+        // Every answer but 101 is the connection's last.
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         resp
     }
 
@@ -218,9 +248,8 @@ impl Conn {
                 r.retry_after_ms_jittered()
             ),
         );
-        let h = resp.headers_mut();
-        h.insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
-        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
         resp
     }
 
@@ -273,10 +302,12 @@ impl Conn {
                     AuthError::Invalid => "auth_invalid",
                 };
                 tracing::info!(reason, "upgrade refused: {e}");
+                self.charge_failed_auth();
                 return self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string());
             }
         };
         let Some(tenant) = tenant else {
+            self.charge_failed_auth();
             return self.plain(
                 StatusCode::UNAUTHORIZED,
                 "auth_invalid",
@@ -297,6 +328,8 @@ impl Conn {
             metrics: self.metrics.clone(),
             max_message_bytes: self.max_message_bytes,
             client_queue: self.client_queue,
+            client_queue_bytes: self.client_queue_bytes,
+            tenant_queue_bytes: self.tenant_queue_bytes,
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
         };

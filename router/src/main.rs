@@ -60,6 +60,9 @@ enum Command {
 fn main() -> ExitCode {
     init_tracing();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::CheckConfig { .. }) {
+        raise_nofile_limit();
+    }
     match cli.command {
         Command::CheckConfig { file } => match load_checked(&file) {
             Ok(_) => {
@@ -95,6 +98,28 @@ fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let cfg = Config::load(path)?;
     router::tenants::check_worker_programs(&cfg)?;
     Ok(cfg)
+}
+
+/// Raises the soft limit on open files to the hard limit: every session holds a TLS socket
+/// and a Unix socket per leg, and the common soft default (1024) would refuse connections
+/// long before `limits.max_connections`. Workers get the raised limit too (they inherit it).
+fn raise_nofile_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-files limit");
+            return;
+        }
+    };
+    if soft >= hard {
+        tracing::info!(limit = soft, "open-files limit already at its hard limit");
+        return;
+    }
+    match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+        Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
+        Err(e) => tracing::warn!(error = %e, soft, hard, "cannot raise the open-files limit"),
+    }
 }
 
 fn init_tracing() {

@@ -11,7 +11,14 @@
 //!
 //! Slow readers (decision 8): above the soft mark of the client queue, streaming deltas are
 //! dropped for this session only and counted (`item/completed` carries the whole item); at the
-//! hard mark (the queue full) the session closes with 1008.
+//! hard mark (the queue full) the session closes with 1008. The queue is bounded twice, in
+//! frames and in bytes (`client_queue_bytes` per session, `tenant_queue_bytes` over all the
+//! tenant's sessions): a client that never reads answers echoing megabytes must not pin
+//! router memory, so either bound's half is a soft mark and either bound is a hard mark.
+//!
+//! Request ids: a request reusing the id of one still in flight, or using the id the router
+//! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
+//! request keeps its entry and its worker slot.
 
 pub mod legs;
 mod routing;
@@ -36,7 +43,8 @@ use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
 use crate::admission::{
-    Admission, ConnectionGuard, InFlightPermit, Reason, Rejection, Scope, FLOOD_CLOSE_REASON,
+    Admission, ConnectionGuard, InFlightPermit, QueueBytes, Reason, Rejection, Scope,
+    FLOOD_CLOSE_REASON,
 };
 use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
 use crate::metrics::RouterMetrics;
@@ -77,6 +85,10 @@ pub struct SessionCtx {
     /// Frames queued towards the client before it counts as too slow (the hard mark); above
     /// half of it streaming deltas are dropped (the soft mark).
     pub client_queue: usize,
+    /// Bytes queued towards the client before it counts as too slow.
+    pub client_queue_bytes: usize,
+    /// Bytes queued towards all the tenant's clients before the next that adds is too slow.
+    pub tenant_queue_bytes: usize,
     /// Rates and caps shared by all sessions.
     pub admission: Arc<Admission>,
     /// Cancelled when codex-fleet shuts down.
@@ -179,6 +191,8 @@ struct Session {
     parked: Option<Parked>,
     /// Queued frames above which deltas are dropped.
     soft_mark: usize,
+    /// Bytes queued towards the client, against the session's and the tenant's bounds.
+    queued_bytes: Arc<QueueBytes>,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -193,9 +207,12 @@ where
     metrics.sessions.with_label_values(&[&tenant]).inc();
     let ctx_client_queue = ctx.client_queue;
     let (out, out_rx) = mpsc::channel(ctx.client_queue);
+    let queued_bytes =
+        ctx.admission
+            .client_queue_bytes(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
     // The close frame of a client that is too slow skips its full queue.
     let (urgent, urgent_rx) = mpsc::channel(1);
-    let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx));
+    let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx, queued_bytes.clone()));
     let (events_tx, mut events_rx) = mpsc::channel(LEG_EVENTS);
     let mut session = Session {
         ctx,
@@ -212,6 +229,7 @@ where
         guard,
         parked: None,
         soft_mark: crate::config::soft_mark(ctx_client_queue),
+        queued_bytes,
     };
     let shutdown = session.ctx.shutdown.clone();
     let admission = session.ctx.admission.clone();
@@ -303,6 +321,7 @@ async fn write_client<Si>(
     mut sink: Si,
     mut rx: mpsc::Receiver<Message>,
     mut urgent: mpsc::Receiver<CloseFrame>,
+    queued_bytes: Arc<QueueBytes>,
 ) where
     Si: Sink<Message, Error = WsError> + Unpin,
 {
@@ -319,7 +338,8 @@ async fn write_client<Si>(
             },
             msg = rx.recv() => {
                 let Some(msg) = msg else { break };
-                match write_batch(&mut sink, msg, &mut rx).await {
+                queued_bytes.release(queued_len(&msg));
+                match write_batch(&mut sink, msg, &mut rx, &queued_bytes).await {
                     Ok(false) => {}
                     Ok(true) | Err(_) => break,
                 }
@@ -333,12 +353,21 @@ async fn write_client<Si>(
 /// each one alone costs a TLS record and a syscall apiece.
 const WRITE_BATCH: usize = 64;
 
+/// The bytes a queued frame counts against the queue's byte bounds.
+fn queued_len(msg: &Message) -> usize {
+    match msg {
+        Message::Text(t) => t.len(),
+        _ => 0,
+    }
+}
+
 /// Writes `first` and whatever else is already queued (up to [`WRITE_BATCH`]), then flushes
 /// once. `Ok(true)` when a close frame was written.
 async fn write_batch<Si>(
     sink: &mut Si,
     first: Message,
     rx: &mut mpsc::Receiver<Message>,
+    queued_bytes: &QueueBytes,
 ) -> Result<bool, WsError>
 where
     Si: Sink<Message, Error = WsError> + Unpin,
@@ -355,6 +384,9 @@ where
         }
         if written < WRITE_BATCH {
             next = rx.try_recv().ok();
+            if let Some(msg) = &next {
+                queued_bytes.release(queued_len(msg));
+            }
         }
     }
     sink.flush().await?;
@@ -394,11 +426,22 @@ impl Session {
             .inc();
     }
 
-    /// Queues a frame for the client; a client whose queue is full is too slow and is closed.
+    /// Queues a frame for the client; a client whose queue is full (in frames, or in bytes for
+    /// the session or its tenant) is too slow and is closed.
     fn to_client(&self, text: String) -> Result<(), End> {
-        self.out
-            .try_send(Message::text(text))
-            .map_err(|_| End::SlowClient)
+        let n = text.len();
+        if !self.queued_bytes.try_add(n) {
+            tracing::info!(
+                queued = self.queued_bytes.session(),
+                tenant_queued = self.ctx.admission.queued_bytes(self.tenant()),
+                "closing a client over its queue's byte bound"
+            );
+            return Err(End::SlowClient);
+        }
+        self.out.try_send(Message::text(text)).map_err(|_| {
+            self.queued_bytes.release(n);
+            End::SlowClient
+        })
     }
 
     /// Frames waiting for the client.
@@ -476,7 +519,11 @@ impl Session {
                 )?;
                 return self.protocol_error();
             }
-            Some(Ok(_)) => return Ok(()), // ping/pong are answered by the WebSocket layer
+            Some(Ok(_)) => {
+                // Ping and pong (answered by the WebSocket layer) cost a write each: they count
+                // against the frame rate like any frame that cannot get a `-32001`.
+                return self.check_unanswerable_frame();
+            }
             Some(Err(WsError::Capacity(_))) => {
                 self.count_error("too_big");
                 return Err(End::TooBig);
@@ -564,6 +611,14 @@ impl Session {
         thread: Option<String>,
         text: &str,
     ) -> Result<(), End> {
+        if let Some(why) = self.unusable_id(&id) {
+            self.count_error(why);
+            let message = match why {
+                "duplicate_id" => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
+                _ => "Invalid request: this request id is reserved by codex-fleet",
+            };
+            return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
+        }
         let first_initialize = method == "initialize" && self.init.is_none();
         if first_initialize {
             self.init = Some(Init {
@@ -620,6 +675,20 @@ impl Session {
                 self.parked = Some(parked);
                 Ok(())
             }
+        }
+    }
+
+    /// Why a client request's id cannot be used, as a `client_errors` reason: it is still in
+    /// flight (its answer would be delivered to the wrong request, and a second entry would
+    /// free the first one's worker slot), or it is the router's own id on legs (its answer
+    /// would be swallowed and the request never answered).
+    fn unusable_id(&self, id: &RequestId) -> Option<&'static str> {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
+            Some("reserved_id")
+        } else if self.in_flight.contains_key(id) {
+            Some("duplicate_id")
+        } else {
+            None
         }
     }
 
@@ -724,7 +793,9 @@ impl Session {
             }
             Rpc::Notification { method, params } => {
                 self.track_turns(&method, params);
-                if turns::is_delta(&method) && self.queued() >= self.soft_mark {
+                if turns::is_delta(&method)
+                    && (self.queued() >= self.soft_mark || self.queued_bytes.behind())
+                {
                     // Behind: item/completed will carry the whole item, so the delta can go.
                     self.ctx.metrics.deltas_dropped.inc();
                     return Ok(());

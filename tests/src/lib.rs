@@ -798,3 +798,21 @@ pub fn workers_under(dir: &Path) -> Vec<i32> {
         })
         .collect()
 }
+
+impl Client {
+    /// Sends a WebSocket ping frame.
+    pub async fn send_ping(&mut self, payload: Vec<u8>) -> anyhow::Result<()> {
+        self.ws.send(Message::Ping(payload.into())).await?;
+        Ok(())
+    }
+}
+
+/// Resident memory of a process in KiB (`VmRSS` of `/proc/<pid>/status`).
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}

@@ -1,0 +1,459 @@
+//! The tenant boundary against hostile input (issue 9, items 2, 3 and 7): bytes queued towards
+//! a client that never reads are bounded; a connection before its upgrade gets one request and
+//! one deadline, and failed tokens are throttled; a duplicated or reserved request id is
+//! answered and frees no slot; pings count against the frame rate; codex-fleet raises its own
+//! open-files limit. Real TLS, real workers.
+//!
+//! `a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_served` prints the RSS
+//! growth and the other tenant's latency it measured (`--nocapture` shows it).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use e2e::{http_get, Client, FleetBuilder, FleetFiles, Upgrade};
+use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+/// Generous rates, so a test only meets the limit it is about.
+const OPEN_RATES: &str = "tenant_rps = 100000\ntenant_burst = 100000\nconn_fps = 100000\nconn_burst = 100000\nhandshakes_per_sec_per_ip = 1000\nhandshake_burst = 1000";
+
+/// The documented bound on codex-fleet's memory growth under the flood of item 2 with the
+/// default limits: `client_queue_bytes` (64 MiB) for the flooding session, its requests in
+/// flight on the worker (`max_in_flight_per_worker` × 1 MiB), and the allocator's slack.
+const FLOOD_RSS_BOUND_MIB: u64 = 200;
+
+// === helpers ===
+
+/// A TLS connection to codex-fleet, with no HTTP sent yet.
+async fn tls_connect(
+    tcp: TcpStream,
+    ca: &Path,
+) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let connector = tokio_rustls::TlsConnector::from(e2e::client_tls(ca)?);
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    Ok(connector.connect(name, tcp).await?)
+}
+
+/// A WebSocket upgrade request with `token` as its bearer token.
+fn upgrade_request(token: &str) -> String {
+    format!(
+        "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Authorization: Bearer {token}\r\n\r\n"
+    )
+}
+
+/// One HTTP answer (head and `Content-Length` body); `None` when the connection ends with
+/// nothing received. Fails when the connection stays open and silent for `within`.
+async fn read_answer(
+    s: &mut (impl AsyncRead + Unpin),
+    within: Duration,
+) -> anyhow::Result<Option<String>> {
+    let deadline = Instant::now() + within;
+    let mut buf = Vec::new();
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                return Ok(Some(text));
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Err(_) => bail!("the connection neither answered nor closed within {within:?}"),
+            Ok(Ok(0) | Err(_)) => return Ok((!buf.is_empty()).then_some(text)),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// Every response (no `method`) with `id` that arrives within `within`.
+async fn responses_to(c: &mut Client, id: &Value, within: Duration) -> Vec<Value> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return got;
+        }
+        match c.recv_wire(left).await {
+            Ok(v) if v["id"] == *id && v.get("method").is_none() => got.push(v),
+            Ok(_) => {}
+            Err(_) => return got,
+        }
+    }
+}
+
+/// Starts `codex-fleet serve` as a process (optionally under `prlimit` arguments).
+async fn spawn_fleet(
+    files: &FleetFiles,
+    prlimit: Option<String>,
+) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
+    let mut cmd = match prlimit {
+        Some(limit) => {
+            let mut c = Command::new("prlimit");
+            c.arg(limit).arg(e2e::fleet_bin());
+            c
+        }
+        None => Command::new(e2e::fleet_bin()),
+    };
+    let mut child = cmd
+        .args(["serve", "--config"])
+        .arg(&files.config)
+        .env("CODEX_FLEET_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let (addr, admin) = e2e::read_addresses(&mut child).await?;
+    Ok((child, addr, admin))
+}
+
+/// A counter's value summed over the series whose labels include all of `labels`.
+async fn metric(admin: SocketAddr, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
+    let (_, text) = http_get(admin, "/metrics").await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum())
+}
+
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+// === item 2: bytes queued towards a client are bounded ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_served(
+) -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("flood", 1, 1)
+        .tenant_pool("calm", 1, 1)
+        .prepare()
+        .await?;
+    let (child, addr, admin) = spawn_fleet(&files, None).await?;
+    let pid = child.id().context("pid")?;
+    let url = format!("wss://localhost:{}/", addr.port());
+    let ready = async {
+        loop {
+            if http_get(admin, "/readyz")
+                .await
+                .is_ok_and(|(s, _)| s == 200)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), ready)
+        .await
+        .context("codex-fleet never became ready")?;
+    let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
+    calm.initialize("calm").await?;
+    let mut flood =
+        Client::connect_small_window(addr, &url, &files.ca, Some(&files.token("flood")), 4096)
+            .await?;
+    flood.initialize("flood").await?;
+    for _ in 0..20 {
+        calm.request("thread/loaded/list", json!({})).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let baseline = e2e::rss_kib(pid).context("rss")?;
+
+    let peak = Arc::new(AtomicU64::new(baseline));
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = tokio::spawn({
+        let (peak, sampling) = (peak.clone(), sampling.clone());
+        async move {
+            while sampling.load(Ordering::Acquire) {
+                if let Some(kib) = e2e::rss_kib(pid) {
+                    peak.fetch_max(kib, Ordering::AcqRel);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    // 300 requests whose 1 MiB method the worker echoes in its error; their answers are
+    // never read.
+    let flooder = tokio::spawn(async move {
+        let method = "x".repeat(1 << 20);
+        let mut sent = 0;
+        for _ in 0..300 {
+            if flood.send_request(&method, json!({})).await.is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        (flood, sent)
+    });
+    let mut latencies = Vec::new();
+    let mut settle_until = None;
+    loop {
+        let t = Instant::now();
+        let resp = calm.call("thread/loaded/list", json!({})).await?;
+        latencies.push(t.elapsed());
+        assert!(resp.get("error").is_none(), "calm tenant refused: {resp}");
+        if settle_until.is_none() && flooder.is_finished() {
+            settle_until = Some(Instant::now() + Duration::from_secs(3));
+        }
+        if settle_until.is_some_and(|u| Instant::now() >= u) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (_flood, sent) = flooder.await?;
+    sampling.store(false, Ordering::Release);
+    sampler.await?;
+    let slow_closed = metric(
+        admin,
+        "codex_fleet_sessions_closed_total",
+        &[("reason", "slow_client")],
+    )
+    .await?;
+
+    let growth_mib = peak.load(Ordering::Acquire).saturating_sub(baseline) / 1024;
+    latencies.sort();
+    let (median, p99) = (percentile(&latencies, 50), percentile(&latencies, 99));
+    println!(
+        "flood: sent {sent} × 1 MiB; codex-fleet RSS {} MiB → peak {} MiB (growth {growth_mib} MiB, bound {FLOOD_RSS_BOUND_MIB} MiB); \
+         calm tenant: {} requests, median {median:?}, p99 {p99:?}, max {:?}",
+        baseline / 1024,
+        peak.load(Ordering::Acquire) / 1024,
+        latencies.len(),
+        latencies.last().copied().unwrap_or_default(),
+    );
+    assert!(
+        slow_closed >= 1.0,
+        "the flooding session is closed as a slow reader"
+    );
+    assert!(
+        growth_mib < FLOOD_RSS_BOUND_MIB,
+        "codex-fleet grew by {growth_mib} MiB under the flood"
+    );
+    assert!(
+        median < Duration::from_millis(100),
+        "the other tenant's median latency during the flood: {median:?}"
+    );
+    Ok(())
+}
+
+// === item 3: before the upgrade, one request and one deadline ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_upgrade_closes_its_connection() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let tcp = TcpStream::connect(fleet.addr).await?;
+    let mut tls = tls_connect(tcp, &fleet.files.ca).await?;
+    tls.write_all(upgrade_request("not-a-token").as_bytes())
+        .await?;
+    let first = read_answer(&mut tls, Duration::from_secs(10))
+        .await?
+        .context("no answer to the first request")?;
+    assert!(first.starts_with("HTTP/1.1 401"), "{first}");
+    assert!(
+        first
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "a refusal says the connection closes: {first}"
+    );
+    // A second try on the same connection: not answered, the connection is gone.
+    let _written = tls
+        .write_all(upgrade_request(&fleet.files.token("acme")).as_bytes())
+        .await;
+    let second = read_answer(&mut tls, Duration::from_secs(10)).await?;
+    assert_eq!(second, None, "a second request after a 401 got an answer");
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_deadline_covers_tls_and_the_request() -> anyhow::Result<()> {
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let config = std::fs::read_to_string(&files.config)?;
+    let config = config.replace("handshake_timeout_secs = 5", "handshake_timeout_secs = 2");
+    std::fs::write(&files.config, config)?;
+    let fleet = files.start().await?;
+    let accepted = Instant::now();
+    let tcp = TcpStream::connect(fleet.addr).await?;
+    // 1.3 s before the TLS handshake and 1.5 s trickling the request: each is under the 2 s
+    // deadline, together they are well over it.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let mut tls = tls_connect(tcp, &fleet.files.ca)
+        .await
+        .context("the TLS handshake fits in the deadline")?;
+    let req = upgrade_request("not-a-token");
+    for piece in req.as_bytes().chunks(req.len() / 10 + 1) {
+        if tls.write_all(piece).await.is_err() || tls.flush().await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let answer = read_answer(&mut tls, Duration::from_secs(10)).await?;
+    assert_eq!(
+        answer,
+        None,
+        "a request completed {:?} after accept was answered",
+        accepted.elapsed()
+    );
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_tokens_count_against_the_handshake_rate() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant("acme")
+        .limits_toml("handshakes_per_sec_per_ip = 1\nhandshake_burst = 10")
+        .start()
+        .await?;
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        let status = match Client::try_connect(&fleet.url(), &fleet.files.ca, Some("guess")).await?
+        {
+            Upgrade::Open(_) => bail!("a wrong token was accepted"),
+            Upgrade::Refused { status, .. } => status,
+        };
+        statuses.push(status);
+    }
+    let refused_401 = statuses.iter().take_while(|s| **s == 401).count();
+    assert!(
+        statuses.contains(&429),
+        "ten wrong tokens within the burst of ten are throttled: {statuses:?}"
+    );
+    assert!(
+        refused_401 <= 8,
+        "each failed token costs two handshakes: {statuses:?}"
+    );
+    fleet.stop().await
+}
+
+// === item 7: request ids, pings, open files ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicated_request_id_is_refused_and_frees_no_slot() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant("acme")
+        .limits_toml(&format!("{OPEN_RATES}\nmax_in_flight_per_worker = 1"))
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    c.send(&json!({ "id": 7, "method": "thread/start", "params": {} }))
+        .await?;
+    c.send(&json!({ "id": 7, "method": "thread/loaded/list", "params": {} }))
+        .await?;
+    let got = responses_to(&mut c, &json!(7), Duration::from_secs(10)).await;
+    let errors: Vec<&Value> = got.iter().filter(|v| v.get("error").is_some()).collect();
+    let results: Vec<&Value> = got.iter().filter(|v| v.get("result").is_some()).collect();
+    assert_eq!(errors.len(), 1, "the duplicate is refused once: {got:?}");
+    assert_eq!(errors[0]["error"]["code"], -32600, "{got:?}");
+    assert!(
+        errors[0]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("duplicate request id")),
+        "{got:?}"
+    );
+    assert_eq!(
+        results.len(),
+        1,
+        "the first is answered exactly once: {got:?}"
+    );
+    assert!(
+        results[0]["result"]["thread"]["id"].is_string(),
+        "the answer is the first request's (thread/start): {got:?}"
+    );
+    // The one slot is free again.
+    c.request("thread/loaded/list", json!({})).await?;
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_the_routers_reserved_id_is_answered() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant("acme")
+        .limits_toml(&format!("{OPEN_RATES}\nmax_in_flight_per_worker = 1"))
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    let reserved = json!("codex-fleet:replay-initialize");
+    c.send(&json!({ "id": reserved, "method": "thread/loaded/list", "params": {} }))
+        .await?;
+    let got = responses_to(&mut c, &reserved, Duration::from_secs(10)).await;
+    assert_eq!(got.len(), 1, "answered once: {got:?}");
+    assert_eq!(got[0]["error"]["code"], -32600, "{got:?}");
+    // It holds no slot: the worker's only one serves the next request.
+    let next = c.call("thread/loaded/list", json!({})).await?;
+    assert!(next.get("result").is_some(), "{next}");
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_flood_is_closed_by_the_frame_rate() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant("acme")
+        .limits_toml("conn_fps = 5\nconn_burst = 10\ntenant_rps = 100000\ntenant_burst = 100000")
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    for _ in 0..40 {
+        if c.send_ping(b"ping".to_vec()).await.is_err() {
+            break;
+        }
+    }
+    let close = c.recv_close_frame(Duration::from_secs(10)).await?;
+    assert_eq!(
+        close,
+        Some((1008, "frame rate limit exceeded".to_owned())),
+        "a ping flood is closed like a notification flood"
+    );
+    // Another connection of the tenant is unaffected.
+    let mut other = fleet.client("acme").await?;
+    other.request("thread/loaded/list", json!({})).await?;
+    fleet.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_fleet_raises_its_open_files_limit() -> anyhow::Result<()> {
+    use nix::sys::resource::{getrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    assert!(hard >= 2, "the hard open-files limit is {hard}");
+    let soft = (hard / 2).min(1024);
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let (child, _, _) = spawn_fleet(&files, Some(format!("--nofile={soft}:{hard}"))).await?;
+    let pid = child.id().context("pid")?;
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits"))?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .context("no open-files line")?;
+    let values: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(
+        values,
+        vec![hard, hard],
+        "codex-fleet started with a soft limit of {soft} raises it to the hard limit: {line}"
+    );
+    Ok(())
+}
