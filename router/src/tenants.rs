@@ -232,6 +232,14 @@ pub struct Rebuilt {
 /// Environment variables workers get from codex-fleet's own environment, when set.
 const BASE_ENV: &[&str] = &["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR"];
 
+/// Starts app-server with remote control off for the life of the process, whatever the
+/// tenant's state database remembers (`remoteControl/enable` persists a preference there, and
+/// the tenant's uid can write that file). codex 0.171 reads it in
+/// `app-server/src/transport/remote_control` (`take_remote_control_disabled_env`); the
+/// `remote_control` feature flag is a removed no-op there.
+pub const REMOTE_CONTROL_DISABLED: (&str, &str) =
+    ("CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED", "1");
+
 impl Tenants {
     /// Builds each tenant's pool (min_workers start in the background), its host-access policy
     /// and roots, and — when codex-fleet runs as root — its Unix identity.
@@ -292,15 +300,21 @@ impl Tenants {
             }
             let program = resolve_program(&cfg.worker_command(t)[0])?;
             let user = uids.get(&t.id).map(|&(uid, gid)| WorkerUser { uid, gid });
-            let pool_cfg = pool_config(cfg, t, &program, &fleet, user);
-            pool_cfg
-                .validate()
-                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
-            let roots = tenant_roots(cfg, t)?;
             let policy = t
                 .policy
                 .resolve(!per_tenant_uid)
                 .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
+            let mut pool_cfg = pool_config(cfg, t, &program, &fleet, user);
+            if !policy.allows_remote_control() {
+                pool_cfg.env.push((
+                    REMOTE_CONTROL_DISABLED.0.into(),
+                    REMOTE_CONTROL_DISABLED.1.into(),
+                ));
+            }
+            pool_cfg
+                .validate()
+                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
+            let roots = tenant_roots(cfg, t)?;
             let pool = Pool::new(pool_cfg, metrics.clone());
             list.push(Tenant::new(t.id.clone(), pool, policy, roots, settings));
         }
@@ -537,7 +551,7 @@ fn worker_env(cfg: &Config, t: &config::Tenant, program: &Path) -> Vec<(String, 
         .copied()
         .chain(cfg.workers.pass_env.iter().map(String::as_str));
     for name in names {
-        if env.iter().any(|(k, _)| k == name) {
+        if name == REMOTE_CONTROL_DISABLED.0 || env.iter().any(|(k, _)| k == name) {
             continue;
         }
         if let Ok(v) = std::env::var(name) {
