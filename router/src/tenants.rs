@@ -277,6 +277,9 @@ impl Tenants {
         } else {
             Default::default()
         };
+        if old.is_none() {
+            crate::identity::warn_about_foreign_processes(&uids);
+        }
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
         let mut resizes = Vec::new();

@@ -2,6 +2,12 @@
 //! remote control stays off unless a tenant's policy allows it, re-adding a removed tenant keeps
 //! its old sessions working, and uid and workspace-root mistakes are refused at start-up.
 
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
 use e2e::FleetBuilder;
 use serde_json::{json, Value};
 
@@ -104,4 +110,145 @@ async fn workers_run_with_remote_control_off_unless_the_tenant_allows_it() -> an
     let r = b.request("remoteControl/status/read", json!({})).await?;
     assert_eq!(r["status"], "disabled", "{r}");
     fleet.stop().await
+}
+
+/// Runs `codex-fleet <args> <config>` to its exit: the exit code and stderr.
+async fn fleet_exit(args: &[&str], config: &Path) -> anyhow::Result<(Option<i32>, String)> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(e2e::fleet_bin())
+            .args(args)
+            .arg(config)
+            .env("CODEX_FLEET_LOG", "warn")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// `check-config` and `serve` both refuse the configuration with exit 78, naming `needle`.
+async fn refused_at_start_up(config: &Path, needle: &str) -> anyhow::Result<()> {
+    for args in [&["check-config"][..], &["serve", "--config"][..]] {
+        let (code, stderr) = fleet_exit(args, config).await?;
+        assert_eq!(code, Some(78), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(needle),
+            "{args:?} must name {needle:?}: {stderr}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_with_one_uid_are_refused_at_start_up() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant("a")
+        .tenant_toml("uid = 431200")
+        .tenant("b")
+        .tenant_toml("uid = 431200")
+        .prepare()
+        .await?;
+    refused_at_start_up(&files.config, "\"a\" and \"b\" both have uid 431200").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_workspace_roots_are_refused_at_start_up() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let srv = tmp.path().join("srv");
+    let srv_b = srv.join("b");
+    std::fs::create_dir_all(&srv_b)?;
+    let files = FleetBuilder::new()
+        .tenant("a")
+        .tenant_toml(&format!(
+            "workspace_roots = [{:?}]",
+            srv.display().to_string()
+        ))
+        .tenant("b")
+        .tenant_toml(&format!(
+            "workspace_roots = [{:?}]",
+            srv_b.display().to_string()
+        ))
+        .prepare()
+        .await?;
+    refused_at_start_up(&files.config, "overlaps tenant \"a\"'s").await?;
+    // Side by side is fine.
+    let ok = FleetBuilder::new()
+        .tenant("a")
+        .tenant_toml(&format!(
+            "workspace_roots = [{:?}]",
+            srv.join("a").display().to_string()
+        ))
+        .tenant("b")
+        .tenant_toml(&format!(
+            "workspace_roots = [{:?}]",
+            srv_b.display().to_string()
+        ))
+        .prepare()
+        .await?;
+    let (code, stderr) = fleet_exit(&["check-config"], &ok.config).await?;
+    assert_eq!(code, Some(0), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uid_another_tenant_remembers_is_refused_at_start_up() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant("a")
+        .tenant("b")
+        .tenant_toml("uid = 431300")
+        .prepare()
+        .await?;
+    // codex-fleet allocated 431300 to "a" in an earlier run.
+    let state = files.dir.path().join("s");
+    std::fs::create_dir_all(&state)?;
+    router::dev::write_private(&state.join("tenant-uids"), "a 431300\n")?;
+    refused_at_start_up(&files.config, "uid 431300 is tenant \"a\"'s").await?;
+    // Nothing was rewritten: "a" keeps its uid.
+    assert_eq!(
+        std::fs::read_to_string(state.join("tenant-uids"))?,
+        "a 431300\n"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: per-tenant uids need root");
+        return Ok(());
+    }
+    // Another instance's worker (or any process) already runs as the first uid of the range.
+    let mut other = std::process::Command::new("sleep")
+        .arg("300")
+        .uid(431400)
+        .gid(431400)
+        .spawn()?;
+    let fleet = FleetBuilder::new()
+        .workers_toml("uid_range = [431400, 431410]")
+        .tenant("a")
+        .start()
+        .await;
+    let result = async {
+        let fleet = fleet?;
+        let _a = fleet.client("a").await?;
+        let remembered =
+            std::fs::read_to_string(fleet.files.dir.path().join("s").join("tenant-uids"))?;
+        assert_eq!(remembered, "a 431401\n", "431400 is in use");
+        let workers = e2e::workers_under(&fleet.home("a"));
+        assert!(!workers.is_empty());
+        for pid in workers {
+            let uid = std::fs::metadata(format!("/proc/{pid}"))?.uid();
+            assert_eq!(uid, 431401, "worker {pid}");
+        }
+        fleet.stop().await
+    }
+    .await;
+    other.kill()?;
+    other.wait()?;
+    result
 }
