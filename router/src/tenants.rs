@@ -225,6 +225,8 @@ pub struct Rebuilt {
     pub tenants: Tenants,
     /// Tenants no longer configured: their pools stop once their sessions end.
     pub removed: Vec<Arc<Tenant>>,
+    /// Ids of retired tenants configured again: the new set holds their running pools.
+    pub adopted: Vec<String>,
     /// Changes that were not applied (they need a restart).
     pub warnings: Vec<String>,
 }
@@ -244,17 +246,21 @@ impl Tenants {
     /// Builds each tenant's pool (min_workers start in the background), its host-access policy
     /// and roots, and — when codex-fleet runs as root — its Unix identity.
     pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
-        Ok(Tenants::rebuild(cfg, metrics, None)?.tenants)
+        Ok(Tenants::rebuild(cfg, metrics, None, &[])?.tenants)
     }
 
     /// Builds the tenants `cfg` names, reusing from `old` every tenant (its running pool, thread
     /// table and sessions) whose worker settings are unchanged; only its pool sizes are updated in
     /// place. A tenant whose worker settings changed keeps its running workers and settings (a
-    /// warning says a restart applies them). Nothing of `old` is touched when this fails.
+    /// warning says a restart applies them). A `retired` tenant (removed earlier, its pool still
+    /// serving open sessions) that `cfg` names again is adopted the same way: a second pool would
+    /// collide with the running one (same socket paths and worker ids) and be quarantined.
+    /// Nothing of `old` is touched when this fails.
     pub fn rebuild(
         cfg: &Config,
         metrics: &WorkerMetrics,
         old: Option<&Tenants>,
+        retired: &[Arc<Tenant>],
     ) -> anyhow::Result<Rebuilt> {
         check_worker_programs(cfg)?;
         let mut warnings = Vec::new();
@@ -283,6 +289,7 @@ impl Tenants {
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
         let mut resizes = Vec::new();
+        let mut adopted = Vec::new();
         for (index, t) in cfg.tenants.iter().enumerate() {
             for d in &t.token_sha256 {
                 if let Some(digest) = config::parse_digest(d) {
@@ -290,7 +297,14 @@ impl Tenants {
                 }
             }
             let settings = fingerprint(cfg, t);
-            if let Some(existing) = old.and_then(|o| o.iter().find(|e| e.id == t.id)) {
+            let running = old
+                .and_then(|o| o.iter().find(|e| e.id == t.id))
+                .or_else(|| {
+                    let back = retired.iter().find(|e| e.id == t.id)?;
+                    adopted.push(t.id.clone());
+                    Some(back)
+                });
+            if let Some(existing) = running {
                 if existing.settings != settings {
                     warnings.push(format!(
                         "tenant {:?}: worker settings changed; the running ones stay until a restart",
@@ -345,6 +359,7 @@ impl Tenants {
                 fleet,
             },
             removed,
+            adopted,
             warnings,
         })
     }

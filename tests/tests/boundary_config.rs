@@ -6,6 +6,7 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use e2e::FleetBuilder;
@@ -251,4 +252,75 @@ async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
     other.kill()?;
     other.wait()?;
     result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_re_added_while_an_old_session_is_open_adopts_its_running_pool(
+) -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 0, 1)
+        .tenant_pool("back", 1, 1)
+        .start()
+        .await?;
+    let ready = |fleet: &e2e::Fleet| {
+        fleet
+            .tenant("back")
+            .pool
+            .workers()
+            .iter()
+            .any(|w| w.state == worker::WorkerState::Ready)
+    };
+    assert!(e2e::wait_until(Duration::from_secs(30), || ready(&fleet)).await);
+    let pool = fleet.tenant("back").pool.clone();
+    let mut old = fleet.client("back").await?;
+    let thread = old.start_thread().await?;
+    let original = std::fs::read_to_string(&fleet.files.config)?;
+    // Remove "back" while its session stays open...
+    let (head, tenants) = original.split_once("[[tenants]]").expect("tenants");
+    let acme = tenants
+        .split("[[tenants]]")
+        .find(|t| t.contains("\"acme\""))
+        .expect("acme");
+    std::fs::write(&fleet.files.config, format!("{head}[[tenants]]{acme}"))?;
+    let summary = fleet.reloader.reload().await?;
+    assert_eq!(summary.removed, ["back"]);
+    // ...and add it back, as it was.
+    std::fs::write(&fleet.files.config, &original)?;
+    let summary = fleet.reloader.reload().await?;
+    assert!(summary.removed.is_empty(), "{summary:?}");
+    assert_eq!(summary.adopted, ["back"]);
+    let back = fleet.tenant("back");
+    assert!(
+        Arc::ptr_eq(&back.pool, &pool),
+        "the re-added tenant must adopt the pool that still serves its old session"
+    );
+    // The old session keeps working, and so do new ones.
+    old.start_turn(&thread, "old session after re-adding")
+        .await?;
+    let msgs = old.until_turn_completed(&thread).await?;
+    assert!(e2e::agent_text(&msgs).is_some(), "{msgs:?}");
+    let mut new = fleet.client("back").await?;
+    let thread2 = new.start_thread().await?;
+    new.start_turn(&thread2, "new session after re-adding")
+        .await?;
+    new.until_turn_completed(&thread2).await?;
+    // The old session's thread is reachable from the new one too: one pool, one table.
+    let r = new
+        .request("thread/read", json!({ "threadId": thread }))
+        .await?;
+    assert_eq!(r["thread"]["id"], thread.as_str(), "{r}");
+    let states: Vec<_> = back.pool.workers().iter().map(|w| w.state).collect();
+    assert!(
+        states
+            .iter()
+            .all(|s| *s != worker::WorkerState::Quarantined),
+        "{states:?}"
+    );
+    // Closing the old session does not stop the adopted pool: the tenant is configured again.
+    old.close().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(ready(&fleet), "{:?}", back.pool.workers());
+    new.close().await;
+    drop((back, pool));
+    fleet.stop().await
 }
