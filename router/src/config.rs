@@ -484,6 +484,7 @@ impl Config {
         }
         let mut ids = HashSet::new();
         let mut digests = HashSet::new();
+        check_tenant_boundaries(&self.tenants)?;
         for t in &self.tenants {
             if !valid_tenant_id(&t.id) {
                 return bad(format!(
@@ -567,6 +568,42 @@ impl Config {
     pub fn handshake_timeout(&self) -> Duration {
         Duration::from_secs(self.listen.handshake_timeout_secs)
     }
+}
+
+/// Two tenants must never share a Unix uid or reach each other's workspace roots: a shared uid
+/// reads the other's files, and with `/srv` for A and `/srv/b` for B, `confine` lets A into B's
+/// files. Roots are compared by path components as written (a link between them is the
+/// operator's to avoid).
+fn check_tenant_boundaries(tenants: &[Tenant]) -> Result<(), ConfigError> {
+    for (i, a) in tenants.iter().enumerate() {
+        for b in &tenants[..i] {
+            if let (Some(ua), Some(ub)) = (a.uid, b.uid) {
+                if ua == ub {
+                    return Err(ConfigError::Invalid(format!(
+                        "tenants {:?} and {:?} both have uid {ua}; each tenant needs its own uid",
+                        b.id, a.id
+                    )));
+                }
+            }
+            for ra in &a.workspace_roots {
+                if let Some(rb) = b
+                    .workspace_roots
+                    .iter()
+                    .find(|rb| ra.starts_with(rb) || rb.starts_with(ra))
+                {
+                    return Err(ConfigError::Invalid(format!(
+                        "tenant {:?}: workspace root {} overlaps tenant {:?}'s {}; \
+                         tenants' workspace_roots must not contain one another",
+                        a.id,
+                        ra.display(),
+                        b.id,
+                        rb.display()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn valid_tenant_id(id: &str) -> bool {

@@ -3,6 +3,11 @@
 //! A tenant's `uid` comes from the config, or is allocated once from `workers.uid_range` and
 //! remembered in `<state_dir>/tenant-uids` (0600), so a tenant keeps its uid — and the ownership
 //! of its files — across restarts and config edits.
+//!
+//! A uid is one tenant's for good: a configured `uid` that another tenant already has in the
+//! file is refused (it would move that tenant and hand its files over), and allocation skips
+//! uids that something else on the host already uses (a passwd entry, a running process), so
+//! two instances on one host sharing a range do not hand out a uid the other one's workers run as.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
@@ -17,30 +22,118 @@ use crate::dev::write_private;
 /// The file that remembers allocated uids.
 pub const UID_FILE: &str = "tenant-uids";
 
+/// Refuses a configured `uid` that `<state_dir>/tenant-uids` remembers for another tenant (also
+/// one no longer configured: its files are still owned by that uid). Reads only; a missing file
+/// remembers nothing.
+pub fn check_remembered_uids(cfg: &Config) -> anyhow::Result<()> {
+    let path = cfg.workers.state_dir.join(UID_FILE);
+    let known = match read_uid_file(&path) {
+        Ok(known) => known,
+        // `check-config` by an unprivileged user: `serve` (root) checks again before using it.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) =>
+        {
+            return Ok(())
+        }
+        Err(e) => return Err(e),
+    };
+    check_against(cfg, &known, &path)
+}
+
+fn check_against(cfg: &Config, known: &BTreeMap<String, u32>, path: &Path) -> anyhow::Result<()> {
+    for t in &cfg.tenants {
+        let Some(uid) = t.uid else { continue };
+        if let Some((other, _)) = known.iter().find(|(id, &u)| u == uid && **id != t.id) {
+            anyhow::bail!(
+                "tenant {:?}: uid {uid} is tenant {other:?}'s ({} remembers it); taking it would \
+                 move {other:?} to another uid and give {:?} its files. Pick another uid, or \
+                 remove {other:?}'s line from that file if {other:?} is gone for good and its \
+                 files are deleted",
+                t.id,
+                path.display(),
+                t.id
+            );
+        }
+    }
+    Ok(())
+}
+
+/// uids the host already uses outside this instance's tenants: a passwd entry or a running
+/// process (the owner of `/proc/<pid>`).
+fn uids_in_use() -> HashSet<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let mut used: HashSet<u32> = fs::read_dir("/proc")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| n.parse::<u32>().is_ok())
+                })
+                .filter_map(|e| e.metadata().ok().map(|m| m.uid()))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Ok(passwd) = fs::read_to_string("/etc/passwd") {
+        used.extend(
+            passwd
+                .lines()
+                .filter_map(|l| l.split(':').nth(2).and_then(|u| u.parse::<u32>().ok())),
+        );
+    }
+    used
+}
+
+/// Warns about tenants whose uid already runs processes at start-up: before any worker of this
+/// instance exists, those belong to someone else — another codex-fleet with an overlapping
+/// `workers.uid_range`, or a user of the host — or are leftovers of the tenant's own commands.
+pub fn warn_about_foreign_processes(uids: &HashMap<String, (u32, u32)>) {
+    let used = uids_in_use();
+    for (tenant, (uid, _)) in uids {
+        if used.contains(uid) {
+            tracing::warn!(
+                tenant,
+                uid,
+                "the tenant's uid already has processes or a passwd entry before its first worker \
+                 started: another codex-fleet on this host may share workers.uid_range (give each \
+                 instance its own range) or a host user has this uid"
+            );
+        }
+    }
+}
+
 /// uid/gid per tenant id, allocating and persisting what the config leaves open.
 pub fn tenant_uids(cfg: &Config) -> anyhow::Result<HashMap<String, (u32, u32)>> {
     let state = &cfg.workers.state_dir;
     traversable_dirs(cfg)?;
     let path = state.join(UID_FILE);
     let mut known = read_uid_file(&path)?;
+    check_against(cfg, &known, &path)?;
     let configured: HashSet<u32> = cfg.tenants.iter().filter_map(|t| t.uid).collect();
     let [lo, hi] = cfg.workers.uid_range;
     let mut out = HashMap::new();
     let mut changed = false;
+    // Looked up once, and only when a uid has to be allocated.
+    let mut in_use: Option<HashSet<u32>> = None;
     for t in &cfg.tenants {
         let uid = match t.uid {
             Some(uid) => uid,
             None => match known.get(&t.id) {
                 Some(&uid) if !configured.contains(&uid) => uid,
                 _ => {
+                    let in_use = in_use.get_or_insert_with(uids_in_use);
                     let taken: HashSet<u32> = known
                         .values()
                         .copied()
                         .chain(configured.iter().copied())
                         .collect();
                     let uid = (lo..hi)
-                        .find(|u| !taken.contains(u))
-                        .context("workers.uid_range is exhausted")?;
+                        .find(|u| !taken.contains(u) && !in_use.contains(u))
+                        .context(
+                            "workers.uid_range is exhausted (uids with a passwd entry or a \
+                             running process are skipped)",
+                        )?;
                     known.insert(t.id.clone(), uid);
                     changed = true;
                     uid
@@ -145,5 +238,30 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("exhausted"));
+    }
+
+    #[test]
+    fn a_configured_uid_never_takes_another_tenants_remembered_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = tenant_uids(&cfg(tmp.path(), &tenant("a", 1, ""))).unwrap();
+        assert_eq!(first["a"], (5000, 5000));
+        let c = cfg(
+            tmp.path(),
+            &(tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
+        );
+        for err in [
+            check_remembered_uids(&c).unwrap_err(),
+            tenant_uids(&c).unwrap_err(),
+        ] {
+            let msg = err.to_string();
+            assert!(msg.contains("\"b\"") && msg.contains("\"a\"'s"), "{msg}");
+        }
+        // Also when the remembering tenant is no longer configured: its files keep that uid.
+        let c = cfg(tmp.path(), &tenant("b", 2, "uid = 5000"));
+        assert!(check_remembered_uids(&c).is_err());
+        // A tenant may take its own remembered uid explicitly.
+        let c = cfg(tmp.path(), &tenant("a", 1, "uid = 5000"));
+        check_remembered_uids(&c).unwrap();
+        assert_eq!(tenant_uids(&c).unwrap()["a"], (5000, 5000));
     }
 }

@@ -97,6 +97,7 @@ fn main() -> ExitCode {
 fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let cfg = Config::load(path)?;
     router::tenants::check_worker_programs(&cfg)?;
+    router::identity::check_remembered_uids(&cfg)?;
     Ok(cfg)
 }
 

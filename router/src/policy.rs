@@ -3,8 +3,10 @@
 //!
 //! Defence in depth behind the per-tenant Unix uid (DESIGN.md decision 11), and the only
 //! barrier when tenants share a uid. The session asks [`HostAccessPolicy::check`] for every
-//! client request before routing it; methods not in the table (see `policy/rules.rs`) pass
-//! without their params being parsed.
+//! client request before routing it. Every method of the pinned app-server has a row in the
+//! table (see `policy/rules.rs`): open methods pass without their params being parsed, host
+//! methods take their class's mode, and a method with no row is refused (policy
+//! `"unclassified"`).
 //!
 //! A refusal is a JSON-RPC error with code [`HOST_ACCESS_DENIED`] (`-32003`), message
 //! `"Host access denied by policy: <method> <detail>"` and
@@ -27,7 +29,7 @@ use serde_json::{json, Map, Value};
 
 use crate::jsonrpc::{self, RequestId};
 pub use paths::{resolve, PathError, TenantRoots};
-use rules::{Check, Rule};
+use rules::{Check, Entry, Rule};
 
 /// JSON-RPC error code of a request refused by the host-access policy. Next to app-server's
 /// `-32001` (overloaded) and the router's `-32002` (worker unavailable); unlike those it is not
@@ -49,15 +51,24 @@ pub enum Class {
     /// Writes to the tenant's process-wide config and integrations (`config/value/write`,
     /// `config/batchWrite`, `skills/config/write`, `modelProvider/*` writes,
     /// `experimentalFeature/enablement/set`, `environment/add`, `externalAgentConfig/*`,
-    /// `remoteControl/*` changes, `windowsSandbox/setupStart`).
+    /// `windowsSandbox/setupStart`, `memory/reset`, `rollout/compress`,
+    /// `config/mcpServer/reload`).
     ConfigWrite,
-    /// `account/login*`, `account/logout` and other credential changes.
+    /// `account/login*`, `account/logout`, MCP OAuth logins, credits and other account or
+    /// credential changes.
     Account,
+    /// `remoteControl/*` changes: relaying the worker to an outside service. Also decides
+    /// whether the tenant's workers start with app-server's remote control available at all.
+    RemoteControl,
+    /// `mcpServer/tool/call` and the other direct calls to the tenant's MCP servers.
+    Mcp,
     /// Plugin and marketplace installs, removals and shares.
     Plugins,
     /// Working directories, workspace roots, sandbox and permission choices of threads and
     /// turns, and the discovery cwds of `config/read`, `skills/list`, `hooks/list`, ….
     Workspace,
+    /// A method the table does not name: always refused.
+    Unclassified,
 }
 
 impl Class {
@@ -72,12 +83,25 @@ impl Class {
             Class::Account => "account",
             Class::Plugins => "plugins",
             Class::Workspace => "workspace",
+            Class::RemoteControl => "remote_control",
+            Class::Mcp => "mcp",
+            Class::Unclassified => "unclassified",
         }
     }
 
-    /// The class of a method, if it reaches the host.
+    /// The class of a method, if it reaches the host; [`Class::Unclassified`] if the table does
+    /// not name it.
     pub fn of(method: &str) -> Option<Class> {
-        rules::lookup(method).map(|r| r.class)
+        match rules::lookup(method) {
+            Some(Entry::Host(r)) => Some(r.class),
+            Some(Entry::Open) => None,
+            Some(Entry::Refused) | None => Some(Class::Unclassified),
+        }
+    }
+
+    /// Whether the table names `method` (every method of the pinned app-server must be).
+    pub fn is_classified(method: &str) -> bool {
+        rules::lookup(method).is_some()
     }
 
     /// Whether `confine` means something for this class.
@@ -121,6 +145,11 @@ pub struct PolicyConfig {
     pub account: Option<Mode>,
     /// Plugin installs (`allow` or `deny`).
     pub plugins: Option<Mode>,
+    /// `remoteControl/*` changes, and app-server's remote control in the workers (`allow` or
+    /// `deny`).
+    pub remote_control: Option<Mode>,
+    /// Direct calls to MCP servers (`allow` or `deny`).
+    pub mcp: Option<Mode>,
     /// Thread and turn working directories (`allow` or `confine`).
     pub workspace: Option<Mode>,
     /// Named permission profiles clients may select.
@@ -173,6 +202,8 @@ pub struct HostAccessPolicy {
     config_write: Mode,
     account: Mode,
     plugins: Mode,
+    remote_control: Mode,
+    mcp: Mode,
     workspace: Mode,
     permission_profiles: Vec<String>,
     thread_config_keys: Vec<String>,
@@ -259,6 +290,8 @@ impl PolicyConfig {
             config_write: self.config_write.unwrap_or(d.config_write),
             account: self.account.unwrap_or(d.account),
             plugins: self.plugins.unwrap_or(d.plugins),
+            remote_control: self.remote_control.unwrap_or(d.remote_control),
+            mcp: self.mcp.unwrap_or(d.mcp),
             workspace: self.workspace.unwrap_or(d.workspace),
             permission_profiles: self
                 .permission_profiles
@@ -282,8 +315,9 @@ impl HostAccessPolicy {
     /// confined (the OS keeps other tenants' files out of reach, the policy keeps paths and
     /// sandboxes tidy); `process` and `shell_command` denied (app-server runs them without any
     /// sandbox); config writes, account changes and plugin installs denied (they change the
-    /// tenant's process-wide state and credentials, which the operator provisions);
-    /// `workspace` confined. With one shared uid, `fs` and `command_exec` are denied too:
+    /// tenant's process-wide state and credentials, which the operator provisions); remote
+    /// control and direct MCP calls denied (they reach outside around the router); `workspace`
+    /// confined. With one shared uid, `fs` and `command_exec` are denied too:
     /// app-server's read-only and workspace-write sandboxes still read the whole disk, so a
     /// confined command could read another tenant's files.
     pub fn defaults(shared_uid: bool) -> HostAccessPolicy {
@@ -300,6 +334,8 @@ impl HostAccessPolicy {
             config_write: Mode::Deny,
             account: Mode::Deny,
             plugins: Mode::Deny,
+            remote_control: Mode::Deny,
+            mcp: Mode::Deny,
             workspace: Mode::Confine,
             permission_profiles: DEFAULT_PROFILES.iter().map(|s| (*s).to_owned()).collect(),
             thread_config_keys: DEFAULT_CONFIG_KEYS
@@ -316,6 +352,8 @@ impl HostAccessPolicy {
             Class::ConfigWrite,
             Class::Account,
             Class::Plugins,
+            Class::RemoteControl,
+            Class::Mcp,
         ] {
             if self.mode(class) == Mode::Confine && !class.confinable() {
                 return Err(PolicyError::CannotConfine(class.as_str()));
@@ -338,13 +376,37 @@ impl HostAccessPolicy {
             Class::Account => self.account,
             Class::Plugins => self.plugins,
             Class::Workspace => self.workspace,
+            Class::RemoteControl => self.remote_control,
+            Class::Mcp => self.mcp,
+            Class::Unclassified => Mode::Deny,
         }
+    }
+
+    /// Whether the tenant's workers may run app-server's remote control (`remote_control =
+    /// "allow"`); otherwise they start with it switched off.
+    pub fn allows_remote_control(&self) -> bool {
+        self.remote_control == Mode::Allow
     }
 
     /// Decides one client request. `params` is the raw `params` of the request.
     pub fn check(&self, method: &str, params: Option<&RawValue>, roots: &TenantRoots) -> Decision {
-        let Some(rule) = rules::lookup(method) else {
-            return Decision::Allow;
+        let rule = match rules::lookup(method) {
+            Some(Entry::Open) => return Decision::Allow,
+            Some(Entry::Host(rule)) => rule,
+            Some(Entry::Refused) => {
+                return Decision::Deny(Denial::new(
+                    Class::Unclassified,
+                    method,
+                    "is not served by codex-fleet",
+                ))
+            }
+            None => {
+                return Decision::Deny(Denial::new(
+                    Class::Unclassified,
+                    method,
+                    "is not a method codex-fleet knows",
+                ))
+            }
         };
         match self.mode(rule.class) {
             Mode::Allow => Decision::Allow,

@@ -24,6 +24,8 @@ pub struct ReloadSummary {
     pub tenants: usize,
     /// Tenants removed (their pools stop once their sessions end).
     pub removed: Vec<String>,
+    /// Removed tenants configured again: they keep the pool still serving their old sessions.
+    pub adopted: Vec<String>,
     /// Changes that need a restart and were not applied.
     pub warnings: Vec<String>,
 }
@@ -123,15 +125,21 @@ impl Reloader {
             &cfg,
         );
         let old = self.tenants.current();
-        let rebuilt = Tenants::rebuild(&cfg, &self.worker_metrics, Some(&old))?;
+        let retired = self.retired();
+        let rebuilt = Tenants::rebuild(&cfg, &self.worker_metrics, Some(&old), &retired)?;
+        drop(retired);
         warnings.extend(rebuilt.warnings);
         let removed: Vec<String> = rebuilt.removed.iter().map(|t| t.id.clone()).collect();
+        for id in &rebuilt.adopted {
+            tracing::info!(tenant = %id, "re-added tenant adopts its running workers");
+        }
         let tenants = rebuilt.tenants.iter().count();
         self.tenants.replace(Arc::new(rebuilt.tenants));
-        self.retired
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(rebuilt.removed);
+        {
+            let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+            retired.retain(|t| !rebuilt.adopted.contains(&t.id));
+            retired.extend(rebuilt.removed);
+        }
         for hook in self
             .hooks
             .lock()
@@ -144,12 +152,16 @@ impl Reloader {
         Ok(ReloadSummary {
             tenants,
             removed,
+            adopted: rebuilt.adopted,
             warnings,
         })
     }
 
-    /// Stops the pools of removed tenants that no session uses any more.
+    /// Stops the pools of removed tenants that no session uses any more. Holds off reloads
+    /// meanwhile: a tenant re-added while its old pool stops would get a second pool on the same
+    /// sockets.
     pub(crate) async fn stop_unused(&self, grace: Duration) {
+        let _one = self.running.lock().await;
         let unused: Vec<Arc<Tenant>> = {
             let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
             let (unused, used) = retired.drain(..).partition(|t| Arc::strong_count(t) == 1);

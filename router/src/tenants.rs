@@ -225,6 +225,8 @@ pub struct Rebuilt {
     pub tenants: Tenants,
     /// Tenants no longer configured: their pools stop once their sessions end.
     pub removed: Vec<Arc<Tenant>>,
+    /// Ids of retired tenants configured again: the new set holds their running pools.
+    pub adopted: Vec<String>,
     /// Changes that were not applied (they need a restart).
     pub warnings: Vec<String>,
 }
@@ -232,21 +234,33 @@ pub struct Rebuilt {
 /// Environment variables workers get from codex-fleet's own environment, when set.
 const BASE_ENV: &[&str] = &["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR"];
 
+/// Starts app-server with remote control off for the life of the process, whatever the
+/// tenant's state database remembers (`remoteControl/enable` persists a preference there, and
+/// the tenant's uid can write that file). codex 0.171 reads it in
+/// `app-server/src/transport/remote_control` (`take_remote_control_disabled_env`); the
+/// `remote_control` feature flag is a removed no-op there.
+pub const REMOTE_CONTROL_DISABLED: (&str, &str) =
+    ("CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED", "1");
+
 impl Tenants {
     /// Builds each tenant's pool (min_workers start in the background), its host-access policy
     /// and roots, and — when codex-fleet runs as root — its Unix identity.
     pub fn build(cfg: &Config, metrics: &WorkerMetrics) -> anyhow::Result<Tenants> {
-        Ok(Tenants::rebuild(cfg, metrics, None)?.tenants)
+        Ok(Tenants::rebuild(cfg, metrics, None, &[])?.tenants)
     }
 
     /// Builds the tenants `cfg` names, reusing from `old` every tenant (its running pool, thread
     /// table and sessions) whose worker settings are unchanged; only its pool sizes are updated in
     /// place. A tenant whose worker settings changed keeps its running workers and settings (a
-    /// warning says a restart applies them). Nothing of `old` is touched when this fails.
+    /// warning says a restart applies them). A `retired` tenant (removed earlier, its pool still
+    /// serving open sessions) that `cfg` names again is adopted the same way: a second pool would
+    /// collide with the running one (same socket paths and worker ids) and be quarantined.
+    /// Nothing of `old` is touched when this fails.
     pub fn rebuild(
         cfg: &Config,
         metrics: &WorkerMetrics,
         old: Option<&Tenants>,
+        retired: &[Arc<Tenant>],
     ) -> anyhow::Result<Rebuilt> {
         check_worker_programs(cfg)?;
         let mut warnings = Vec::new();
@@ -269,9 +283,13 @@ impl Tenants {
         } else {
             Default::default()
         };
+        if old.is_none() {
+            crate::identity::warn_about_foreign_processes(&uids);
+        }
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let mut tokens = TokenTable::default();
         let mut resizes = Vec::new();
+        let mut adopted = Vec::new();
         for (index, t) in cfg.tenants.iter().enumerate() {
             for d in &t.token_sha256 {
                 if let Some(digest) = config::parse_digest(d) {
@@ -279,7 +297,14 @@ impl Tenants {
                 }
             }
             let settings = fingerprint(cfg, t);
-            if let Some(existing) = old.and_then(|o| o.iter().find(|e| e.id == t.id)) {
+            let running = old
+                .and_then(|o| o.iter().find(|e| e.id == t.id))
+                .or_else(|| {
+                    let back = retired.iter().find(|e| e.id == t.id)?;
+                    adopted.push(t.id.clone());
+                    Some(back)
+                });
+            if let Some(existing) = running {
                 if existing.settings != settings {
                     warnings.push(format!(
                         "tenant {:?}: worker settings changed; the running ones stay until a restart",
@@ -292,15 +317,21 @@ impl Tenants {
             }
             let program = resolve_program(&cfg.worker_command(t)[0])?;
             let user = uids.get(&t.id).map(|&(uid, gid)| WorkerUser { uid, gid });
-            let pool_cfg = pool_config(cfg, t, &program, &fleet, user);
-            pool_cfg
-                .validate()
-                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
-            let roots = tenant_roots(cfg, t)?;
             let policy = t
                 .policy
                 .resolve(!per_tenant_uid)
                 .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
+            let mut pool_cfg = pool_config(cfg, t, &program, &fleet, user);
+            if !policy.allows_remote_control() {
+                pool_cfg.env.push((
+                    REMOTE_CONTROL_DISABLED.0.into(),
+                    REMOTE_CONTROL_DISABLED.1.into(),
+                ));
+            }
+            pool_cfg
+                .validate()
+                .map_err(|e| anyhow::anyhow!("tenant {:?}: {e}", t.id))?;
+            let roots = tenant_roots(cfg, t)?;
             let pool = Pool::new(pool_cfg, metrics.clone());
             list.push(Tenant::new(t.id.clone(), pool, policy, roots, settings));
         }
@@ -328,6 +359,7 @@ impl Tenants {
                 fleet,
             },
             removed,
+            adopted,
             warnings,
         })
     }
@@ -537,7 +569,7 @@ fn worker_env(cfg: &Config, t: &config::Tenant, program: &Path) -> Vec<(String, 
         .copied()
         .chain(cfg.workers.pass_env.iter().map(String::as_str));
     for name in names {
-        if env.iter().any(|(k, _)| k == name) {
+        if name == REMOTE_CONTROL_DISABLED.0 || env.iter().any(|(k, _)| k == name) {
             continue;
         }
         if let Ok(v) = std::env::var(name) {

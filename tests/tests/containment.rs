@@ -191,7 +191,9 @@ async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> a
                     "TZ",
                     "TMPDIR",
                     "HOME",
-                    "CODEX_HOME"
+                    "CODEX_HOME",
+                    // Set by codex-fleet itself: remote control off (README, Security).
+                    "CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED"
                 ]
                 .contains(&name),
                 "{tenant}'s worker has {name} in its environment"

@@ -1,7 +1,10 @@
-//! The table: which methods reach the host, their class, and every host path or sandbox
-//! field in their params (from `codex app-server generate-json-schema --experimental`, 0.171).
+//! The table: every client method of the pinned app-server (`codex app-server
+//! generate-json-schema --experimental`, 0.171), whether it reaches the host, its class, and
+//! every host path or sandbox field in its params.
 //!
-//! A method absent from this table never touches the host on a client's say-so and passes.
+//! A method absent from this table is refused (default-deny, DESIGN decision 12): a codex upgrade
+//! or a tenant's own worker `command` cannot bring a new method through unclassified.
+//! `router/tests/method_table.rs` keeps the table complete against the pinned binary's schema.
 
 use super::Class;
 
@@ -51,8 +54,20 @@ pub struct Rule {
     pub checks: &'static [Check],
 }
 
-const fn rule(class: Class, checks: &'static [Check]) -> Rule {
-    Rule { class, checks }
+/// How the table classifies a method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    /// Never reaches the host or the tenant's process-wide state on a client's say-so
+    /// (reads, and changes to the client's own threads): forwarded without a look at params.
+    Open,
+    /// Reaches the host: its class's mode applies.
+    Host(Rule),
+    /// Known, and never forwarded whatever the policy (`mock/experimentalMethod`).
+    Refused,
+}
+
+const fn rule(class: Class, checks: &'static [Check]) -> Entry {
+    Entry::Host(Rule { class, checks })
 }
 
 use Check::*;
@@ -83,8 +98,8 @@ const TURN: &[Check] = &[
     Profile("permissions"),
 ];
 
-/// Looks a method up.
-pub fn lookup(method: &str) -> Option<Rule> {
+/// Looks a method up; `None` for a method the table does not name.
+pub fn lookup(method: &str) -> Option<Entry> {
     let r = match method {
         "fs/readFile" | "fs/writeFile" | "fs/createDirectory" | "fs/getMetadata"
         | "fs/readDirectory" | "fs/remove" | "fs/watch" => rule(Class::Fs, &[Path("path")]),
@@ -123,11 +138,24 @@ pub fn lookup(method: &str) -> Option<Rule> {
         | "externalAgentConfig/detect"
         | "externalAgentConfig/import"
         | "externalAgentConfig/import/recordHistory"
-        | "remoteControl/enable"
+        | "externalAgentConfig/import/readHistories"
+        | "windowsSandbox/setupStart"
+        // Process-wide state of the tenant: every thread's memories, every rollout, MCP servers.
+        | "memory/reset"
+        | "rollout/compress"
+        | "config/mcpServer/reload" => rule(Class::ConfigWrite, &[]),
+
+        // Relays the worker to an outside service, around codex-fleet.
+        "remoteControl/enable"
         | "remoteControl/disable"
         | "remoteControl/pairing/start"
-        | "remoteControl/client/revoke"
-        | "windowsSandbox/setupStart" => rule(Class::ConfigWrite, &[]),
+        | "remoteControl/client/revoke" => rule(Class::RemoteControl, &[]),
+
+        // Calls the tenant's MCP servers directly, outside any turn and its approvals.
+        "mcpServer/tool/call"
+        | "mcpServer/resource/read"
+        | "mcpServer/event/stream/start"
+        | "mcpServer/event/stream/stop" => rule(Class::Mcp, &[]),
 
         "account/login/start"
         | "account/login/cancel"
@@ -136,7 +164,15 @@ pub fn lookup(method: &str) -> Option<Rule> {
         | "account/gatewayOAuth/cancel"
         | "account/bedrock/setup"
         | "account/gcp/setup"
-        | "accountSession/switch" => rule(Class::Account, &[]),
+        | "accountSession/switch"
+        | "account/bedrock/discover"
+        | "account/rateLimitResetCredit/consume"
+        | "account/sendAddCreditsNudgeEmail"
+        | "mcpServer/oauth/login"
+        | "userVerification/enroll"
+        | "userVerification/delete"
+        | "userVerification/verify"
+        | "userVerification/cancel" => rule(Class::Account, &[]),
 
         "plugin/install"
         | "plugin/uninstall"
@@ -175,6 +211,105 @@ pub fn lookup(method: &str) -> Option<Rule> {
         "hooks/list" | "skills/list" | "plugin/list" | "plugin/installed" | "plugin/search" => {
             rule(Class::Workspace, &[FilterPaths("cwds")])
         }
+
+        "mock/experimentalMethod" => Entry::Refused,
+
+        // The session and its threads: lifecycle, history, names, goals, queues, search.
+        "initialize"
+        | "thread/archive"
+        | "thread/unarchive"
+        | "thread/delete"
+        | "thread/unsubscribe"
+        | "thread/read"
+        | "thread/list"
+        | "thread/loaded/list"
+        | "thread/turns/list"
+        | "thread/items/list"
+        | "thread/items/read"
+        | "thread/timeline/list"
+        | "thread/readState/update"
+        | "thread/name/set"
+        | "thread/metadata/update"
+        | "thread/goal/set"
+        | "thread/goal/get"
+        | "thread/goal/clear"
+        | "thread/queue/list"
+        | "thread/queue/delete"
+        | "thread/queue/reorder"
+        | "thread/queue/start"
+        | "thread/attachment/add"
+        | "thread/attachment/list"
+        | "thread/attachment/remove"
+        | "thread/attachmentOwner/list"
+        | "thread/section/move"
+        | "thread/memoryMode/set"
+        | "thread/memory/read"
+        | "thread/compact/start"
+        | "thread/revert"
+        | "thread/inject_items"
+        | "thread/sample"
+        | "thread/sample/cancel"
+        | "thread/prediction/request"
+        | "thread/increment_elicitation"
+        | "thread/decrement_elicitation"
+        | "thread/guardianReview"
+        | "thread/approveGuardianDeniedAction"
+        | "thread/backgroundTerminals/list"
+        | "thread/backgroundTerminals/clean"
+        | "thread/backgroundTerminals/terminate"
+        | "thread/search"
+        | "thread/search/cancel"
+        | "thread/search/stream"
+        | "thread/search/stream/cancel"
+        | "thread/searchOccurrences"
+        | "thread/realtime/start"
+        | "thread/realtime/stop"
+        | "thread/realtime/appendAudio"
+        | "thread/realtime/appendText"
+        | "thread/realtime/appendSpeech"
+        | "thread/realtime/list"
+        | "thread/realtime/listVoices"
+        | "turn/interrupt"
+        | "review/start"
+        | "threadSection/list"
+        | "threadSection/create"
+        | "threadSection/update"
+        | "threadSection/delete"
+        | "project/list"
+        | "project/read"
+        | "project/move"
+        | "project/delete"
+        // Catalogues and status reads.
+        | "model/list"
+        | "modelProvider/list"
+        | "modelProvider/capabilities/read"
+        | "collaborationMode/list"
+        | "experimentalFeature/list"
+        | "configRequirements/read"
+        | "app/list"
+        | "app/read"
+        | "app/installed"
+        | "plugin/skill/read"
+        | "plugin/share/list"
+        | "mcpServerStatus/list"
+        | "memory/status"
+        | "server/diagnostics"
+        | "environment/info"
+        | "environment/status"
+        | "windowsSandbox/readiness"
+        | "remoteControl/status/read"
+        | "remoteControl/pairing/status"
+        | "remoteControl/client/list"
+        | "userVerification/status"
+        | "account/read"
+        | "account/rateLimits/read"
+        | "account/usage/read"
+        | "account/workspaceMessages/read"
+        | "account/securitySetup/read"
+        | "account/gatewayOAuth/read"
+        | "account/bedrock/checkGovCloudRequirements"
+        | "accountSession/list" => Entry::Open,
+
         _ => return None,
     };
     Some(r)

@@ -656,6 +656,15 @@ fn every_class_is_reachable_and_named() {
         ("accountSession/switch", Class::Account, "account"),
         ("plugin/uninstall", Class::Plugins, "plugins"),
         ("turn/start", Class::Workspace, "workspace"),
+        (
+            "remoteControl/enable",
+            Class::RemoteControl,
+            "remote_control",
+        ),
+        ("mcpServer/tool/call", Class::Mcp, "mcp"),
+        ("memory/reset", Class::ConfigWrite, "config_write"),
+        ("mcpServer/oauth/login", Class::Account, "account"),
+        ("no/suchMethod", Class::Unclassified, "unclassified"),
     ] {
         assert_eq!(Class::of(method), Some(class), "{method}");
         assert_eq!(class.as_str(), name);

@@ -1,0 +1,116 @@
+//! The host-access table must name every client method of the pinned app-server: the method
+//! list comes from the binary itself (`codex app-server generate-json-schema --experimental`),
+//! so a codex upgrade that adds a method fails here, naming it, instead of the method being
+//! refused in production without anyone having decided its class (DESIGN decision 13).
+//!
+//! Needs `CODEX_BIN` (the pinned native binary); the test command always sets it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use router::policy::{Class, Decision, HostAccessPolicy, TenantRoots};
+use serde_json::Value;
+
+/// Every `method` enum value of a schema's `oneOf` variants.
+fn methods(schema: &Value) -> Vec<String> {
+    schema["oneOf"]
+        .as_array()
+        .expect("a oneOf of message variants")
+        .iter()
+        .flat_map(|v| {
+            v["properties"]["method"]["enum"]
+                .as_array()
+                .expect("each variant names its method")
+                .iter()
+                .map(|m| m.as_str().expect("a method name").to_owned())
+        })
+        .collect()
+}
+
+fn generated_schema(file: &str) -> Value {
+    let bin = PathBuf::from(
+        std::env::var_os("CODEX_BIN")
+            .expect("CODEX_BIN must name the pinned codex binary (ops/test.sh sets it)"),
+    );
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(&bin)
+        .args([
+            "app-server",
+            "generate-json-schema",
+            "--experimental",
+            "--out",
+        ])
+        .arg(out.path())
+        .env("CODEX_HOME", out.path())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
+    assert!(status.success(), "generate-json-schema failed: {status}");
+    let text = std::fs::read_to_string(out.path().join(file)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn every_method_of_the_pinned_app_server_has_a_rule() {
+    let methods = methods(&generated_schema("ClientRequest.json"));
+    // 0.171 with --experimental has 189 (reference/codex-app-server-facts.md §1).
+    assert!(methods.len() > 150, "only {} methods", methods.len());
+    let missing: Vec<&str> = methods
+        .iter()
+        .map(String::as_str)
+        .filter(|m| !Class::is_classified(m))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "methods of the pinned app-server with no row in router/src/policy/rules.rs \
+         (decide each one's class): {missing:?}"
+    );
+}
+
+#[test]
+fn a_method_without_a_rule_is_refused_under_every_policy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let workspace = tmp.path().join("ws");
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&workspace).unwrap();
+    std::fs::create_dir_all(&home).unwrap();
+    let roots = TenantRoots::new(std::slice::from_ref(&workspace), &home).unwrap();
+    let mut allow_all = router::policy::PolicyConfig::default();
+    for mode in [
+        &mut allow_all.fs,
+        &mut allow_all.command_exec,
+        &mut allow_all.process,
+        &mut allow_all.shell_command,
+        &mut allow_all.config_write,
+        &mut allow_all.account,
+        &mut allow_all.plugins,
+        &mut allow_all.remote_control,
+        &mut allow_all.mcp,
+        &mut allow_all.workspace,
+    ] {
+        *mode = Some(router::policy::Mode::Allow);
+    }
+    for policy in [
+        HostAccessPolicy::defaults(false),
+        HostAccessPolicy::defaults(true),
+        allow_all.resolve(false).unwrap(),
+    ] {
+        for method in ["thread/notAMethodYet", "mock/experimentalMethod"] {
+            let Decision::Deny(d) = policy.check(method, None, &roots) else {
+                panic!("{method} passed");
+            };
+            assert_eq!(d.class, Class::Unclassified);
+            assert_eq!(d.to_error_data()["policy"], "unclassified");
+        }
+    }
+}
+
+#[test]
+fn client_notifications_are_not_requests_the_table_must_name() {
+    // The only client notification is `initialized`; the session forwards notifications
+    // without asking the policy, so it needs no row, but a new one should be looked at.
+    assert_eq!(
+        methods(&generated_schema("ClientNotification.json")),
+        ["initialized"]
+    );
+}
