@@ -239,6 +239,9 @@ struct Counts {
     tenants: HashMap<String, TenantState>,
 }
 
+/// A tenant's byte budgets of its sessions' legs: towards its workers, and back.
+type TenantLegBytes = (Arc<tokio::sync::Semaphore>, Arc<tokio::sync::Semaphore>);
+
 /// Admission state shared by every session; see the module docs.
 pub struct Admission {
     cfg: RwLock<Arc<AdmissionConfig>>,
@@ -247,6 +250,8 @@ pub struct Admission {
     workers: Mutex<HashMap<WorkerId, Arc<Semaphore>>>,
     /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
+    /// Per tenant: bytes on its sessions' legs, towards its workers and back.
+    leg_bytes: Mutex<HashMap<String, TenantLegBytes>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -289,6 +294,7 @@ impl Admission {
             counts: Mutex::new(Counts::default()),
             workers: Mutex::new(HashMap::new()),
             queued: Mutex::new(HashMap::new()),
+            leg_bytes: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -486,6 +492,31 @@ impl Admission {
             .or_default()
             .clone();
         QueueBytes::new(total, session_bound, tenant_bound)
+    }
+
+    /// The byte budgets of one session's legs, one per direction (towards the workers, and
+    /// from them to the session), each bounded per session and against the tenant's total.
+    pub fn leg_budgets(
+        &self,
+        tenant: &str,
+        session_bound: usize,
+        tenant_bound: usize,
+    ) -> crate::session::legs::LegBudgets {
+        use crate::session::legs::LegBudget;
+        let (up, down) = lock(&self.leg_bytes)
+            .entry(tenant.to_owned())
+            .or_insert_with(|| {
+                let permits = LegBudget::permits(tenant_bound);
+                (
+                    Arc::new(tokio::sync::Semaphore::new(permits)),
+                    Arc::new(tokio::sync::Semaphore::new(permits)),
+                )
+            })
+            .clone();
+        crate::session::legs::LegBudgets {
+            up: LegBudget::new(session_bound, up, tenant_bound),
+            down: LegBudget::new(session_bound, down, tenant_bound),
+        }
     }
 
     /// Bytes queued towards `tenant`'s clients, over all its sessions.

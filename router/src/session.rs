@@ -193,6 +193,8 @@ struct Session {
     soft_mark: usize,
     /// Bytes queued towards the client, against the session's and the tenant's bounds.
     queued_bytes: Arc<QueueBytes>,
+    /// Bytes on the legs, per direction, per session and per tenant.
+    leg_budgets: legs::LegBudgets,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -214,6 +216,9 @@ where
     let (urgent, urgent_rx) = mpsc::channel(1);
     let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx, queued_bytes.clone()));
     let (events_tx, mut events_rx) = mpsc::channel(LEG_EVENTS);
+    let leg_budgets =
+        ctx.admission
+            .leg_budgets(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
     let mut session = Session {
         ctx,
         out,
@@ -230,6 +235,7 @@ where
         parked: None,
         soft_mark: crate::config::soft_mark(ctx_client_queue),
         queued_bytes,
+        leg_budgets,
     };
     let shutdown = session.ctx.shutdown.clone();
     let admission = session.ctx.admission.clone();
@@ -769,7 +775,8 @@ impl Session {
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
         match ev {
-            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
+            // The frame's room in the leg budget is given back when this arm ends.
+            LegEvent::Frame(worker, text, _bytes) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
         }
     }

@@ -260,6 +260,74 @@ async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_serv
     Ok(())
 }
 
+/// Growth allowed while a client floods a stalled worker: the legs' byte budget (8 MiB here)
+/// plus socket and TLS buffers, far below the 256 frames × 1 MiB the leg queue held before.
+const STALLED_RSS_BOUND_MIB: u64 = 64;
+
+/// The legs are bounded in bytes too: a client that sends megabyte notifications to a worker
+/// that does not read (stopped) fills its session's leg budget, then is simply not read any
+/// more (TCP backpressure); codex-fleet's memory stays within the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("flood", 1, 1)
+        // No hang detection while the worker is stopped on purpose.
+        .workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120")
+        .limits_toml(OPEN_RATES)
+        .limits_toml("max_message_bytes = 2097152\nclient_queue_bytes = 8388608\ntenant_queue_bytes = 8388608")
+        .prepare()
+        .await?;
+    let (child, addr, admin) = spawn_fleet(&files, None).await?;
+    let pid = child.id().context("pid")?;
+    let url = format!("wss://localhost:{}/", addr.port());
+    let ready = async {
+        while !http_get(admin, "/readyz")
+            .await
+            .is_ok_and(|(s, _)| s == 200)
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), ready)
+        .await
+        .context("codex-fleet never became ready")?;
+    let mut flood = Client::connect(&url, &files.ca, Some(&files.token("flood"))).await?;
+    flood.initialize("flood").await?;
+    let workers = e2e::workers_under(&files.dir.path().join("s/tenants/flood"));
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    let worker = nix::unistd::Pid::from_raw(workers[0]);
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGSTOP)?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let baseline = e2e::rss_kib(pid).context("rss")?;
+
+    let pad = "x".repeat(1 << 20);
+    let mut sent = 0;
+    let mut peak = baseline;
+    for _ in 0..300 {
+        let frame = json!({"method": "x/flood", "params": {"pad": pad}}).to_string();
+        match tokio::time::timeout(Duration::from_secs(2), flood.send_text(&frame)).await {
+            Ok(Ok(())) => sent += 1,
+            // Not read any more (or closed): the session holds no more.
+            _ => break,
+        }
+        peak = peak.max(e2e::rss_kib(pid).unwrap_or(0));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    peak = peak.max(e2e::rss_kib(pid).unwrap_or(0));
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGCONT)?;
+    let growth_mib = peak.saturating_sub(baseline) / 1024;
+    println!(
+        "stalled worker: sent {sent} × 1 MiB before the client was not read; codex-fleet grew \
+         {growth_mib} MiB (bound {STALLED_RSS_BOUND_MIB} MiB)"
+    );
+    assert!(sent < 300, "the whole flood was taken in");
+    assert!(
+        growth_mib < STALLED_RSS_BOUND_MIB,
+        "codex-fleet grew by {growth_mib} MiB under a flood towards a stalled worker"
+    );
+    Ok(())
+}
+
 // === item 3: before the upgrade, one request and one deadline ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,11 +3,16 @@
 //! Each leg has a reader and a writer task owned by the [`Leg`]; dropping the leg stops both.
 //! Frames from every leg arrive on the session's one bounded event channel, so a session
 //! that stops reading backpressures its workers instead of buffering without bound.
+//!
+//! Both queues are bounded in bytes as well as in frames ([`LegBudgets`]): a frame waits for room
+//! in its session's budget and its tenant's, so neither a client that floods its workers nor
+//! workers that answer faster than the session can deliver pin more than the bounds.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use worker::{WorkerHandle, WorkerId};
@@ -20,8 +25,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What a leg reports to its session.
 #[derive(Debug)]
 pub enum LegEvent {
-    /// A text frame from the worker.
-    Frame(WorkerId, Utf8Bytes),
+    /// A text frame from the worker, with the room it holds in the session's budget (given
+    /// back when the event is dropped).
+    Frame(WorkerId, Utf8Bytes, LegBytes),
     /// The leg is gone (worker exited, closed the connection, or sent something unusable).
     Closed(WorkerId, String),
 }
@@ -39,12 +45,86 @@ pub enum LegError {
     },
 }
 
+/// Bytes one direction of a session's legs may hold: the session's own bound and its tenant's
+/// total over all its sessions.
+#[derive(Debug, Clone)]
+pub struct LegBudget {
+    session: Arc<Semaphore>,
+    session_max: usize,
+    tenant: Arc<Semaphore>,
+    tenant_max: usize,
+}
+
+/// Room held by one frame in a [`LegBudget`]; dropping it gives the room back.
+#[derive(Debug)]
+pub struct LegBytes {
+    _session: OwnedSemaphorePermit,
+    _tenant: OwnedSemaphorePermit,
+}
+
+// === impl LegBudget ===
+
+impl LegBudget {
+    /// Semaphore permits for a bound in bytes (a semaphore holds fewer than `usize::MAX`).
+    pub fn permits(bound: usize) -> usize {
+        bound.clamp(1, Semaphore::MAX_PERMITS)
+    }
+
+    /// A session's budget of `session_bound` bytes, drawing also on `tenant` (of `tenant_bound`).
+    pub fn new(session_bound: usize, tenant: Arc<Semaphore>, tenant_bound: usize) -> Self {
+        let session_max = Self::permits(session_bound);
+        Self {
+            session: Arc::new(Semaphore::new(session_max)),
+            session_max,
+            tenant,
+            tenant_max: Self::permits(tenant_bound),
+        }
+    }
+
+    /// Waits for room for `len` bytes, first in the session's budget, then in the tenant's (one
+    /// order everywhere). A frame larger than a bound takes all of it rather than waiting forever.
+    pub async fn reserve(&self, len: usize) -> Option<LegBytes> {
+        let take = |max: usize| u32::try_from(len.clamp(1, max)).unwrap_or(u32::MAX);
+        let session = self
+            .session
+            .clone()
+            .acquire_many_owned(take(self.session_max))
+            .await
+            .ok()?;
+        let tenant = self
+            .tenant
+            .clone()
+            .acquire_many_owned(take(self.tenant_max))
+            .await
+            .ok()?;
+        Some(LegBytes {
+            _session: session,
+            _tenant: tenant,
+        })
+    }
+
+    /// Bytes of the session's budget in use.
+    pub fn session_used(&self) -> usize {
+        self.session_max - self.session.available_permits()
+    }
+}
+
+/// A session's two leg budgets.
+#[derive(Debug, Clone)]
+pub struct LegBudgets {
+    /// Client frames queued towards the workers.
+    pub up: LegBudget,
+    /// Worker frames on their way to the session.
+    pub down: LegBudget,
+}
+
 /// One open leg.
 pub struct Leg {
     worker: WorkerId,
     /// Held so the pool counts this leg as a user of the worker (no idle stop under it).
     _handle: WorkerHandle,
-    tx: mpsc::Sender<Message>,
+    tx: mpsc::Sender<(Message, LegBytes)>,
+    up: LegBudget,
     reader: JoinHandle<()>,
     writer: JoinHandle<()>,
 }
@@ -55,6 +135,7 @@ impl Leg {
         handle: WorkerHandle,
         max_message_bytes: usize,
         events: mpsc::Sender<LegEvent>,
+        budgets: LegBudgets,
     ) -> Result<Leg, LegError> {
         let worker = handle.id;
         // Checks the listener is the worker itself; a mismatch is reported to the pool, which
@@ -76,9 +157,10 @@ impl Leg {
             }
         };
         let (mut sink, mut stream) = stream.split();
-        let (tx, mut rx) = mpsc::channel::<Message>(LEG_QUEUE);
+        let (tx, mut rx) = mpsc::channel::<(Message, LegBytes)>(LEG_QUEUE);
         let writer = tokio::spawn(async move {
-            while let Some(msg) = rx.recv().await {
+            // The frame's room is given back once the worker's socket has it.
+            while let Some((msg, _bytes)) = rx.recv().await {
                 if let Err(e) = sink.send(msg).await {
                     tracing::debug!(%worker, error = %e, "leg write failed");
                     break;
@@ -88,9 +170,10 @@ impl Leg {
             let _closed = sink.close().await;
         });
         let exited = handle.clone();
+        let down = budgets.down;
         let reader = tokio::spawn(async move {
             let reason = tokio::select! {
-                r = read_frames(worker, &mut stream, &events) => r,
+                r = read_frames(worker, &mut stream, &events, &down) => r,
                 () = exited.exited() => "worker exited".to_owned(),
             };
             // The session may be gone already; then nobody needs to hear it.
@@ -100,6 +183,7 @@ impl Leg {
             worker,
             _handle: handle,
             tx,
+            up: budgets.up,
             reader,
             writer,
         })
@@ -110,9 +194,13 @@ impl Leg {
         self.worker
     }
 
-    /// Queues a text frame; waits while the leg's queue is full. False if the leg is closed.
+    /// Queues a text frame; waits while the leg's queue or the session's (or tenant's) byte
+    /// budget towards the workers is full. False if the leg is closed.
     pub async fn send(&self, text: String) -> bool {
-        self.tx.send(Message::text(text)).await.is_ok()
+        let Some(bytes) = self.up.reserve(text.len()).await else {
+            return false;
+        };
+        self.tx.send((Message::text(text), bytes)).await.is_ok()
     }
 }
 
@@ -120,11 +208,20 @@ async fn read_frames(
     worker: WorkerId,
     stream: &mut futures_util::stream::SplitStream<worker::LegStream>,
     events: &mpsc::Sender<LegEvent>,
+    budget: &LegBudget,
 ) -> String {
     while let Some(frame) = stream.next().await {
         match frame {
             Ok(Message::Text(text)) => {
-                if events.send(LegEvent::Frame(worker, text)).await.is_err() {
+                // Waiting here stops reading the worker's socket: backpressure, not memory.
+                let Some(bytes) = budget.reserve(text.len()).await else {
+                    return "session ended".into();
+                };
+                if events
+                    .send(LegEvent::Frame(worker, text, bytes))
+                    .await
+                    .is_err()
+                {
                     return "session ended".into();
                 }
             }
@@ -142,5 +239,40 @@ impl Drop for Leg {
     fn drop(&mut self) {
         self.reader.abort();
         self.writer.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(session: usize, tenant: &Arc<Semaphore>, tenant_bound: usize) -> LegBudget {
+        LegBudget::new(session, tenant.clone(), tenant_bound)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn frames_wait_for_room_in_the_session_and_the_tenant() {
+        let tenant = Arc::new(Semaphore::new(150));
+        let a = budget(100, &tenant, 150);
+        let b = budget(100, &tenant, 150);
+        let first = a.reserve(60).await.unwrap();
+        assert_eq!(a.session_used(), 60);
+        // The session's bound: 60 + 50 > 100 waits until the first frame is written.
+        let waiting = tokio::time::timeout(Duration::from_secs(1), a.reserve(50)).await;
+        assert!(waiting.is_err(), "over the session's bound must wait");
+        // The tenant's bound: 60 (a) + 90 (b) = 150, so one more byte for b waits.
+        let b_room = b.reserve(90).await.unwrap();
+        assert!(tokio::time::timeout(Duration::from_secs(1), b.reserve(1))
+            .await
+            .is_err());
+        drop(first);
+        assert!(a.reserve(50).await.is_some(), "room given back is reusable");
+        drop(b_room);
+        // A frame larger than every bound takes the whole budget rather than waiting forever.
+        let huge = a.reserve(10_000).await.unwrap();
+        assert_eq!(a.session_used(), 100);
+        drop(huge);
+        assert_eq!(a.session_used(), 0);
+        assert_eq!(tenant.available_permits(), 150);
     }
 }

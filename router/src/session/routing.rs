@@ -163,12 +163,17 @@ impl Session {
         &mut self,
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
-        let leg = Leg::open(handle, self.ctx.max_message_bytes, self.events_tx.clone())
-            .await
-            .map_err(|e| {
-                tracing::warn!(error = %e, "cannot open leg");
-                Reason::WorkerUnreachable
-            })?;
+        let leg = Leg::open(
+            handle,
+            self.ctx.max_message_bytes,
+            self.events_tx.clone(),
+            self.leg_budgets.clone(),
+        )
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "cannot open leg");
+            Reason::WorkerUnreachable
+        })?;
         self.ctx
             .metrics
             .legs_opened

@@ -49,8 +49,8 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One measured connection.
 enum Conn {
-    Tcp(WebSocketStream<MaybeTlsStream<TcpStream>>),
-    Unix(WebSocketStream<UnixStream>),
+    Tcp(Box<WebSocketStream<MaybeTlsStream<TcpStream>>>),
+    Unix(Box<WebSocketStream<UnixStream>>),
 }
 
 impl Conn {
@@ -121,7 +121,7 @@ async fn connect_ws(url: &str, ca: Option<&Path>, token: Option<&str>) -> anyhow
     let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(req, None, true, connector)
         .await
         .with_context(|| format!("connect {url}"))?;
-    let mut conn = Conn::Tcp(ws);
+    let mut conn = Conn::Tcp(Box::new(ws));
     conn.initialize().await?;
     Ok(conn)
 }
@@ -129,7 +129,7 @@ async fn connect_ws(url: &str, ca: Option<&Path>, token: Option<&str>) -> anyhow
 async fn connect_unix(socket: &Path) -> anyhow::Result<Conn> {
     let stream = UnixStream::connect(socket).await?;
     let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
-    let mut conn = Conn::Unix(ws);
+    let mut conn = Conn::Unix(Box::new(ws));
     conn.initialize().await?;
     Ok(conn)
 }
@@ -211,12 +211,7 @@ fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result
 }
 
 /// HAProxy terminating TLS with the fleet's certificate, relaying to `backend`.
-fn start_haproxy(
-    bin: &Path,
-    dir: &Path,
-    port: u16,
-    backend: u16,
-) -> anyhow::Result<Child> {
+fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: u16) -> anyhow::Result<Child> {
     let pem = dir.join("haproxy.pem");
     let mut combined = std::fs::read_to_string(dir.join("tls.crt"))?;
     combined.push_str(&std::fs::read_to_string(dir.join("tls.key"))?);
@@ -268,7 +263,10 @@ const PATHS: [&str; 4] = ["direct-unix", "fleet", "direct-ws", "haproxy"];
 
 fn report(label: &str, samples: &[Vec<f64>; 4]) -> f64 {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
-    println!("{label}: round trip in µs (p50 / p99 / p99.9), {} rounds", samples[0].len());
+    println!(
+        "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
+        samples[0].len()
+    );
     for (name, s) in PATHS.iter().zip(&s) {
         println!("  {name:<12} {:>8.0} {:>8.0} {:>8.0}", s.p50, s.p99, s.p999);
     }
@@ -335,7 +333,8 @@ async fn main() -> anyhow::Result<()> {
         // Warm every path up (TLS session state, caches, the worker's thread read path).
         for conn in &mut conns {
             for i in 0..20 {
-                conn.call(1_000_000 + i, "thread/read", params.clone()).await?;
+                conn.call(1_000_000 + i, "thread/read", params.clone())
+                    .await?;
             }
         }
         let mut samples: [Vec<f64>; 4] = Default::default();
