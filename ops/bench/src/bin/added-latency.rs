@@ -1,17 +1,18 @@
 //! Added latency, side by side in one run: the same `thread/read` round trip (a thread with one
-//! turn, `includeTurns`) measured four ways, interleaved round by round so that whatever else the
-//! machine does hits every path alike:
+//! turn) measured four ways, interleaved round by round so that whatever else the machine does
+//! hits every path alike:
 //!
 //! - `direct-unix`: WebSocket straight onto the codex-fleet worker's Unix socket;
 //! - `fleet`: wss through codex-fleet (TLS, auth, session, admission, policy, routing, leg) to
 //!   that same worker;
+//! - `haproxy`: wss through HAProxy as a plain TLS WebSocket proxy in front of that same worker's
+//!   Unix socket (`server … unix@…`);
 //! - `direct-ws`: plain `ws://` onto a second app-server on the same CODEX_HOME, listening on
-//!   loopback TCP;
-//! - `haproxy`: wss through HAProxy as a plain TLS WebSocket proxy in front of that `ws://`
-//!   listener.
+//!   loopback TCP (shown for reference only: app-server's TCP listener leaves Nagle on, so its
+//!   two-part writes can wait for the client's delayed ACK, which makes it no fair baseline).
 //!
-//! codex-fleet's added latency is `fleet − direct-unix`; HAProxy's is `haproxy − direct-ws`. The
-//! ratio of the two medians is the number to compare across machines; absolute numbers are not.
+//! Added latency is each proxy's time minus `direct-unix`. The ratio of codex-fleet's added
+//! median to HAProxy's is the number to compare across machines; absolute numbers are not.
 //! Needs `CODEX_BIN`, a built `codex-fleet` (release, beside this binary, or `CODEX_FLEET_BIN`) and
 //! `haproxy` on PATH (`ops/bench/latency.sh` installs it from Debian).
 
@@ -43,6 +44,9 @@ struct Args {
     /// The HAProxy binary.
     #[arg(long, default_value = "haproxy")]
     haproxy: PathBuf,
+    /// Ask for the turns too (`includeTurns`), which reads the rollout from disk on every call.
+    #[arg(long)]
+    include_turns: bool,
 }
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -211,7 +215,7 @@ fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result
 }
 
 /// HAProxy terminating TLS with the fleet's certificate, relaying to `backend`.
-fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: u16) -> anyhow::Result<Child> {
+fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: &str) -> anyhow::Result<Child> {
     let pem = dir.join("haproxy.pem");
     let mut combined = std::fs::read_to_string(dir.join("tls.crt"))?;
     combined.push_str(&std::fs::read_to_string(dir.join("tls.key"))?);
@@ -223,7 +227,7 @@ fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: u16) -> anyhow::Res
             "global\n  maxconn 1000\n\
              defaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  timeout tunnel 1h\n\
              frontend fe\n  bind 127.0.0.1:{port} ssl crt {}\n  default_backend be\n\
-             backend be\n  server w1 127.0.0.1:{backend}\n",
+             backend be\n  server w1 {backend}\n",
             pem.display()
         ),
     )?;
@@ -259,7 +263,7 @@ fn summarize(samples: &[f64]) -> Summary {
     }
 }
 
-const PATHS: [&str; 4] = ["direct-unix", "fleet", "direct-ws", "haproxy"];
+const PATHS: [&str; 4] = ["direct-unix", "fleet", "haproxy", "direct-ws"];
 
 fn report(label: &str, samples: &[Vec<f64>; 4]) -> f64 {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
@@ -272,7 +276,7 @@ fn report(label: &str, samples: &[Vec<f64>; 4]) -> f64 {
     }
     let added = |a: &Summary, b: &Summary| (a.p50 - b.p50, a.p99 - b.p99, a.p999 - b.p999);
     let fleet = added(&s[1], &s[0]);
-    let haproxy = added(&s[3], &s[2]);
+    let haproxy = added(&s[2], &s[0]);
     println!(
         "  added by codex-fleet: {:>6.0} {:>6.0} {:>6.0}",
         fleet.0, fleet.1, fleet.2
@@ -312,23 +316,28 @@ async fn main() -> anyhow::Result<()> {
     let _ws_worker = start_ws_worker(&files, &home, ws_port)?;
     wait_port(ws_port).await?;
     let proxy_port = free_port()?;
-    let _haproxy = start_haproxy(&args.haproxy, &dir, proxy_port, ws_port)?;
+    let _haproxy = start_haproxy(
+        &args.haproxy,
+        &dir,
+        proxy_port,
+        &format!("unix@{}", socket.display()),
+    )?;
     wait_port(proxy_port).await?;
 
-    let params = json!({"threadId": thread, "includeTurns": true});
+    let params = json!({"threadId": thread, "includeTurns": args.include_turns});
     let mut all: [Vec<f64>; 4] = Default::default();
     let mut ratios = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
             connect_unix(&socket).await?,
             connect_ws(&url, Some(&files.ca), Some(&token)).await?,
-            connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
             connect_ws(
                 &format!("wss://localhost:{proxy_port}/"),
                 Some(&files.ca),
                 None,
             )
             .await?,
+            connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
         ];
         // Warm every path up (TLS session state, caches, the worker's thread read path).
         for conn in &mut conns {
