@@ -798,3 +798,98 @@ pub fn workers_under(dir: &Path) -> Vec<i32> {
         })
         .collect()
 }
+
+/// The variable that lets a non-root run skip the tests that need root, explicitly.
+pub const SKIP_ROOT_TESTS: &str = "CODEX_FLEET_SKIP_ROOT_TESTS";
+
+/// Whether a test that needs root should run: true as root; without root it panics (so the test
+/// fails instead of passing unchecked) unless `CODEX_FLEET_SKIP_ROOT_TESTS=1` asks to skip it.
+pub fn root_or_explicit_skip(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var(SKIP_ROOT_TESTS).as_deref() == Ok("1") {
+        eprintln!("skipped ({SKIP_ROOT_TESTS}=1): {what} needs root");
+        return false;
+    }
+    panic!(
+        "{what} needs root and this run is not root: run the suite as root (e.g. `sudo -E bash \
+         ops/test.sh`), or set {SKIP_ROOT_TESTS}=1 to skip the root-only tests knowingly"
+    );
+}
+
+/// The sum of the samples of `name` whose labels include every pair of `labels`, in a Prometheus
+/// text exposition; 0 when there is none (a labelled series appears with its first event).
+pub fn metric_in(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut total = 0.0;
+    for line in text.lines().filter(|l| l.starts_with(name)) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or((line, "0"));
+        let rest = &series[name.len()..];
+        if !(rest.is_empty() || rest.starts_with('{')) {
+            continue;
+        }
+        if labels
+            .iter()
+            .all(|(k, v)| series.contains(&format!("{k}=\"{v}\"")))
+        {
+            total += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+/// [`metric_in`] of the `/metrics` served on an admin address.
+pub async fn metric_at(
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> anyhow::Result<f64> {
+    let (status, text) = http_get(admin, "/metrics").await?;
+    anyhow::ensure!(status == 200, "/metrics answered {status}");
+    Ok(metric_in(&text, name, labels))
+}
+
+/// Ready workers per tenant in a `/readyz` body.
+pub fn readyz_ready_workers(
+    body: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, usize>> {
+    let v: Value = serde_json::from_str(body).with_context(|| format!("/readyz body {body:?}"))?;
+    let tenants = v["tenants"]
+        .as_array()
+        .with_context(|| format!("/readyz without tenants: {v}"))?;
+    Ok(tenants
+        .iter()
+        .map(|t| {
+            let ready = t["workers"]
+                .as_array()
+                .map_or(0, |ws| ws.iter().filter(|w| w["state"] == "ready").count());
+            (t["id"].as_str().unwrap_or_default().to_owned(), ready)
+        })
+        .collect())
+}
+
+// === impl Fleet: metrics ===
+
+impl Fleet {
+    /// [`metric_in`] of this fleet's `/metrics`.
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
+        metric_at(self.admin_addr, name, labels).await
+    }
+}
+
+/// [`wait_until`] for a condition that must await (a metric, `/readyz`, a process' state over
+/// a socket): polls every 20 ms until it holds or `within` passes; its last answer.
+pub async fn wait_until_async<F, Fut>(within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond().await
+}

@@ -10,10 +10,6 @@ use serde_json::{json, Value};
 
 const SECRET: &str = "tenant-b-credential-9d1c";
 
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
 fn write(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
     std::fs::write(path, text)?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
@@ -41,8 +37,7 @@ async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(e2e::Fleet, Clien
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root (the shared-uid test covers non-root)");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -92,8 +87,7 @@ async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -148,8 +142,7 @@ fn environ(pid: i32) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, _a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -284,8 +277,7 @@ fn chown_tree(path: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::Result<()> {
     use tokio::io::AsyncBufReadExt;
-    if !is_root() {
-        eprintln!("skipped: needs root to start codex-fleet as another, unprivileged user");
+    if !e2e::root_or_explicit_skip("starting codex-fleet as another, unprivileged user") {
         return Ok(());
     }
     const NOBODY: u32 = 65534;

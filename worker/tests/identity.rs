@@ -30,8 +30,7 @@ fn owner_and_mode(path: &Path) -> (u32, u32, u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_runs_as_the_tenant_uid() {
     init_tracing();
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: needs root to switch uid");
+    if !root_or_explicit_skip("switching the worker's uid") {
         return;
     }
     let dir = short_dir();
@@ -98,8 +97,7 @@ async fn worker_runs_as_the_tenant_uid() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_home_fails_the_start_clearly() {
     init_tracing();
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: needs root to switch uid");
+    if !root_or_explicit_skip("switching the worker's uid") {
         return;
     }
     // A 0700 folder on the way keeps uid 64001 out.
