@@ -893,3 +893,115 @@ where
     }
     cond().await
 }
+
+/// `codex-fleet serve` as a child process: its ports, and its stderr collected as it comes.
+pub struct FleetProcess {
+    /// The child (killed on drop).
+    pub child: tokio::process::Child,
+    /// The wss address.
+    pub addr: SocketAddr,
+    /// The admin address.
+    pub admin: SocketAddr,
+    stderr: Arc<std::sync::Mutex<String>>,
+}
+
+impl FleetProcess {
+    /// Starts `codex-fleet serve --config FILE` with `CODEX_FLEET_LOG=warn`.
+    pub async fn spawn(files: &FleetFiles) -> anyhow::Result<FleetProcess> {
+        FleetProcess::spawn_with(files, |_| {}).await
+    }
+
+    /// Same, after `configure` adjusted the command (environment, uid).
+    pub async fn spawn_with(
+        files: &FleetFiles,
+        configure: impl FnOnce(&mut tokio::process::Command),
+    ) -> anyhow::Result<FleetProcess> {
+        use tokio::io::AsyncBufReadExt;
+        let mut cmd = tokio::process::Command::new(fleet_bin());
+        cmd.args(["serve", "--config"])
+            .arg(&files.config)
+            .env("CODEX_FLEET_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        configure(&mut cmd);
+        let mut child = cmd.spawn()?;
+        let (addr, admin) = read_addresses(&mut child).await?;
+        let stderr = Arc::new(std::sync::Mutex::new(String::new()));
+        let mut lines = tokio::io::BufReader::new(child.stderr.take().context("stderr")?).lines();
+        let sink = stderr.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(l)) = lines.next_line().await {
+                let mut s = sink
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                s.push_str(&l);
+                s.push('\n');
+            }
+        });
+        Ok(FleetProcess {
+            child,
+            addr,
+            admin,
+            stderr,
+        })
+    }
+
+    /// `wss://localhost:PORT/`
+    pub fn url(&self) -> String {
+        format!("wss://localhost:{}/", self.addr.port())
+    }
+
+    /// Connects and initializes with `token`.
+    pub async fn client(&self, files: &FleetFiles, token: &str) -> anyhow::Result<Client> {
+        let mut c = Client::connect(&self.url(), &files.ca, Some(token)).await?;
+        c.initialize("fleet-process-test").await?;
+        Ok(c)
+    }
+
+    /// Sends `sig` to codex-fleet.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self.child.id().context("codex-fleet already exited")?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig)?;
+        Ok(())
+    }
+
+    /// Its stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Waits until `stderr` has a line containing `needle`, up to `within`.
+    pub async fn wait_for_stderr(&self, needle: &str, within: Duration) -> bool {
+        wait_until(within, || self.stderr().contains(needle)).await
+    }
+
+    /// Waits for it to exit, up to `within`.
+    pub async fn wait(&mut self, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        Ok(tokio::time::timeout(within, self.child.wait())
+            .await
+            .context("codex-fleet did not exit")??)
+    }
+}
+
+/// Sends `request` (raw HTTP/1.1 text) over TLS to `addr` (trusting `ca`, SNI `localhost`) and
+/// returns everything the server sent until it closed, as text.
+pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connector = tokio_rustls::TlsConnector::from(client_tls(ca)?);
+    let tcp = TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    let mut tls = tokio::time::timeout(STEP, connector.connect(name, tcp))
+        .await
+        .context("TLS handshake timed out")??;
+    tls.write_all(request.as_bytes()).await?;
+    let mut buf = Vec::new();
+    // A server that answers and closes ends the read; one that keeps the connection open
+    // after its answer is read up to the timeout.
+    let _read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut buf)).await;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
