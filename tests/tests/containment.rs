@@ -339,3 +339,63 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     assert!(status.success(), "{status:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+        return Ok(());
+    }
+    // a has the default policy; b names a network sandbox, one more profile and one more key.
+    let fleet = FleetBuilder::new()
+        .tenant("a")
+        .tenant("b")
+        .tenant_toml(
+            "[tenants.policy]\nsandbox_network = true\n\
+             permission_profiles = [\":read-only\", \":workspace\", \"team-profile\"]\n\
+             thread_config_keys = [\"model\", \"team_key\"]",
+        )
+        .start()
+        .await?;
+    let mut a = fleet.client("a").await?;
+    let mut b = fleet.client("b").await?;
+    let network = |ws: &Path| {
+        json!({ "command": ["true"], "cwd": ws, "timeoutMs": 10_000,
+                "sandboxPolicy": { "type": "readOnly", "networkAccess": true } })
+    };
+    let cases = [
+        (
+            "command/exec",
+            network(&fleet.workspace("a")),
+            network(&fleet.workspace("b")),
+        ),
+        (
+            "thread/start",
+            json!({ "permissions": "team-profile" }),
+            json!({ "permissions": "team-profile" }),
+        ),
+        (
+            "thread/start",
+            json!({ "config": { "team_key": 1 } }),
+            json!({ "config": { "team_key": 1 } }),
+        ),
+    ];
+    for (method, for_a, for_b) in cases {
+        let r = a.call(method, for_a.clone()).await?;
+        assert!(denied_by_policy(&r), "a: {method} {for_a}: {r}");
+        let r = b.call(method, for_b.clone()).await?;
+        assert!(
+            !denied_by_policy(&r),
+            "b's policy allows {method} {for_b}: {r}"
+        );
+    }
+    // What b's lists do not name is still refused.
+    let r = b
+        .call("thread/start", json!({ "permissions": "other-profile" }))
+        .await?;
+    assert!(denied_by_policy(&r), "{r}");
+    let r = b
+        .call("thread/start", json!({ "config": { "other_key": 1 } }))
+        .await?;
+    assert!(denied_by_policy(&r), "{r}");
+    fleet.stop().await
+}
