@@ -292,3 +292,52 @@ async fn a_connection_silent_in_its_handshake_is_closed_at_the_deadline() -> any
         .await?;
     fleet.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_handshake_headroom_wait_for_a_free_slot() -> anyhow::Result<()> {
+    // max_connections = 1: at most 1 + 1024 TCP connections are open at once (sessions plus
+    // handshakes in progress); the fixture's handshake deadline (5 s) frees the silent ones.
+    let fleet = FleetBuilder::new()
+        .tenant("acme")
+        .limits_toml(
+            "max_connections = 1\nhandshakes_per_sec_per_ip = 100000\nhandshake_burst = 100000",
+        )
+        .start()
+        .await?;
+    let tls_handshake = || async {
+        let connector = tokio_rustls::TlsConnector::from(e2e::client_tls(&fleet.files.ca)?);
+        let tcp = tokio::net::TcpStream::connect(fleet.addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let t = tokio::time::Instant::now();
+        let tls = tokio::time::timeout(e2e::STEP, connector.connect(name, tcp)).await??;
+        Ok::<_, anyhow::Error>((t.elapsed(), tls))
+    };
+    // The control: with nothing else open the handshake is immediate.
+    let (alone, tls) = tls_handshake().await?;
+    drop(tls);
+    let first_opened = tokio::time::Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..1025 {
+        silent.push(tokio::net::TcpStream::connect(fleet.addr).await?);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (waited, _tls) = tls_handshake().await?;
+    // It can only have been served once the first silent connection hit its 5 s deadline.
+    let served_after = first_opened.elapsed();
+    eprintln!(
+        "TLS handshake alone {alone:?}; beyond 1025 open connections {waited:?}, \
+         {served_after:?} after the first of them"
+    );
+    assert!(alone < Duration::from_secs(2), "{alone:?}");
+    assert!(
+        served_after >= Duration::from_millis(4500),
+        "the 1026th connection was served after {served_after:?}, before any slot was free"
+    );
+    drop(silent);
+    fleet
+        .client("acme")
+        .await?
+        .request("thread/loaded/list", json!({}))
+        .await?;
+    fleet.stop().await
+}
