@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use e2e::{
-    agent_text, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder, FleetFiles,
+    agent_text, metric_in, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder,
+    FleetFiles,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -276,15 +277,17 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         "{broken:#}"
     );
     let metrics = fleet.admin_get("/metrics").await?.1;
-    let restarts = metric(
+    let restarts = metric_in(
         &metrics,
-        r#"codex_fleet_worker_restarts_total{tenant="broken"}"#,
+        "codex_fleet_worker_restarts_total",
+        &[("tenant", "broken")],
     );
     assert!(restarts >= 4.0, "restarts counted: {restarts}");
     assert_eq!(
-        metric(
+        metric_in(
             &metrics,
-            r#"codex_fleet_workers{state="quarantined",tenant="broken"}"#
+            "codex_fleet_workers",
+            &[("state", "quarantined"), ("tenant", "broken")]
         ),
         1.0
     );
@@ -328,17 +331,11 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         .await?;
     add_tenant_with_command(&only, "broken", &["/bin/false"])?;
     let fleet = only.start().await?;
-    let mut last;
-    let unready = {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            last = fleet.admin_get("/readyz").await?;
-            if last.0 == 503 || Instant::now() > deadline {
-                break last.0 == 503;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
+    let unready = e2e::wait_until_async(Duration::from_secs(15), || async {
+        fleet.admin_get("/readyz").await.is_ok_and(|r| r.0 == 503)
+    })
+    .await;
+    let last = fleet.admin_get("/readyz").await?;
     assert!(unready, "{last:?}");
     assert!(last.1.contains("no capacity"), "{}", last.1);
     fleet.stop().await?;
@@ -366,14 +363,6 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         .await?;
     assert_eq!(out.status.code(), Some(78));
     Ok(())
-}
-
-/// The value of one sample line of a Prometheus text exposition (0 when absent).
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// `codex-fleet serve` as a child process (the shared fixture).
@@ -530,16 +519,11 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         agent_text(&c.until_turn_completed(&thread).await?),
         Some(reply_text("after the reload"))
     );
-    let grown = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let n = ready_workers_of(&proc).await?;
-            if n >= 3 || Instant::now() > deadline {
-                break n;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
+    e2e::wait_until_async(Duration::from_secs(30), || async {
+        ready_workers_of(&proc).await.is_ok_and(|n| n >= 3)
+    })
+    .await;
+    let grown = ready_workers_of(&proc).await?;
     assert_eq!(grown, 3, "acme min_workers 2 + beta 1");
 
     // An invalid file is refused; the running configuration stays.
@@ -552,11 +536,15 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let m = e2e::http_get(proc.admin, "/metrics").await?.1;
-            let n = metric(&m, r#"codex_fleet_config_reloads_total{result="invalid"}"#);
+            let n = metric_in(
+                &m,
+                "codex_fleet_config_reloads_total",
+                &[("result", "invalid")],
+            );
             if n >= 1.0 || Instant::now() > deadline {
                 break (
                     n,
-                    metric(&m, r#"codex_fleet_config_reloads_total{result="ok"}"#),
+                    metric_in(&m, "codex_fleet_config_reloads_total", &[("result", "ok")]),
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -593,18 +581,12 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
     let files = b.prepare().await?;
     let proc = Proc::spawn(&files).await?;
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(60);
-    loop {
-        let n = ready_workers_of(&proc).await?;
-        if n == 20 {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "only {n} of 20 workers got ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let all_ready = e2e::wait_until_async(Duration::from_secs(60), || async {
+        ready_workers_of(&proc).await.is_ok_and(|n| n == 20)
+    })
+    .await;
+    let n = ready_workers_of(&proc).await?;
+    anyhow::ensure!(all_ready, "only {n} of 20 workers got ready");
     eprintln!("measured: 20 workers ready after {:?}", started.elapsed());
     let sockets = socket_files(files.dir.path());
     let pids = workers_under(files.dir.path());
