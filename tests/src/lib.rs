@@ -916,8 +916,17 @@ impl FleetProcess {
         files: &FleetFiles,
         configure: impl FnOnce(&mut tokio::process::Command),
     ) -> anyhow::Result<FleetProcess> {
+        FleetProcess::spawn_program(&fleet_bin(), files, configure).await
+    }
+
+    /// Same, running `program` (a copy of the codex-fleet binary) instead of [`fleet_bin`].
+    pub async fn spawn_program(
+        program: &Path,
+        files: &FleetFiles,
+        configure: impl FnOnce(&mut tokio::process::Command),
+    ) -> anyhow::Result<FleetProcess> {
         use tokio::io::AsyncBufReadExt;
-        let mut cmd = tokio::process::Command::new(fleet_bin());
+        let mut cmd = tokio::process::Command::new(program);
         cmd.args(["serve", "--config"])
             .arg(&files.config)
             .env("CODEX_FLEET_LOG", "warn")

@@ -276,7 +276,6 @@ fn chown_tree(path: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::Result<()> {
-    use tokio::io::AsyncBufReadExt;
     if !e2e::root_or_explicit_skip("starting codex-fleet as another, unprivileged user") {
         return Ok(());
     }
@@ -286,35 +285,21 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     let bin = files.dir.path().join("codex-fleet");
     std::fs::copy(e2e::fleet_bin(), &bin)?;
     chown_tree(files.dir.path(), NOBODY, NOBODY)?;
-    let mut child = tokio::process::Command::new(&bin)
-        .args(["serve", "--config"])
-        .arg(&files.config)
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("CODEX_FLEET_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let (addr, admin) = e2e::read_addresses(&mut child).await?;
-    let mut err = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let proc = e2e::FleetProcess::spawn_program(&bin, &files, |cmd| {
+        cmd.uid(NOBODY).gid(NOBODY);
+    })
+    .await?;
     // The loud start-up warning.
-    let mut warned = false;
-    while let Ok(Ok(Some(l))) = tokio::time::timeout(Duration::from_secs(5), err.next_line()).await
-    {
-        if l.contains("not running as root") {
-            warned = true;
-            break;
-        }
-    }
-    assert!(warned, "no start-up warning about the shared uid");
-    let (_, body) = e2e::http_get(admin, "/readyz").await?;
+    assert!(
+        proc.wait_for_stderr("not running as root", Duration::from_secs(5))
+            .await,
+        "no start-up warning about the shared uid: {}",
+        proc.stderr()
+    );
+    let (_, body) = e2e::http_get(proc.admin, "/readyz").await?;
     assert!(body.contains("not running as root"), "{body}");
 
-    let url = format!("wss://localhost:{}/", addr.port());
-    let mut c = Client::connect(&url, &files.ca, Some(&files.token("a"))).await?;
-    c.initialize("non-root").await?;
+    let mut c = proc.client(&files, &files.token("a")).await?;
     let workspace = files.dir.path().join("s/workspaces/a");
     write(&workspace.join("mine.txt"), "hello", 0o644)?;
     let r = c
@@ -327,16 +312,16 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     let r = c.call("command/exec", json!({ "command": ["id"] })).await?;
     assert!(denied_by_policy(&r), "{r}");
     // Its workers run as the unprivileged user too (nothing can switch uids).
-    for pid in e2e::workers_under(files.dir.path()) {
+    let workers = e2e::workers_under(files.dir.path());
+    assert!(!workers.is_empty(), "a worker runs");
+    for pid in workers {
         let uid = status_field(pid, "Uid:").unwrap_or_default();
         assert!(uid.starts_with(&NOBODY.to_string()), "worker {pid}: {uid}");
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id().expect("pid") as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )?;
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
-    assert!(status.success(), "{status:?}");
+    let mut proc = proc;
+    proc.signal(nix::sys::signal::Signal::SIGTERM)?;
+    let status = proc.wait(Duration::from_secs(30)).await?;
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
     Ok(())
 }
 
