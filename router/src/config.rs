@@ -747,4 +747,156 @@ token_sha256 = ["{DIGEST}"]
             .to_string()
             .contains("used twice"));
     }
+
+    /// The defaults README's Configuration table documents, for every key with a literal default:
+    /// a minimal file gets exactly those (not whatever `Default` says), and no documented literal
+    /// default goes unchecked.
+    #[test]
+    fn a_minimal_config_gets_the_documented_defaults() {
+        let cfg = Config::parse(&minimal("")).expect("valid");
+        let (w, a, t) = (&cfg.workers, &cfg.limits.admission, &cfg.tenants[0]);
+        let opt = |v: Option<u64>| v.map_or("unset".to_owned(), |v| v.to_string());
+        let actual: Vec<(&str, String)> = vec![
+            (
+                "listen.handshake_timeout_secs",
+                cfg.listen.handshake_timeout_secs.to_string(),
+            ),
+            ("admin.addr", format!("`{}`", cfg.admin.addr)),
+            ("workers.command", format!("`{:?}`", w.command)),
+            (
+                "workers.thread_unload_delay_secs",
+                w.thread_unload_delay_secs.to_string(),
+            ),
+            ("workers.worker_idle_secs", w.worker_idle_secs.to_string()),
+            ("workers.load_mark", w.load_mark.to_string()),
+            ("workers.max_workers", w.max_workers.to_string()),
+            (
+                "workers.config_overrides",
+                format!("`{:?}`", w.config_overrides),
+            ),
+            ("workers.pass_env", format!("`{:?}`", w.pass_env)),
+            (
+                "workers.ready_timeout_secs",
+                w.ready_timeout_secs.to_string(),
+            ),
+            (
+                "workers.health_interval_secs",
+                w.health_interval_secs.to_string(),
+            ),
+            (
+                "workers.health_timeout_secs",
+                w.health_timeout_secs.to_string(),
+            ),
+            ("workers.stop_grace_secs", w.stop_grace_secs.to_string()),
+            ("workers.per_tenant_uid", w.per_tenant_uid.to_string()),
+            (
+                "workers.uid_range",
+                format!("`[{}, {}]`", w.uid_range[0], w.uid_range[1]),
+            ),
+            ("workers.rlimit_nofile", opt(w.rlimit_nofile)),
+            ("workers.rlimit_as_bytes", opt(w.rlimit_as_bytes)),
+            ("workers.rlimit_cpu_secs", opt(w.rlimit_cpu_secs)),
+            ("workers.max_worker_rss_bytes", opt(w.max_worker_rss_bytes)),
+            (
+                "workers.restart_backoff_initial_ms",
+                w.restart_backoff_initial_ms.to_string(),
+            ),
+            (
+                "workers.restart_backoff_max_ms",
+                w.restart_backoff_max_ms.to_string(),
+            ),
+            ("drain.settle_secs", cfg.drain.settle_secs.to_string()),
+            ("drain.timeout_secs", cfg.drain.timeout_secs.to_string()),
+            (
+                "limits.max_message_bytes",
+                cfg.limits.max_message_bytes.to_string(),
+            ),
+            ("limits.client_queue", cfg.limits.client_queue.to_string()),
+            ("limits.max_connections", a.max_connections.to_string()),
+            (
+                "limits.max_connections_per_tenant",
+                a.max_connections_per_tenant.to_string(),
+            ),
+            (
+                "limits.handshakes_per_sec_per_ip",
+                a.handshakes_per_sec_per_ip.to_string(),
+            ),
+            ("limits.handshake_burst", a.handshake_burst.to_string()),
+            ("limits.conn_fps", a.conn_fps.to_string()),
+            ("limits.conn_burst", a.conn_burst.to_string()),
+            ("limits.tenant_rps", a.tenant_rps.to_string()),
+            ("limits.tenant_burst", a.tenant_burst.to_string()),
+            (
+                "limits.turn_start_per_min",
+                a.turn_start_per_min.to_string(),
+            ),
+            ("limits.turn_start_burst", a.turn_start_burst.to_string()),
+            (
+                "limits.max_active_turns_per_tenant",
+                a.max_active_turns_per_tenant.to_string(),
+            ),
+            (
+                "limits.max_in_flight_per_worker",
+                a.max_in_flight_per_worker.to_string(),
+            ),
+            ("limits.in_flight_wait_ms", a.in_flight_wait_ms.to_string()),
+            (
+                "limits.cap_retry_after_ms",
+                a.cap_retry_after_ms.to_string(),
+            ),
+            (
+                "limits.active_turn_ttl_secs",
+                a.active_turn_ttl_secs.to_string(),
+            ),
+            ("tenants[].min_workers", t.min_workers.to_string()),
+            ("tenants[].max_workers", t.max_workers.to_string()),
+            (
+                "tenants[].config_overrides",
+                format!("`{:?}`", t.config_overrides),
+            ),
+            (
+                "tenants[].workspace_roots",
+                format!("`{:?}`", t.workspace_roots),
+            ),
+        ];
+        let readme = include_str!("../../README.md");
+        let documented: Vec<(String, String)> = readme
+            .lines()
+            .filter_map(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                let key = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+                let known = [
+                    "listen.",
+                    "admin.",
+                    "workers.",
+                    "drain.",
+                    "limits.",
+                    "tenants[].",
+                ];
+                known.iter().any(|p| key.starts_with(p)).then(|| {
+                    (
+                        key.to_owned(),
+                        cells.get(2).copied().unwrap_or("").to_owned(),
+                    )
+                })
+            })
+            .collect();
+        for (key, value) in &actual {
+            let doc = documented
+                .iter()
+                .find(|(k, _)| k == key)
+                .unwrap_or_else(|| panic!("README documents no default for {key}"));
+            assert_eq!(&doc.1, value, "README's default for {key}");
+        }
+        // Every other documented default is not a literal (required, allocated, another key's).
+        for (key, doc) in &documented {
+            if !actual.iter().any(|(k, _)| k == key) {
+                assert!(
+                    ["required", "allocated", "see Security", "`workers.command`"]
+                        .contains(&doc.as_str()),
+                    "{key}: documented default {doc} is not checked here"
+                );
+            }
+        }
+    }
 }

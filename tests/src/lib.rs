@@ -816,3 +816,219 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
+
+/// The variable that lets a non-root run skip the tests that need root, explicitly.
+pub const SKIP_ROOT_TESTS: &str = "CODEX_FLEET_SKIP_ROOT_TESTS";
+
+/// Whether a test that needs root should run: true as root; without root it panics (so the test
+/// fails instead of passing unchecked) unless `CODEX_FLEET_SKIP_ROOT_TESTS=1` asks to skip it.
+pub fn root_or_explicit_skip(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var(SKIP_ROOT_TESTS).as_deref() == Ok("1") {
+        eprintln!("skipped ({SKIP_ROOT_TESTS}=1): {what} needs root");
+        return false;
+    }
+    panic!(
+        "{what} needs root and this run is not root: run the suite as root (e.g. `sudo -E bash \
+         ops/test.sh`), or set {SKIP_ROOT_TESTS}=1 to skip the root-only tests knowingly"
+    );
+}
+
+/// The sum of the samples of `name` whose labels include every pair of `labels`, in a Prometheus
+/// text exposition; 0 when there is none (a labelled series appears with its first event).
+pub fn metric_in(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut total = 0.0;
+    for line in text.lines().filter(|l| l.starts_with(name)) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or((line, "0"));
+        let rest = &series[name.len()..];
+        if !(rest.is_empty() || rest.starts_with('{')) {
+            continue;
+        }
+        if labels
+            .iter()
+            .all(|(k, v)| series.contains(&format!("{k}=\"{v}\"")))
+        {
+            total += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+/// [`metric_in`] of the `/metrics` served on an admin address.
+pub async fn metric_at(
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> anyhow::Result<f64> {
+    let (status, text) = http_get(admin, "/metrics").await?;
+    anyhow::ensure!(status == 200, "/metrics answered {status}");
+    Ok(metric_in(&text, name, labels))
+}
+
+/// Ready workers per tenant in a `/readyz` body.
+pub fn readyz_ready_workers(
+    body: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, usize>> {
+    let v: Value = serde_json::from_str(body).with_context(|| format!("/readyz body {body:?}"))?;
+    let tenants = v["tenants"]
+        .as_array()
+        .with_context(|| format!("/readyz without tenants: {v}"))?;
+    Ok(tenants
+        .iter()
+        .map(|t| {
+            let ready = t["workers"]
+                .as_array()
+                .map_or(0, |ws| ws.iter().filter(|w| w["state"] == "ready").count());
+            (t["id"].as_str().unwrap_or_default().to_owned(), ready)
+        })
+        .collect())
+}
+
+// === impl Fleet: metrics ===
+
+impl Fleet {
+    /// [`metric_in`] of this fleet's `/metrics`.
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
+        metric_at(self.admin_addr, name, labels).await
+    }
+}
+
+/// [`wait_until`] for a condition that must await (a metric, `/readyz`, a process' state over
+/// a socket): polls every 20 ms until it holds or `within` passes; its last answer.
+pub async fn wait_until_async<F, Fut>(within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond().await
+}
+
+/// `codex-fleet serve` as a child process: its ports, and its stderr collected as it comes.
+pub struct FleetProcess {
+    /// The child (killed on drop).
+    pub child: tokio::process::Child,
+    /// The wss address.
+    pub addr: SocketAddr,
+    /// The admin address.
+    pub admin: SocketAddr,
+    stderr: Arc<std::sync::Mutex<String>>,
+}
+
+impl FleetProcess {
+    /// Starts `codex-fleet serve --config FILE` with `CODEX_FLEET_LOG=warn`.
+    pub async fn spawn(files: &FleetFiles) -> anyhow::Result<FleetProcess> {
+        FleetProcess::spawn_with(files, |_| {}).await
+    }
+
+    /// Same, after `configure` adjusted the command (environment, uid).
+    pub async fn spawn_with(
+        files: &FleetFiles,
+        configure: impl FnOnce(&mut tokio::process::Command),
+    ) -> anyhow::Result<FleetProcess> {
+        FleetProcess::spawn_program(&fleet_bin(), files, configure).await
+    }
+
+    /// Same, running `program` (a copy of the codex-fleet binary) instead of [`fleet_bin`].
+    pub async fn spawn_program(
+        program: &Path,
+        files: &FleetFiles,
+        configure: impl FnOnce(&mut tokio::process::Command),
+    ) -> anyhow::Result<FleetProcess> {
+        use tokio::io::AsyncBufReadExt;
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(["serve", "--config"])
+            .arg(&files.config)
+            .env("CODEX_FLEET_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        configure(&mut cmd);
+        let mut child = cmd.spawn()?;
+        let (addr, admin) = read_addresses(&mut child).await?;
+        let stderr = Arc::new(std::sync::Mutex::new(String::new()));
+        let mut lines = tokio::io::BufReader::new(child.stderr.take().context("stderr")?).lines();
+        let sink = stderr.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(l)) = lines.next_line().await {
+                let mut s = sink
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                s.push_str(&l);
+                s.push('\n');
+            }
+        });
+        Ok(FleetProcess {
+            child,
+            addr,
+            admin,
+            stderr,
+        })
+    }
+
+    /// `wss://localhost:PORT/`
+    pub fn url(&self) -> String {
+        format!("wss://localhost:{}/", self.addr.port())
+    }
+
+    /// Connects and initializes with `token`.
+    pub async fn client(&self, files: &FleetFiles, token: &str) -> anyhow::Result<Client> {
+        let mut c = Client::connect(&self.url(), &files.ca, Some(token)).await?;
+        c.initialize("fleet-process-test").await?;
+        Ok(c)
+    }
+
+    /// Sends `sig` to codex-fleet.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self.child.id().context("codex-fleet already exited")?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig)?;
+        Ok(())
+    }
+
+    /// Its stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Waits until `stderr` has a line containing `needle`, up to `within`.
+    pub async fn wait_for_stderr(&self, needle: &str, within: Duration) -> bool {
+        wait_until(within, || self.stderr().contains(needle)).await
+    }
+
+    /// Waits for it to exit, up to `within`.
+    pub async fn wait(&mut self, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        Ok(tokio::time::timeout(within, self.child.wait())
+            .await
+            .context("codex-fleet did not exit")??)
+    }
+}
+
+/// Sends `request` (raw HTTP/1.1 text) over TLS to `addr` (trusting `ca`, SNI `localhost`) and
+/// returns everything the server sent until it closed, as text.
+pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connector = tokio_rustls::TlsConnector::from(client_tls(ca)?);
+    let tcp = TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    let mut tls = tokio::time::timeout(STEP, connector.connect(name, tcp))
+        .await
+        .context("TLS handshake timed out")??;
+    tls.write_all(request.as_bytes()).await?;
+    let mut buf = Vec::new();
+    // A server that answers and closes ends the read; one that keeps the connection open
+    // after its answer is read up to the timeout.
+    let _read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut buf)).await;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}

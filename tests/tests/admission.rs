@@ -7,32 +7,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use e2e::{agent_text, reply_text, wait_until, Client, Fleet, FleetBuilder, Upgrade};
+use e2e::{agent_text, reply_text, wait_until, Client, FleetBuilder, Upgrade};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 /// Generous rates, so a test only meets the limit it is about.
 const OPEN_RATES: &str = "tenant_rps = 100000\ntenant_burst = 100000\nconn_fps = 100000\nconn_burst = 100000\nturn_start_per_min = 100000\nturn_start_burst = 1000\nhandshakes_per_sec_per_ip = 1000\nhandshake_burst = 1000";
-
-/// The value of a counter whose labels include all of `labels`; 0 when absent.
-async fn metric(fleet: &Fleet, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
-    let (_, text) = fleet.admin_get("/metrics").await?;
-    let mut total = 0.0;
-    for line in text.lines().filter(|l| l.starts_with(name)) {
-        let (series, value) = line.rsplit_once(' ').unwrap_or((line, "0"));
-        let rest = &series[name.len()..];
-        if !(rest.is_empty() || rest.starts_with('{')) {
-            continue;
-        }
-        if labels
-            .iter()
-            .all(|(k, v)| series.contains(&format!("{k}=\"{v}\"")))
-        {
-            total += value.parse::<f64>().unwrap_or(0.0);
-        }
-    }
-    Ok(total)
-}
 
 /// Asserts the documented `-32001` shape and returns its `data`.
 fn overloaded(resp: &Value, scope: &str) -> Value {
@@ -69,7 +49,8 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Reads answers until every id in `ids` has one; returns them by id.
+/// Reads answers until every id in `ids` has one, then sends one more request and reads up to
+/// its answer, so a late second answer to any of `ids` is seen too; returns them by id.
 async fn answers(c: &mut Client, ids: &[i64]) -> anyhow::Result<HashMap<i64, Value>> {
     let mut want: std::collections::HashSet<i64> = ids.iter().copied().collect();
     let mut got = HashMap::new();
@@ -81,6 +62,16 @@ async fn answers(c: &mut Client, ids: &[i64]) -> anyhow::Result<HashMap<i64, Val
         anyhow::ensure!(want.remove(&id), "unexpected or repeated answer {v}");
         got.insert(id, v);
     }
+    // The sentinel's answer (a result or a refusal) comes after anything still on its way.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sentinel = c.send_request("thread/loaded/list", json!({})).await?;
+    let v = c
+        .wait_for(|v| v.get("method").is_none() && v["id"].is_i64())
+        .await?;
+    anyhow::ensure!(
+        v["id"] == sentinel,
+        "an answer after every request was answered: {v}"
+    );
     Ok(got)
 }
 
@@ -122,12 +113,12 @@ async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(wait)).await;
     a.request("thread/loaded/list", json!({})).await?;
     assert!(
-        metric(
-            &fleet,
-            "codex_fleet_admission_rejections_total",
-            &[("scope", "connection"), ("reason", "connectionRateLimited")]
-        )
-        .await?
+        fleet
+            .metric(
+                "codex_fleet_admission_rejections_total",
+                &[("scope", "connection"), ("reason", "connectionRateLimited")]
+            )
+            .await?
             >= refused.len() as f64
     );
 
@@ -141,6 +132,18 @@ async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
         close,
         Some((1008, "frame rate limit exceeded".to_owned())),
         "a notification flood is closed with 1008"
+    );
+    // Responses cannot be answered either: a flood of them is closed the same way.
+    let mut d = fleet.client("acme").await?;
+    for id in 0..30 {
+        d.send(&json!({ "id": 1_000_000 + id, "result": {} }))
+            .await?;
+    }
+    let close = d.recv_close_frame(e2e::STEP).await?;
+    assert_eq!(
+        close,
+        Some((1008, "frame rate limit exceeded".to_owned())),
+        "a response flood is closed with 1008"
     );
     b.request("thread/loaded/list", json!({})).await?;
     fleet.stop().await
@@ -238,11 +241,12 @@ async fn a_flooding_tenant_is_refused_while_another_keeps_its_latency() -> anyho
         loaded.as_secs_f64() / unloaded.as_secs_f64(),
         refused.len()
     );
-    // Sub-millisecond medians jitter by scheduling alone; 1 ms is the floor we compare against.
-    let floor = unloaded.max(Duration::from_millis(1));
+    // Measured ratio about 1.0 (3.9 ms both). Medians of a few ms jitter by scheduling alone on a
+    // shared 2-core machine, so the bound is 3x, over a 2 ms floor.
+    let floor = unloaded.max(Duration::from_millis(2));
     assert!(
-        loaded <= floor * 2,
-        "calm tenant latency {loaded:?} exceeds twice its unloaded median {unloaded:?}"
+        loaded <= floor * 3,
+        "calm tenant latency {loaded:?} exceeds three times its unloaded median {unloaded:?}"
     );
     calm.close().await;
     fleet.stop().await
@@ -287,7 +291,7 @@ async fn the_worker_in_flight_cap_answers_every_pipelined_request() -> anyhow::R
         let r = other.call("thread/loaded/list", json!({})).await?;
         other_lat.push(t.elapsed());
         if r.get("error").is_some() {
-            overloaded(&r, "worker");
+            assert_eq!(overloaded(&r, "worker")["reason"], "workerBusy", "{r}");
             other_refused += 1;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -313,14 +317,27 @@ async fn the_worker_in_flight_cap_answers_every_pipelined_request() -> anyhow::R
         median(other_lat.clone()),
         other_lat.iter().max().copied().unwrap_or_default()
     );
+    // The other session kept working: every request answered (the `?` above), refusals only
+    // the documented workerBusy (checked by `overloaded`), most served, and none waited much
+    // past `in_flight_wait_ms` (250 ms) for a slot; 5 s leaves room for a loaded machine.
+    assert!(
+        other_refused <= other_lat.len() / 2,
+        "the other session was mostly refused: {other_refused} of {}",
+        other_lat.len()
+    );
+    let slowest = other_lat.iter().max().copied().unwrap_or_default();
+    assert!(
+        slowest < Duration::from_secs(5),
+        "the other session waited {slowest:?} for an answer"
+    );
     // The worker never saw more than 8 at once, so it never shed on its own.
     assert_eq!(
-        metric(
-            &fleet,
-            "codex_fleet_admission_rejections_total",
-            &[("reason", "workerOverloaded")]
-        )
-        .await?,
+        fleet
+            .metric(
+                "codex_fleet_admission_rejections_total",
+                &[("reason", "workerOverloaded")]
+            )
+            .await?,
         0.0
     );
     // With one slot and a 1 ms wait (applied like a reload), the cap now sheds: still one answer
@@ -425,13 +442,32 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
         assert!(retry.is_some_and(|s| s >= 1), "{body}");
         assert!(body.contains("handshakeRateLimited"), "{body}");
     }
-    for (reason, at_least) in [("handshake_rate", 2.0), ("connection_cap", 2.0)] {
-        let n = metric(
-            &fleet,
-            "codex_fleet_upgrades_refused_total",
-            &[("reason", reason)],
+    // The 429 also says `Connection: close` (and Retry-After). The rate refills at 1/s, so on a
+    // slow machine one attempt may be admitted; the header is what this checks.
+    let mut head = String::new();
+    for _ in 0..3 {
+        let raw = e2e::https_raw(
+            fleet.addr,
+            &ca,
+            "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n",
         )
         .await?;
+        head = raw
+            .split("\r\n\r\n")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        if head.starts_with("http/1.1 429") {
+            break;
+        }
+    }
+    assert!(head.starts_with("http/1.1 429"), "{head}");
+    assert!(head.contains("\r\nconnection: close"), "{head}");
+    assert!(head.contains("\r\nretry-after: "), "{head}");
+    for (reason, at_least) in [("handshake_rate", 2.0), ("connection_cap", 2.0)] {
+        let n = fleet
+            .metric("codex_fleet_upgrades_refused_total", &[("reason", reason)])
+            .await?;
         assert!(n >= at_least, "{reason}: {n}");
     }
     fleet.stop().await
@@ -483,12 +519,12 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
         c.backlog
     );
     assert_eq!(
-        metric(
-            &fleet,
-            "codex_fleet_client_errors_total",
-            &[("reason", "unknown_response")]
-        )
-        .await?,
+        fleet
+            .metric(
+                "codex_fleet_client_errors_total",
+                &[("reason", "unknown_response")]
+            )
+            .await?,
         2.0
     );
     // Too big: 1009.
@@ -582,14 +618,18 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
         .await?;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let dropped_before = metric(&fleet, "codex_fleet_client_deltas_dropped_total", &[]).await?;
+    let dropped_before = fleet
+        .metric("codex_fleet_client_deltas_dropped_total", &[])
+        .await?;
     let (loaded, fast_deltas) =
         timed_turn(&mut fast, &thread, &format!("MANY{DELTAS} shared")).await?;
     let sent = reply_text(&format!("MANY{DELTAS} shared"))
         .split_inclusive(' ')
         .count();
-    let dropped =
-        metric(&fleet, "codex_fleet_client_deltas_dropped_total", &[]).await? - dropped_before;
+    let dropped = fleet
+        .metric("codex_fleet_client_deltas_dropped_total", &[])
+        .await?
+        - dropped_before;
     let rss_after = rss_bytes();
     // Small answers now fill its queue to the hard mark.
     for _ in 0..600 {
@@ -612,9 +652,13 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
         close,
         Some((1008, "client is not reading fast enough".to_owned()))
     );
+    // The counter is the fleet's: deltas the fast subscriber missed may be in it too, so only
+    // drops beyond those are the slow client's.
+    let fast_missed = (sent - fast_deltas) as f64;
     assert!(
-        dropped > 0.0,
-        "deltas above the soft mark are dropped for the slow client"
+        dropped > fast_missed,
+        "deltas above the soft mark are dropped for the slow client: {dropped} dropped, of which \
+         up to {fast_missed} may be the fast subscriber's"
     );
     assert!(
         loaded <= baseline * 2 + Duration::from_secs(1),

@@ -15,14 +15,9 @@ use serde_json::json;
 
 /// Root is needed for per-tenant uids; without it these tests fail unless explicitly skipped.
 fn root_or_skip() -> anyhow::Result<bool> {
-    if nix::unistd::geteuid().is_root() {
-        return Ok(true);
-    }
-    if std::env::var_os("CODEX_FLEET_SKIP_ROOT_TESTS").is_some() {
-        eprintln!("skipped: CODEX_FLEET_SKIP_ROOT_TESTS is set and this is not root");
-        return Ok(false);
-    }
-    bail!("these tests need root (per-tenant uids); set CODEX_FLEET_SKIP_ROOT_TESTS=1 to skip them")
+    Ok(e2e::root_or_explicit_skip(
+        "the worker-socket boundary (per-tenant uids)",
+    ))
 }
 
 /// The uid and gid a tenant's workers run as (from codex-fleet's record of allocated uids).
@@ -67,15 +62,6 @@ fn worker_pid(fleet: &Fleet, tenant: &str) -> Option<u32> {
         .iter()
         .find(|w| w.state.as_str() == "ready")
         .and_then(|w| w.pid)
-}
-
-/// One sample of a counter on the admin port (0 when absent).
-async fn counter(fleet: &Fleet, series: &str) -> anyhow::Result<f64> {
-    let (_, body) = fleet.admin_get("/metrics").await?;
-    Ok(body
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0))
 }
 
 /// Tenant A links its socket path to tenant B's worker socket. A's next session must not reach B's
@@ -174,21 +160,23 @@ async fn a_socket_path_linked_to_another_tenants_worker_never_reaches_it() -> an
 
     // A's worker was replaced (counted as a fault), B's kept running and serving.
     assert!(
-        counter(
-            &fleet,
-            "codex_fleet_worker_exits_total{reason=\"fault\",tenant=\"a\"}"
-        )
-        .await?
+        fleet
+            .metric(
+                "codex_fleet_worker_exits_total",
+                &[("reason", "fault"), ("tenant", "a")]
+            )
+            .await?
             >= 1.0
     );
     assert_ne!(worker_pid(&fleet, "a"), Some(a_pid));
     assert_eq!(worker_pid(&fleet, "b"), Some(b_pid), "B's worker untouched");
     assert_eq!(
-        counter(
-            &fleet,
-            "codex_fleet_worker_exits_total{reason=\"fault\",tenant=\"b\"}"
-        )
-        .await?,
+        fleet
+            .metric(
+                "codex_fleet_worker_exits_total",
+                &[("reason", "fault"), ("tenant", "b")]
+            )
+            .await?,
         0.0
     );
     let again = b.request("thread/list", json!({})).await?;

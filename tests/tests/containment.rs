@@ -10,10 +10,6 @@ use serde_json::{json, Value};
 
 const SECRET: &str = "tenant-b-credential-9d1c";
 
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
 fn write(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
     std::fs::write(path, text)?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
@@ -41,8 +37,7 @@ async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(e2e::Fleet, Clien
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root (the shared-uid test covers non-root)");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -92,8 +87,7 @@ async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -148,8 +142,7 @@ fn environ(pid: i32) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> anyhow::Result<()> {
-    if !is_root() {
-        eprintln!("skipped: per-tenant uids need root");
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, _a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -285,9 +278,7 @@ fn chown_tree(path: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::Result<()> {
-    use tokio::io::AsyncBufReadExt;
-    if !is_root() {
-        eprintln!("skipped: needs root to start codex-fleet as another, unprivileged user");
+    if !e2e::root_or_explicit_skip("starting codex-fleet as another, unprivileged user") {
         return Ok(());
     }
     const NOBODY: u32 = 65534;
@@ -296,35 +287,21 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     let bin = files.dir.path().join("codex-fleet");
     std::fs::copy(e2e::fleet_bin(), &bin)?;
     chown_tree(files.dir.path(), NOBODY, NOBODY)?;
-    let mut child = tokio::process::Command::new(&bin)
-        .args(["serve", "--config"])
-        .arg(&files.config)
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("CODEX_FLEET_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let (addr, admin) = e2e::read_addresses(&mut child).await?;
-    let mut err = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let proc = e2e::FleetProcess::spawn_program(&bin, &files, |cmd| {
+        cmd.uid(NOBODY).gid(NOBODY);
+    })
+    .await?;
     // The loud start-up warning.
-    let mut warned = false;
-    while let Ok(Ok(Some(l))) = tokio::time::timeout(Duration::from_secs(5), err.next_line()).await
-    {
-        if l.contains("not running as root") {
-            warned = true;
-            break;
-        }
-    }
-    assert!(warned, "no start-up warning about the shared uid");
-    let (_, body) = e2e::http_get(admin, "/readyz").await?;
+    assert!(
+        proc.wait_for_stderr("not running as root", Duration::from_secs(5))
+            .await,
+        "no start-up warning about the shared uid: {}",
+        proc.stderr()
+    );
+    let (_, body) = e2e::http_get(proc.admin, "/readyz").await?;
     assert!(body.contains("not running as root"), "{body}");
 
-    let url = format!("wss://localhost:{}/", addr.port());
-    let mut c = Client::connect(&url, &files.ca, Some(&files.token("a"))).await?;
-    c.initialize("non-root").await?;
+    let mut c = proc.client(&files, &files.token("a")).await?;
     let workspace = files.dir.path().join("s/workspaces/a");
     write(&workspace.join("mine.txt"), "hello", 0o644)?;
     let r = c
@@ -337,15 +314,75 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     let r = c.call("command/exec", json!({ "command": ["id"] })).await?;
     assert!(denied_by_policy(&r), "{r}");
     // Its workers run as the unprivileged user too (nothing can switch uids).
-    for pid in e2e::workers_under(files.dir.path()) {
+    let workers = e2e::workers_under(files.dir.path());
+    assert!(!workers.is_empty(), "a worker runs");
+    for pid in workers {
         let uid = status_field(pid, "Uid:").unwrap_or_default();
         assert!(uid.starts_with(&NOBODY.to_string()), "worker {pid}: {uid}");
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id().expect("pid") as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )?;
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
-    assert!(status.success(), "{status:?}");
+    let mut proc = proc;
+    proc.signal(nix::sys::signal::Signal::SIGTERM)?;
+    let status = proc.wait(Duration::from_secs(30)).await?;
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+        return Ok(());
+    }
+    // a has the default policy; b names a network sandbox, one more profile and one more key.
+    let fleet = FleetBuilder::new()
+        .tenant("a")
+        .tenant("b")
+        .tenant_toml(
+            "[tenants.policy]\nsandbox_network = true\n\
+             permission_profiles = [\":read-only\", \":workspace\", \"team-profile\"]\n\
+             thread_config_keys = [\"model\", \"team_key\"]",
+        )
+        .start()
+        .await?;
+    let mut a = fleet.client("a").await?;
+    let mut b = fleet.client("b").await?;
+    let network = |ws: &Path| {
+        json!({ "command": ["true"], "cwd": ws, "timeoutMs": 10_000,
+                "sandboxPolicy": { "type": "readOnly", "networkAccess": true } })
+    };
+    let cases = [
+        (
+            "command/exec",
+            network(&fleet.workspace("a")),
+            network(&fleet.workspace("b")),
+        ),
+        (
+            "thread/start",
+            json!({ "permissions": "team-profile" }),
+            json!({ "permissions": "team-profile" }),
+        ),
+        (
+            "thread/start",
+            json!({ "config": { "team_key": 1 } }),
+            json!({ "config": { "team_key": 1 } }),
+        ),
+    ];
+    for (method, for_a, for_b) in cases {
+        let r = a.call(method, for_a.clone()).await?;
+        assert!(denied_by_policy(&r), "a: {method} {for_a}: {r}");
+        let r = b.call(method, for_b.clone()).await?;
+        assert!(
+            !denied_by_policy(&r),
+            "b's policy allows {method} {for_b}: {r}"
+        );
+    }
+    // What b's lists do not name is still refused.
+    let r = b
+        .call("thread/start", json!({ "permissions": "other-profile" }))
+        .await?;
+    assert!(denied_by_policy(&r), "{r}");
+    let r = b
+        .call("thread/start", json!({ "config": { "other_key": 1 } }))
+        .await?;
+    assert!(denied_by_policy(&r), "{r}");
+    fleet.stop().await
 }

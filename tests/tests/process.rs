@@ -1,55 +1,36 @@
-//! codex-fleet as a real process: no worker outlives it, whether it is stopped or killed.
+//! codex-fleet as a real process: signals (SIGTERM, SIGINT, a second one, SIGKILL) leave no
+//! worker behind; workers get only the allowlisted environment; start-up warnings; the npm launcher.
 
-use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{workers_under, Client, FleetBuilder, FleetFiles};
+use e2e::{agent_text, reply_text, workers_under, Client, FleetBuilder, FleetFiles, FleetProcess};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-/// Starts `codex-fleet serve` and reads the bound address from its first stdout line.
-async fn spawn_fleet(files: &FleetFiles) -> anyhow::Result<(Child, SocketAddr)> {
-    let mut child = Command::new(e2e::fleet_bin())
-        .args(["serve", "--config"])
-        .arg(&files.config)
-        .env("CODEX_FLEET_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let (addr, _admin) = e2e::read_addresses(&mut child).await?;
-    Ok((child, addr))
-}
-
+/// Waits up to `within` for `pids` to be gone; those still alive.
 async fn wait_gone(pids: &[i32], within: Duration) -> Vec<i32> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let alive: Vec<i32> = pids
-            .iter()
+    let alive = || -> Vec<i32> {
+        pids.iter()
             .copied()
             .filter(|p| e2e::process_alive(*p))
-            .collect();
-        if alive.is_empty() || tokio::time::Instant::now() >= deadline {
-            return alive;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            .collect()
+    };
+    e2e::wait_until(within, || alive().is_empty()).await;
+    alive()
 }
 
 async fn fleet_with_a_busy_worker() -> anyhow::Result<(FleetFiles, Child, Client)> {
     let files = FleetBuilder::new().tenant("acme").prepare().await?;
-    let (child, addr) = spawn_fleet(&files).await?;
-    let url = format!("wss://localhost:{}/", addr.port());
-    let mut c = Client::connect(&url, &files.ca, Some(&files.token("acme"))).await?;
-    c.initialize("process-test").await?;
+    let proc = FleetProcess::spawn(&files).await?;
+    let mut c = proc.client(&files, &files.token("acme")).await?;
     let thread = c.start_thread().await?;
     c.start_turn(&thread, "a turn before the signal").await?;
     c.until_turn_completed(&thread).await?;
-    Ok((files, child, c))
+    Ok((files, proc.child, c))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,4 +165,178 @@ async fn dev_serves_a_turn_with_the_printed_credentials() -> anyhow::Result<()> 
     let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
     assert!(status.success(), "{status:?}");
     Ok(())
+}
+
+/// A fleet process with a turn running on `thread` (SLOW`secs`), and its worker pids.
+async fn fleet_mid_turn(
+    secs: u64,
+) -> anyhow::Result<(FleetFiles, FleetProcess, Client, String, Vec<i32>)> {
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .drain_toml("settle_secs = 0\ntimeout_secs = 60")
+        .prepare()
+        .await?;
+    let proc = FleetProcess::spawn(&files).await?;
+    let mut c = proc.client(&files, &files.token("acme")).await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, &format!("SLOW{secs} a turn across the signal"))
+        .await?;
+    c.notification("turn/started").await?;
+    let workers = workers_under(files.dir.path());
+    assert!(!workers.is_empty(), "a worker should be running");
+    Ok((files, proc, c, thread, workers))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_drains_like_sigterm() -> anyhow::Result<()> {
+    let (files, mut proc, mut c, thread, workers) = fleet_mid_turn(3).await?;
+    proc.signal(Signal::SIGINT)?;
+    // The running turn finishes, then the session closes with 1001 and codex-fleet exits 0.
+    let msgs = c.until_turn_completed(&thread).await?;
+    let done = msgs.last().context("turn/completed")?;
+    assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
+    assert_eq!(
+        agent_text(&msgs),
+        Some(reply_text("SLOW3 a turn across the signal"))
+    );
+    assert_eq!(c.recv_close(Duration::from_secs(15)).await?, Some(1001));
+    let status = proc.wait(Duration::from_secs(30)).await?;
+    assert!(status.success(), "{status:?}: {}", proc.stderr());
+    let left = wait_gone(&workers, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
+    assert!(workers_under(files.dir.path()).is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_exits_at_once_with_130() -> anyhow::Result<()> {
+    let (files, mut proc, _c, _thread, workers) = fleet_mid_turn(60).await?;
+    proc.signal(Signal::SIGTERM)?;
+    // The drain waits for the 60 s turn: codex-fleet is still running a moment later.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        proc.child.try_wait()?.is_none(),
+        "codex-fleet must still be draining: {}",
+        proc.stderr()
+    );
+    proc.signal(Signal::SIGTERM)?;
+    // "At once": far below the 60 s turn and the 60 s drain timeout.
+    let status = proc.wait(Duration::from_secs(10)).await?;
+    assert_eq!(status.code(), Some(130), "{status:?}: {}", proc.stderr());
+    let left = wait_gone(&workers, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
+    assert!(workers_under(files.dir.path()).is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_get_only_the_allowlisted_environment_and_pass_env() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .workers_toml("pass_env = [\"FLEET_TEST_PASSED\"]")
+        .tenant("acme")
+        .prepare()
+        .await?;
+    let proc = FleetProcess::spawn_with(&files, |cmd| {
+        cmd.env("FLEET_TEST_PASSED", "passed-value")
+            .env("FLEET_TEST_SECRET", "must-not-leak");
+    })
+    .await?;
+    let _c = proc.client(&files, &files.token("acme")).await?;
+    let workers = workers_under(files.dir.path());
+    assert!(!workers.is_empty(), "a worker should be running");
+    let allowed = [
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "HOME",
+        "CODEX_HOME",
+        "FLEET_TEST_PASSED",
+    ];
+    for pid in workers {
+        let env = std::fs::read(format!("/proc/{pid}/environ"))?;
+        let vars: Vec<String> = env
+            .split(|b| *b == 0)
+            .filter(|kv| !kv.is_empty())
+            .map(|kv| String::from_utf8_lossy(kv).into_owned())
+            .collect();
+        assert!(
+            vars.iter().any(|kv| kv == "FLEET_TEST_PASSED=passed-value"),
+            "pass_env reaches the worker: {vars:?}"
+        );
+        for kv in &vars {
+            let name = kv.split('=').next().unwrap_or_default();
+            assert!(allowed.contains(&name), "worker {pid} has {kv}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_warns_about_its_own_files_readable_by_others() -> anyhow::Result<()> {
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let warning = "readable by other users";
+    // As written by the fixture (0600): no warning.
+    let quiet = FleetProcess::spawn(&files).await?;
+    quiet.client(&files, &files.token("acme")).await?;
+    assert!(!quiet.stderr().contains(warning), "{}", quiet.stderr());
+    drop(quiet);
+    let key = files.dir.path().join("tls.key");
+    for path in [&files.config, &key] {
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    }
+    let loud = FleetProcess::spawn(&files).await?;
+    assert!(
+        loud.wait_for_stderr(warning, Duration::from_secs(10)).await,
+        "no start-up warning: {}",
+        loud.stderr()
+    );
+    let text = loud.stderr();
+    for path in [&files.config, &key] {
+        assert!(
+            text.lines()
+                .any(|l| l.contains(warning) && l.contains(&path.display().to_string())),
+            "no warning naming {}: {text}",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_npm_launcher_is_resolved_to_the_native_binary() -> anyhow::Result<()> {
+    // CODEX_BIN is <modules>/@openai/codex-linux-x64/vendor/<triple>/bin/codex; the npm
+    // launcher of the same install is <modules>/@openai/codex/bin/codex.js.
+    let native = std::fs::canonicalize(e2e::codex_bin())?;
+    let scope = native
+        .ancestors()
+        .nth(5)
+        .context("CODEX_BIN is not inside an npm install")?;
+    let launcher = scope.join("codex/bin/codex.js");
+    assert!(
+        launcher.is_file(),
+        "{} is missing: CODEX_BIN must come from `npm install @openai/codex` (ops/install-codex.sh)",
+        launcher.display()
+    );
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let q = |p: &std::path::Path| serde_json::to_string(&p.display().to_string()).expect("string");
+    let text = std::fs::read_to_string(&files.config)?;
+    let swapped = text.replace(&q(&e2e::codex_bin()), &q(&launcher));
+    assert_ne!(text, swapped, "workers.command names the codex binary");
+    std::fs::write(&files.config, swapped)?;
+    let fleet = files.start().await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "through the launcher").await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("through the launcher")));
+    let workers = workers_under(fleet.files.dir.path());
+    assert!(!workers.is_empty());
+    for pid in workers {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))?;
+        assert_eq!(exe, native, "worker {pid} runs {}", exe.display());
+    }
+    fleet.stop().await
 }

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use anyhow::Context;
 use e2e::{agent_text, ready_workers, reply_text, wait_until, FleetBuilder};
 use futures_util::future::try_join_all;
 use serde_json::{json, Value};
@@ -128,19 +129,62 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
     assert_eq!(resolved_b["params"]["requestId"], ask_b["id"]);
     let resolved_a = a.notification("serverRequest/resolved").await?;
     assert_eq!(resolved_a["params"]["requestId"], ask_a["id"]);
-    // A's late answer is not forwarded: the request is resolved for A's session too.
+    // A's late answer is dropped and counted, not forwarded: the request is resolved for A's
+    // session too, and the command below completes as B's accept decided.
+    let unknown = [("reason", "unknown_response")];
+    let before = fleet
+        .metric("codex_fleet_client_errors_total", &unknown)
+        .await?;
     a.send(&json!({ "id": ask_a["id"], "result": { "decision": "decline" } }))
         .await?;
-    let msgs_a = a.until_turn_completed(&thread).await?;
-    let msgs_b = b.until_turn_completed(&thread).await?;
+    let counted = e2e::wait_until_async(Duration::from_secs(10), || async {
+        fleet
+            .metric("codex_fleet_client_errors_total", &unknown)
+            .await
+            .is_ok_and(|n| n == before + 1.0)
+    })
+    .await;
+    assert!(
+        counted,
+        "A's late answer is counted once as unknown_response"
+    );
+    let mut msgs_a = a.until_turn_completed(&thread).await?;
+    let mut msgs_b = b.until_turn_completed(&thread).await?;
     let mut msgs_c = Vec::new();
     while statuses(&msgs_c, &thread).last().map(String::as_str) != Some("idle") {
         msgs_c.push(c.wait_for(|_| true).await?);
     }
-    assert_eq!(statuses(&msgs_a, &thread), statuses(&msgs_b, &thread));
+    // Every session reads on, past the turn's end, up to the answer of a later request, so a
+    // late second copy of a broadcast would be seen too.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (s, msgs) in [
+        (&mut a, &mut msgs_a),
+        (&mut b, &mut msgs_b),
+        (&mut c, &mut msgs_c),
+    ] {
+        s.request("thread/loaded/list", json!({})).await?;
+        msgs.extend(s.backlog.drain(..));
+    }
+    // What C got is the thread's broadcasts (it has no leg there); A and B, subscribed through
+    // their legs, got each of those once too, in the same order.
+    let broadcasts = |msgs: &[Value], kinds: &HashSet<String>| -> Vec<String> {
+        msgs.iter()
+            .filter(|m| m.get("id").is_none() && m["params"]["threadId"] == thread.as_str())
+            .filter(|m| kinds.contains(m["method"].as_str().unwrap_or_default()))
+            .map(|m| format!("{} {}", m["method"], m["params"]))
+            .collect()
+    };
+    let kinds: HashSet<String> = msgs_c
+        .iter()
+        .filter(|m| m.get("id").is_none() && m["params"]["threadId"] == thread.as_str())
+        .filter_map(|m| m["method"].as_str().map(str::to_owned))
+        .collect();
+    assert!(kinds.contains("thread/status/changed"), "{msgs_c:?}");
+    let seen_c = broadcasts(&msgs_c, &kinds);
+    assert_eq!(broadcasts(&msgs_a, &kinds), seen_c, "A and C differ");
     assert_eq!(
-        statuses(&msgs_a, &thread),
-        statuses(&msgs_c, &thread),
+        broadcasts(&msgs_b, &kinds),
+        seen_c,
         "a session without a leg there sees the same broadcasts, once"
     );
     assert!(statuses(&msgs_c, &thread).len() >= 2, "{msgs_c:?}");
@@ -315,7 +359,9 @@ async fn idle_threads_and_workers_unload_but_never_mid_turn() -> anyhow::Result<
     let mut c = fleet.client("acme").await?;
     let thread = c.start_thread().await?;
     let first_worker = tenant.table.owner(&thread).expect("owner");
-    c.start_turn(&thread, "SLOW4 outlive the idle period")
+    // 12 s: longer than a second real worker takes to start on a loaded machine, so the turn is
+    // still running when C leaves (checked below, not assumed).
+    c.start_turn(&thread, "SLOW12 outlive the idle period")
         .await?;
     c.notification("turn/started").await?;
     // The busy worker is at the load mark: a newcomer is still served by it at once, and a
@@ -328,24 +374,39 @@ async fn idle_threads_and_workers_unload_but_never_mid_turn() -> anyhow::Result<
     );
     let mut observer = fleet.client("acme").await?;
     first_observer.close().await;
-    let left_at = tokio::time::Instant::now();
+    // C leaves mid-turn: the fleet still counts the turn as running and C was not told it ended.
+    assert_eq!(
+        fleet.admission.active_turns("acme"),
+        1,
+        "the turn must still be running when C leaves"
+    );
+    assert!(
+        !c.backlog.iter().any(|v| v["method"] == "turn/completed"),
+        "the turn ended before C left"
+    );
     c.close().await;
 
-    let idle = observer
-        .wait_for(|v| {
-            v["method"] == "thread/status/changed"
-                && v["params"]["threadId"] == thread
-                && v["params"]["status"]["type"] == "idle"
-        })
-        .await?;
-    assert!(idle.is_object());
-    let closed = observer
-        .wait_for(|v| v["method"] == "thread/closed" && v["params"]["threadId"] == thread)
-        .await?;
-    assert!(closed.is_object());
+    // The observer sees the thread go idle (the turn ended) and only then unload.
+    let mut seen = Vec::new();
+    loop {
+        let v = observer.wait_for(|_| true).await?;
+        let closed = v["method"] == "thread/closed" && v["params"]["threadId"] == thread;
+        seen.push(v);
+        if closed {
+            break;
+        }
+    }
+    // The last statuses before thread/closed: idle (the turn ended), then only notLoaded.
+    let st = statuses(&seen, &thread);
+    let idle_at = st.iter().rposition(|s| s == "idle");
     assert!(
-        left_at.elapsed() >= Duration::from_secs(3),
-        "the thread unloaded before its turn ended"
+        idle_at.is_some_and(|i| st[i + 1..].iter().all(|s| s == "notLoaded")),
+        "thread/closed came only after the thread went idle: {st:?}"
+    );
+    assert_eq!(
+        fleet.admission.active_turns("acme"),
+        0,
+        "the turn ended before the thread unloaded"
     );
     assert!(
         wait_until(Duration::from_secs(15), || tenant
@@ -367,19 +428,23 @@ async fn idle_threads_and_workers_unload_but_never_mid_turn() -> anyhow::Result<
 
     // The next client starts a worker again and resumes the thread from disk.
     let mut d = fleet.client("acme").await?;
-    let resumed = d
-        .request("thread/resume", json!({ "threadId": thread }))
+    d.request("thread/resume", json!({ "threadId": thread }))
         .await?;
-    let turns = resumed["thread"]["turns"]
+    let read = d
+        .request(
+            "thread/read",
+            json!({ "threadId": thread, "includeTurns": true }),
+        )
+        .await?;
+    let last = read["thread"]["turns"]
         .as_array()
+        .and_then(|t| t.last())
         .cloned()
-        .unwrap_or_default();
-    if let Some(last) = turns.last() {
-        assert_eq!(
-            last["status"], "completed",
-            "the long turn completed: {last}"
-        );
-    }
+        .with_context(|| format!("the long turn is on disk: {read}"))?;
+    assert_eq!(
+        last["status"], "completed",
+        "the long turn completed: {last}"
+    );
     d.start_turn(&thread, "back from disk").await?;
     let msgs = d.until_turn_completed(&thread).await?;
     assert_eq!(agent_text(&msgs), Some(reply_text("back from disk")));

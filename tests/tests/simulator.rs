@@ -93,8 +93,10 @@ async fn simulated_fleet_ready_turns_and_stall_replaced() -> anyhow::Result<()> 
             println!("{ready} simulated workers ready in {:?}", started.elapsed());
             break;
         }
+        // Readiness is bounded here, not timed: `fleet-load` measures start-up (about 1 s for
+        // these 40 on 2 idle cores); 60 s only stops a fleet that never gets there.
         assert!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < Duration::from_secs(60),
             "only {ready}/{} simulated workers ready: {r}",
             TENANTS * WORKERS
         );
@@ -111,17 +113,28 @@ async fn simulated_fleet_ready_turns_and_stall_replaced() -> anyhow::Result<()> 
     let thread = victim.start_thread().await?;
     victim.start_turn(&thread, "please STALL now").await?;
     let stalled_at = Instant::now();
-    // Meanwhile the other tenants keep working.
-    for t in 1..TENANTS {
-        one_turn(&fleet, &format!("t{t}"), "still here").await?;
-    }
-    let closed = victim
-        .wait_for(|v| v["method"] == "thread/closed" && v["params"]["threadId"] == thread.as_str())
-        .await?;
-    let detected = stalled_at.elapsed();
+    // Meanwhile the other tenants keep working; the stall is timed on its own clock, not after
+    // their turns.
+    let others = async {
+        for t in 1..TENANTS {
+            one_turn(&fleet, &format!("t{t}"), "still here").await?;
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    let told = async {
+        let closed = victim
+            .wait_for(|v| {
+                v["method"] == "thread/closed" && v["params"]["threadId"] == thread.as_str()
+            })
+            .await?;
+        Ok::<_, anyhow::Error>((closed, stalled_at.elapsed()))
+    };
+    let ((), (closed, detected)) = tokio::try_join!(others, told)?;
     println!("stall to thread/closed at the client: {detected:?}");
+    // Worst case health_interval + health_timeout = 2 s; the rest is margin for 19 tenants'
+    // turns on the same 2 cores.
     assert!(
-        detected < Duration::from_secs(6),
+        detected < Duration::from_secs(8),
         "stall detected after {detected:?}: {closed}"
     );
     assert!(
@@ -140,7 +153,7 @@ async fn simulated_fleet_ready_turns_and_stall_replaced() -> anyhow::Result<()> 
             break;
         }
         assert!(
-            stalled_at.elapsed() < Duration::from_secs(10),
+            stalled_at.elapsed() < Duration::from_secs(30),
             "t0 not back to {WORKERS} ready workers: {r}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -156,10 +169,7 @@ async fn simulated_fleet_ready_turns_and_stall_replaced() -> anyhow::Result<()> 
     assert_eq!(agent_text(&msgs), Some(reply_text("after the stall")));
     victim.close().await;
     fleet.stop().await?;
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "took {:?}",
-        started.elapsed()
-    );
+    // No bound on the whole run: it is a check, not a benchmark (`fleet-load` measures).
+    println!("whole run {:?}", started.elapsed());
     Ok(())
 }

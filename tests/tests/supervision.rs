@@ -3,21 +3,19 @@
 //! and no socket file left behind.
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use e2e::{
-    agent_text, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder, FleetFiles,
+    agent_text, metric_in, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder,
+    FleetFiles,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 use tokio::time::Instant;
 
 /// Fast fault detection for tests: ping every second, one second to answer, quick restarts.
@@ -228,8 +226,12 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
     Ok(())
 }
 
-/// Appends a tenant whose workers run `command` to a prepared config.
-fn add_tenant_with_command(files: &FleetFiles, id: &str, command: &[&str]) -> anyhow::Result<()> {
+/// Appends a tenant whose workers run `command` to a prepared config; returns its token.
+fn add_tenant_with_command(
+    files: &FleetFiles,
+    id: &str,
+    command: &[&str],
+) -> anyhow::Result<String> {
     let token = router::dev::random_token();
     let text = std::fs::read_to_string(&files.config)?
         + &format!(
@@ -238,7 +240,7 @@ fn add_tenant_with_command(files: &FleetFiles, id: &str, command: &[&str]) -> an
             serde_json::to_string(command)?
         );
     std::fs::write(&files.config, text)?;
-    Ok(())
+    Ok(token)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,7 +250,7 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         .workers_toml("restart_backoff_initial_ms = 20\nrestart_backoff_max_ms = 100")
         .prepare()
         .await?;
-    add_tenant_with_command(&files, "broken", &["/bin/false"])?;
+    let broken_token = add_tenant_with_command(&files, "broken", &["/bin/false"])?;
     let config_text = std::fs::read_to_string(&files.config)?;
     let fleet = files.start().await?;
     let quarantined = wait_until(Duration::from_secs(15), || {
@@ -275,18 +277,41 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         "{broken:#}"
     );
     let metrics = fleet.admin_get("/metrics").await?.1;
-    let restarts = metric(
+    let restarts = metric_in(
         &metrics,
-        r#"codex_fleet_worker_restarts_total{tenant="broken"}"#,
+        "codex_fleet_worker_restarts_total",
+        &[("tenant", "broken")],
     );
     assert!(restarts >= 4.0, "restarts counted: {restarts}");
     assert_eq!(
-        metric(
+        metric_in(
             &metrics,
-            r#"codex_fleet_workers{state="quarantined",tenant="broken"}"#
+            "codex_fleet_workers",
+            &[("state", "quarantined"), ("tenant", "broken")]
         ),
         1.0
     );
+    // A client of the quarantined tenant is told -32001 noWorkerAvailable, with a retry time,
+    // and its connection stays open.
+    let mut b = Client::connect(&fleet.url(), &fleet.files.ca, Some(&broken_token)).await?;
+    for _ in 0..2 {
+        let r = b
+            .call(
+                "initialize",
+                json!({ "clientInfo": { "name": "broken-client", "version": "1" } }),
+            )
+            .await?;
+        assert_eq!(r["error"]["code"], -32001, "{r}");
+        assert_eq!(r["error"]["data"]["scope"], "worker", "{r}");
+        assert_eq!(r["error"]["data"]["reason"], "noWorkerAvailable", "{r}");
+        assert!(
+            r["error"]["data"]["retryAfterMs"]
+                .as_u64()
+                .is_some_and(|ms| ms >= 1),
+            "{r}"
+        );
+    }
+    b.close().await;
     // The other tenant works throughout.
     let mut c = fleet.client("acme").await?;
     let thread = c.start_thread().await?;
@@ -306,17 +331,11 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         .await?;
     add_tenant_with_command(&only, "broken", &["/bin/false"])?;
     let fleet = only.start().await?;
-    let mut last;
-    let unready = {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            last = fleet.admin_get("/readyz").await?;
-            if last.0 == 503 || Instant::now() > deadline {
-                break last.0 == 503;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
+    let unready = e2e::wait_until_async(Duration::from_secs(15), || async {
+        fleet.admin_get("/readyz").await.is_ok_and(|r| r.0 == 503)
+    })
+    .await;
+    let last = fleet.admin_get("/readyz").await?;
     assert!(unready, "{last:?}");
     assert!(last.1.contains("no capacity"), "{}", last.1);
     fleet.stop().await?;
@@ -346,94 +365,13 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
     Ok(())
 }
 
-/// The value of one sample line of a Prometheus text exposition (0 when absent).
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
+/// `codex-fleet serve` as a child process (the shared fixture).
+type Proc = e2e::FleetProcess;
 
-/// `codex-fleet serve` as a child process, with its ports and collected stderr.
-struct Proc {
-    child: Child,
-    addr: SocketAddr,
-    admin: SocketAddr,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Proc {
-    async fn spawn(files: &FleetFiles) -> anyhow::Result<Proc> {
-        let mut child = Command::new(e2e::fleet_bin())
-            .args(["serve", "--config"])
-            .arg(&files.config)
-            .env("CODEX_FLEET_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?;
-        let (addr, admin) = e2e::read_addresses(&mut child).await?;
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let mut err_lines = BufReader::new(child.stderr.take().context("stderr")?).lines();
-        let sink = stderr.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(l)) = err_lines.next_line().await {
-                let mut s = sink
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                s.push_str(&l);
-                s.push('\n');
-            }
-        });
-        Ok(Proc {
-            child,
-            addr,
-            admin,
-            stderr,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("wss://localhost:{}/", self.addr.port())
-    }
-
-    async fn client(&self, files: &FleetFiles, token: &str) -> anyhow::Result<Client> {
-        let mut c = Client::connect(&self.url(), &files.ca, Some(token)).await?;
-        c.initialize("supervision-test").await?;
-        Ok(c)
-    }
-
-    fn signal(&self, sig: Signal) -> anyhow::Result<()> {
-        let pid = self.child.id().context("pid")?;
-        kill(Pid::from_raw(pid as i32), sig)?;
-        Ok(())
-    }
-
-    async fn readyz(&self) -> anyhow::Result<(u16, String)> {
-        e2e::http_get(self.admin, "/readyz").await
-    }
-
-    async fn ready_workers(&self) -> anyhow::Result<usize> {
-        let (_, body) = self.readyz().await?;
-        let v: Value = serde_json::from_str(&body)?;
-        Ok(v["tenants"]
-            .as_array()
-            .map(|ts| {
-                ts.iter()
-                    .flat_map(|t| t["workers"].as_array().cloned().unwrap_or_default())
-                    .filter(|w| w["state"] == "ready")
-                    .count()
-            })
-            .unwrap_or(0))
-    }
-
-    fn stderr(&self) -> String {
-        self.stderr
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
+/// Ready workers over all tenants, from `/readyz`.
+async fn ready_workers_of(proc: &Proc) -> anyhow::Result<usize> {
+    let (_, body) = e2e::http_get(proc.admin, "/readyz").await?;
+    Ok(e2e::readyz_ready_workers(&body)?.values().sum())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -451,10 +389,10 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let signalled = Instant::now();
     proc.signal(Signal::SIGTERM)?;
     // Not ready at once; new connections are still served during the settle period.
-    let mut readyz = proc.readyz().await?;
+    let mut readyz = e2e::http_get(proc.admin, "/readyz").await?;
     while readyz.0 != 503 && signalled.elapsed() < Duration::from_millis(500) {
         tokio::time::sleep(Duration::from_millis(10)).await;
-        readyz = proc.readyz().await?;
+        readyz = e2e::http_get(proc.admin, "/readyz").await?;
     }
     let unready_after = signalled.elapsed();
     assert_eq!(readyz.0, 503, "{}", readyz.1);
@@ -462,11 +400,20 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     eprintln!("measured: SIGTERM to /readyz 503: {unready_after:?}");
     let late = proc.client(&files, &token).await?;
     tokio::time::sleep_until(signalled + Duration::from_millis(2300)).await;
-    let refused = Client::connect(&proc.url(), &files.ca, Some(&token)).await;
-    let err = refused
-        .err()
-        .context("a connection after the settle period is refused")?;
-    assert!(format!("{err:#}").contains("503"), "{err:#}");
+    match Client::try_connect(&proc.url(), &files.ca, Some(&token)).await? {
+        e2e::Upgrade::Refused {
+            status,
+            retry_after,
+            body,
+        } => {
+            assert_eq!(status, 503, "{body}");
+            assert!(
+                retry_after.is_some_and(|s| s >= 1),
+                "the draining 503 carries Retry-After: {retry_after:?}"
+            );
+        }
+        e2e::Upgrade::Open(_) => panic!("a connection after the settle period is refused"),
+    }
     // The running turn completes, then the session closes with 1001.
     let msgs = c.until_turn_completed(&thread).await?;
     let done = msgs.last().context("turn/completed")?;
@@ -572,16 +519,11 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         agent_text(&c.until_turn_completed(&thread).await?),
         Some(reply_text("after the reload"))
     );
-    let grown = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let n = proc.ready_workers().await?;
-            if n >= 3 || Instant::now() > deadline {
-                break n;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
+    e2e::wait_until_async(Duration::from_secs(30), || async {
+        ready_workers_of(&proc).await.is_ok_and(|n| n >= 3)
+    })
+    .await;
+    let grown = ready_workers_of(&proc).await?;
     assert_eq!(grown, 3, "acme min_workers 2 + beta 1");
 
     // An invalid file is refused; the running configuration stays.
@@ -594,11 +536,15 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let m = e2e::http_get(proc.admin, "/metrics").await?.1;
-            let n = metric(&m, r#"codex_fleet_config_reloads_total{result="invalid"}"#);
+            let n = metric_in(
+                &m,
+                "codex_fleet_config_reloads_total",
+                &[("result", "invalid")],
+            );
             if n >= 1.0 || Instant::now() > deadline {
                 break (
                     n,
-                    metric(&m, r#"codex_fleet_config_reloads_total{result="ok"}"#),
+                    metric_in(&m, "codex_fleet_config_reloads_total", &[("result", "ok")]),
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -635,18 +581,12 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
     let files = b.prepare().await?;
     let proc = Proc::spawn(&files).await?;
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(60);
-    loop {
-        let n = proc.ready_workers().await?;
-        if n == 20 {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "only {n} of 20 workers got ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let all_ready = e2e::wait_until_async(Duration::from_secs(60), || async {
+        ready_workers_of(&proc).await.is_ok_and(|n| n == 20)
+    })
+    .await;
+    let n = ready_workers_of(&proc).await?;
+    anyhow::ensure!(all_ready, "only {n} of 20 workers got ready");
     eprintln!("measured: 20 workers ready after {:?}", started.elapsed());
     let sockets = socket_files(files.dir.path());
     let pids = workers_under(files.dir.path());
@@ -658,12 +598,19 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
     let took = signalled.elapsed();
     eprintln!("measured: idle fleet of 20 workers, SIGTERM to exit: {took:?}");
     assert!(status.success(), "{status:?}: {}", proc.stderr());
+    // Measured 0.12-0.18 s. An idle fleet has nothing to wait for: not the settle period (0 here)
+    // nor a worker's stop grace (5 s, which a worker ignoring SIGTERM would cost). The bound
+    // stays below that grace with a wide margin for a loaded machine.
+    assert!(
+        took < Duration::from_secs(4),
+        "an idle fleet of 20 workers took {took:?} from SIGTERM to exit"
+    );
     assert_clean(files.dir.path(), &sockets).await;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessions(
+async fn a_reload_runs_hooks_applies_new_limits_and_stops_a_removed_tenants_workers_after_its_sessions(
 ) -> anyhow::Result<()> {
     let fleet = FleetBuilder::new()
         .tenant_pool("acme", 0, 1)
@@ -685,7 +632,17 @@ async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessi
             .unwrap_or_else(std::sync::PoisonError::into_inner) =
             Some(cfg.limits.admission.max_connections);
     }));
-    // Drop tenant "gone" and change a limit.
+    // Before the reload the default per-tenant cap (256) lets acme open two sessions.
+    let first = fleet.client("acme").await?;
+    let second = fleet.client("acme").await?;
+    first.close().await;
+    second.close().await;
+    let acme_sessions = || fleet.admission.connections("acme").0;
+    assert!(
+        wait_until(Duration::from_secs(10), || acme_sessions() == 0).await,
+        "acme's sessions are released"
+    );
+    // Drop tenant "gone" and change limits.
     let text = std::fs::read_to_string(&fleet.files.config)?;
     let (head, tenants) = text.split_once("[[tenants]]").context("tenants")?;
     let acme = tenants
@@ -694,7 +651,9 @@ async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessi
         .context("acme")?;
     std::fs::write(
         &fleet.files.config,
-        format!("{head}[[tenants]]{acme}\n[limits]\nmax_connections = 77\n"),
+        format!(
+            "{head}[[tenants]]{acme}\n[limits]\nmax_connections = 77\nmax_connections_per_tenant = 1\n"
+        ),
     )?;
     let summary = fleet.reloader.reload().await?;
     assert_eq!(summary.removed, vec!["gone".to_owned()]);
@@ -705,6 +664,25 @@ async fn a_reload_runs_hooks_and_stops_a_removed_tenants_workers_after_its_sessi
         Some(77)
     );
     assert!(fleet.tenants.current().iter().all(|t| t.id != "gone"));
+    // The new limits apply to the running fleet: acme now gets one session, the second is
+    // refused at the door with the tenant cap.
+    assert_eq!(fleet.admission.config().max_connections, 77);
+    let only = fleet.client("acme").await?;
+    match Client::try_connect(
+        &fleet.url(),
+        &fleet.files.ca,
+        Some(&fleet.files.token("acme")),
+    )
+    .await?
+    {
+        e2e::Upgrade::Refused { status, body, .. } => {
+            assert_eq!(status, 503, "{body}");
+            assert!(body.contains("tooManyConnections"), "{body}");
+            assert!(body.contains("tenant"), "{body}");
+        }
+        e2e::Upgrade::Open(_) => panic!("the reloaded per-tenant cap of 1 was not applied"),
+    }
+    only.close().await;
     // Its open session still works; its workers stop once the session ends.
     let thread = session.start_thread().await?;
     session.start_turn(&thread, "still here").await?;

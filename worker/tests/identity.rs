@@ -11,6 +11,9 @@ use worker::{Pool, Rlimits, WorkerUser};
 use support::*;
 
 const UID: u32 = 64001;
+/// Another test's tenant uid: a uid belongs to one tenant, and a pool whose last worker ends kills
+/// every process left under its uid, so tests running at once never share one.
+const OTHER_UID: u32 = 64002;
 
 fn proc_line(pid: u32, file: &str, prefix: &str) -> String {
     let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap();
@@ -30,8 +33,7 @@ fn owner_and_mode(path: &Path) -> (u32, u32, u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_runs_as_the_tenant_uid() {
     init_tracing();
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: needs root to switch uid");
+    if !root_or_explicit_skip("switching the worker's uid") {
         return;
     }
     let dir = short_dir();
@@ -98,23 +100,25 @@ async fn worker_runs_as_the_tenant_uid() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_home_fails_the_start_clearly() {
     init_tracing();
-    if !nix::unistd::geteuid().is_root() {
-        println!("skipped: needs root to switch uid");
+    if !root_or_explicit_skip("switching the worker's uid") {
         return;
     }
-    // A 0700 folder on the way keeps uid 64001 out.
+    // A 0700 folder on the way keeps uid 64002 out.
     let dir = short_dir();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let (_registry, metrics) = metrics();
     let mut cfg = config(dir.path(), "nox");
     cfg.min_workers = 0;
     cfg.ready_timeout = Duration::from_secs(1);
-    cfg.user = Some(WorkerUser { uid: UID, gid: UID });
+    cfg.user = Some(WorkerUser {
+        uid: OTHER_UID,
+        gid: OTHER_UID,
+    });
     let pool = Pool::new(cfg, metrics);
     let err = pool.acquire().await.unwrap_err().to_string();
     println!("{err}");
     assert!(
-        err.contains("not traversable by the worker's uid 64001"),
+        err.contains("not traversable by the worker's uid 64002"),
         "{err}"
     );
     pool.shutdown(Duration::from_secs(1)).await;

@@ -16,9 +16,11 @@ async fn worker_over_its_memory_cap_drains_after_its_turn() {
     let mut cfg = config(dir.path(), "mem");
     cfg.min_workers = 0;
     cfg.max_workers = 2;
-    // Every worker is over 1 byte; the first ping comes after the turn below has started.
+    // Every worker is over 1 byte. The first ping (which samples RSS) comes after connecting,
+    // starting a thread and a turn below: 5 s leaves a loaded machine room for those three steps,
+    // and the test checks that they did fit.
     cfg.max_worker_rss = Some(1);
-    cfg.health_interval = Duration::from_millis(1000);
+    cfg.health_interval = Duration::from_secs(5);
     cfg.config_overrides = model.overrides();
     let pool = Pool::new(cfg, metrics);
     let handle = pool.acquire().await.unwrap();
@@ -26,6 +28,12 @@ async fn worker_over_its_memory_cap_drains_after_its_turn() {
     let mut client = Client::connect(&handle, "mem_client").await;
     let thread = client.start_thread().await;
     client.start_turn(&thread).await;
+    eventually("the turn counted", || info(&pool, 0).active_turns == 1).await;
+    assert_eq!(
+        info(&pool, 0).state,
+        WorkerState::Ready,
+        "the turn must start before the first RSS sample for this test to mean anything"
+    );
 
     eventually("memory drain", || {
         info(&pool, 0).state == WorkerState::Draining

@@ -1,5 +1,7 @@
 //! Pool tests against the real `codex app-server` (path in `CODEX_BIN`).
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -9,41 +11,11 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use prometheus::Registry;
 use serde_json::{json, Value};
-use tempfile::TempDir;
-use tokio::sync::broadcast;
 use tokio::time::{timeout, Duration, Instant};
 use tokio_tungstenite::tungstenite::Message;
-use worker::{
-    Pool, PoolConfig, PoolError, PoolEvent, WorkerHandle, WorkerId, WorkerMetrics, WorkerState,
-};
+use worker::{Pool, PoolConfig, PoolError, WorkerHandle, WorkerState};
 
-const WAIT: Duration = Duration::from_secs(10);
-
-fn codex_bin() -> PathBuf {
-    match std::env::var_os("CODEX_BIN") {
-        Some(path) => PathBuf::from(path),
-        None => panic!(
-            "CODEX_BIN is not set: these tests need the real codex binary (0.171.0), e.g. \
-             CODEX_BIN=/tmp/codexnpm/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
-        ),
-    }
-}
-
-fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init()
-        .ok();
-}
-
-/// A short temp dir under /tmp so socket paths stay short.
-fn short_dir() -> TempDir {
-    tempfile::Builder::new()
-        .prefix("cf")
-        .tempdir_in("/tmp")
-        .unwrap()
-}
+use support::{codex_bin, init_tracing, metric, metrics, next_exit, short_dir, WAIT};
 
 fn child_env(dir: &Path) -> Vec<(String, String)> {
     vec![
@@ -53,7 +25,8 @@ fn child_env(dir: &Path) -> Vec<(String, String)> {
     ]
 }
 
-fn config(dir: &Path, program: PathBuf) -> PoolConfig {
+/// The pool these tests use: `program` as the worker, fast health checks.
+fn pool_config(dir: &Path, program: PathBuf) -> PoolConfig {
     PoolConfig {
         tenant: "t".into(),
         program,
@@ -76,12 +49,6 @@ fn config(dir: &Path, program: PathBuf) -> PoolConfig {
     }
 }
 
-fn metrics() -> (Registry, WorkerMetrics) {
-    let registry = Registry::new();
-    let metrics = WorkerMetrics::register(&registry).unwrap();
-    (registry, metrics)
-}
-
 /// Sum and count of the start histogram.
 fn start_seconds(registry: &Registry) -> (f64, u64) {
     let families = registry.gather();
@@ -91,21 +58,6 @@ fn start_seconds(registry: &Registry) -> (f64, u64) {
         .unwrap();
     let h = family.get_metric()[0].get_histogram();
     (h.get_sample_sum(), h.get_sample_count())
-}
-
-fn counter(registry: &Registry, name: &str, label: (&str, &str)) -> u64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .filter(|m| {
-            m.get_label()
-                .iter()
-                .any(|l| l.name() == label.0 && l.value() == label.1)
-        })
-        .map(|m| m.get_counter().get_value() as u64)
-        .sum()
 }
 
 /// Opens a leg and initializes it as a client named `name`; returns the initialize result.
@@ -122,15 +74,6 @@ async fn initialize(handle: &WorkerHandle, name: &str) -> Value {
             if v["id"] == 1 {
                 return v["result"].clone();
             }
-        }
-    }
-}
-
-async fn next_exit(events: &mut broadcast::Receiver<PoolEvent>, worker: WorkerId) -> String {
-    loop {
-        match events.recv().await.unwrap() {
-            PoolEvent::WorkerExited { worker: w, status } if w == worker => return status,
-            _ => {}
         }
     }
 }
@@ -175,7 +118,7 @@ async fn starts_worker_and_serves_a_second_connection() {
     init_tracing();
     let dir = short_dir();
     let (registry, metrics) = metrics();
-    let cfg = config(dir.path(), codex_bin());
+    let cfg = pool_config(dir.path(), codex_bin());
     let t0 = Instant::now();
     let pool = Pool::new(cfg.clone(), metrics);
     let handle = pool.acquire().await.unwrap();
@@ -224,7 +167,7 @@ async fn killed_worker_is_reported_and_replaced() {
     init_tracing();
     let dir = short_dir();
     let (registry, metrics) = metrics();
-    let pool = Pool::new(config(dir.path(), codex_bin()), metrics);
+    let pool = Pool::new(pool_config(dir.path(), codex_bin()), metrics);
     let handle = pool.acquire().await.unwrap();
     let mut events = pool.subscribe();
     let (first_start, _) = start_seconds(&registry);
@@ -249,20 +192,20 @@ async fn killed_worker_is_reported_and_replaced() {
         "{info:?}"
     );
     assert_eq!(
-        counter(
+        metric(
             &registry,
             "codex_fleet_worker_exits_total",
             ("reason", "crash")
         ),
-        1
+        1.0
     );
     assert_eq!(
-        counter(
+        metric(
             &registry,
             "codex_fleet_worker_restarts_total",
             ("tenant", "t")
         ),
-        1
+        1.0
     );
     let (sum, count) = start_seconds(&registry);
     assert_eq!(count, 2);
@@ -278,7 +221,7 @@ async fn hung_worker_is_killed_and_replaced() {
     init_tracing();
     let dir = short_dir();
     let (registry, metrics) = metrics();
-    let cfg = config(dir.path(), codex_bin());
+    let cfg = pool_config(dir.path(), codex_bin());
     let budget = cfg.health_interval + cfg.health_timeout;
     let pool = Pool::new(cfg, metrics);
     let handle = pool.acquire().await.unwrap();
@@ -293,18 +236,18 @@ async fn hung_worker_is_killed_and_replaced() {
     println!(
         "SIGSTOP detected and killed after {detected:?} (interval+timeout = {budget:?}): {status}"
     );
-    assert!(
-        detected <= budget + Duration::from_millis(250),
-        "{detected:?}"
-    );
+    // Detection takes at most interval + timeout (500 ms here) plus scheduling; other tests'
+    // real workers may be starting on the same 2 cores, so the margin is 2 s, still far below
+    // the 10 s a missed detection would take to show.
+    assert!(detected <= budget + Duration::from_secs(2), "{detected:?}");
     assert!(!alive(handle.pid));
     assert_eq!(
-        counter(
+        metric(
             &registry,
             "codex_fleet_worker_exits_total",
             ("reason", "hang")
         ),
-        1
+        1.0
     );
 
     let fresh = pool.acquire().await.unwrap();
@@ -318,7 +261,7 @@ async fn shutdown_leaves_no_process() {
     init_tracing();
     let dir = short_dir();
     let (registry, metrics) = metrics();
-    let cfg = config(dir.path(), codex_bin());
+    let cfg = pool_config(dir.path(), codex_bin());
     let pool = Pool::new(cfg.clone(), metrics);
     let handle = pool.acquire().await.unwrap();
     assert!(group_members(handle.pid).contains(&handle.pid));
@@ -334,12 +277,12 @@ async fn shutdown_leaves_no_process() {
         .iter()
         .all(|w| w.state == WorkerState::Stopped));
     assert_eq!(
-        counter(
+        metric(
             &registry,
             "codex_fleet_worker_exits_total",
             ("reason", "stopped")
         ),
-        1
+        1.0
     );
     // app-server removes its socket symlink on a graceful exit.
     assert!(std::fs::symlink_metadata(cfg.socket_path(0)).is_err());
@@ -356,7 +299,7 @@ async fn dropping_the_pool_kills_the_group() {
     init_tracing();
     let dir = short_dir();
     let (_registry, metrics) = metrics();
-    let pool = Pool::new(config(dir.path(), codex_bin()), metrics);
+    let pool = Pool::new(pool_config(dir.path(), codex_bin()), metrics);
     let handle = pool.acquire().await.unwrap();
     drop(pool);
     timeout(WAIT, handle.exited()).await.unwrap();
@@ -369,7 +312,7 @@ async fn program_that_exits_at_once_fails_clearly_then_quarantines() {
     init_tracing();
     let dir = short_dir();
     let (registry, metrics) = metrics();
-    let mut cfg = config(dir.path(), PathBuf::from("/bin/false"));
+    let mut cfg = pool_config(dir.path(), PathBuf::from("/bin/false"));
     cfg.min_workers = 0;
     cfg.ready_timeout = Duration::from_secs(3);
     cfg.restart_backoff_initial = Duration::from_millis(20);
@@ -386,12 +329,12 @@ async fn program_that_exits_at_once_fails_clearly_then_quarantines() {
     let info = &pool.workers()[0];
     assert_eq!(info.state, WorkerState::Quarantined);
     assert_eq!(
-        counter(
+        metric(
             &registry,
             "codex_fleet_worker_exits_total",
             ("reason", "startfail")
         ),
-        5
+        5.0
     );
 
     // While quarantined, acquire fails at once.
@@ -409,7 +352,7 @@ async fn child_sees_only_the_given_environment() {
     init_tracing();
     let dir = short_dir();
     let (_registry, metrics) = metrics();
-    let cfg = config(dir.path(), codex_bin());
+    let cfg = pool_config(dir.path(), codex_bin());
     let pool = Pool::new(cfg.clone(), metrics);
     let handle = pool.acquire().await.unwrap();
 
@@ -480,7 +423,7 @@ async fn sigkilled_supervisor_leaves_no_worker() {
 async fn run_pool_until_killed() {
     let dir = PathBuf::from(std::env::var_os(PDEATHSIG_CHILD).unwrap());
     let (_registry, metrics) = metrics();
-    let pool = Pool::new(config(&dir, codex_bin()), metrics);
+    let pool = Pool::new(pool_config(&dir, codex_bin()), metrics);
     let handle = pool.acquire().await.unwrap();
     println!("WORKER_PID={}", handle.pid);
     tokio::time::sleep(WAIT).await;

@@ -129,10 +129,52 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
     let (mut parsed, mut refused) = (0, 0);
     for _ in 0..50_000 {
         let text = arbitrary_frame(&mut rng);
-        // The classifier, and the rewriting of a worker's -32001, never panic.
-        let _ = crate::admission::rewrite_worker_overload(&text, Duration::from_millis(5));
-        let _ = jsonrpc::with_params_request_id(&text, &RequestId::Int(1));
-        let _ = turns::event("thread/status/changed", None);
+        let as_value: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+        // A worker's -32001 without data, and only that, gets the documented data; its id stays.
+        let rewritten = crate::admission::rewrite_worker_overload(&text, Duration::from_millis(5));
+        let overload = as_value.as_ref().is_some_and(|v| {
+            v.is_object()
+                && v["error"]["code"] == codes::OVERLOADED
+                && v["error"]
+                    .get("data")
+                    .is_none_or(serde_json::Value::is_null)
+        });
+        assert_eq!(rewritten.is_some(), overload, "{text}");
+        if let (Some(out), Some(v)) = (&rewritten, &as_value) {
+            let out: serde_json::Value = serde_json::from_str(out).expect("JSON");
+            assert_eq!(out["id"], v["id"], "{text}");
+            assert_eq!(out["error"]["data"]["reason"], "workerOverloaded", "{text}");
+        }
+        // `params.requestId` is set on a frame with object params, and only there.
+        let with_rid = jsonrpc::with_params_request_id(&text, &RequestId::Int(1));
+        if let Some(out) = &with_rid {
+            // Raw, as the router passes values it does not read (e.g. `1e999`) through unparsed.
+            type Raw = HashMap<String, Box<serde_json::value::RawValue>>;
+            let out: Raw = serde_json::from_str(out).expect("a JSON object");
+            let params: Raw = serde_json::from_str(out["params"].get()).expect("object params");
+            assert_eq!(params["requestId"].get(), "1", "{text}");
+        } else {
+            assert!(
+                !as_value.as_ref().is_some_and(|v| v["params"].is_object()),
+                "{text}"
+            );
+        }
+        // A turn event names the thread the frame itself names.
+        if let Some(method) = as_value.as_ref().and_then(|v| v["method"].as_str()) {
+            let params = as_value
+                .as_ref()
+                .and_then(|v| v.get("params"))
+                .map(|p| serde_json::value::to_raw_value(p).expect("raw"));
+            if let Some((_, thread)) = turns::event(method, params.as_deref()) {
+                assert_eq!(
+                    Some(thread.as_str()),
+                    as_value
+                        .as_ref()
+                        .and_then(|v| v["params"]["threadId"].as_str()),
+                    "{text}"
+                );
+            }
+        }
         match jsonrpc::parse(&text) {
             Err(e) => {
                 refused += 1;

@@ -237,3 +237,20 @@ impl Drop for HangModel {
         self.task.abort();
     }
 }
+
+/// Whether a test that needs root should run: true as root; without root it panics (so the test
+/// fails instead of passing unchecked) unless `CODEX_FLEET_SKIP_ROOT_TESTS=1` asks to skip it.
+pub fn root_or_explicit_skip(what: &str) -> bool {
+    const SKIP: &str = "CODEX_FLEET_SKIP_ROOT_TESTS";
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var(SKIP).as_deref() == Ok("1") {
+        eprintln!("skipped ({SKIP}=1): {what} needs root");
+        return false;
+    }
+    panic!(
+        "{what} needs root and this run is not root: run the suite as root (e.g. `sudo -E bash \
+         ops/test.sh`), or set {SKIP}=1 to skip the root-only tests knowingly"
+    );
+}
