@@ -812,6 +812,14 @@ token_sha256 = ["{DIGEST}"]
                 cfg.limits.max_message_bytes.to_string(),
             ),
             ("limits.client_queue", cfg.limits.client_queue.to_string()),
+            (
+                "limits.client_queue_bytes",
+                cfg.limits.client_queue_bytes.to_string(),
+            ),
+            (
+                "limits.tenant_queue_bytes",
+                cfg.limits.tenant_queue_bytes.to_string(),
+            ),
             ("limits.max_connections", a.max_connections.to_string()),
             (
                 "limits.max_connections_per_tenant",
