@@ -254,6 +254,8 @@ async fn workers_get_only_the_allowlisted_environment_and_pass_env() -> anyhow::
         "HOME",
         "CODEX_HOME",
         "FLEET_TEST_PASSED",
+        // codex-fleet's own switch that keeps remote control off (Security).
+        "CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED",
     ];
     for pid in workers {
         let env = std::fs::read(format!("/proc/{pid}/environ"))?;
