@@ -90,6 +90,8 @@ pub struct AdmissionConfig {
     pub max_active_turns_per_tenant: usize,
     /// Requests in flight per worker (app-server itself sheds at 128 queued).
     pub max_in_flight_per_worker: usize,
+    /// Requests one client connection may have unanswered; a further one is refused.
+    pub max_in_flight_per_connection: usize,
     /// How long a request may wait for a worker slot before it is refused.
     pub in_flight_wait_ms: u64,
     /// `retryAfterMs` suggested when a cap (not a rate) refuses.
@@ -114,6 +116,7 @@ impl Default for AdmissionConfig {
             max_connections: 10_000,
             max_active_turns_per_tenant: 32,
             max_in_flight_per_worker: 32,
+            max_in_flight_per_connection: 4096,
             in_flight_wait_ms: 250,
             cap_retry_after_ms: 1000,
             active_turn_ttl_secs: 6 * 3600,
@@ -153,6 +156,10 @@ impl AdmissionConfig {
                 self.max_active_turns_per_tenant,
             ),
             ("max_in_flight_per_worker", self.max_in_flight_per_worker),
+            (
+                "max_in_flight_per_connection",
+                self.max_in_flight_per_connection,
+            ),
         ];
         let zero_rate = rates.iter().find(|(_, v)| *v == 0).map(|(k, _)| *k);
         let zero_cap = caps.iter().find(|(_, v)| *v == 0).map(|(k, _)| *k);

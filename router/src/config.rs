@@ -847,6 +847,10 @@ token_sha256 = ["{DIGEST}"]
                 "limits.max_in_flight_per_worker",
                 a.max_in_flight_per_worker.to_string(),
             ),
+            (
+                "limits.max_in_flight_per_connection",
+                a.max_in_flight_per_connection.to_string(),
+            ),
             ("limits.in_flight_wait_ms", a.in_flight_wait_ms.to_string()),
             (
                 "limits.cap_retry_after_ms",

@@ -60,8 +60,6 @@ const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
 const MAX_PROTOCOL_ERRORS: u32 = 32;
 /// Server requests remembered per session (oldest forgotten first).
 const MAX_SERVER_REQUESTS: usize = 4096;
-/// Client requests awaiting an answer per session.
-const MAX_IN_FLIGHT: usize = 4096;
 /// Frames from legs buffered before legs wait.
 const LEG_EVENTS: usize = 1024;
 /// After a 1009 close, how long the socket stays open (unread) before it is dropped.
@@ -70,7 +68,8 @@ const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long after a turn was seen to start the workers' own count must include it.
 const TURN_COUNT_SETTLED: Duration = Duration::from_secs(10);
-/// `retryAfterMs` when this connection has `MAX_IN_FLIGHT` requests unanswered.
+/// `retryAfterMs` when this connection has `limits.max_in_flight_per_connection` requests
+/// unanswered.
 const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
 
 /// What a session needs from the rest of the router.
@@ -637,7 +636,7 @@ impl Session {
             self.count_error("not_initialized");
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
         }
-        if self.in_flight.len() >= MAX_IN_FLIGHT {
+        if self.in_flight.len() >= self.ctx.admission.config().max_in_flight_per_connection {
             let r = Rejection::cap(
                 Scope::Connection,
                 Reason::TooManyRequestsInFlight,

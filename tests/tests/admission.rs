@@ -706,3 +706,38 @@ async fn the_fleet_worker_cap_answers_with_scope_fleet() -> anyhow::Result<()> {
     a.request("thread/loaded/list", json!({})).await?;
     fleet.stop().await
 }
+
+/// A connection with `max_in_flight_per_connection` requests unanswered (its worker is stopped)
+/// gets `-32001` scope `connection`, reason `tooManyRequestsInFlight`, for the next one, at once;
+/// the ones in flight are answered once the worker runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_at_its_in_flight_cap_is_refused_until_answers_come() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120")
+        .limits_toml(OPEN_RATES)
+        .limits_toml("max_in_flight_per_connection = 3")
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    c.request("thread/loaded/list", json!({})).await?;
+    let workers = e2e::workers_under(&fleet.home("acme"));
+    anyhow::ensure!(workers.len() == 1, "{workers:?}");
+    let worker = nix::unistd::Pid::from_raw(workers[0]);
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGSTOP)?;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(c.send_request("thread/loaded/list", json!({})).await?);
+    }
+    let refused = c.send_request("thread/loaded/list", json!({})).await?;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(5), c.wait_for(|v| v["id"] == refused)).await??;
+    let data = overloaded(&resp, "connection");
+    assert_eq!(data["reason"], "tooManyRequestsInFlight", "{resp}");
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGCONT)?;
+    let got = answers(&mut c, &ids).await?;
+    for (id, v) in &got {
+        assert!(v.get("result").is_some(), "request {id}: {v}");
+    }
+    fleet.stop().await
+}

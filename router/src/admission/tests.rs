@@ -16,6 +16,7 @@ fn small() -> AdmissionConfig {
         max_connections: 3,
         max_active_turns_per_tenant: 2,
         max_in_flight_per_worker: 2,
+        max_in_flight_per_connection: 4096,
         in_flight_wait_ms: 30,
         cap_retry_after_ms: 500,
         active_turn_ttl_secs: 3600,
