@@ -171,6 +171,7 @@ mod tests {
             "item/started",
             "turn/completed",
             "item/reasoning/summaryPartAdded",
+            "command/exec/outputDelta",
             "thread/status/changed",
         ] {
             assert!(!Method::parse(not).is_delta(), "{not}");

@@ -7,7 +7,7 @@ use worker::WorkerId;
 use super::legs::Leg;
 use super::{End, InFlight, Init, Session, REPLAY_INIT_ID};
 use crate::admission::Reason;
-use crate::jsonrpc::{self, Message as Rpc, RequestId};
+use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
 /// What a response teaches the tenant table.
 pub(super) enum Learn {
@@ -39,14 +39,14 @@ impl Session {
     /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
     /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
     /// unknown id and another tenant's id get the same answer from the tenant's own worker.
-    pub(super) fn target(&self, method: &str, thread: Option<&str>) -> Target {
+    pub(super) fn target(&self, method: &Method<'_>, thread: Option<&str>) -> Target {
         match (method, thread) {
-            ("initialize", _) => Target::Home,
-            ("thread/start", _) => Target::Place,
+            (Method::Initialize, _) => Target::Home,
+            (Method::ThreadStart, _) => Target::Place,
             (_, None) => Target::Home,
             (_, Some(t)) => match self.ctx.tenant.find_owner(t) {
                 Some(w) => Target::Owner(w),
-                None if method == "thread/resume" => Target::Place,
+                None if *method == Method::ThreadResume => Target::Place,
                 None => Target::Home,
             },
         }
@@ -192,7 +192,11 @@ impl Session {
             Ok(Rpc::Request { params, .. }) => params,
             _ => None,
         };
-        let replay = jsonrpc::request(&RequestId::Str(REPLAY_INIT_ID.into()), "initialize", params);
+        let replay = jsonrpc::request(
+            &RequestId::Str(REPLAY_INIT_ID.into()),
+            Method::Initialize.as_str(),
+            params,
+        );
         leg.send(replay).await;
         if init.initialized {
             leg.send(r#"{"method":"initialized"}"#.to_owned()).await;
