@@ -32,6 +32,14 @@ macro_rules! methods {
                     Method::Other(name) => name,
                 }
             }
+
+            /// The name of a known method, as a `'static` string; `None` for [`Method::Other`].
+            pub fn known_name(&self) -> Option<&'static str> {
+                match self {
+                    $(Method::$variant => Some($name),)*
+                    Method::Other(_) => None,
+                }
+            }
         }
     };
 }
@@ -146,12 +154,14 @@ mod tests {
             let m = Method::parse(name);
             assert!(!matches!(m, Method::Other(_)), "{name} is known");
             assert_eq!(m.as_str(), name);
+            assert_eq!(m.known_name(), Some(name));
             assert_eq!(m.clone().into_owned(), m);
         }
         let other = Method::parse("fs/readFile");
         assert_eq!(other, Method::Other("fs/readFile".into()));
         assert_eq!(other, "fs/readFile");
         assert_eq!(other.to_string(), "fs/readFile");
+        assert_eq!(other.known_name(), None);
     }
 
     #[test]
