@@ -28,6 +28,16 @@ pub const OVERLOADED_MESSAGE: &str = "Server overloaded; retry later.";
 /// The message of `-32002`.
 pub const WORKER_EXITED_MESSAGE: &str = "The worker serving this request exited; retry.";
 
+/// app-server's answer to `thread/resume` when another process holds the thread's writer lock
+/// is a plain `-32600` with this in its message (facts §7); no structured field tells it apart,
+/// so this is the one place that reads app-server's English.
+pub const WRITER_CONFLICT: &str = "already has an active writer";
+
+/// Whether an error message is app-server's writer-lock conflict ([`WRITER_CONFLICT`]).
+pub fn is_writer_conflict(message: &str) -> bool {
+    message.contains(WRITER_CONFLICT)
+}
+
 /// The `data` of a `-32001`:
 /// `{"retryAfterMs": N, "scope": "connection"|"tenant"|"worker"|"fleet", "reason": "…"}`.
 pub fn overloaded_data(
@@ -98,6 +108,14 @@ mod tests {
 
     fn parsed(text: &str) -> Value {
         serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn writer_conflicts_are_recognised() {
+        assert!(is_writer_conflict(
+            "thread t-1 already has an active writer"
+        ));
+        assert!(!is_writer_conflict("thread not found: t-1"));
     }
 
     #[test]

@@ -115,7 +115,7 @@ impl Session {
                     return None;
                 }
                 let busy = jsonrpc::error_message(text)
-                    .is_some_and(|m| m.contains("already has an active writer"));
+                    .is_some_and(|m| proto::error::is_writer_conflict(&m));
                 let retry = retry.filter(|_| busy)?;
                 // Another worker holds the thread: find it and send the resume there, once.
                 self.ctx.tenant.reconcile_now().await;
