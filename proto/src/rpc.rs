@@ -286,8 +286,14 @@ pub fn result_thread_id(text: &str) -> Option<String> {
     #[derive(Deserialize)]
     struct Resp<'a> {
         #[serde(borrow)]
-        result: Option<WithThread<'a>>,
+        result: Option<&'a RawValue>,
     }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    thread_of_result(r.result?)
+}
+
+/// `thread.id` of a response's `result` (thread/start, thread/fork, thread/resume).
+pub fn thread_of_result(result: &RawValue) -> Option<String> {
     #[derive(Deserialize)]
     struct WithThread<'a> {
         #[serde(borrow)]
@@ -298,8 +304,8 @@ pub fn result_thread_id(text: &str) -> Option<String> {
         #[serde(borrow)]
         id: Cow<'a, str>,
     }
-    let r: Resp<'_> = serde_json::from_str(text).ok()?;
-    Some(r.result?.thread?.id.into_owned())
+    let r: Option<WithThread<'_>> = serde_json::from_str(result.get()).ok()?;
+    Some(r?.thread?.id.into_owned())
 }
 
 /// `error.message` of an error response.
@@ -307,15 +313,21 @@ pub fn error_message(text: &str) -> Option<String> {
     #[derive(Deserialize)]
     struct Resp<'a> {
         #[serde(borrow)]
-        error: Option<ErrorBody<'a>>,
+        error: Option<&'a RawValue>,
     }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    message_of_error(r.error?)
+}
+
+/// `message` of a response's `error`.
+pub fn message_of_error(error: &RawValue) -> Option<String> {
     #[derive(Deserialize)]
     struct ErrorBody<'a> {
         #[serde(borrow)]
         message: Cow<'a, str>,
     }
-    let r: Resp<'_> = serde_json::from_str(text).ok()?;
-    Some(r.error?.message.into_owned())
+    let e: Option<ErrorBody<'_>> = serde_json::from_str(error.get()).ok()?;
+    Some(e?.message.into_owned())
 }
 
 #[cfg(test)]

@@ -4,6 +4,6 @@
 pub use proto::error::codes;
 pub use proto::method::Method;
 pub use proto::rpc::{
-    error_message, error_response, params_request_id, parse, request, result_thread_id, thread_id,
-    with_id, with_params_request_id, Frame, Message, ParseError, RequestId,
+    error_response, message_of_error, params_request_id, parse, request, thread_id,
+    thread_of_result, with_id, with_params_request_id, Frame, Message, ParseError, RequestId,
 };

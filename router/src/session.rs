@@ -72,11 +72,13 @@ const TURN_COUNT_SETTLED: Duration = Duration::from_secs(10);
 /// `retryAfterMs` when this connection has `MAX_IN_FLIGHT` requests unanswered.
 const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
 
-/// What a worker's response is, read once from its parsed frame.
+/// A worker's response, read once from its parsed frame.
 #[derive(Debug, Clone, Copy)]
-struct Answer {
-    /// It carries a `result` (not an `error`).
-    is_result: bool,
+struct Answer<'a> {
+    /// Its `result`, unparsed (`None` for an error).
+    result: Option<&'a serde_json::value::RawValue>,
+    /// Its `error`, unparsed.
+    error: Option<&'a serde_json::value::RawValue>,
     /// It is app-server's own `-32001`.
     overloaded: bool,
 }
@@ -800,7 +802,8 @@ impl Session {
             }
         };
         let answer = Answer {
-            is_result: frame.result.is_some(),
+            result: frame.result,
+            error: frame.error,
             overloaded: frame.error_code() == Some(codes::OVERLOADED),
         };
         match frame.message {
@@ -840,11 +843,11 @@ impl Session {
         &mut self,
         worker: WorkerId,
         id: RequestId,
-        answer: Answer,
+        answer: Answer<'_>,
         text: &str,
     ) -> Result<(), End> {
         if id == RequestId::Str(REPLAY_INIT_ID.into()) {
-            if answer.is_result {
+            if answer.result.is_some() {
                 self.live.insert(worker);
             } else {
                 tracing::warn!(%worker, response = text, "replayed initialize refused");
@@ -873,7 +876,7 @@ impl Session {
                 .observe(f.since.elapsed().as_secs_f64());
         }
         if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
-            if answer.is_result {
+            if answer.result.is_some() {
                 init.answered = true;
                 self.live.insert(worker);
             } else {
@@ -881,7 +884,7 @@ impl Session {
             }
         }
         if let Some(f) = flight {
-            if let Some(retried) = self.learn(worker, &id, f, text).await {
+            if let Some(retried) = self.learn(worker, &id, f, &answer).await {
                 return retried;
             }
         }

@@ -269,6 +269,13 @@ fn a_response_frame_keeps_its_result_and_error_raw() {
         Frame::parse(r#"{"id":1,"error":{"code":-32001,"message":"no \"result\" yet"}}"#).unwrap();
     assert!(err.result.is_none());
     assert_eq!(err.error_code(), Some(-32001));
+    assert_eq!(thread_of_result(ok.result.unwrap()).as_deref(), Some("t"));
+    assert_eq!(
+        message_of_error(err.error.unwrap()).as_deref(),
+        Some("no \"result\" yet")
+    );
+    let null = Frame::parse(r#"{"id":1,"result":null}"#).unwrap();
+    assert_eq!(thread_of_result(null.result.unwrap()), None);
     // Requests and notifications carry neither.
     let req = Frame::parse(r#"{"id":1,"method":"m","result":1}"#).unwrap();
     assert!(req.result.is_none() && req.error.is_none());

@@ -5,7 +5,7 @@
 use worker::WorkerId;
 
 use super::legs::Leg;
-use super::{End, InFlight, Init, Session, REPLAY_INIT_ID};
+use super::{Answer, End, InFlight, Init, Session, REPLAY_INIT_ID};
 use crate::admission::Reason;
 use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
@@ -98,23 +98,25 @@ impl Session {
         worker: WorkerId,
         id: &RequestId,
         f: InFlight,
-        text: &str,
+        answer: &Answer<'_>,
     ) -> Option<Result<(), End>> {
         let table = &self.ctx.tenant.table;
         match f.learn {
             Learn::Nothing => None,
             Learn::NewThread => {
-                if let Some(thread) = jsonrpc::result_thread_id(text) {
+                if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
                     table.learn(&thread, worker);
                 }
                 None
             }
             Learn::Resume { thread, retry } => {
-                if jsonrpc::result_thread_id(text).is_some() {
+                if answer.result.and_then(jsonrpc::thread_of_result).is_some() {
                     table.learn(&thread, worker);
                     return None;
                 }
-                let busy = jsonrpc::error_message(text)
+                let busy = answer
+                    .error
+                    .and_then(jsonrpc::message_of_error)
                     .is_some_and(|m| proto::error::is_writer_conflict(&m));
                 let retry = retry.filter(|_| busy)?;
                 // Another worker holds the thread: find it and send the resume there, once.
