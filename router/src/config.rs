@@ -365,7 +365,7 @@ pub enum ConfigError {
 }
 
 /// The longest socket path a client can connect through (sun_path is 108 bytes with its NUL).
-pub const MAX_SOCKET_PATH: usize = 100;
+pub use proto::names::MAX_SOCKET_PATH;
 
 impl Config {
     /// Reads, parses and validates a file.
@@ -607,10 +607,7 @@ fn check_tenant_boundaries(tenants: &[Tenant]) -> Result<(), ConfigError> {
 }
 
 fn valid_tenant_id(id: &str) -> bool {
-    (1..=32).contains(&id.len())
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    proto::names::valid_config_tenant_id(id)
 }
 
 /// Parses 64 hex digits into a digest.

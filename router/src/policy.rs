@@ -31,10 +31,9 @@ use crate::jsonrpc::{self, RequestId};
 pub use paths::{resolve, PathError, TenantRoots};
 use rules::{Check, Entry, Rule};
 
-/// JSON-RPC error code of a request refused by the host-access policy. Next to app-server's
-/// `-32001` (overloaded) and the router's `-32002` (worker unavailable); unlike those it is not
-/// retryable, and unlike `-32600` a client can tell a policy refusal from a malformed request.
-pub const HOST_ACCESS_DENIED: i64 = -32003;
+/// JSON-RPC error code of a request refused by the host-access policy (defined in the
+/// protocol core).
+pub use proto::error::codes::HOST_ACCESS_DENIED;
 
 /// A group of host-access methods sharing one mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -258,20 +257,16 @@ impl Denial {
 
     /// `{"reason": "hostAccessDenied", "policy": "<class>", "method": "<method>"}`
     pub fn to_error_data(&self) -> Value {
-        json!({
-            "reason": "hostAccessDenied",
-            "policy": self.class.as_str(),
-            "method": self.method,
-        })
+        proto::error::host_access_denied_data(self.class.as_str(), &self.method)
     }
 
     /// The whole JSON-RPC error response to request `id`.
     pub fn to_error_response(&self, id: &RequestId) -> String {
-        jsonrpc::error_response(
-            Some(id),
-            HOST_ACCESS_DENIED,
+        proto::error::host_access_denied_response(
+            id,
             &self.message(),
-            Some(self.to_error_data()),
+            self.class.as_str(),
+            &self.method,
         )
     }
 }

@@ -33,7 +33,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
-use serde_json::json;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -46,7 +45,7 @@ use crate::admission::{
     Admission, ConnectionGuard, InFlightPermit, QueueBytes, Reason, Rejection, Scope,
     FLOOD_CLOSE_REASON,
 };
-use crate::jsonrpc::{self, codes, Message as Rpc, RequestId};
+use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::RouterMetrics;
 use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
@@ -71,6 +70,17 @@ const TURN_COUNT_SETTLED: Duration = Duration::from_secs(10);
 /// `retryAfterMs` when this connection has `limits.max_in_flight_per_connection` requests
 /// unanswered.
 const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
+
+/// A worker's response, read once from its parsed frame.
+#[derive(Debug, Clone, Copy)]
+struct Answer<'a> {
+    /// Its `result`, unparsed (`None` for an error).
+    result: Option<&'a serde_json::value::RawValue>,
+    /// Its `error`, unparsed.
+    error: Option<&'a serde_json::value::RawValue>,
+    /// It is app-server's own `-32001`.
+    overloaded: bool,
+}
 
 /// What a session needs from the rest of the router.
 #[derive(Clone)]
@@ -487,8 +497,8 @@ impl Session {
 
     /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
     /// seen on a leg and relayed from the control leg counts once).
-    fn track_turns(&self, method: &str, params: Option<&serde_json::value::RawValue>) {
-        if let Some((event, thread)) = turns::event(method, params) {
+    fn track_turns(&self, method: &Method<'_>, params: Option<&serde_json::value::RawValue>) {
+        if let Some((event, thread)) = turns::event_of(method, params) {
             match event {
                 turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), &thread),
                 turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), &thread),
@@ -559,24 +569,26 @@ impl Session {
         match msg {
             Rpc::Request { id, method, params } => {
                 let thread = jsonrpc::thread_id(params);
-                if method == "turn/start" {
+                if method == Method::TurnStart {
                     self.reconcile_turns();
                 }
                 let admitted = self.guard.check_frame().and_then(|()| {
-                    self.ctx
-                        .admission
-                        .check_request(self.tenant(), &method, thread.as_deref())
+                    self.ctx.admission.check_request(
+                        self.tenant(),
+                        method.as_str(),
+                        thread.as_deref(),
+                    )
                 });
                 if let Err(r) = admitted {
                     return self.reject(&id, &r);
                 }
                 let rewritten = match self.ctx.tenant.policy.check(
-                    &method,
+                    method.as_str(),
                     params,
                     &self.ctx.tenant.roots,
                 ) {
                     Decision::Allow => None,
-                    Decision::Rewrite(p) => policy::rewritten_request(&id, &method, &p),
+                    Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
                     Decision::Deny(denial) => {
                         self.count_error("host_access_denied");
                         tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
@@ -612,7 +624,7 @@ impl Session {
     async fn on_client_request(
         &mut self,
         id: RequestId,
-        method: &str,
+        method: &Method<'_>,
         thread: Option<String>,
         text: &str,
     ) -> Result<(), End> {
@@ -624,7 +636,7 @@ impl Session {
             };
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
         }
-        let first_initialize = method == "initialize" && self.init.is_none();
+        let first_initialize = *method == Method::Initialize && self.init.is_none();
         if first_initialize {
             self.init = Some(Init {
                 id: id.clone(),
@@ -645,7 +657,7 @@ impl Session {
             return self.reject(&id, &r);
         }
         let target = self.target(method, thread.as_deref());
-        let worker = match self.leg_for(target, method == "thread/resume").await {
+        let worker = match self.leg_for(target, *method == Method::ThreadResume).await {
             Ok(w) => w,
             Err(reason) => {
                 if first_initialize {
@@ -660,8 +672,8 @@ impl Session {
             }
         };
         let learn = match (method, thread) {
-            ("thread/start" | "thread/fork", _) => Learn::NewThread,
-            ("thread/resume", Some(thread)) => Learn::Resume {
+            (Method::ThreadStart | Method::ThreadFork, _) => Learn::NewThread,
+            (Method::ThreadResume, Some(thread)) => Learn::Resume {
                 thread,
                 retry: Some(text.to_owned()),
             },
@@ -742,12 +754,12 @@ impl Session {
         Ok(())
     }
 
-    async fn on_client_notification(&mut self, method: &str, text: &str) -> Result<(), End> {
+    async fn on_client_notification(&mut self, method: &Method<'_>, text: &str) -> Result<(), End> {
         let Some(init) = self.init.as_mut() else {
             // app-server ignores notifications before initialize; so do we.
             return Ok(());
         };
-        if method == "initialized" {
+        if *method == Method::Initialized {
             init.initialized = true;
         }
         for leg in self.legs.values() {
@@ -781,15 +793,20 @@ impl Session {
     }
 
     async fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
-        let msg = match jsonrpc::parse(text) {
-            Ok(m) => m,
+        let frame = match Frame::parse(text) {
+            Ok(f) => f,
             Err(e) => {
                 tracing::warn!(%worker, error = %e, "dropping unparseable frame from worker");
                 return Ok(());
             }
         };
-        match msg {
-            Rpc::Response { id } => self.on_worker_response(worker, id, text).await,
+        let answer = Answer {
+            result: frame.result,
+            error: frame.error,
+            overloaded: frame.error_code() == Some(codes::OVERLOADED),
+        };
+        match frame.message {
+            Rpc::Response { id } => self.on_worker_response(worker, id, answer, text).await,
             Rpc::Request { id, .. } => {
                 let sid = self.server_requests.insert(worker, id);
                 match jsonrpc::with_id(text, &RequestId::Int(sid)) {
@@ -799,14 +816,14 @@ impl Session {
             }
             Rpc::Notification { method, params } => {
                 self.track_turns(&method, params);
-                if turns::is_delta(&method)
+                if method.is_delta()
                     && (self.queued() >= self.soft_mark || self.queued_bytes.behind())
                 {
                     // Behind: item/completed will carry the whole item, so the delta can go.
                     self.ctx.metrics.deltas_dropped.inc();
                     return Ok(());
                 }
-                if method == "serverRequest/resolved" {
+                if method == Method::ServerRequestResolved {
                     if let Some(sid) = jsonrpc::params_request_id(params)
                         .and_then(|rid| self.server_requests.resolved(worker, rid))
                     {
@@ -825,17 +842,21 @@ impl Session {
         &mut self,
         worker: WorkerId,
         id: RequestId,
+        answer: Answer<'_>,
         text: &str,
     ) -> Result<(), End> {
         if id == RequestId::Str(REPLAY_INIT_ID.into()) {
-            if text.contains("\"result\"") {
+            if answer.result.is_some() {
                 self.live.insert(worker);
             } else {
                 tracing::warn!(%worker, response = text, "replayed initialize refused");
             }
             return Ok(());
         }
-        let rewritten = self.ctx.admission.rewrite_worker_overload(text);
+        let rewritten = answer
+            .overloaded
+            .then(|| self.ctx.admission.rewrite_worker_overload(text))
+            .flatten();
         if rewritten.is_some() {
             self.ctx
                 .metrics
@@ -854,7 +875,7 @@ impl Session {
                 .observe(f.since.elapsed().as_secs_f64());
         }
         if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
-            if text.contains("\"result\"") {
+            if answer.result.is_some() {
                 init.answered = true;
                 self.live.insert(worker);
             } else {
@@ -862,7 +883,7 @@ impl Session {
             }
         }
         if let Some(f) = flight {
-            if let Some(retried) = self.learn(worker, &id, f, text).await {
+            if let Some(retried) = self.learn(worker, &id, f, &answer).await {
                 return retried;
             }
         }
@@ -875,10 +896,8 @@ impl Session {
         let Some(r) = relayed else { return Ok(()) };
         // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
         // "active" after the leg's turn/completed would count a finished turn as running.
-        if let Ok(Rpc::Notification { method, params }) = jsonrpc::parse(&r.text) {
-            if let Some((turns::Event::Ended, thread)) = turns::event(&method, params) {
-                self.ctx.admission.turn_ended(self.tenant(), &thread);
-            }
+        if let Some(thread) = &r.turn_ended {
+            self.ctx.admission.turn_ended(self.tenant(), thread);
         }
         if self.init.as_ref().is_none_or(|i| !i.answered) {
             return Ok(());
@@ -916,12 +935,7 @@ impl Session {
 
     fn worker_gone_reply(&self, id: &RequestId) -> Result<(), End> {
         self.count_error("worker_exited");
-        self.reply_error(
-            Some(id),
-            codes::WORKER_UNAVAILABLE,
-            "The worker serving this request exited; retry.",
-            Some(json!({ "reason": "workerExited", "retryable": true })),
-        )
+        self.to_client(proto::error::worker_exited_response(id))
     }
 
     async fn send_to_leg(&mut self, worker: WorkerId, text: String) -> bool {

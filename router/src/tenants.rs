@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use proto::event::{Event, Lifecycle, Turn};
+use proto::Method;
 use serde_json::{json, Value};
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
@@ -48,6 +50,9 @@ pub struct Relayed {
     pub text: Arc<str>,
     /// Sent to every session, legs or not (the router's own news, e.g. a worker's death).
     pub to_all: bool,
+    /// The thread whose turn this notification ends, if it ends one (read once here, so no
+    /// session parses the text again).
+    pub turn_ended: Option<Arc<str>>,
 }
 
 impl Tenant {
@@ -124,44 +129,44 @@ impl Tenant {
     }
 
     fn on_notification(&self, worker: WorkerId, message: &Value) {
-        let Some(method) = message["method"].as_str() else {
+        let Some(method) = message["method"].as_str().map(Method::parse) else {
             return;
         };
-        if !method.starts_with("thread/") {
+        if !method.is_thread_scoped() {
             return; // process-wide news reaches sessions through their own legs
         }
-        let params = &message["params"];
-        let thread = params["threadId"]
-            .as_str()
-            .or_else(|| params["thread"]["id"].as_str());
-        if let Some(thread) = thread {
-            match (method, params["status"]["type"].as_str()) {
-                ("thread/started", _) => self.table.learn(thread, worker),
-                ("thread/closed", _) | ("thread/status/changed", Some("notLoaded")) => {
-                    self.table.forget(thread, worker)
-                }
-                ("thread/status/changed", Some(_)) => self.table.learn(thread, worker),
-                _ => {}
+        let event = Event::from_value(message);
+        if let Some(event) = &event {
+            match event.lifecycle() {
+                Some(Lifecycle::Loaded { .. }) => self.table.learn(event.thread(), worker),
+                Some(Lifecycle::Unloaded) => self.table.forget(event.thread(), worker),
+                None => {}
             }
         }
+        let turn_ended = event
+            .filter(|e| e.turn() == Some(Turn::Ended))
+            .map(|e| Arc::from(e.thread()));
         let _receivers = self.relay.send(Relayed {
             worker,
             text: Arc::from(message.to_string()),
             to_all: false,
+            turn_ended,
         });
     }
 
     /// Subscribers of the dead worker's threads learn that each one failed and closed.
     fn on_worker_exited(&self, worker: WorkerId) {
         for thread in self.table.forget_worker(worker) {
+            let ended: Arc<str> = Arc::from(thread.as_str());
             for msg in [
-                json!({"method": "thread/status/changed", "params": {"threadId": thread, "status": {"type": "systemError"}}}),
-                json!({"method": "thread/closed", "params": {"threadId": thread}}),
+                json!({"method": Method::ThreadStatusChanged.as_str(), "params": {"threadId": thread, "status": {"type": "systemError"}}}),
+                json!({"method": Method::ThreadClosed.as_str(), "params": {"threadId": thread}}),
             ] {
                 let _receivers = self.relay.send(Relayed {
                     worker,
                     text: Arc::from(msg.to_string()),
                     to_all: true,
+                    turn_ended: Some(ended.clone()),
                 });
             }
         }

@@ -3,8 +3,13 @@
 
 use std::sync::Arc;
 
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
+use proto::client::{Client, ClientError};
+use proto::initialize::InitializeParams;
+use proto::rpc::{Frame, Message as Rpc, RequestId};
+use proto::Method;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{interval_at, sleep_until, timeout_at, Duration, Instant, MissedTickBehavior};
@@ -20,99 +25,22 @@ pub const CLIENT_NAME: &str = "codex_app_server_daemon";
 /// Largest message accepted on a control leg (`thread/started` carries a whole thread summary).
 pub const CONTROL_MAX_MESSAGE: usize = 16 << 20;
 
-const INITIALIZE: &str = "initialize";
-const INITIALIZED: &str = "initialized";
 /// Cheap request used as the health probe; it also lists loaded threads.
-const HEALTH_METHOD: &str = "thread/loaded/list";
+const HEALTH_METHOD: Method<'static> = Method::ThreadLoadedList;
 /// Capacity of a control leg's command queue.
 pub const COMMAND_CAPACITY: usize = 16;
 /// Most reconcile callers waiting on one control leg; more get no answer.
 const MAX_WAITERS: usize = 256;
 
-#[derive(Serialize)]
-struct Request<'a, P> {
-    id: u64,
-    method: &'a str,
-    params: P,
-}
-
-#[derive(Serialize)]
-struct Notification<'a> {
-    method: &'a str,
-}
-
 /// `params: {}`; app-server rejects requests without `params`.
 #[derive(Serialize)]
 struct EmptyParams {}
 
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct InitializeParams<'a> {
-    client_info: ClientInfo<'a>,
-    capabilities: Capabilities,
-}
-
-#[derive(Serialize)]
-struct ClientInfo<'a> {
-    name: &'a str,
-    title: Option<&'a str>,
-    version: &'a str,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Capabilities {
-    experimental_api: bool,
-}
-
-/// The fields that tell the kinds of JSON-RPC message apart.
-#[derive(Deserialize)]
-struct Envelope {
-    #[serde(default)]
-    id: Option<Value>,
-    #[serde(default)]
-    method: Option<String>,
-    #[serde(default)]
-    error: Option<RpcErrorBody>,
-    #[serde(default)]
-    result: Option<Value>,
-}
-
+/// `error` of a response, for the log.
 #[derive(Debug, Deserialize)]
 struct RpcErrorBody {
     code: i64,
     message: String,
-}
-
-/// One inbound text frame, classified once.
-enum Inbound {
-    Notification(Value),
-    Response {
-        id: Option<u64>,
-        error: Option<RpcErrorBody>,
-        result: Option<Value>,
-    },
-    ServerRequest {
-        method: String,
-    },
-    Unknown,
-}
-
-impl Inbound {
-    fn parse(text: &str) -> Result<Self, serde_json::Error> {
-        let value: Value = serde_json::from_str(text)?;
-        let envelope = Envelope::deserialize(&value)?;
-        Ok(match (envelope.id, envelope.method) {
-            (Some(_), Some(method)) => Inbound::ServerRequest { method },
-            (None, Some(_)) => Inbound::Notification(value),
-            (Some(id), None) => Inbound::Response {
-                id: id.as_u64(),
-                error: envelope.error,
-                result: envelope.result,
-            },
-            (None, None) => Inbound::Unknown,
-        })
-    }
 }
 
 /// Health probe timing.
@@ -153,7 +81,7 @@ pub enum ControlCommand {
 /// after they asked.
 #[derive(Default)]
 struct Probes {
-    in_flight: Option<(u64, Instant)>,
+    in_flight: Option<(RequestId, Instant)>,
     /// Waiting on the request in flight.
     current: Vec<oneshot::Sender<Arc<Vec<String>>>>,
     /// Waiting on the next request.
@@ -166,14 +94,14 @@ struct Probes {
 
 impl Probes {
     fn deadline(&self) -> Option<Instant> {
-        self.in_flight.map(|(_, deadline)| deadline)
+        self.in_flight.as_ref().map(|(_, deadline)| *deadline)
     }
 
     fn should_send(&self) -> bool {
         self.in_flight.is_none() && (self.due || !self.next.is_empty())
     }
 
-    fn sent(&mut self, id: u64, deadline: Instant) {
+    fn sent(&mut self, id: RequestId, deadline: Instant) {
         self.in_flight = Some((id, deadline));
         self.due = false;
         self.current = std::mem::take(&mut self.next);
@@ -187,8 +115,11 @@ impl Probes {
     }
 
     /// Whether `id` answers the probe in flight; if so the probe is over.
-    fn answered(&mut self, id: Option<u64>) -> bool {
-        let hit = self.in_flight.is_some_and(|(probe, _)| Some(probe) == id);
+    fn answered(&mut self, id: &RequestId) -> bool {
+        let hit = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|(probe, _)| probe == id);
         if hit {
             self.in_flight = None;
         }
@@ -205,8 +136,7 @@ impl Probes {
 
 /// An initialized control connection to one worker.
 pub struct ControlLeg {
-    ws: LegStream,
-    next_id: u64,
+    rpc: Client<LegStream>,
     probes: Probes,
 }
 
@@ -216,28 +146,17 @@ impl ControlLeg {
     /// Sends `initialize` (as [`CLIENT_NAME`], experimental API on), waits for its answer, then sends
     /// `initialized`. The caller bounds the time.
     pub async fn initialize(ws: LegStream) -> Result<Self, ControlError> {
-        let mut leg = Self {
-            ws,
-            next_id: 0,
+        let mut rpc = Client::new(ws);
+        rpc.initialize(&InitializeParams::experimental(
+            CLIENT_NAME,
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .await
+        .map_err(control_error)?;
+        Ok(Self {
+            rpc,
             probes: Probes::default(),
-        };
-        let params = InitializeParams {
-            client_info: ClientInfo {
-                name: CLIENT_NAME,
-                title: None,
-                version: env!("CARGO_PKG_VERSION"),
-            },
-            capabilities: Capabilities {
-                experimental_api: true,
-            },
-        };
-        let id = leg.send_request(INITIALIZE, params).await?;
-        leg.await_response(id, INITIALIZE).await?;
-        leg.send_json(&Notification {
-            method: INITIALIZED,
         })
-        .await?;
-        Ok(leg)
     }
 
     /// Reads every frame and hands notifications and loaded-thread lists to `observe`; probes health
@@ -255,7 +174,7 @@ impl ControlLeg {
         loop {
             let deadline = self.probes.deadline();
             tokio::select! {
-                frame = self.ws.next() => {
+                frame = self.rpc.ws_mut().next() => {
                     let message = match frame {
                         None => return ControlEnd::Lost(ControlError::Closed),
                         Some(Err(e)) => return ControlEnd::Lost(e.into()),
@@ -276,9 +195,14 @@ impl ControlLeg {
             }
             if self.probes.should_send() {
                 let deadline = Instant::now() + health.timeout;
-                match timeout_at(deadline, self.send_request(HEALTH_METHOD, EmptyParams {})).await {
+                match timeout_at(
+                    deadline,
+                    self.rpc.send_request(&HEALTH_METHOD, EmptyParams {}),
+                )
+                .await
+                {
                     Ok(Ok(id)) => self.probes.sent(id, deadline),
-                    Ok(Err(e)) => return ControlEnd::Lost(e),
+                    Ok(Err(e)) => return ControlEnd::Lost(control_error(e)),
                     Err(_elapsed) => return ControlEnd::Hung,
                 }
             }
@@ -297,35 +221,48 @@ impl ControlLeg {
                 return None
             }
         };
-        match Inbound::parse(text.as_str()) {
-            Ok(Inbound::Notification(value)) => {
-                trace!(method = ?value.get("method"), "notification");
-                observe(Observed::Notification(value));
+        let frame = match Frame::parse(text.as_str()) {
+            Ok(frame) => frame,
+            Err(e) => {
+                warn!(error = %e, "ignoring invalid frame on control leg");
+                return None;
             }
-            Ok(Inbound::Response { id, error, result }) => {
-                if let Some(error) = &error {
+        };
+        match frame.message {
+            Rpc::Notification { method, .. } => {
+                trace!(%method, "notification");
+                match serde_json::from_str(text.as_str()) {
+                    Ok(value) => observe(Observed::Notification(value)),
+                    Err(e) => warn!(error = %e, "ignoring invalid JSON on control leg"),
+                }
+            }
+            Rpc::Response { id } => {
+                if let Some(error) = frame.error {
                     // Any answer, even -32001 "overloaded", proves the worker is alive.
-                    debug!(code = error.code, message = %error.message, "control request failed");
+                    match serde_json::from_str::<RpcErrorBody>(error.get()) {
+                        Ok(e) => {
+                            debug!(code = e.code, message = %e.message, "control request failed")
+                        }
+                        Err(_) => debug!(error = error.get(), "control request failed"),
+                    }
                 }
-                if self.probes.answered(id) {
-                    self.on_probe_answer(result, observe);
+                if self.probes.answered(&id) {
+                    self.on_probe_answer(frame.result, observe);
                 }
             }
-            Ok(Inbound::ServerRequest { method }) => {
+            Rpc::Request { method, .. } => {
                 warn!(%method, "ignoring server request on control leg");
             }
-            Ok(Inbound::Unknown) => debug!("ignoring frame without id or method"),
-            Err(e) => warn!(error = %e, "ignoring invalid JSON on control leg"),
         }
         None
     }
 
     fn on_probe_answer(
         &mut self,
-        result: Option<Value>,
+        result: Option<&RawValue>,
         observe: &mut (dyn FnMut(Observed) + Send),
     ) {
-        match result.map(serde_json::from_value::<LoadedList>) {
+        match result.map(|r| serde_json::from_str::<LoadedList>(r.get())) {
             Some(Ok(list)) => {
                 let loaded = Arc::new(list.data);
                 observe(Observed::Loaded(loaded.clone()));
@@ -339,120 +276,130 @@ impl ControlLeg {
             None => self.probes.current.clear(),
         }
     }
+}
 
-    async fn send_request<P: Serialize>(
-        &mut self,
-        method: &'static str,
-        params: P,
-    ) -> Result<u64, ControlError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        self.send_json(&Request { id, method, params }).await?;
-        Ok(id)
-    }
-
-    async fn send_json<T: Serialize>(&mut self, message: &T) -> Result<(), ControlError> {
-        let text = serde_json::to_string(message)?;
-        self.ws.send(Message::text(text)).await?;
-        Ok(())
-    }
-
-    /// Reads until the answer to `id`; frames before it (none are expected) are skipped.
-    async fn await_response(&mut self, id: u64, method: &'static str) -> Result<(), ControlError> {
-        loop {
-            let text = match self.ws.next().await {
-                None => return Err(ControlError::Closed),
-                Some(Err(e)) => return Err(e.into()),
-                Some(Ok(Message::Text(text))) => text,
-                Some(Ok(Message::Close(_))) => return Err(ControlError::Closed),
-                Some(Ok(_)) => continue,
-            };
-            match Inbound::parse(text.as_str())? {
-                Inbound::Response {
-                    id: Some(got),
-                    error,
-                    ..
-                } if got == id => {
-                    return match error {
-                        None => Ok(()),
-                        Some(e) => Err(ControlError::Rpc {
-                            method,
-                            code: e.code,
-                            message: e.message,
-                        }),
-                    };
-                }
-                _ => debug!(%method, "skipping frame while waiting for response"),
-            }
-        }
+/// A client failure as a control-leg failure (only `initialize` waits for an answer).
+fn control_error(e: ClientError) -> ControlError {
+    match e {
+        ClientError::Ws(e) => ControlError::Ws(e),
+        ClientError::Closed => ControlError::Closed,
+        ClientError::Rpc { code, message, .. } => ControlError::Rpc {
+            method: Method::Initialize.known_name().unwrap_or_default(),
+            code,
+            message,
+        },
+        ClientError::Decode(e) => ControlError::Decode(e),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+    use tokio_tungstenite::WebSocketStream;
 
-    #[test]
-    fn classifies_messages() {
-        assert!(matches!(
-            Inbound::parse(r#"{"method":"thread/started","params":{},"emittedAtMs":1}"#).unwrap(),
-            Inbound::Notification(_)
-        ));
-        assert!(matches!(
-            Inbound::parse(r#"{"id":3,"result":{"data":[]}}"#).unwrap(),
-            Inbound::Response {
-                id: Some(3),
-                error: None,
-                result: Some(_)
+    async fn next_text(ws: &mut WebSocketStream<tokio::net::UnixStream>) -> Value {
+        loop {
+            if let Message::Text(t) = ws.next().await.unwrap().unwrap() {
+                return serde_json::from_str(t.as_str()).unwrap();
             }
-        ));
-        assert!(matches!(
-            Inbound::parse(r#"{"id":4,"error":{"code":-32001,"message":"Server overloaded"}}"#)
-                .unwrap(),
-            Inbound::Response {
-                id: Some(4),
-                error: Some(RpcErrorBody { code: -32001, .. }),
-                ..
-            }
-        ));
-        assert!(matches!(
-            Inbound::parse(r#"{"id":0,"method":"item/tool/requestUserInput","params":{}}"#)
-                .unwrap(),
-            Inbound::ServerRequest { .. }
-        ));
-        assert!(matches!(Inbound::parse("{}").unwrap(), Inbound::Unknown));
-        assert!(Inbound::parse("nope").is_err());
+        }
     }
 
-    #[test]
-    fn requests_carry_params() {
-        let text = serde_json::to_string(&Request {
-            id: 7,
-            method: HEALTH_METHOD,
-            params: EmptyParams {},
-        })
-        .unwrap();
-        assert_eq!(
-            text,
-            r#"{"id":7,"method":"thread/loaded/list","params":{}}"#
+    /// A control leg against a scripted worker: initialize, a probe answered with the loaded
+    /// threads, a broadcast relayed, an error answer that proves liveness, then the end.
+    #[tokio::test]
+    async fn initializes_probes_and_relays() {
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let client = WebSocketStream::from_raw_socket(a, Role::Client, None).await;
+        let mut server = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        let worker = tokio::spawn(async move {
+            let init = next_text(&mut server).await;
+            assert_eq!(init["method"], "initialize");
+            assert_eq!(init["params"]["clientInfo"]["name"], CLIENT_NAME);
+            assert_eq!(init["params"]["capabilities"]["experimentalApi"], true);
+            // A broadcast before the answer is skipped by initialize.
+            server
+                .send(Message::text(r#"{"method":"thread/started","params":{}}"#))
+                .await
+                .unwrap();
+            let answer = serde_json::json!({"id": init["id"], "result": {}});
+            server
+                .send(Message::text(answer.to_string()))
+                .await
+                .unwrap();
+            assert_eq!(
+                next_text(&mut server).await,
+                serde_json::json!({"method": "initialized"})
+            );
+            let probe = next_text(&mut server).await;
+            assert_eq!(probe["method"], "thread/loaded/list");
+            assert_eq!(probe["params"], serde_json::json!({}));
+            server
+                .send(Message::text(
+                    r#"{"method":"thread/status/changed","params":{"threadId":"a","status":{"type":"idle"}}}"#,
+                ))
+                .await
+                .unwrap();
+            let answer = serde_json::json!({"id": probe["id"], "result": {"data": ["a", "b"], "nextCursor": null}});
+            server
+                .send(Message::text(answer.to_string()))
+                .await
+                .unwrap();
+            // The next probe gets an error: alive, no list.
+            let probe = next_text(&mut server).await;
+            let answer = serde_json::json!({"id": probe["id"], "error": {"code": -32001, "message": "Server overloaded; retry later."}});
+            server
+                .send(Message::text(answer.to_string()))
+                .await
+                .unwrap();
+            server.close(None).await.unwrap();
+        });
+        let leg = ControlLeg::initialize(client).await.unwrap();
+        let (_tx, mut commands) = mpsc::channel(1);
+        let mut seen = Vec::new();
+        let end = leg
+            .run(
+                Health {
+                    interval: Duration::from_millis(10),
+                    timeout: Duration::from_secs(60),
+                },
+                &mut commands,
+                &mut |o| seen.push(o),
+            )
+            .await;
+        worker.await.unwrap();
+        assert!(
+            matches!(end, ControlEnd::Lost(ControlError::Closed)),
+            "{end:?}"
         );
-        let init = serde_json::to_value(InitializeParams {
-            client_info: ClientInfo {
-                name: CLIENT_NAME,
-                title: None,
-                version: "1",
-            },
-            capabilities: Capabilities {
-                experimental_api: true,
-            },
-        })
-        .unwrap();
-        assert_eq!(
-            init,
-            serde_json::json!({
-                "clientInfo": {"name": "codex_app_server_daemon", "title": null, "version": "1"},
-                "capabilities": {"experimentalApi": true}
-            })
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert!(
+            matches!(&seen[0], Observed::Notification(v) if v["method"] == "thread/status/changed")
+        );
+        assert!(matches!(&seen[1], Observed::Loaded(l) if **l == ["a", "b"]));
+    }
+
+    #[tokio::test]
+    async fn an_initialize_error_is_a_control_error() {
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let client = WebSocketStream::from_raw_socket(a, Role::Client, None).await;
+        let mut server = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        let worker = tokio::spawn(async move {
+            let init = next_text(&mut server).await;
+            let answer =
+                serde_json::json!({"id": init["id"], "error": {"code": -32600, "message": "nope"}});
+            server
+                .send(Message::text(answer.to_string()))
+                .await
+                .unwrap();
+        });
+        let err = ControlLeg::initialize(client).await.err().unwrap();
+        worker.await.unwrap();
+        assert!(
+            matches!(&err, ControlError::Rpc { method: "initialize", code: -32600, message } if message == "nope"),
+            "{err}"
         );
     }
 }

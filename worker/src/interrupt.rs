@@ -2,14 +2,16 @@
 
 use std::path::Path;
 
-use futures_util::{SinkExt, StreamExt};
-use serde_json::{json, Value};
+use proto::client::Client;
+use proto::initialize::InitializeParams;
+use proto::Method;
+use serde::Deserialize;
+use serde_json::json;
 use tokio::time::{timeout_at, Instant};
-use tokio_tungstenite::tungstenite::Message;
 use tracing::{debug, warn};
 
 use crate::control::{CLIENT_NAME, CONTROL_MAX_MESSAGE};
-use crate::leg::{self, LegStream};
+use crate::leg;
 
 /// `thread/read` attempts to find a thread's turn in progress.
 const READ_ATTEMPTS: u32 = 5;
@@ -45,18 +47,12 @@ async fn interrupt_all(
     threads: &[String],
 ) -> anyhow_like::Result<usize> {
     let ws = leg::connect(socket, peer, CONTROL_MAX_MESSAGE).await?;
-    let mut rpc = Rpc { ws, next_id: 0 };
-    rpc.call(
-        "initialize",
-        json!({
-            "clientInfo": { "name": CLIENT_NAME, "title": null, "version": env!("CARGO_PKG_VERSION") },
-            "capabilities": { "experimentalApi": true }
-        }),
-    )
+    let mut rpc = Client::new(ws);
+    rpc.initialize(&InitializeParams::experimental(
+        CLIENT_NAME,
+        env!("CARGO_PKG_VERSION"),
+    ))
     .await?;
-    rpc.ws
-        .send(Message::text(json!({"method": "initialized"}).to_string()))
-        .await?;
     let mut done = 0;
     for thread in threads {
         let mut turn = None;
@@ -67,11 +63,15 @@ async fn interrupt_all(
             }
             let read = rpc
                 .call(
-                    "thread/read",
+                    &Method::ThreadRead,
                     json!({ "threadId": thread, "includeTurns": true }),
                 )
                 .await?;
-            turn = running_turn(&read);
+            // A result of another shape has no turn in progress we could name.
+            turn = read
+                .result::<ThreadRead>()
+                .ok()
+                .and_then(ThreadRead::running_turn);
             if turn.is_some() {
                 break;
             }
@@ -82,7 +82,7 @@ async fn interrupt_all(
         };
         match rpc
             .call(
-                "turn/interrupt",
+                &Method::TurnInterrupt,
                 json!({ "threadId": thread, "turnId": turn }),
             )
             .await
@@ -91,49 +91,41 @@ async fn interrupt_all(
             Err(e) => warn!(thread, turn, error = %e, "turn/interrupt failed"),
         }
     }
-    let _closed = rpc.ws.close(None).await;
+    let _closed = rpc.close().await;
     Ok(done)
 }
 
-/// The id of the last turn in progress in a `thread/read` result.
-fn running_turn(read: &Value) -> Option<String> {
-    read["thread"]["turns"]
-        .as_array()?
-        .iter()
-        .rev()
-        .find(|t| t["status"] == "inProgress")
-        .and_then(|t| t["id"].as_str())
-        .map(str::to_owned)
+/// The part of a `thread/read` result (with turns) that matters here.
+#[derive(Deserialize)]
+struct ThreadRead {
+    thread: ThreadTurns,
 }
 
-struct Rpc {
-    ws: LegStream,
-    next_id: u64,
+#[derive(Deserialize)]
+struct ThreadTurns {
+    #[serde(default)]
+    turns: Vec<TurnSummary>,
 }
 
-impl Rpc {
-    /// Sends a request and reads until its answer (notifications on the way are skipped).
-    async fn call(&mut self, method: &str, params: Value) -> anyhow_like::Result<Value> {
-        let id = self.next_id;
-        self.next_id += 1;
-        let req = json!({ "id": id, "method": method, "params": params });
-        self.ws.send(Message::text(req.to_string())).await?;
-        loop {
-            let text = match self.ws.next().await {
-                None | Some(Ok(Message::Close(_))) => return Err("connection closed".into()),
-                Some(Err(e)) => return Err(e.into()),
-                Some(Ok(Message::Text(text))) => text,
-                Some(Ok(_)) => continue,
-            };
-            let v: Value = serde_json::from_str(text.as_str())?;
-            if v.get("method").is_some() || v["id"] != id {
-                continue;
-            }
-            if let Some(e) = v.get("error") {
-                return Err(format!("{method}: {e}").into());
-            }
-            return Ok(v["result"].clone());
-        }
+#[derive(Deserialize)]
+struct TurnSummary {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    status: Option<String>,
+}
+
+// === impl ThreadRead ===
+
+impl ThreadRead {
+    /// The id of the last turn in progress.
+    fn running_turn(self) -> Option<String> {
+        self.thread
+            .turns
+            .into_iter()
+            .rev()
+            .find(|t| t.status.as_deref() == Some("inProgress"))
+            .and_then(|t| t.id)
     }
 }
 
@@ -148,11 +140,17 @@ mod tests {
 
     #[test]
     fn finds_the_turn_in_progress() {
+        let running_turn = |v: serde_json::Value| {
+            serde_json::from_value::<ThreadRead>(v)
+                .unwrap()
+                .running_turn()
+        };
         let read = json!({"thread": {"turns": [
             {"id": "a", "status": "completed"},
             {"id": "b", "status": "inProgress"},
+            {"id": "c", "status": "failed"},
         ]}});
-        assert_eq!(running_turn(&read).as_deref(), Some("b"));
-        assert_eq!(running_turn(&json!({"thread": {"turns": []}})), None);
+        assert_eq!(running_turn(read).as_deref(), Some("b"));
+        assert_eq!(running_turn(json!({"thread": {"turns": []}})), None);
     }
 }

@@ -3,7 +3,6 @@
 use std::path::Path;
 
 use tokio::net::UnixStream;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 
 use crate::error::LegError;
 
@@ -12,10 +11,6 @@ pub type LegStream = tokio_tungstenite::WebSocketStream<UnixStream>;
 
 /// The request URI of the upgrade; app-server upgrades any path and ignores the host.
 const LEG_URI: &str = "ws://localhost/";
-/// Frames never need to be larger than tungstenite's default frame cap.
-const MAX_FRAME_SIZE: usize = 16 << 20;
-/// tungstenite's default write buffer target; the hard cap must exceed it by a message.
-const WRITE_BUFFER_SIZE: usize = 128 << 10;
 
 /// Who must be listening on a worker's socket: the worker process itself, under its uid.
 ///
@@ -86,34 +81,12 @@ pub fn check_peer(stream: &UnixStream, socket_path: &Path, expected: Peer) -> Re
     })
 }
 
-/// Initial read buffer of a leg. tungstenite allocates its default (128 KiB) up front for every
-/// connection, which made legs the largest per-session cost; frames larger than this still
-/// arrive whole, the buffer grows for them.
-const READ_BUFFER_SIZE: usize = 16 << 10;
-
-/// The WebSocket limits used for every leg.
-pub fn ws_config(max_message_size: usize) -> WebSocketConfig {
-    WebSocketConfig::default()
-        .read_buffer_size(READ_BUFFER_SIZE)
-        .write_buffer_size(WRITE_BUFFER_SIZE)
-        .max_write_buffer_size(WRITE_BUFFER_SIZE.saturating_add(max_message_size))
-        .max_message_size(Some(max_message_size))
-        .max_frame_size(Some(max_message_size.min(MAX_FRAME_SIZE)))
-}
+/// The WebSocket limits used for every leg (defined in the protocol core).
+pub use proto::ws::ws_config;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn limits_are_explicit() {
-        let c = ws_config(1 << 20);
-        assert_eq!(c.max_message_size, Some(1 << 20));
-        assert_eq!(c.max_frame_size, Some(1 << 20));
-        assert!(c.max_write_buffer_size > c.write_buffer_size + (1 << 20) - 1);
-        let big = ws_config(128 << 20);
-        assert_eq!(big.max_frame_size, Some(MAX_FRAME_SIZE));
-    }
 
     fn own_peer() -> Peer {
         Peer {

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use proto::event::Event;
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -10,14 +11,6 @@ use tracing::warn;
 
 /// Most threads tracked per worker; beyond it new ids are ignored (the next list resets the view).
 pub const MAX_TRACKED_THREADS: usize = 10_000;
-
-const THREAD_STARTED: &str = "thread/started";
-const THREAD_STATUS_CHANGED: &str = "thread/status/changed";
-const THREAD_CLOSED: &str = "thread/closed";
-
-/// `ThreadStatus.type` values that matter here (facts §4).
-const STATUS_NOT_LOADED: &str = "notLoaded";
-const STATUS_ACTIVE: &str = "active";
 
 /// A thread lifecycle broadcast, parsed once.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,44 +21,6 @@ pub(crate) enum Lifecycle {
     Status { thread: String, active: bool },
     /// `thread/status/changed` to `notLoaded`, or `thread/closed`.
     Unloaded { thread: String },
-}
-
-#[derive(Deserialize)]
-struct Frame {
-    method: String,
-    #[serde(default)]
-    params: Value,
-}
-
-#[derive(Deserialize)]
-struct StartedParams {
-    thread: ThreadSummary,
-}
-
-#[derive(Deserialize)]
-struct ThreadSummary {
-    id: String,
-    #[serde(default)]
-    status: Option<Status>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct StatusParams {
-    thread_id: String,
-    status: Status,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ClosedParams {
-    thread_id: String,
-}
-
-#[derive(Deserialize)]
-struct Status {
-    #[serde(rename = "type")]
-    kind: String,
 }
 
 /// The answer to `thread/loaded/list`: `{"data":[ids…],"nextCursor":null}` (checked on 0.171.0;
@@ -80,36 +35,15 @@ pub(crate) struct LoadedList {
 impl Lifecycle {
     /// Parses a notification; `None` for other methods or unexpected shapes.
     pub(crate) fn parse(message: &Value) -> Option<Self> {
-        let frame = Frame::deserialize(message).ok()?;
-        match frame.method.as_str() {
-            THREAD_STARTED => {
-                let p = StartedParams::deserialize(&frame.params).ok()?;
-                let active = p.thread.status.is_some_and(|s| s.kind == STATUS_ACTIVE);
-                Some(Lifecycle::Started {
-                    thread: p.thread.id,
-                    active,
-                })
+        let event = Event::from_value(message)?;
+        let thread = event.thread().to_owned();
+        Some(match (&event, event.lifecycle()?) {
+            (_, proto::event::Lifecycle::Unloaded) => Lifecycle::Unloaded { thread },
+            (Event::ThreadStarted { .. }, proto::event::Lifecycle::Loaded { active }) => {
+                Lifecycle::Started { thread, active }
             }
-            THREAD_STATUS_CHANGED => {
-                let p = StatusParams::deserialize(&frame.params).ok()?;
-                Some(match p.status.kind.as_str() {
-                    STATUS_NOT_LOADED => Lifecycle::Unloaded {
-                        thread: p.thread_id,
-                    },
-                    kind => Lifecycle::Status {
-                        thread: p.thread_id,
-                        active: kind == STATUS_ACTIVE,
-                    },
-                })
-            }
-            THREAD_CLOSED => {
-                let p = ClosedParams::deserialize(&frame.params).ok()?;
-                Some(Lifecycle::Unloaded {
-                    thread: p.thread_id,
-                })
-            }
-            _ => None,
-        }
+            (_, proto::event::Lifecycle::Loaded { active }) => Lifecycle::Status { thread, active },
+        })
     }
 }
 

@@ -29,7 +29,7 @@ pub use self::state::Sizes;
 use self::state::{Pick, PoolState, Start};
 
 /// Socket paths must be shorter than this (the kernel allows 107 bytes; keep a margin).
-pub const MAX_SOCKET_PATH: usize = 100;
+pub use proto::names::MAX_SOCKET_PATH;
 /// Upper bound on `max_workers` for one tenant.
 pub const MAX_WORKERS_PER_POOL: usize = 256;
 /// Capacity of a pool's event broadcast; a subscriber that falls this far behind skips events
@@ -158,7 +158,7 @@ impl PoolConfig {
         }
         let longest = self.socket_path(slot_number(self.max_workers - 1));
         let len = longest.as_os_str().len();
-        if len >= MAX_SOCKET_PATH {
+        if !proto::names::socket_path_fits(len) {
             return Err(ConfigError::SocketPathTooLong {
                 path: longest,
                 len,
@@ -244,10 +244,7 @@ impl fmt::Debug for PoolConfig {
 }
 
 fn valid_tenant(tenant: &str) -> bool {
-    (1..=64).contains(&tenant.len())
-        && tenant
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    proto::names::valid_pool_tenant_id(tenant)
 }
 
 fn slot_number(index: usize) -> u32 {

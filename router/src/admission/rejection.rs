@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use rand::Rng;
 use serde::Serialize;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
+// The tests (`use super::*`) build expected frames with it.
+#[cfg(test)]
+use serde_json::json;
 
-use crate::jsonrpc::{self, codes, RequestId};
+pub use proto::error::OVERLOADED_MESSAGE;
 
-/// The message of every `-32001`, word for word as app-server sends it.
-pub const OVERLOADED_MESSAGE: &str = "Server overloaded; retry later.";
+use crate::jsonrpc::{codes, Frame, RequestId};
 
 /// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
 const JITTER_DIVISOR: u64 = 4;
@@ -142,21 +144,12 @@ impl Rejection {
     /// The `data` of the `-32001` error:
     /// `{"retryAfterMs": N, "scope": "connection"|"tenant"|"worker"|"fleet", "reason": "…"}`.
     pub fn to_error_data(&self) -> Value {
-        json!({
-            "retryAfterMs": self.retry_after_ms,
-            "scope": self.scope,
-            "reason": self.reason,
-        })
+        proto::error::overloaded_data(self.retry_after_ms, self.scope, self.reason)
     }
 
     /// The whole JSON-RPC error response to request `id`.
     pub fn to_error_response(&self, id: &RequestId) -> String {
-        jsonrpc::error_response(
-            Some(id),
-            codes::OVERLOADED,
-            OVERLOADED_MESSAGE,
-            Some(self.to_error_data()),
-        )
+        proto::error::overloaded_response(id, self.to_error_data())
     }
 
     /// The status for a refusal at the HTTP upgrade: 429 for rates, 503 for caps.
@@ -185,8 +178,8 @@ fn jittered_ms(d: Duration, rng: &mut impl Rng) -> u64 {
 /// as the router's, with scope `worker` and reason `workerOverloaded`. Returns the rewritten
 /// frame, or `None` when `text` is not such an error (forward it unchanged).
 pub fn rewrite_worker_overload(text: &str, retry_after: Duration) -> Option<String> {
-    // Cheap test first: this runs on every response from a worker.
-    if !text.contains("-32001") {
+    // The session only calls this for a parsed `-32001`; other callers get the same check.
+    if Frame::parse(text).ok()?.error_code() != Some(codes::OVERLOADED) {
         return None;
     }
     let mut msg: Map<String, Value> = serde_json::from_str(text).ok()?;

@@ -5,9 +5,9 @@
 use worker::WorkerId;
 
 use super::legs::Leg;
-use super::{End, InFlight, Init, Session, REPLAY_INIT_ID};
+use super::{Answer, End, InFlight, Init, Session, REPLAY_INIT_ID};
 use crate::admission::Reason;
-use crate::jsonrpc::{self, Message as Rpc, RequestId};
+use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
 /// What a response teaches the tenant table.
 pub(super) enum Learn {
@@ -39,14 +39,14 @@ impl Session {
     /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
     /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
     /// unknown id and another tenant's id get the same answer from the tenant's own worker.
-    pub(super) fn target(&self, method: &str, thread: Option<&str>) -> Target {
+    pub(super) fn target(&self, method: &Method<'_>, thread: Option<&str>) -> Target {
         match (method, thread) {
-            ("initialize", _) => Target::Home,
-            ("thread/start", _) => Target::Place,
+            (Method::Initialize, _) => Target::Home,
+            (Method::ThreadStart, _) => Target::Place,
             (_, None) => Target::Home,
             (_, Some(t)) => match self.ctx.tenant.find_owner(t) {
                 Some(w) => Target::Owner(w),
-                None if method == "thread/resume" => Target::Place,
+                None if *method == Method::ThreadResume => Target::Place,
                 None => Target::Home,
             },
         }
@@ -98,24 +98,26 @@ impl Session {
         worker: WorkerId,
         id: &RequestId,
         f: InFlight,
-        text: &str,
+        answer: &Answer<'_>,
     ) -> Option<Result<(), End>> {
         let table = &self.ctx.tenant.table;
         match f.learn {
             Learn::Nothing => None,
             Learn::NewThread => {
-                if let Some(thread) = jsonrpc::result_thread_id(text) {
+                if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
                     table.learn(&thread, worker);
                 }
                 None
             }
             Learn::Resume { thread, retry } => {
-                if jsonrpc::result_thread_id(text).is_some() {
+                if answer.result.and_then(jsonrpc::thread_of_result).is_some() {
                     table.learn(&thread, worker);
                     return None;
                 }
-                let busy = jsonrpc::error_message(text)
-                    .is_some_and(|m| m.contains("already has an active writer"));
+                let busy = answer
+                    .error
+                    .and_then(jsonrpc::message_of_error)
+                    .is_some_and(|m| proto::error::is_writer_conflict(&m));
                 let retry = retry.filter(|_| busy)?;
                 // Another worker holds the thread: find it and send the resume there, once.
                 self.ctx.tenant.reconcile_now().await;
@@ -192,7 +194,11 @@ impl Session {
             Ok(Rpc::Request { params, .. }) => params,
             _ => None,
         };
-        let replay = jsonrpc::request(&RequestId::Str(REPLAY_INIT_ID.into()), "initialize", params);
+        let replay = jsonrpc::request(
+            &RequestId::Str(REPLAY_INIT_ID.into()),
+            Method::Initialize.as_str(),
+            params,
+        );
         leg.send(replay).await;
         if init.initialized {
             leg.send(r#"{"method":"initialized"}"#.to_owned()).await;

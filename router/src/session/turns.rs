@@ -1,55 +1,23 @@
-//! Which worker notifications start or end a turn, and which ones are expendable deltas.
+//! Which worker notifications start or end a turn: the protocol core's typed events
+//! ([`proto::event`]), as the session counts turns.
 
-use serde::Deserialize;
+use proto::event::Event as Notification;
+use proto::Method;
 use serde_json::value::RawValue;
 
 /// What a notification says about the turn on its thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Event {
-    /// A turn runs (`turn/started`, or the thread's status became `active`).
-    Started,
-    /// No turn runs any more (`turn/completed`, `thread/closed`, or a status other than `active`).
-    Ended,
-}
-
-#[derive(Deserialize)]
-struct Params<'a> {
-    #[serde(rename = "threadId", borrow, default)]
-    thread_id: Option<std::borrow::Cow<'a, str>>,
-    #[serde(default)]
-    status: Option<Status<'a>>,
-}
-
-#[derive(Deserialize)]
-struct Status<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: std::borrow::Cow<'a, str>,
-}
+pub use proto::event::Turn as Event;
 
 /// The turn event a notification carries, with its thread id.
-pub fn event(method: &str, params: Option<&RawValue>) -> Option<(Event, String)> {
-    let kind = match method {
-        "turn/started" => Event::Started,
-        "turn/completed" | "thread/closed" => Event::Ended,
-        "thread/status/changed" => Event::Ended, // refined below by the status
-        _ => return None,
-    };
-    let p: Params<'_> = serde_json::from_str(params?.get()).ok()?;
-    let thread = p.thread_id?.into_owned();
-    let kind = match (method, p.status) {
-        ("thread/status/changed", Some(s)) if s.kind == "active" => Event::Started,
-        ("thread/status/changed", None) => return None,
-        _ => kind,
-    };
-    Some((kind, thread))
+pub fn event_of(method: &Method<'_>, params: Option<&RawValue>) -> Option<(Event, String)> {
+    let n = Notification::parse(method, params)?;
+    Some((n.turn()?, n.thread().to_owned()))
 }
 
-/// Streaming deltas (`item/agentMessage/delta`, `item/commandExecution/outputDelta`,
-/// `item/reasoning/textDelta`, `item/reasoning/summaryTextDelta`, `item/plan/delta`,
-/// `item/fileChange/outputDelta`, …): the item's `item/completed` carries the whole result,
-/// so a client that has fallen behind can lose them.
-pub fn is_delta(method: &str) -> bool {
-    method.starts_with("item/") && (method.ends_with("/delta") || method.ends_with("Delta"))
+/// As [`event_of`], for a method name.
+#[cfg(test)]
+pub fn event(method: &str, params: Option<&RawValue>) -> Option<(Event, String)> {
+    event_of(&Method::parse(method), params)
 }
 
 #[cfg(test)]
@@ -91,29 +59,5 @@ mod tests {
         assert_eq!(ev("item/started", r#"{"threadId":"t1"}"#), None);
         assert_eq!(ev("turn/started", r#"{"turn":{}}"#), None);
         assert_eq!(event("turn/started", None), None);
-    }
-
-    #[test]
-    fn deltas_are_recognised_and_nothing_else() {
-        for m in [
-            "item/agentMessage/delta",
-            "item/commandExecution/outputDelta",
-            "item/reasoning/textDelta",
-            "item/reasoning/summaryTextDelta",
-            "item/plan/delta",
-            "item/fileChange/outputDelta",
-        ] {
-            assert!(is_delta(m), "{m}");
-        }
-        for m in [
-            "item/completed",
-            "item/started",
-            "turn/completed",
-            "item/reasoning/summaryPartAdded",
-            "command/exec/outputDelta",
-            "thread/status/changed",
-        ] {
-            assert!(!is_delta(m), "{m}");
-        }
     }
 }

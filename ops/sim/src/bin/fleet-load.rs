@@ -11,13 +11,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use clap::Parser;
-use futures_util::{SinkExt, StreamExt};
+use proto::client::Client;
+use proto::event::Event;
+use proto::initialize::InitializeParams;
+use proto::rpc::{Frame, Message as RpcMessage, ParseError, RequestId};
+use proto::Method;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{Connector, WebSocketStream};
 
 #[derive(Parser, Debug, Clone)]
@@ -98,92 +101,82 @@ fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
 
-/// A minimal JSON-RPC client over any WebSocket stream (wss to the fleet, ws over a unix socket
-/// to a simulator), so both paths are measured with the same code.
+/// The protocol core's JSON-RPC client over any WebSocket stream (wss to the fleet, ws over a
+/// unix socket to a simulator), so both paths are measured with the same code.
 struct Rpc<S> {
-    ws: WebSocketStream<S>,
-    next_id: i64,
+    client: Client<WebSocketStream<S>>,
+}
+
+/// Answers every server request "accept".
+fn accept_server_request(_text: &str, m: &RpcMessage<'_>) -> Option<String> {
+    match m {
+        RpcMessage::Request { id, .. } => {
+            Some(json!({"id": id, "result": {"decision": "accept"}}).to_string())
+        }
+        _ => None,
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
-    async fn send(&mut self, v: Value) -> anyhow::Result<()> {
-        self.ws.send(Message::text(v.to_string())).await?;
-        Ok(())
-    }
-
-    async fn recv(&mut self) -> anyhow::Result<Value> {
-        loop {
-            match self.ws.next().await {
-                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(&t)?),
-                Some(Ok(Message::Close(c))) => bail!("closed: {c:?}"),
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => bail!("read error: {e}"),
-                None => bail!("connection ended"),
-            }
+    fn new(ws: WebSocketStream<S>) -> Self {
+        Rpc {
+            client: Client::new(ws),
         }
     }
 
     /// A request's result and its latency; notifications on the way are skipped, server
     /// requests are answered "accept".
-    async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<(Value, Duration)> {
-        let id = self.next_id;
-        self.next_id += 1;
+    async fn call(
+        &mut self,
+        method: Method<'_>,
+        params: Value,
+    ) -> anyhow::Result<(Value, Duration)> {
         let t0 = Instant::now();
-        self.send(json!({"id": id, "method": method, "params": params}))
+        let reply = self
+            .client
+            .call_with(&method, params, accept_server_request)
             .await?;
-        loop {
-            let v = self.recv().await?;
-            if v["id"] == id && v.get("method").is_none() {
-                let took = t0.elapsed();
-                if let Some(e) = v.get("error") {
-                    bail!("{method}: {e}");
-                }
-                return Ok((v["result"].clone(), took));
-            }
-            self.answer_server_request(&v).await?;
-        }
-    }
-
-    async fn answer_server_request(&mut self, v: &Value) -> anyhow::Result<()> {
-        if v.get("method").is_some() && v.get("id").is_some() {
-            self.send(json!({"id": v["id"], "result": {"decision": "accept"}}))
-                .await?;
-        }
-        Ok(())
+        let took = t0.elapsed();
+        Ok((reply.result()?, took))
     }
 
     async fn until_turn_completed(&mut self, thread: &str) -> anyhow::Result<usize> {
         let mut deltas = 0;
         loop {
-            let v = self.recv().await?;
-            self.answer_server_request(&v).await?;
-            if v["method"] == "item/agentMessage/delta" {
+            let text = self.client.next_text().await?;
+            let frame = match Frame::parse(&text) {
+                Ok(frame) => frame,
+                Err(ParseError::NotJson(e)) => bail!("invalid JSON: {e}"),
+                Err(_) => continue,
+            };
+            if let Some(answer) = accept_server_request(&text, &frame.message) {
+                self.client.send_text(answer).await?;
+            }
+            let RpcMessage::Notification { method, params } = frame.message else {
+                continue;
+            };
+            if method == Method::AgentMessageDelta {
                 deltas += 1;
             }
-            if v["method"] == "turn/completed" && v["params"]["threadId"] == thread {
-                return Ok(deltas);
+            if let Some(Event::TurnCompleted { thread: done }) = Event::parse(&method, params) {
+                if done == thread {
+                    return Ok(deltas);
+                }
             }
         }
     }
 
     async fn initialize(&mut self) -> anyhow::Result<Duration> {
         let t0 = Instant::now();
-        self.send(
-            json!({"id": "initialize", "method": "initialize", "params": {
-            "clientInfo": {"name": "fleet-load", "title": null, "version": "0.0.1"},
-            "capabilities": {"experimentalApi": true}}}),
-        )
-        .await?;
-        loop {
-            let v = self.recv().await?;
-            if v["id"] == "initialize" {
-                if v.get("error").is_some() {
-                    bail!("initialize: {v}");
-                }
-                break;
-            }
-        }
-        self.send(json!({"method": "initialized"})).await?;
+        self.client
+            .call_id(
+                &RequestId::Str("initialize".into()),
+                &Method::Initialize,
+                InitializeParams::experimental("fleet-load", "0.0.1"),
+                |_, _| None,
+            )
+            .await?;
+        self.client.notify(&Method::Initialized).await?;
         Ok(t0.elapsed())
     }
 }
@@ -206,7 +199,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
     let mut stats = SessionStats::default();
     let r = async {
         stats.latencies.push(rpc.initialize().await?);
-        let (started, took) = rpc.call("thread/start", json!({})).await?;
+        let (started, took) = rpc.call(Method::ThreadStart, json!({})).await?;
         stats.latencies.push(took);
         let thread = started["thread"]["id"]
             .as_str()
@@ -222,7 +215,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
         let t0 = Instant::now();
         let (_, took) = rpc
             .call(
-                "turn/start",
+                Method::TurnStart,
                 json!({"threadId": thread, "input": [{"type": "text", "text": format!("load turn {k}"), "text_elements": []}]}),
             )
             .await?;
@@ -231,11 +224,13 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
         stats.turn_latencies.push(t0.elapsed());
         stats.turns += 1;
         for _ in 0..args.reads {
-            let (_, took) = rpc.call("thread/read", json!({"threadId": thread})).await?;
+            let (_, took) = rpc
+                .call(Method::ThreadRead, json!({"threadId": thread}))
+                .await?;
             stats.latencies.push(took);
         }
     }
-    let _ = rpc.ws.close(None).await;
+    let _ = rpc.client.close().await;
     Ok(stats)
 }
 
@@ -533,7 +528,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     Some(Connector::Rustls(tls)),
                 )
                 .await?;
-                Ok(Rpc { ws, next_id: 1 })
+                Ok(Rpc::new(ws))
             }
         },
         || Some((proc_status_kb(pid, "VmRSS:")?, cpu_ticks(pid)?)),
@@ -584,7 +579,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             async move {
                 let stream = tokio::net::UnixStream::connect(&sock).await?;
                 let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
-                Ok(Rpc { ws, next_id: 1 })
+                Ok(Rpc::new(ws))
             }
         },
         || None,

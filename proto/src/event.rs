@@ -1,0 +1,268 @@
+//! Thread lifecycle and turn notifications, parsed once into [`Event`]; what they mean for a
+//! worker's loaded threads ([`Event::lifecycle`]) and for running turns ([`Event::turn`]).
+
+use std::borrow::Cow;
+
+use serde::de::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::method::Method;
+
+/// `ThreadStatus.type` of a thread that is no longer loaded (facts §4).
+pub const STATUS_NOT_LOADED: &str = "notLoaded";
+/// `ThreadStatus.type` of a thread that runs a turn or waits on an approval or user input.
+pub const STATUS_ACTIVE: &str = "active";
+
+/// A notification about one thread's lifecycle or turns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event<'a> {
+    /// `thread/started` (`params.thread.id`, `params.thread.status.type` if any).
+    ThreadStarted {
+        /// The thread.
+        thread: Cow<'a, str>,
+        /// Its status type, when the summary has one.
+        status: Option<Cow<'a, str>>,
+    },
+    /// `thread/status/changed` (`params.threadId`, `params.status.type`).
+    ThreadStatusChanged {
+        /// The thread.
+        thread: Cow<'a, str>,
+        /// The new status type.
+        status: Cow<'a, str>,
+    },
+    /// `thread/closed` (`params.threadId`).
+    ThreadClosed {
+        /// The thread.
+        thread: Cow<'a, str>,
+    },
+    /// `turn/started` (`params.threadId`).
+    TurnStarted {
+        /// The thread.
+        thread: Cow<'a, str>,
+    },
+    /// `turn/completed` (`params.threadId`).
+    TurnCompleted {
+        /// The thread.
+        thread: Cow<'a, str>,
+    },
+}
+
+/// What an [`Event`] says about a worker's loaded threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// Loaded (`thread/started`, or a status other than `notLoaded`); `active` if it runs a turn
+    /// or waits on the user.
+    Loaded {
+        /// Whether the status is `active`.
+        active: bool,
+    },
+    /// No longer loaded (`thread/closed`, or status `notLoaded`).
+    Unloaded,
+}
+
+/// What an [`Event`] says about the turn on its thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// A turn runs (`turn/started`, or the thread's status became `active`).
+    Started,
+    /// No turn runs any more (`turn/completed`, `thread/closed`, or a status other than `active`).
+    Ended,
+}
+
+#[derive(serde::Deserialize)]
+struct Status<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+}
+
+#[derive(serde::Deserialize)]
+struct StartedParams<'a> {
+    #[serde(borrow)]
+    thread: ThreadSummary<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct ThreadSummary<'a> {
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(default, borrow)]
+    status: Option<Status<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct StatusParams<'a> {
+    #[serde(rename = "threadId", borrow)]
+    thread_id: Cow<'a, str>,
+    #[serde(borrow)]
+    status: Status<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct ThreadParams<'a> {
+    #[serde(rename = "threadId", borrow)]
+    thread_id: Cow<'a, str>,
+}
+
+// === impl Event ===
+
+impl<'a> Event<'a> {
+    /// The event a notification carries; `None` for other methods or unexpected shapes.
+    pub fn parse(method: &Method<'_>, params: Option<&'a RawValue>) -> Option<Self> {
+        let params = params?;
+        let mut de = serde_json::Deserializer::from_str(params.get());
+        Self::from_params(method, &mut de)
+    }
+
+    /// As [`Event::parse`], from a whole notification already parsed into a [`Value`].
+    pub fn from_value(message: &'a Value) -> Option<Self> {
+        let method = Method::parse(message.get("method")?.as_str()?);
+        let params = message.get("params").unwrap_or(&Value::Null);
+        Self::from_params(&method, params)
+    }
+
+    fn from_params<D: Deserializer<'a>>(method: &Method<'_>, params: D) -> Option<Self> {
+        Some(match method {
+            Method::ThreadStarted => {
+                let p = StartedParams::deserialize(params).ok()?;
+                Event::ThreadStarted {
+                    thread: p.thread.id,
+                    status: p.thread.status.map(|s| s.kind),
+                }
+            }
+            Method::ThreadStatusChanged => {
+                let p = StatusParams::deserialize(params).ok()?;
+                Event::ThreadStatusChanged {
+                    thread: p.thread_id,
+                    status: p.status.kind,
+                }
+            }
+            Method::ThreadClosed => Event::ThreadClosed {
+                thread: ThreadParams::deserialize(params).ok()?.thread_id,
+            },
+            Method::TurnStarted => Event::TurnStarted {
+                thread: ThreadParams::deserialize(params).ok()?.thread_id,
+            },
+            Method::TurnCompleted => Event::TurnCompleted {
+                thread: ThreadParams::deserialize(params).ok()?.thread_id,
+            },
+            _ => return None,
+        })
+    }
+
+    /// The thread the event is about.
+    pub fn thread(&self) -> &str {
+        match self {
+            Event::ThreadStarted { thread, .. }
+            | Event::ThreadStatusChanged { thread, .. }
+            | Event::ThreadClosed { thread }
+            | Event::TurnStarted { thread }
+            | Event::TurnCompleted { thread } => thread,
+        }
+    }
+
+    /// Its meaning for the worker's loaded threads; `None` for turn events.
+    pub fn lifecycle(&self) -> Option<Lifecycle> {
+        match self {
+            Event::ThreadStarted { status, .. } => Some(Lifecycle::Loaded {
+                active: status.as_deref() == Some(STATUS_ACTIVE),
+            }),
+            Event::ThreadStatusChanged { status, .. } if status == STATUS_NOT_LOADED => {
+                Some(Lifecycle::Unloaded)
+            }
+            Event::ThreadStatusChanged { status, .. } => Some(Lifecycle::Loaded {
+                active: status == STATUS_ACTIVE,
+            }),
+            Event::ThreadClosed { .. } => Some(Lifecycle::Unloaded),
+            Event::TurnStarted { .. } | Event::TurnCompleted { .. } => None,
+        }
+    }
+
+    /// Its meaning for the turn on the thread; `None` for `thread/started`.
+    pub fn turn(&self) -> Option<Turn> {
+        match self {
+            Event::TurnStarted { .. } => Some(Turn::Started),
+            Event::ThreadStatusChanged { status, .. } if status == STATUS_ACTIVE => {
+                Some(Turn::Started)
+            }
+            Event::TurnCompleted { .. }
+            | Event::ThreadClosed { .. }
+            | Event::ThreadStatusChanged { .. } => Some(Turn::Ended),
+            Event::ThreadStarted { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ev(method: &str, params: &str) -> Option<Event<'static>> {
+        let raw: Box<RawValue> = serde_json::from_str(params).unwrap();
+        let raw: &'static RawValue = Box::leak(raw);
+        Event::parse(&Method::parse(method), Some(raw))
+    }
+
+    #[test]
+    fn lifecycle_of_each_event() {
+        let started = ev(
+            "thread/started",
+            r#"{"thread":{"id":"a","status":{"type":"idle"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(started.thread(), "a");
+        assert_eq!(
+            started.lifecycle(),
+            Some(Lifecycle::Loaded { active: false })
+        );
+        assert_eq!(started.turn(), None);
+        let active = ev(
+            "thread/status/changed",
+            r#"{"threadId":"a","status":{"type":"active","activeFlags":[]}}"#,
+        )
+        .unwrap();
+        assert_eq!(active.lifecycle(), Some(Lifecycle::Loaded { active: true }));
+        assert_eq!(active.turn(), Some(Turn::Started));
+        let gone = ev(
+            "thread/status/changed",
+            r#"{"threadId":"a","status":{"type":"notLoaded"}}"#,
+        )
+        .unwrap();
+        assert_eq!(gone.lifecycle(), Some(Lifecycle::Unloaded));
+        assert_eq!(gone.turn(), Some(Turn::Ended));
+        let closed = ev("thread/closed", r#"{"threadId":"a"}"#).unwrap();
+        assert_eq!(closed.lifecycle(), Some(Lifecycle::Unloaded));
+        assert_eq!(closed.turn(), Some(Turn::Ended));
+        let t = ev("turn/started", r#"{"threadId":"t1","turn":{}}"#).unwrap();
+        assert_eq!(
+            (t.thread(), t.turn(), t.lifecycle()),
+            ("t1", Some(Turn::Started), None)
+        );
+        let t = ev("turn/completed", r#"{"threadId":"t1","turn":{}}"#).unwrap();
+        assert_eq!(t.turn(), Some(Turn::Ended));
+    }
+
+    #[test]
+    fn other_methods_and_shapes_are_none() {
+        assert_eq!(ev("thread/status/changed", r#"{"threadId":"t1"}"#), None);
+        assert_eq!(ev("item/started", r#"{"threadId":"t1"}"#), None);
+        assert_eq!(ev("turn/started", r#"{"turn":{}}"#), None);
+        assert_eq!(ev("thread/closed", "{}"), None);
+        assert_eq!(Event::parse(&Method::TurnStarted, None), None);
+    }
+
+    #[test]
+    fn from_a_value_as_from_text() {
+        let v = json!({"method": "thread/started", "params": {"thread": {
+            "id": "x", "status": {"type": "active"}}}});
+        let e = Event::from_value(&v).unwrap();
+        assert_eq!(e.thread(), "x");
+        assert_eq!(e.lifecycle(), Some(Lifecycle::Loaded { active: true }));
+        assert_eq!(
+            Event::from_value(&json!({"method": "thread/name/updated", "params": {}})),
+            None
+        );
+        assert_eq!(Event::from_value(&json!({"method": "thread/closed"})), None);
+    }
+}

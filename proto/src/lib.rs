@@ -1,0 +1,23 @@
+//! The protocol core shared by the router, the worker supervisor and the simulator tools: what
+//! app-server's JSON-RPC looks like on the wire, defined once.
+//!
+//! - [`rpc`]: frames parsed once into typed messages that keep their text for forwarding.
+//! - [`method`]: the methods codex-fleet acts on; everything else is forwarded untouched.
+//! - [`event`]: thread lifecycle and turn notifications, typed.
+//! - [`initialize`]: the `initialize` params codex-fleet sends.
+//! - [`error`]: the error codes and the error shapes codex-fleet answers with.
+//! - [`ws`]: the WebSocket limits of every leg.
+//! - [`names`]: tenant-id and socket-path rules.
+//! - [`client`]: a small request/response client over any WebSocket stream.
+
+pub mod client;
+pub mod error;
+pub mod event;
+pub mod initialize;
+pub mod method;
+pub mod names;
+pub mod rpc;
+pub mod ws;
+
+pub use method::Method;
+pub use rpc::{Message, ParseError, RequestId};

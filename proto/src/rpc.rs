@@ -1,0 +1,334 @@
+//! JSON-RPC frames as app-server speaks them: parsed once into typed messages.
+//!
+//! Frames are forwarded as the text they arrived as; only the envelope is parsed (params and
+//! results stay raw), and a frame is re-serialized only where an id must change.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::Deserializer;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::error::codes;
+use crate::method::Method;
+
+/// A request id: app-server accepts integers and strings and echoes them verbatim.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RequestId {
+    /// An integer id.
+    Int(i64),
+    /// A string id (the TUI uses `"initialize"` and `"startup-thread-start-<uuid>"`).
+    Str(String),
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RequestId::Int(n) => write!(f, "{n}"),
+            RequestId::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+/// One parsed JSON-RPC message (the protocol is symmetric: clients and workers both send all three).
+#[derive(Debug)]
+pub enum Message<'a> {
+    /// `{id, method, params?}`
+    Request {
+        /// The id.
+        id: RequestId,
+        /// The method.
+        method: Method<'a>,
+        /// The params, unparsed.
+        params: Option<&'a RawValue>,
+    },
+    /// `{method, params?}`
+    Notification {
+        /// The method.
+        method: Method<'a>,
+        /// The params, unparsed.
+        params: Option<&'a RawValue>,
+    },
+    /// `{id, result}` or `{id, error}`
+    Response {
+        /// The id being answered.
+        id: RequestId,
+    },
+}
+
+/// Why a frame is not a message we accept; each maps to a defined answer at the session.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Not JSON at all.
+    #[error("Parse error: {0}")]
+    NotJson(String),
+    /// A JSON array: app-server has no batches.
+    #[error("Invalid request: batches are not supported")]
+    Batch,
+    /// JSON, but not an object.
+    #[error("Invalid request: a message must be a JSON object")]
+    NotObject,
+    /// `id` is null, fractional or of another type.
+    #[error("Invalid request: id must be an integer or a string")]
+    BadId {
+        /// Whether it carried a method (a request) rather than being a response.
+        request: bool,
+    },
+    /// Neither a method nor a result/error.
+    #[error("Invalid request: not a JSON-RPC request, notification or response")]
+    NotJsonRpc,
+}
+
+impl ParseError {
+    /// The JSON-RPC error code for answering it.
+    pub fn code(&self) -> i64 {
+        match self {
+            ParseError::NotJson(_) => codes::PARSE_ERROR,
+            _ => codes::INVALID_REQUEST,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Envelope<'a> {
+    #[serde(default, borrow, deserialize_with = "present")]
+    id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    method: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    params: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    result: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    error: Option<&'a RawValue>,
+}
+
+/// A field that is present (even as `null`) is `Some(raw)`; only an absent one is `None`.
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// One parsed frame: the message, and for a response whether it carries a result or an error
+/// (both left unparsed).
+#[derive(Debug)]
+pub struct Frame<'a> {
+    /// What the frame is.
+    pub message: Message<'a>,
+    /// `result` of a response, unparsed.
+    pub result: Option<&'a RawValue>,
+    /// `error` of a response, unparsed.
+    pub error: Option<&'a RawValue>,
+}
+
+// === impl Frame ===
+
+impl<'a> Frame<'a> {
+    /// Parses one text frame.
+    pub fn parse(text: &'a str) -> Result<Self, ParseError> {
+        let is_json = || serde_json::from_str::<&RawValue>(text).is_ok();
+        match text.trim_start().as_bytes().first() {
+            Some(b'{') => {}
+            Some(b'[') if is_json() => return Err(ParseError::Batch),
+            Some(_) if is_json() => return Err(ParseError::NotObject),
+            _ => {
+                let e = serde_json::from_str::<&RawValue>(text).err();
+                return Err(ParseError::NotJson(
+                    e.map(|e| e.to_string()).unwrap_or_default(),
+                ));
+            }
+        }
+        let env: Envelope<'_> = serde_json::from_str(text).map_err(|e| {
+            if is_json() {
+                ParseError::NotJsonRpc // an object, but with fields of the wrong types
+            } else {
+                ParseError::NotJson(e.to_string())
+            }
+        })?;
+        let id = match env.id {
+            None => None,
+            Some(raw) => Some(serde_json::from_str::<RequestId>(raw.get()).map_err(|_| {
+                ParseError::BadId {
+                    request: env.method.is_some(),
+                }
+            })?),
+        };
+        let message = match (id, env.method) {
+            (Some(id), Some(method)) => Message::Request {
+                id,
+                method: Method::parse(method),
+                params: env.params,
+            },
+            (None, Some(method)) => Message::Notification {
+                method: Method::parse(method),
+                params: env.params,
+            },
+            (Some(id), None) if env.result.is_some() || env.error.is_some() => {
+                Message::Response { id }
+            }
+            _ => return Err(ParseError::NotJsonRpc),
+        };
+        let (result, error) = match message {
+            Message::Response { .. } => (env.result, env.error),
+            _ => (None, None),
+        };
+        Ok(Frame {
+            message,
+            result,
+            error,
+        })
+    }
+
+    /// The `code` of a response's `error`, when it has one.
+    pub fn error_code(&self) -> Option<i64> {
+        #[derive(Deserialize)]
+        struct Code {
+            code: i64,
+        }
+        serde_json::from_str::<Code>(self.error?.get())
+            .ok()
+            .map(|c| c.code)
+    }
+}
+
+/// Parses one text frame into its message.
+pub fn parse(text: &str) -> Result<Message<'_>, ParseError> {
+    Frame::parse(text).map(|f| f.message)
+}
+
+/// The `threadId` of a request's params, when it names one.
+pub fn thread_id(params: Option<&RawValue>) -> Option<String> {
+    #[derive(Deserialize)]
+    struct P<'a> {
+        #[serde(rename = "threadId", borrow, default)]
+        thread_id: Option<Cow<'a, str>>,
+    }
+    let p: P<'_> = serde_json::from_str(params?.get()).ok()?;
+    p.thread_id.map(Cow::into_owned)
+}
+
+/// An error response, serialized.
+pub fn error_response(
+    id: Option<&RequestId>,
+    code: i64,
+    message: &str,
+    data: Option<Value>,
+) -> String {
+    let mut error = Map::new();
+    error.insert("code".into(), code.into());
+    error.insert("message".into(), message.into());
+    if let Some(data) = data {
+        error.insert("data".into(), data);
+    }
+    let mut m = Map::new();
+    m.insert(
+        "id".into(),
+        id.map_or(Value::Null, |id| {
+            serde_json::to_value(id).unwrap_or(Value::Null)
+        }),
+    );
+    m.insert("error".into(), Value::Object(error));
+    Value::Object(m).to_string()
+}
+
+/// A request the router itself sends (used to replay `initialize` on a new leg).
+pub fn request(id: &RequestId, method: &str, params: Option<&RawValue>) -> String {
+    let mut m = Map::new();
+    m.insert("id".into(), serde_json::to_value(id).unwrap_or(Value::Null));
+    m.insert("method".into(), method.into());
+    if let Some(p) = params {
+        if let Ok(v) = serde_json::from_str::<Value>(p.get()) {
+            m.insert("params".into(), v);
+        }
+    }
+    Value::Object(m).to_string()
+}
+
+/// A JSON object whose members stay as they arrived: only the envelope is rebuilt, so any
+/// frame [`parse`] accepts can have its id rewritten (even with numbers `f64` cannot hold).
+type RawObject<'a> = std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>;
+
+/// Rewrites the top-level `id` of a message; `None` if the text is not a JSON object.
+pub fn with_id(text: &str, id: &RequestId) -> Option<String> {
+    let mut m: RawObject<'_> = serde_json::from_str(text).ok()?;
+    let id = serde_json::value::to_raw_value(id).ok()?;
+    m.insert(Cow::Borrowed("id"), &id);
+    serde_json::to_string(&m).ok()
+}
+
+/// Rewrites `params.requestId` (as in `serverRequest/resolved`).
+pub fn with_params_request_id(text: &str, id: &RequestId) -> Option<String> {
+    let mut m: RawObject<'_> = serde_json::from_str(text).ok()?;
+    let mut params: RawObject<'_> = serde_json::from_str(m.get("params")?.get()).ok()?;
+    let id = serde_json::value::to_raw_value(id).ok()?;
+    params.insert(Cow::Borrowed("requestId"), &id);
+    let params = serde_json::value::to_raw_value(&params).ok()?;
+    m.insert(Cow::Borrowed("params"), &params);
+    serde_json::to_string(&m).ok()
+}
+
+/// `params.requestId` of a notification such as `serverRequest/resolved`.
+pub fn params_request_id(params: Option<&RawValue>) -> Option<RequestId> {
+    #[derive(Deserialize)]
+    struct P {
+        #[serde(rename = "requestId")]
+        request_id: RequestId,
+    }
+    serde_json::from_str::<P>(params?.get())
+        .ok()
+        .map(|p| p.request_id)
+}
+
+/// `result.thread.id` of a response (thread/start, thread/fork, thread/resume).
+pub fn result_thread_id(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Resp<'a> {
+        #[serde(borrow)]
+        result: Option<&'a RawValue>,
+    }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    thread_of_result(r.result?)
+}
+
+/// `thread.id` of a response's `result` (thread/start, thread/fork, thread/resume).
+pub fn thread_of_result(result: &RawValue) -> Option<String> {
+    #[derive(Deserialize)]
+    struct WithThread<'a> {
+        #[serde(borrow)]
+        thread: Option<ThreadRef<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct ThreadRef<'a> {
+        #[serde(borrow)]
+        id: Cow<'a, str>,
+    }
+    let r: Option<WithThread<'_>> = serde_json::from_str(result.get()).ok()?;
+    Some(r?.thread?.id.into_owned())
+}
+
+/// `error.message` of an error response.
+pub fn error_message(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Resp<'a> {
+        #[serde(borrow)]
+        error: Option<&'a RawValue>,
+    }
+    let r: Resp<'_> = serde_json::from_str(text).ok()?;
+    message_of_error(r.error?)
+}
+
+/// `message` of a response's `error`.
+pub fn message_of_error(error: &RawValue) -> Option<String> {
+    #[derive(Deserialize)]
+    struct ErrorBody<'a> {
+        #[serde(borrow)]
+        message: Cow<'a, str>,
+    }
+    let e: Option<ErrorBody<'_>> = serde_json::from_str(error.get()).ok()?;
+    Some(e?.message.into_owned())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,296 @@
+//! Unit tests of the frame classifier and id rewriting, and property tests of both over
+//! pseudo-random input.
+
+use super::*;
+use crate::Message as Rpc;
+
+#[test]
+fn classifies_the_three_kinds() {
+    match parse(r#"{"id":"initialize","method":"initialize","params":{"a":1}}"#).unwrap() {
+        Message::Request { id, method, params } => {
+            assert_eq!(id, RequestId::Str("initialize".into()));
+            assert_eq!(method, "initialize");
+            assert_eq!(params.unwrap().get(), r#"{"a":1}"#);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        parse(r#"{"method":"initialized"}"#).unwrap(),
+        Message::Notification { .. }
+    ));
+    assert!(matches!(
+        parse(r#"{"id":7,"result":{"decision":"accept"}}"#).unwrap(),
+        Message::Response {
+            id: RequestId::Int(7)
+        }
+    ));
+    assert!(matches!(
+        parse(r#"{"id":7,"error":{"code":1,"message":"x"}}"#).unwrap(),
+        Message::Response { .. }
+    ));
+}
+
+#[test]
+fn bad_input_gets_a_defined_error() {
+    assert!(matches!(parse("{not json"), Err(ParseError::NotJson(_))));
+    assert!(matches!(parse(""), Err(ParseError::NotJson(_))));
+    assert_eq!(
+        parse(r#"[{"id":1,"method":"a"}]"#).unwrap_err(),
+        ParseError::Batch
+    );
+    assert_eq!(parse("42").unwrap_err(), ParseError::NotObject);
+    assert_eq!(
+        parse(r#"{"id":null,"method":"a"}"#).unwrap_err(),
+        ParseError::BadId { request: true }
+    );
+    assert_eq!(
+        parse(r#"{"id":3.5,"method":"a"}"#).unwrap_err(),
+        ParseError::BadId { request: true }
+    );
+    assert_eq!(parse(r#"{"id":3}"#).unwrap_err(), ParseError::NotJsonRpc);
+    assert_eq!(parse("[1,").unwrap_err().code(), codes::PARSE_ERROR);
+    assert_eq!(
+        parse(r#"{"id":1,"method":7}"#).unwrap_err(),
+        ParseError::NotJsonRpc
+    );
+}
+
+#[test]
+fn thread_ids_come_from_params() {
+    let m =
+        parse(r#"{"id":1,"method":"turn/start","params":{"threadId":"t-1","input":[]}}"#).unwrap();
+    let Message::Request { params, .. } = m else {
+        panic!()
+    };
+    assert_eq!(thread_id(params).as_deref(), Some("t-1"));
+    assert_eq!(thread_id(None), None);
+}
+
+#[test]
+fn ids_are_rewritten_without_touching_the_rest() {
+    let text =
+        r#"{"method":"item/commandExecution/requestApproval","id":0,"params":{"threadId":"t"}}"#;
+    let out = with_id(text, &RequestId::Int(17)).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["id"], 17);
+    assert_eq!(v["params"]["threadId"], "t");
+    let resolved = r#"{"method":"serverRequest/resolved","params":{"threadId":"t","requestId":0}}"#;
+    let out = with_params_request_id(resolved, &RequestId::Int(17)).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["params"]["requestId"], 17);
+    assert_eq!(
+        result_thread_id(r#"{"id":1,"result":{"thread":{"id":"t-9","x":1}}}"#).as_deref(),
+        Some("t-9")
+    );
+    assert_eq!(result_thread_id(r#"{"id":1,"result":{}}"#), None);
+    assert_eq!(
+        error_message(r#"{"id":1,"error":{"code":-32600,"message":"m"}}"#).as_deref(),
+        Some("m")
+    );
+    let err = error_response(None, -32700, "Parse error", None);
+    assert_eq!(
+        err,
+        r#"{"error":{"code":-32700,"message":"Parse error"},"id":null}"#
+    );
+}
+
+/// A small deterministic generator (xorshift64*), so failures reproduce from the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+
+    fn id(&mut self) -> RequestId {
+        match self.below(6) {
+            0 => RequestId::Int(*self.pick(&[0, -1, 1, i64::MAX, i64::MIN, 9_007_199_254_740_993])),
+            1 | 2 => RequestId::Int(self.next() as i64),
+            3 => RequestId::Str(String::new()),
+            _ => {
+                let parts = [
+                    "a",
+                    "\"",
+                    "\\",
+                    "é",
+                    "\u{1F600}",
+                    "\n",
+                    "\u{0}",
+                    "id-",
+                    "7",
+                    " ",
+                ];
+                RequestId::Str((0..self.below(12)).map(|_| *self.pick(&parts)).collect())
+            }
+        }
+    }
+}
+
+const FRAMES: &[&str] = &[
+    r#"{"id":1,"method":"thread/start","params":{"cwd":"/w"}}"#,
+    r#"{"id":"initialize","method":"initialize","params":{"clientInfo":{"name":"x","version":"1"}}}"#,
+    r#"{"method":"initialized"}"#,
+    r#"{"id":5,"result":{"decision":"accept"}}"#,
+    r#"{"id":6,"error":{"code":-32001,"message":"Server overloaded; retry later."}}"#,
+    r#"{"method":"serverRequest/resolved","params":{"threadId":"t","requestId":3}}"#,
+    r#"[{"id":1,"method":"a"}]"#,
+    r#"{"id":null,"method":"a"}"#,
+    r#"{"id":3.5,"method":"a"}"#,
+    r#""just a string""#,
+];
+
+/// Random bytes, or a known frame mutated: truncated, spliced, bytes flipped or inserted.
+fn arbitrary_frame(rng: &mut Rng) -> String {
+    let tokens = [
+        "{", "}", "[", "]", "\"", ":", ",", "null", "-32001", "\"id\"", "\\u", "1e999", "\u{FFFD}",
+    ];
+    match rng.below(4) {
+        0 => {
+            let bytes: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        1 => {
+            let f = rng.pick(FRAMES);
+            let cut = rng.below(f.len() + 1);
+            f.get(..cut).unwrap_or(f).to_owned()
+        }
+        _ => {
+            let mut f: Vec<char> = rng.pick(FRAMES).chars().collect();
+            for _ in 0..=rng.below(4) {
+                let at = rng.below(f.len() + 1);
+                match rng.below(3) {
+                    0 if !f.is_empty() => {
+                        f.remove(at.min(f.len() - 1));
+                    }
+                    1 => f.splice(at..at, rng.pick(&tokens).chars()).for_each(drop),
+                    _ => f.insert(at, char::from(rng.next() as u8 & 0x7f)),
+                }
+            }
+            f.into_iter().collect()
+        }
+    }
+}
+
+#[test]
+fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let (mut parsed, mut refused) = (0, 0);
+    for _ in 0..50_000 {
+        let text = arbitrary_frame(&mut rng);
+        // The classifier and the rewriting never panic.
+        let _ = with_params_request_id(&text, &RequestId::Int(1));
+        if let Ok(f) = Frame::parse(&text) {
+            let _ = f.error_code();
+        }
+        match parse(&text) {
+            Err(e) => {
+                refused += 1;
+                assert!(e.code() == codes::PARSE_ERROR || e.code() == codes::INVALID_REQUEST);
+            }
+            Ok(msg) => {
+                parsed += 1;
+                let id = match msg {
+                    Rpc::Request { id, .. } | Rpc::Response { id } => id,
+                    Rpc::Notification { .. } => continue,
+                };
+                // Rewriting the id to a session id and back restores it exactly.
+                let sid = RequestId::Int(rng.next() as i64);
+                let there = with_id(&text, &sid).unwrap_or_else(|| panic!("{text}"));
+                let back = with_id(&there, &id).expect("an object");
+                match (parse(&there), parse(&back)) {
+                    (
+                        Ok(Rpc::Request { id: a, .. } | Rpc::Response { id: a }),
+                        Ok(Rpc::Request { id: b, .. } | Rpc::Response { id: b }),
+                    ) => {
+                        assert_eq!(a, sid, "{text}");
+                        assert_eq!(b, id, "{text}");
+                    }
+                    other => panic!("{text}: {other:?}"),
+                }
+            }
+        }
+    }
+    assert!(
+        parsed > 1_000 && refused > 1_000,
+        "{parsed} parsed, {refused} refused"
+    );
+}
+
+#[test]
+fn any_id_survives_the_round_trip_through_the_router() {
+    let mut rng = Rng(0xfeed_0000_0000_0007);
+    for _ in 0..20_000 {
+        let id = rng.id();
+        let sid = RequestId::Int(rng.next() as i64);
+        let request = request(&id, "item/tool/call", None);
+        let to_client = with_id(&request, &sid).expect("object");
+        let Ok(Rpc::Request { id: seen, .. }) = parse(&to_client) else {
+            panic!("{to_client}")
+        };
+        assert_eq!(seen, sid);
+        let answer = format!(
+            r#"{{"id":{},"result":{{}}}}"#,
+            serde_json::to_string(&sid).unwrap()
+        );
+        let to_worker = with_id(&answer, &id).expect("object");
+        let Ok(Rpc::Response { id: back }) = parse(&to_worker) else {
+            panic!("{to_worker}")
+        };
+        assert_eq!(back, id, "{to_worker}");
+        // An error answer for this id keeps the id, and its code is read back.
+        let overload = error_response(Some(&id), codes::OVERLOADED, "x", None);
+        let f = Frame::parse(&overload).expect("an error response");
+        assert!(matches!(f.message, Rpc::Response { id: ref kept } if *kept == id));
+        assert_eq!(f.error_code(), Some(codes::OVERLOADED));
+    }
+}
+
+#[test]
+fn a_response_frame_keeps_its_result_and_error_raw() {
+    let ok = Frame::parse(r#"{"id":1,"result":{"thread":{"id":"t"}}}"#).unwrap();
+    assert_eq!(ok.result.unwrap().get(), r#"{"thread":{"id":"t"}}"#);
+    assert!(ok.error.is_none());
+    assert_eq!(ok.error_code(), None);
+    // A message that merely mentions "result" is still an error.
+    let err =
+        Frame::parse(r#"{"id":1,"error":{"code":-32001,"message":"no \"result\" yet"}}"#).unwrap();
+    assert!(err.result.is_none());
+    assert_eq!(err.error_code(), Some(-32001));
+    assert_eq!(thread_of_result(ok.result.unwrap()).as_deref(), Some("t"));
+    assert_eq!(
+        message_of_error(err.error.unwrap()).as_deref(),
+        Some("no \"result\" yet")
+    );
+    let null = Frame::parse(r#"{"id":1,"result":null}"#).unwrap();
+    assert_eq!(thread_of_result(null.result.unwrap()), None);
+    // Requests and notifications carry neither.
+    let req = Frame::parse(r#"{"id":1,"method":"m","result":1}"#).unwrap();
+    assert!(req.result.is_none() && req.error.is_none());
+    assert!(matches!(
+        req.message,
+        Message::Request {
+            method: Method::Other(_),
+            ..
+        }
+    ));
+    assert!(matches!(
+        parse(r#"{"method":"turn/started","params":{}}"#).unwrap(),
+        Message::Notification {
+            method: Method::TurnStarted,
+            ..
+        }
+    ));
+}
