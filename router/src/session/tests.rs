@@ -131,9 +131,11 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
         let text = arbitrary_frame(&mut rng);
         let as_value: Option<serde_json::Value> = serde_json::from_str(&text).ok();
         // A worker's -32001 without data, and only that, gets the documented data; its id stays.
+        // Only a well-formed response counts (a frame without an id is not one).
         let rewritten = crate::admission::rewrite_worker_overload(&text, Duration::from_millis(5));
         let overload = as_value.as_ref().is_some_and(|v| {
             v.is_object()
+                && jsonrpc::parse(&text).is_ok()
                 && v["error"]["code"] == codes::OVERLOADED
                 && v["error"]
                     .get("data")
