@@ -61,6 +61,64 @@ pub struct RouterMetrics {
     pub deltas_dropped: prometheus::IntCounter,
 }
 
+/// Why a client frame was refused or dropped: the `reason` of
+/// `codex_fleet_client_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientError {
+    /// A binary frame (the protocol is text).
+    BinaryFrame,
+    /// A message over the size limit.
+    TooBig,
+    /// Not JSON, or not a JSON-RPC message.
+    InvalidMessage,
+    /// Refused by the tenant's host-access policy.
+    HostAccessDenied,
+    /// A request id still in flight on this connection.
+    DuplicateId,
+    /// The router's own reserved request id.
+    ReservedId,
+    /// A request before `initialize`.
+    NotInitialized,
+    /// No worker could take the request.
+    NoWorker,
+    /// A response to a server request that was never sent or is already answered.
+    UnknownResponse,
+    /// The worker holding the request exited.
+    WorkerExited,
+}
+
+impl ClientError {
+    /// Every reason, so each series exists (at zero) from the start.
+    pub const ALL: [ClientError; 10] = [
+        ClientError::BinaryFrame,
+        ClientError::TooBig,
+        ClientError::InvalidMessage,
+        ClientError::HostAccessDenied,
+        ClientError::DuplicateId,
+        ClientError::ReservedId,
+        ClientError::NotInitialized,
+        ClientError::NoWorker,
+        ClientError::UnknownResponse,
+        ClientError::WorkerExited,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientError::BinaryFrame => "binary_frame",
+            ClientError::TooBig => "too_big",
+            ClientError::InvalidMessage => "invalid_message",
+            ClientError::HostAccessDenied => "host_access_denied",
+            ClientError::DuplicateId => "duplicate_id",
+            ClientError::ReservedId => "reserved_id",
+            ClientError::NotInitialized => "not_initialized",
+            ClientError::NoWorker => "no_worker",
+            ClientError::UnknownResponse => "unknown_response",
+            ClientError::WorkerExited => "worker_exited",
+        }
+    }
+}
+
 impl RouterMetrics {
     /// Creates and registers every router metric.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
@@ -140,6 +198,14 @@ impl RouterMetrics {
         registry.register(Box::new(m.draining.clone()))?;
         registry.register(Box::new(m.admission_rejections.clone()))?;
         registry.register(Box::new(m.deltas_dropped.clone()))?;
+        // Series whose labels are all known exist from the start, at zero: dashboards and
+        // alerts then see 0, not "no data", before the first event.
+        for reason in ClientError::ALL {
+            m.client_errors.with_label_values(&[reason.as_str()]);
+        }
+        for end in crate::session::End::ALL {
+            m.sessions_closed.with_label_values(&[end.label()]);
+        }
         Ok(m)
     }
 

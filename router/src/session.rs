@@ -46,7 +46,7 @@ use crate::admission::{
     FLOOD_CLOSE_REASON,
 };
 use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
-use crate::metrics::RouterMetrics;
+use crate::metrics::{ClientError, RouterMetrics};
 use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
 use legs::{Leg, LegEvent};
@@ -123,7 +123,18 @@ pub enum End {
 }
 
 impl End {
-    fn label(&self) -> &'static str {
+    /// Every way a session ends, so each series exists (at zero) from the start.
+    pub const ALL: [End; 6] = [
+        End::ClientGone,
+        End::Shutdown,
+        End::SlowClient,
+        End::TooBig,
+        End::ProtocolErrors,
+        End::Flooded,
+    ];
+
+    /// The `reason` of `codex_fleet_sessions_closed_total`.
+    pub fn label(&self) -> &'static str {
         match self {
             End::ClientGone => "client",
             End::Shutdown => "shutdown",
@@ -433,11 +444,11 @@ impl Session {
         &self.ctx.tenant.id
     }
 
-    fn count_error(&self, reason: &str) {
+    fn count_error(&self, reason: ClientError) {
         self.ctx
             .metrics
             .client_errors
-            .with_label_values(&[reason])
+            .with_label_values(&[reason.as_str()])
             .inc();
     }
 
@@ -525,7 +536,7 @@ impl Session {
             Some(Ok(Message::Text(t))) => t,
             Some(Ok(Message::Binary(_))) => {
                 self.check_unanswerable_frame()?;
-                self.count_error("binary_frame");
+                self.count_error(ClientError::BinaryFrame);
                 self.reply_error(
                     None,
                     codes::INVALID_REQUEST,
@@ -540,7 +551,7 @@ impl Session {
                 return self.check_unanswerable_frame();
             }
             Some(Err(WsError::Capacity(_))) => {
-                self.count_error("too_big");
+                self.count_error(ClientError::TooBig);
                 return Err(End::TooBig);
             }
             Some(Err(e)) => {
@@ -557,7 +568,7 @@ impl Session {
             Ok(msg) => msg,
             Err(e) => {
                 self.check_unanswerable_frame()?;
-                self.count_error("invalid_message");
+                self.count_error(ClientError::InvalidMessage);
                 self.reply_error(None, e.code(), &e.to_string(), None)?;
                 return self.protocol_error();
             }
@@ -590,7 +601,7 @@ impl Session {
                     Decision::Allow => None,
                     Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
                     Decision::Deny(denial) => {
-                        self.count_error("host_access_denied");
+                        self.count_error(ClientError::HostAccessDenied);
                         tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
                         return self.to_client(denial.to_error_response(&id));
                     }
@@ -631,7 +642,7 @@ impl Session {
         if let Some(why) = self.unusable_id(&id) {
             self.count_error(why);
             let message = match why {
-                "duplicate_id" => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
+                ClientError::DuplicateId => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
                 _ => "Invalid request: this request id is reserved by codex-fleet",
             };
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
@@ -645,7 +656,7 @@ impl Session {
                 initialized: false,
             });
         } else if self.init.is_none() {
-            self.count_error("not_initialized");
+            self.count_error(ClientError::NotInitialized);
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
         }
         if self.in_flight.len() >= self.ctx.admission.config().max_in_flight_per_connection {
@@ -663,7 +674,7 @@ impl Session {
                 if first_initialize {
                     self.init = None;
                 }
-                self.count_error("no_worker");
+                self.count_error(ClientError::NoWorker);
                 let scope = match reason {
                     Reason::FleetWorkerLimit => Scope::Fleet,
                     _ => Scope::Worker,
@@ -699,11 +710,11 @@ impl Session {
     /// flight (its answer would be delivered to the wrong request, and a second entry would
     /// free the first one's worker slot), or it is the router's own id on legs (its answer
     /// would be swallowed and the request never answered).
-    fn unusable_id(&self, id: &RequestId) -> Option<&'static str> {
+    fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
         if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
-            Some("reserved_id")
+            Some(ClientError::ReservedId)
         } else if self.in_flight.contains_key(id) {
-            Some("duplicate_id")
+            Some(ClientError::DuplicateId)
         } else {
             None
         }
@@ -770,12 +781,12 @@ impl Session {
 
     async fn on_client_response(&mut self, id: RequestId, text: &str) -> Result<(), End> {
         let RequestId::Int(sid) = id else {
-            self.count_error("unknown_response");
+            self.count_error(ClientError::UnknownResponse);
             return Ok(());
         };
         let Some((worker, original)) = self.server_requests.take(sid) else {
             // Never sent, or already answered: app-server would ignore it; we count and drop it.
-            self.count_error("unknown_response");
+            self.count_error(ClientError::UnknownResponse);
             return Ok(());
         };
         if let Some(text) = jsonrpc::with_id(text, &original) {
@@ -934,7 +945,7 @@ impl Session {
     }
 
     fn worker_gone_reply(&self, id: &RequestId) -> Result<(), End> {
-        self.count_error("worker_exited");
+        self.count_error(ClientError::WorkerExited);
         self.to_client(proto::error::worker_exited_response(id))
     }
 

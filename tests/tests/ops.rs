@@ -670,3 +670,39 @@ fn chart_values_and_configmap_cover_every_config_key() {
         "config keys missing from the chart: {missing:?}"
     );
 }
+
+/// Series whose labels are all known (configured tenants, fixed reasons) exist at zero before
+/// their first event, so a dashboard or an alert sees 0 rather than no data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let (_, text) = fleet.admin_get("/metrics").await?;
+    let zero = |series: &str| {
+        text.lines()
+            .any(|l| l.strip_prefix(series).is_some_and(|v| v.trim() == "0"))
+    };
+    for reason in [
+        "crash",
+        "hang",
+        "stopped",
+        "startfail",
+        "idle",
+        "memory",
+        "fault",
+    ] {
+        let series =
+            format!("codex_fleet_worker_exits_total{{reason=\"{reason}\",tenant=\"acme\"}}");
+        assert!(zero(&series), "{series} missing:\n{text}");
+    }
+    for series in [
+        "codex_fleet_worker_restarts_total{tenant=\"acme\"}",
+        "codex_fleet_worker_starts_total{tenant=\"acme\"}",
+        "codex_fleet_sessions_closed_total{reason=\"slow_client\"}",
+        "codex_fleet_sessions_closed_total{reason=\"client\"}",
+        "codex_fleet_client_errors_total{reason=\"no_worker\"}",
+        "codex_fleet_client_errors_total{reason=\"duplicate_id\"}",
+    ] {
+        assert!(zero(series), "{series} missing:\n{text}");
+    }
+    fleet.stop().await
+}

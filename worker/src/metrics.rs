@@ -39,6 +39,17 @@ pub enum ExitReason {
 }
 
 impl ExitReason {
+    /// Every reason, so a tenant's series exist (at zero) before the first exit.
+    pub const ALL: [ExitReason; 7] = [
+        ExitReason::Crash,
+        ExitReason::Hang,
+        ExitReason::Stopped,
+        ExitReason::StartFail,
+        ExitReason::Idle,
+        ExitReason::Memory,
+        ExitReason::Fault,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -124,6 +135,16 @@ impl WorkerMetrics {
             active_turns,
             loaded_threads,
         })
+    }
+
+    /// Creates every series of `tenant` whose labels are known (starts, restarts, exits by every
+    /// reason), at zero, so dashboards and alerts see 0 rather than no data before the first event.
+    pub fn init_tenant(&self, tenant: &str) {
+        self.starts.with_label_values(&[tenant]);
+        self.restarts.with_label_values(&[tenant]);
+        for reason in ExitReason::ALL {
+            self.exits.with_label_values(&[tenant, reason.as_str()]);
+        }
     }
 
     pub(crate) fn started(&self, tenant: &str) {

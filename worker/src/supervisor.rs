@@ -521,6 +521,7 @@ impl Pool {
         if let Some(e) = &invalid {
             error!(tenant, error = %e, "invalid worker pool configuration; no worker will start");
         }
+        metrics.init_tenant(tenant);
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
         let shared = Arc::new(Shared {
             policy: cfg.restart_policy(),
