@@ -10,6 +10,8 @@
 //! - [`names`]: tenant-id and socket-path rules.
 //! - [`client`]: a small request/response client over any WebSocket stream.
 
+#[doc(hidden)]
+pub mod arbitrary;
 pub mod client;
 pub mod error;
 pub mod event;

@@ -46,6 +46,23 @@ fn run_as(uid: u32, gid: u32, program: &str, args: &[&Path]) -> anyhow::Result<(
     Ok(())
 }
 
+/// Tenants `a` (with `a_workers` workers) and `b` (one), every worker ready.
+async fn tenants_a_and_b(a_workers: usize) -> anyhow::Result<Fleet> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("a", a_workers, a_workers)
+        .tenant_pool("b", 1, 1)
+        .start()
+        .await?;
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "a")
+            == a_workers
+            && ready_workers(&fleet, "b") == 1)
+        .await,
+        "workers not ready"
+    );
+    Ok(fleet)
+}
+
 fn socket(fleet: &Fleet, tenant: &str) -> PathBuf {
     fleet
         .files
@@ -72,16 +89,7 @@ async fn a_socket_path_linked_to_another_tenants_worker_never_reaches_it() -> an
     if !root_or_skip()? {
         return Ok(());
     }
-    let fleet = FleetBuilder::new()
-        .tenant_pool("a", 1, 1)
-        .tenant_pool("b", 1, 1)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "a") == 1
-            && ready_workers(&fleet, "b") == 1)
-        .await
-    );
+    let fleet = tenants_a_and_b(1).await?;
     let mut b = fleet.client("b").await?;
     let b_thread = b.start_thread().await?;
     // A turn, so the thread is on disk and `thread/list` shows it.
@@ -194,16 +202,7 @@ async fn cleanup_after_a_worker_exit_never_follows_a_tenants_link() -> anyhow::R
     if !root_or_skip()? {
         return Ok(());
     }
-    let fleet = FleetBuilder::new()
-        .tenant_pool("a", 1, 1)
-        .tenant_pool("b", 1, 1)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "a") == 1
-            && ready_workers(&fleet, "b") == 1)
-        .await
-    );
+    let fleet = tenants_a_and_b(1).await?;
     let (uid, gid) = tenant_ids(&fleet, "a")?;
     // B's credentials, and a root-owned file with its lock beside it.
     let auth = fleet.home("b").join("auth.json");
@@ -276,16 +275,7 @@ async fn a_setsid_daemon_of_the_tenant_ends_with_its_last_worker() -> anyhow::Re
     if !root_or_skip()? {
         return Ok(());
     }
-    let fleet = FleetBuilder::new()
-        .tenant_pool("a", 2, 2)
-        .tenant_pool("b", 1, 1)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "a") == 2
-            && ready_workers(&fleet, "b") == 1)
-        .await
-    );
+    let fleet = tenants_a_and_b(2).await?;
     let (uid, gid) = tenant_ids(&fleet, "a")?;
     let (b_uid, b_gid) = tenant_ids(&fleet, "b")?;
     let marker = format!("{}", 3000 + std::process::id() % 1000);

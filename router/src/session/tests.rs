@@ -2,6 +2,7 @@
 //! and id rewriting over pseudo-random input (issue 5, test 7).
 
 use super::*;
+use proto::arbitrary::{arbitrary_frame, Rng};
 
 #[test]
 fn server_request_ids_are_session_unique_and_mapped_back() {
@@ -31,96 +32,6 @@ fn server_requests_stay_bounded() {
     }
     assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
     assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
-}
-
-/// A small deterministic generator (xorshift64*), so failures reproduce from the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-
-    fn id(&mut self) -> RequestId {
-        match self.below(6) {
-            0 => RequestId::Int(*self.pick(&[0, -1, 1, i64::MAX, i64::MIN, 9_007_199_254_740_993])),
-            1 | 2 => RequestId::Int(self.next() as i64),
-            3 => RequestId::Str(String::new()),
-            _ => {
-                let parts = [
-                    "a",
-                    "\"",
-                    "\\",
-                    "é",
-                    "\u{1F600}",
-                    "\n",
-                    "\u{0}",
-                    "id-",
-                    "7",
-                    " ",
-                ];
-                RequestId::Str((0..self.below(12)).map(|_| *self.pick(&parts)).collect())
-            }
-        }
-    }
-}
-
-const FRAMES: &[&str] = &[
-    r#"{"id":1,"method":"thread/start","params":{"cwd":"/w"}}"#,
-    r#"{"id":"initialize","method":"initialize","params":{"clientInfo":{"name":"x","version":"1"}}}"#,
-    r#"{"method":"initialized"}"#,
-    r#"{"id":5,"result":{"decision":"accept"}}"#,
-    r#"{"id":6,"error":{"code":-32001,"message":"Server overloaded; retry later."}}"#,
-    r#"{"method":"serverRequest/resolved","params":{"threadId":"t","requestId":3}}"#,
-    r#"[{"id":1,"method":"a"}]"#,
-    r#"{"id":null,"method":"a"}"#,
-    r#"{"id":3.5,"method":"a"}"#,
-    r#""just a string""#,
-];
-
-/// Random bytes, or a known frame mutated: truncated, spliced, bytes flipped or inserted.
-fn arbitrary_frame(rng: &mut Rng) -> String {
-    let tokens = [
-        "{", "}", "[", "]", "\"", ":", ",", "null", "-32001", "\"id\"", "\\u", "1e999", "\u{FFFD}",
-    ];
-    match rng.below(4) {
-        0 => {
-            let bytes: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        }
-        1 => {
-            let f = rng.pick(FRAMES);
-            let cut = rng.below(f.len() + 1);
-            f.get(..cut).unwrap_or(f).to_owned()
-        }
-        _ => {
-            let mut f: Vec<char> = rng.pick(FRAMES).chars().collect();
-            for _ in 0..=rng.below(4) {
-                let at = rng.below(f.len() + 1);
-                match rng.below(3) {
-                    0 if !f.is_empty() => {
-                        f.remove(at.min(f.len() - 1));
-                    }
-                    1 => f.splice(at..at, rng.pick(&tokens).chars()).for_each(drop),
-                    _ => f.insert(at, char::from(rng.next() as u8 & 0x7f)),
-                }
-            }
-            f.into_iter().collect()
-        }
-    }
 }
 
 #[test]
@@ -189,7 +100,7 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
                     Rpc::Notification { .. } => continue,
                 };
                 // Rewriting the id to a session id and back restores it exactly.
-                let sid = RequestId::Int(rng.next() as i64);
+                let sid = RequestId::Int(rng.next_u64() as i64);
                 let there = jsonrpc::with_id(&text, &sid).unwrap_or_else(|| panic!("{text}"));
                 let back = jsonrpc::with_id(&there, &id).expect("an object");
                 match (jsonrpc::parse(&there), jsonrpc::parse(&back)) {
@@ -216,7 +127,7 @@ fn any_id_survives_the_round_trip_through_the_router() {
     let mut rng = Rng(0xfeed_0000_0000_0007);
     for _ in 0..20_000 {
         let id = rng.id();
-        let sid = RequestId::Int(rng.next() as i64);
+        let sid = RequestId::Int(rng.next_u64() as i64);
         let request = jsonrpc::request(&id, "item/tool/call", None);
         let to_client = jsonrpc::with_id(&request, &sid).expect("object");
         let Ok(Rpc::Request { id: seen, .. }) = jsonrpc::parse(&to_client) else {
@@ -272,7 +183,7 @@ fn server_request_ids_match_a_model_under_random_operations() {
             }
             2 => {
                 let sid = if model.is_empty() || rng.below(4) == 0 {
-                    rng.next() as i64
+                    rng.next_u64() as i64
                 } else {
                     let keys: Vec<i64> = model.keys().copied().collect();
                     *rng.pick(&keys)
