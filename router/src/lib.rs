@@ -88,6 +88,16 @@ impl Server {
             tracing::warn!("{w}");
             warnings.push(w);
         }
+        // Per-tenant series exist at zero for every configured tenant, now and after reloads.
+        for t in &cfg.tenants {
+            metrics.init_tenant(&t.id);
+        }
+        let init_metrics = metrics.clone();
+        reloader.on_reload(Box::new(move |new: &Config| {
+            for t in &new.tenants {
+                init_metrics.init_tenant(&t.id);
+            }
+        }));
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.
         let reconfigure = admission.clone();

@@ -20,6 +20,8 @@ pub mod names {
     pub const SESSIONS_CLOSED: &str = "codex_fleet_sessions_closed_total";
     /// Legs opened to workers, by tenant.
     pub const LEGS_OPENED: &str = "codex_fleet_legs_opened_total";
+    /// See [`super::RouterMetrics::resume_retries`].
+    pub const RESUME_RETRIES: &str = "codex_fleet_resume_retries_total";
     /// Client request round trips through a worker, by tenant.
     pub const REQUEST_SECONDS: &str = "codex_fleet_request_duration_seconds";
     /// TLS handshake plus upgrade duration.
@@ -49,6 +51,10 @@ pub struct RouterMetrics {
     pub sessions_closed: IntCounterVec,
     /// See [`names::LEGS_OPENED`]; label `tenant`.
     pub legs_opened: IntCounterVec,
+    /// `thread/resume`s that a worker refused because another worker of the tenant holds the
+    /// thread ("already has an active writer"), then sent to that owner once, per tenant. A
+    /// steady rate means the routing table keeps missing where threads live.
+    pub resume_retries: IntCounterVec,
     /// See [`names::REQUEST_SECONDS`]; label `tenant`.
     pub request_seconds: HistogramVec,
     /// See [`names::HANDSHAKE_SECONDS`].
@@ -120,6 +126,11 @@ impl ClientError {
 }
 
 impl RouterMetrics {
+    /// Creates `tenant`'s counters whose labels are all known, at zero.
+    pub fn init_tenant(&self, tenant: &str) {
+        self.resume_retries.with_label_values(&[tenant]);
+    }
+
     /// Creates and registers every router metric.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let m = RouterMetrics {
@@ -152,6 +163,13 @@ impl RouterMetrics {
             sessions_closed: IntCounterVec::new(
                 Opts::new(names::SESSIONS_CLOSED, "Client sessions closed, by reason."),
                 &["reason"],
+            )?,
+            resume_retries: IntCounterVec::new(
+                Opts::new(
+                    names::RESUME_RETRIES,
+                    "thread/resume retried on the thread's owner after a writer conflict.",
+                ),
+                &["tenant"],
             )?,
             legs_opened: IntCounterVec::new(
                 Opts::new(names::LEGS_OPENED, "Session legs opened to workers."),
@@ -193,6 +211,7 @@ impl RouterMetrics {
         registry.register(Box::new(m.client_errors.clone()))?;
         registry.register(Box::new(m.sessions_closed.clone()))?;
         registry.register(Box::new(m.legs_opened.clone()))?;
+        registry.register(Box::new(m.resume_retries.clone()))?;
         registry.register(Box::new(m.request_seconds.clone()))?;
         registry.register(Box::new(m.handshake_seconds.clone()))?;
         registry.register(Box::new(m.draining.clone()))?;

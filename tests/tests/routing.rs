@@ -450,3 +450,77 @@ async fn idle_threads_and_workers_unload_but_never_mid_turn() -> anyhow::Result<
     assert_eq!(agent_text(&msgs), Some(reply_text("back from disk")));
     fleet.stop().await
 }
+
+/// Two sessions resume the same unloaded thread at once. Neither the routing table nor the pool's
+/// view knows where it lives, so the two resumes are placed on different workers. One of those
+/// workers is stopped for a moment, so the other wins the writer lock; the stopped one then
+/// answers app-server's "already has an active writer", and the router reconciles and sends that
+/// resume to the owner once. Both clients see a plain success and share the thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_that_loses_the_writer_race_is_retried_on_the_owner() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        // The stopped worker must not be taken for hung.
+        .workers_toml(
+            "thread_unload_delay_secs = 1\nhealth_interval_secs = 30\nhealth_timeout_secs = 30",
+        )
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await
+    );
+    let tenant = fleet.tenant("acme");
+    let mut a = fleet.client("acme").await?;
+    let mut b = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "on disk").await?;
+    a.until_turn_completed(&thread).await?;
+    let retries = || fleet.metric("codex_fleet_resume_retries_total", &[("tenant", "acme")]);
+    assert_eq!(retries().await?, 0.0);
+    // Unloaded everywhere, and the placements made so far no longer count as load.
+    a.call("thread/unsubscribe", json!({ "threadId": thread }))
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(15), || tenant
+            .pool
+            .loaded_threads()
+            .iter()
+            .all(|(_, threads)| threads.is_empty()))
+        .await,
+        "the thread never unloaded"
+    );
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let stopped = tenant
+        .pool
+        .workers()
+        .iter()
+        .find_map(|w| w.pid)
+        .context("a worker pid")?;
+    let stopped = nix::unistd::Pid::from_raw(i32::try_from(stopped)?);
+    nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGSTOP)?;
+    // Both resumes on their way before either is answered; the running worker's wins.
+    let ra = a
+        .send_request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    let rb = b
+        .send_request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGCONT)?;
+    for (c, id) in [(&mut a, ra), (&mut b, rb)] {
+        let resp = c.wait_for(|v| v["id"] == id).await?;
+        assert_eq!(resp["result"]["thread"]["id"], thread.as_str(), "{resp}");
+    }
+    assert_eq!(
+        retries().await?,
+        1.0,
+        "one resume lost the writer lock and was retried on the owner"
+    );
+    // Both sessions are subscribed on the owner: a turn started by one streams to the other.
+    a.start_turn(&thread, "both see it").await?;
+    let msgs = b.until_turn_completed(&thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("both see it")));
+    fleet.stop().await
+}

@@ -9,6 +9,11 @@ use super::{Answer, End, InFlight, Init, Session, REPLAY_INIT_ID};
 use crate::admission::Reason;
 use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
+/// How long a resume that lost the writer lock waits for the winner to show as the owner.
+const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Pause between looks.
+const OWNER_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What a response teaches the tenant table.
 pub(super) enum Learn {
     Nothing,
@@ -49,6 +54,20 @@ impl Session {
                 None if *method == Method::ThreadResume => Target::Place,
                 None => Target::Home,
             },
+        }
+    }
+
+    /// The worker other than `loser` that has `thread` loaded, reconciling until one shows up or
+    /// [`OWNER_WAIT`] passes.
+    async fn find_other_owner(&self, thread: &str, loser: WorkerId) -> Option<WorkerId> {
+        let deadline = tokio::time::Instant::now() + OWNER_WAIT;
+        loop {
+            self.ctx.tenant.reconcile_now().await;
+            let owner = self.ctx.tenant.find_owner(thread).filter(|o| *o != loser);
+            if owner.is_some() || tokio::time::Instant::now() >= deadline {
+                return owner;
+            }
+            tokio::time::sleep(OWNER_POLL).await;
         }
     }
 
@@ -119,14 +138,16 @@ impl Session {
                     .and_then(jsonrpc::message_of_error)
                     .is_some_and(|m| proto::error::is_writer_conflict(&m));
                 let retry = retry.filter(|_| busy)?;
-                // Another worker holds the thread: find it and send the resume there, once.
-                self.ctx.tenant.reconcile_now().await;
-                let owner = self
-                    .ctx
-                    .tenant
-                    .find_owner(&thread)
-                    .filter(|o| *o != worker)?;
+                // Another worker holds the thread: find it and send the resume there, once. When
+                // two resumes raced, the winner holds the writer lock before its worker lists the
+                // thread as loaded, so look again for a moment.
+                let owner = self.find_other_owner(&thread, worker).await?;
                 let target = self.leg_for(Target::Owner(owner), false).await.ok()?;
+                self.ctx
+                    .metrics
+                    .resume_retries
+                    .with_label_values(&[&self.ctx.tenant.id])
+                    .inc();
                 self.in_flight.insert(
                     id.clone(),
                     InFlight {
