@@ -605,6 +605,14 @@ impl Session {
                         tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
                         return self.to_client(denial.to_error_response(&id));
                     }
+                    Decision::Invalid(message) => {
+                        // Malformed, as app-server would answer it: not a policy refusal.
+                        self.count_error(ClientError::InvalidMessage);
+                        return self.to_client(proto::error::invalid_request_response(
+                            Some(&id),
+                            &message,
+                        ));
+                    }
                 };
                 let text = rewritten.as_deref().unwrap_or(&text);
                 self.on_client_request(id, &method, thread, text).await
