@@ -32,6 +32,9 @@ pub mod names {
     pub const ADMISSION_REJECTIONS: &str = "codex_fleet_admission_rejections_total";
     /// Streaming deltas not sent to a client whose queue was above its soft mark.
     pub const DELTAS_DROPPED: &str = "codex_fleet_client_deltas_dropped_total";
+    /// Per-connection notifications that followed a replayed initialize, not sent on, by method.
+    pub const REPLAYED_NOTIFICATIONS_DROPPED: &str =
+        "codex_fleet_replayed_notifications_dropped_total";
 }
 
 /// The router's metrics.
@@ -65,6 +68,8 @@ pub struct RouterMetrics {
     pub admission_rejections: IntCounterVec,
     /// See [`names::DELTAS_DROPPED`].
     pub deltas_dropped: prometheus::IntCounter,
+    /// See [`names::REPLAYED_NOTIFICATIONS_DROPPED`]; label `method` (a closed list).
+    pub replayed_notifications_dropped: IntCounterVec,
 }
 
 /// Why a client frame was refused or dropped: the `reason` of
@@ -203,6 +208,14 @@ impl RouterMetrics {
                 names::DELTAS_DROPPED,
                 "Streaming deltas not sent to clients that fell behind (item/completed still is).",
             )?,
+            replayed_notifications_dropped: IntCounterVec::new(
+                Opts::new(
+                    names::REPLAYED_NOTIFICATIONS_DROPPED,
+                    "Per-connection notifications after a replayed initialize, not sent to the \
+                     client (it had them after its own initialize).",
+                ),
+                &["method"],
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
@@ -217,6 +230,7 @@ impl RouterMetrics {
         registry.register(Box::new(m.draining.clone()))?;
         registry.register(Box::new(m.admission_rejections.clone()))?;
         registry.register(Box::new(m.deltas_dropped.clone()))?;
+        registry.register(Box::new(m.replayed_notifications_dropped.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event.
         for reason in ClientError::ALL {
@@ -224,6 +238,10 @@ impl RouterMetrics {
         }
         for end in crate::session::End::ALL {
             m.sessions_closed.with_label_values(&[end.label()]);
+        }
+        for method in crate::session::PER_CONNECTION {
+            m.replayed_notifications_dropped
+                .with_label_values(&[method]);
         }
         Ok(m)
     }

@@ -13,6 +13,11 @@
 //! `data: {"reason": "hostAccessDenied", "policy": "<class>", "method": "<method>"}`.
 //! Details name the offending params field, never a resolved path.
 //!
+//! A malformed request is not a refusal: a field of the wrong type, or params that are neither
+//! an object nor an array, get [`Decision::Invalid`], answered `-32600` in app-server's own
+//! words ("Invalid request: invalid type: integer `42`, expected a sequence"). Positional params
+//! (an array) are still refused: the policy cannot check them safely.
+//!
 //! Use: for every client request, after admission and before routing, call
 //! [`HostAccessPolicy::check`] with the tenant's policy and [`TenantRoots`]. `Allow` forwards
 //! the frame unchanged; `Rewrite(params)` forwards [`rewritten_request`]; `Deny` answers
@@ -218,6 +223,65 @@ pub enum Decision {
     Rewrite(String),
     /// Answer with [`Denial::to_error_response`] and do not forward.
     Deny(Denial),
+    /// The request is malformed (a field of the wrong type, params that are not an object):
+    /// answer `-32600` with this message (`Invalid request: …`, as app-server words it) and do
+    /// not forward. Not a policy refusal: app-server would refuse it the same way.
+    Invalid(String),
+}
+
+/// Why a rule's checks stopped a request.
+#[derive(Debug)]
+enum Fault {
+    /// A well-formed request the policy refuses (`-32003`).
+    Deny(String),
+    /// A malformed request (`-32600`): the detail as serde words it for app-server.
+    Invalid(String),
+}
+
+impl From<String> for Fault {
+    fn from(detail: String) -> Fault {
+        Fault::Deny(detail)
+    }
+}
+
+impl From<&str> for Fault {
+    fn from(detail: &str) -> Fault {
+        Fault::Deny(detail.to_owned())
+    }
+}
+
+/// `invalid type: <what v is>, expected <expected>`, word for word what serde_json says when
+/// app-server deserializes params of the wrong type.
+fn invalid_type(v: &Value, expected: &str) -> Fault {
+    use serde::de::{Error as _, Unexpected};
+    let unexpected = match v {
+        Value::Null => Unexpected::Unit,
+        Value::Bool(b) => Unexpected::Bool(*b),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => Unexpected::Unsigned(u),
+            (None, Some(i)) => Unexpected::Signed(i),
+            _ => Unexpected::Float(n.as_f64().unwrap_or_default()),
+        },
+        Value::String(s) => Unexpected::Str(s),
+        Value::Array(_) => Unexpected::Seq,
+        Value::Object(_) => Unexpected::Map,
+    };
+    Fault::Invalid(serde_json::Error::invalid_type(unexpected, &expected).to_string())
+}
+
+/// The name app-server's params type has for `method`: `turn/start` → `TurnStartParams`.
+fn params_type(method: &str) -> String {
+    let mut name: String = method
+        .split('/')
+        .map(|seg| {
+            let mut c = seg.chars();
+            c.next()
+                .map(|f| f.to_uppercase().chain(c).collect::<String>())
+                .unwrap_or_default()
+        })
+        .collect();
+    name.push_str("Params");
+    name
 }
 
 /// The request frame to forward after [`Decision::Rewrite`]: the same id and method with the
@@ -413,7 +477,10 @@ impl HostAccessPolicy {
             Mode::Confine => match self.confine(rule, method, params, roots) {
                 Ok(None) => Decision::Allow,
                 Ok(Some(params)) => Decision::Rewrite(params.to_string()),
-                Err(detail) => Decision::Deny(Denial::new(rule.class, method, detail)),
+                Err(Fault::Deny(detail)) => Decision::Deny(Denial::new(rule.class, method, detail)),
+                Err(Fault::Invalid(detail)) => {
+                    Decision::Invalid(format!("Invalid request: {detail}"))
+                }
             },
         }
     }
@@ -425,7 +492,7 @@ impl HostAccessPolicy {
         method: &str,
         params: Option<&RawValue>,
         roots: &TenantRoots,
-    ) -> Result<Option<Value>, String> {
+    ) -> Result<Option<Value>, Fault> {
         let Some(raw) = params else {
             return Ok(None);
         };
@@ -434,13 +501,20 @@ impl HostAccessPolicy {
         if value.is_null() {
             return Ok(None);
         }
-        // A struct also deserializes from an array, positionally: refuse anything but an object.
+        // A struct also deserializes from an array, positionally: the policy cannot check that
+        // safely, so it refuses it; any other non-object is malformed, as app-server would say.
+        if !value.is_object() && !value.is_array() {
+            return Err(invalid_type(
+                &value,
+                &format!("struct {}", params_type(method)),
+            ));
+        }
         let obj = value.as_object_mut().ok_or("params must be an object")?;
         if let Some(key) = obj.keys().find(|k| {
             rules::looks_like_path(k) && !rules::checked_keys(rule.checks).any(|c| c == k.as_str())
         }) {
             tracing::debug!(method, key, "unknown path-like params field");
-            return Err(format!("has a field the policy does not know: `{key}`"));
+            return Err(format!("has a field the policy does not know: `{key}`").into());
         }
         let mut changed = false;
         for check in rule.checks {
@@ -455,28 +529,25 @@ impl HostAccessPolicy {
         check: Check,
         obj: &mut Map<String, Value>,
         roots: &TenantRoots,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, Fault> {
         match check {
             Check::Path(key) => check_opt_path(obj.get(key), key, roots).map(|()| false),
             Check::Paths(key) => check_paths(obj.get(key), key, roots).map(|()| false),
             Check::PathObjects(key) => {
-                for item in array(obj.get(key), key)? {
+                for item in array(obj.get(key))? {
                     check_opt_path(item.get("path"), key, roots)?;
                 }
                 Ok(false)
             }
             Check::CapabilityRoots => {
-                for item in array(
-                    obj.get("selectedCapabilityRoots"),
-                    "selectedCapabilityRoots",
-                )? {
+                for item in array(obj.get("selectedCapabilityRoots"))? {
                     let path = item.get("location").and_then(|l| l.get("path"));
                     check_opt_path(path, "selectedCapabilityRoots", roots)?;
                 }
                 Ok(false)
             }
             Check::Environments => {
-                for env in array(obj.get("environments"), "environments")? {
+                for env in array(obj.get("environments"))? {
                     check_opt_path(env.get("cwd"), "environments.cwd", roots)?;
                     check_paths(
                         env.get("runtimeWorkspaceRoots"),
@@ -493,8 +564,8 @@ impl HostAccessPolicy {
                 Some(Value::String(p)) => roots
                     .check_rollout(p)
                     .map(|_| false)
-                    .map_err(|e| format!("`{key}` {e}")),
-                Some(_) => Err(format!("`{key}` must be a string")),
+                    .map_err(|e| format!("`{key}` {e}").into()),
+                Some(v) => Err(invalid_type(v, "a string")),
             },
             Check::SandboxMode => match obj.get("sandbox") {
                 Some(Value::String(m)) if m == "danger-full-access" => {
@@ -509,9 +580,9 @@ impl HostAccessPolicy {
             Check::Profile(key) => match obj.get(key) {
                 None | Some(Value::Null) => Ok(false),
                 Some(Value::String(p)) if self.permission_profiles.contains(p) => Ok(false),
-                Some(_) => Err(format!(
-                    "`{key}` names a permissions profile that is not allowed"
-                )),
+                Some(_) => {
+                    Err(format!("`{key}` names a permissions profile that is not allowed").into())
+                }
             },
             Check::ConfigOverrides => self
                 .check_config_overrides(obj.get("config"))
@@ -525,11 +596,16 @@ impl HostAccessPolicy {
         &self,
         policy: Option<&Value>,
         roots: &TenantRoots,
-    ) -> Result<(), String> {
+    ) -> Result<(), Fault> {
         let policy = match policy {
             None | Some(Value::Null) => return Ok(()),
             Some(Value::Object(p)) => p,
-            Some(_) => return Err("`sandboxPolicy` must be an object".into()),
+            Some(v) => {
+                return Err(invalid_type(
+                    v,
+                    "internally tagged enum SandboxPolicyDeserialize",
+                ))
+            }
         };
         let network = policy.get("networkAccess");
         let wants_network = match network {
@@ -558,7 +634,7 @@ impl HostAccessPolicy {
         &self,
         obj: &mut Map<String, Value>,
         roots: &TenantRoots,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, Fault> {
         let given = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
         if given("sandboxPolicy") || given("permissionProfile") {
             return self
@@ -583,11 +659,11 @@ impl HostAccessPolicy {
 
     /// A thread's `config` overrides may only use allowed top-level keys (dotted keys count by
     /// their first segment).
-    fn check_config_overrides(&self, config: Option<&Value>) -> Result<(), String> {
+    fn check_config_overrides(&self, config: Option<&Value>) -> Result<(), Fault> {
         let config = match config {
             None | Some(Value::Null) => return Ok(()),
             Some(Value::Object(c)) => c,
-            Some(_) => return Err("`config` must be an object".into()),
+            Some(v) => return Err(invalid_type(v, "a map")),
         };
         // An entry allows its key and everything below it (`features` allows `features.x`).
         let allowed = |k: &str| {
@@ -604,41 +680,41 @@ impl HostAccessPolicy {
             .find(|(k, v)| !allowed(k) && !harmless(k, v))
             .map(|(k, _)| k)
         {
-            Some(k) => Err(format!("`config` override `{k}` is not allowed")),
+            Some(k) => Err(format!("`config` override `{k}` is not allowed").into()),
             None => Ok(()),
         }
     }
 }
 
-/// The array at `key`, or nothing when absent or null.
-fn array<'a>(v: Option<&'a Value>, key: &str) -> Result<&'a [Value], String> {
+/// An array, or nothing when absent or null; anything else is malformed.
+fn array(v: Option<&Value>) -> Result<&[Value], Fault> {
     match v {
         None | Some(Value::Null) => Ok(&[]),
         Some(Value::Array(a)) => Ok(a),
-        Some(_) => Err(format!("`{key}` must be an array")),
+        Some(v) => Err(invalid_type(v, "a sequence")),
     }
 }
 
 /// A path string (or absent, or null) inside the roots.
-fn check_opt_path(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), String> {
+fn check_opt_path(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), Fault> {
     match v {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(p)) => roots
             .check(p)
             .map(|_| ())
-            .map_err(|e| format!("`{key}` {e}")),
-        Some(_) => Err(format!("`{key}` must be a string")),
+            .map_err(|e| format!("`{key}` {e}").into()),
+        Some(v) => Err(invalid_type(v, "a string")),
     }
 }
 
 /// The host files named by a turn's input items.
-fn check_inputs(input: Option<&Value>, roots: &TenantRoots) -> Result<(), String> {
-    for item in array(input, "input")? {
+fn check_inputs(input: Option<&Value>, roots: &TenantRoots) -> Result<(), Fault> {
+    for item in array(input)? {
         let kind = item.get("type").and_then(Value::as_str).unwrap_or_default();
         let path = match item.get("path") {
             None | Some(Value::Null) => continue,
             Some(Value::String(p)) => p.as_str(),
-            Some(_) => return Err("`input` has a path that is not a string".into()),
+            Some(v) => return Err(invalid_type(v, "a string")),
         };
         let checked = match kind {
             "mention" if path.contains("://") => continue,
@@ -651,8 +727,8 @@ fn check_inputs(input: Option<&Value>, roots: &TenantRoots) -> Result<(), String
 }
 
 /// Every path of an array (or absent, or null) inside the roots.
-fn check_paths(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), String> {
-    for p in array(v, key)? {
+fn check_paths(v: Option<&Value>, key: &str, roots: &TenantRoots) -> Result<(), Fault> {
+    for p in array(v)? {
         check_opt_path(Some(p), key, roots)?;
     }
     Ok(())

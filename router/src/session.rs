@@ -51,6 +51,7 @@ use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
 use legs::{Leg, LegEvent};
 use routing::Learn;
+pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
@@ -203,6 +204,10 @@ struct Session {
     protocol_errors: u32,
     /// Legs whose initialize was answered: they receive the worker's broadcasts themselves.
     live: HashSet<WorkerId>,
+    /// Legs that got a replayed initialize and have sent nothing since its answer but the
+    /// per-connection notifications app-server follows it with (dropped: the client has had
+    /// them once, after its own initialize).
+    replayed: HashSet<WorkerId>,
     /// The client's initialize went out on some leg, so any further leg needs it replayed.
     init_sent: bool,
     /// This connection's admission: its slot under the connection caps and its frame rate.
@@ -250,6 +255,7 @@ where
         events_tx,
         protocol_errors: 0,
         live: HashSet::new(),
+        replayed: HashSet::new(),
         init_sent: false,
         guard,
         parked: None,
@@ -605,6 +611,14 @@ impl Session {
                         tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
                         return self.to_client(denial.to_error_response(&id));
                     }
+                    Decision::Invalid(message) => {
+                        // Malformed, as app-server would answer it: not a policy refusal.
+                        self.count_error(ClientError::InvalidMessage);
+                        return self.to_client(proto::error::invalid_request_response(
+                            Some(&id),
+                            &message,
+                        ));
+                    }
                 };
                 let text = rewritten.as_deref().unwrap_or(&text);
                 self.on_client_request(id, &method, thread, text).await
@@ -811,6 +825,9 @@ impl Session {
                 return Ok(());
             }
         };
+        if self.replayed.contains(&worker) && self.replay_echo(worker, &frame.message) {
+            return Ok(());
+        }
         let answer = Answer {
             result: frame.result,
             error: frame.error,
@@ -923,6 +940,7 @@ impl Session {
         tracing::info!(%worker, reason, "leg closed");
         self.legs.remove(&worker);
         self.live.remove(&worker);
+        self.replayed.remove(&worker);
         self.ctx.tenant.reconcile_soon();
         if self.home == Some(worker) {
             self.home = None;

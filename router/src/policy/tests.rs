@@ -227,10 +227,17 @@ fn malformed_params_are_denied_not_guessed() {
         Class::Fs,
         "must be an object",
     );
-    assert_denied(
-        &decide(&p, "fs/readFile", json!({ "path": 7 }), &f.roots),
-        Class::Fs,
-        "must be a string",
+    // A field of the wrong type is malformed, not refused: `-32600` as app-server words it.
+    assert_eq!(
+        decide(&p, "fs/readFile", json!({ "path": 7 }), &f.roots),
+        Decision::Invalid("Invalid request: invalid type: integer `7`, expected a string".into())
+    );
+    assert_eq!(
+        decide(&p, "fs/readFile", json!("/etc/passwd"), &f.roots),
+        Decision::Invalid(
+            "Invalid request: invalid type: string \"/etc/passwd\", expected struct FsReadFileParams"
+                .into()
+        )
     );
     // A path-like field the table does not know (an alias, a new schema field).
     assert_denied(
@@ -308,10 +315,6 @@ fn command_exec_is_confined_to_the_roots_and_the_sandbox() {
             "writableRoots",
         ),
         (
-            json!({ "sandboxPolicy": "dangerFullAccess" }),
-            "must be an object",
-        ),
-        (
             json!({ "permissionProfile": ":danger-full-access" }),
             "profile",
         ),
@@ -324,6 +327,11 @@ fn command_exec_is_confined_to_the_roots_and_the_sandbox() {
             needle,
         );
     }
+    // A sandbox policy that is not an object is malformed, and still never forwarded.
+    assert!(matches!(
+        decide(&p, "command/exec", cmd(json!({ "sandboxPolicy": "dangerFullAccess" })), &f.roots),
+        Decision::Invalid(m) if m.starts_with("Invalid request: invalid type: string")
+    ));
     // Follow-ups act on the connection's own processes.
     assert_eq!(
         decide(

@@ -14,6 +14,11 @@ const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Pause between looks.
 const OWNER_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// The notifications app-server sends a connection right after its `initialize` is answered,
+/// to that connection only (facts §3; seen on the pinned worker): on a leg whose initialize
+/// the router replayed, the client already had them.
+pub(crate) const PER_CONNECTION: [&str; 2] = ["configWarning", "remoteControl/status/changed"];
+
 /// What a response teaches the tenant table.
 pub(super) enum Learn {
     Nothing,
@@ -205,9 +210,33 @@ impl Session {
         let worker = leg.worker();
         if let Some(init) = self.init.as_ref().filter(|_| self.init_sent) {
             self.replay_initialize(&leg, init).await;
+            self.replayed.insert(worker);
         }
         self.legs.insert(worker, leg);
         Ok(worker)
+    }
+
+    /// Whether a frame from a leg in `replayed` is what app-server sends every newly
+    /// initialized connection (counted and dropped: the client got its own after its
+    /// initialize). The replayed initialize's answer keeps the window open; any other frame
+    /// closes it, since app-server sends those notifications before anything else reaches the
+    /// connection (it is marked ready for broadcasts only after them).
+    pub(super) fn replay_echo(&mut self, worker: WorkerId, message: &Rpc<'_>) -> bool {
+        match message {
+            Rpc::Response { id } if *id == RequestId::Str(REPLAY_INIT_ID.into()) => false,
+            Rpc::Notification { method, .. } if PER_CONNECTION.contains(&method.as_str()) => {
+                self.ctx
+                    .metrics
+                    .replayed_notifications_dropped
+                    .with_label_values(&[method.as_str()])
+                    .inc();
+                true
+            }
+            _ => {
+                self.replayed.remove(&worker);
+                false
+            }
+        }
     }
 
     pub(super) async fn replay_initialize(&self, leg: &Leg, init: &Init) {

@@ -1,0 +1,241 @@
+//! A tenant's pool answers as one app-server: what a client sees through codex-fleet is compared
+//! with what the same client gets on a direct connection to one of the tenant's real workers.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use e2e::{ready_workers, wait_until, Fleet, FleetBuilder, STEP};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::UnixStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+/// A client on a worker's own socket, as the router's legs connect (WebSocket over the Unix
+/// socket): the reference a fleet client is compared with.
+struct Direct {
+    ws: WebSocketStream<UnixStream>,
+    next_id: i64,
+}
+
+impl Direct {
+    async fn connect(socket: &Path) -> anyhow::Result<Direct> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .with_context(|| format!("connecting to {}", socket.display()))?;
+        let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
+        Ok(Direct { ws, next_id: 1 })
+    }
+
+    async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
+        self.ws.send(Message::text(v.to_string())).await?;
+        Ok(())
+    }
+
+    async fn recv(&mut self) -> anyhow::Result<Value> {
+        loop {
+            match tokio::time::timeout(STEP, self.ws.next())
+                .await
+                .context("timed out waiting for the worker")?
+            {
+                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(&t)?),
+                Some(Ok(Message::Close(c))) => bail!("worker closed: {c:?}"),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => bail!("read error: {e}"),
+                None => bail!("worker connection ended"),
+            }
+        }
+    }
+
+    /// Sends a request; returns its response and every other message that came before it.
+    async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<(Value, Vec<Value>)> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        self.until_answer(&json!(id)).await
+    }
+
+    /// Sends a raw request frame with id `id`; returns its response.
+    async fn call_raw(&mut self, frame: &Value) -> anyhow::Result<Value> {
+        self.send(frame).await?;
+        Ok(self.until_answer(&frame["id"]).await?.0)
+    }
+
+    /// Sends a raw request frame; returns its response and every other message before it.
+    async fn until_answer_after(&mut self, frame: &Value) -> anyhow::Result<(Value, Vec<Value>)> {
+        self.send(frame).await?;
+        self.until_answer(&frame["id"]).await
+    }
+
+    async fn until_answer(&mut self, id: &Value) -> anyhow::Result<(Value, Vec<Value>)> {
+        let mut before = Vec::new();
+        loop {
+            let v = self.recv().await?;
+            if v["id"] == *id && v.get("method").is_none() {
+                return Ok((v, before));
+            }
+            before.push(v);
+        }
+    }
+}
+
+/// The initialize `e2e::Client::initialize` sends.
+fn initialize_frame() -> Value {
+    json!({
+        "id": "initialize",
+        "method": "initialize",
+        "params": {
+            "clientInfo": { "name": "e2e-client", "title": null, "version": "0.0.1" },
+            "capabilities": { "experimentalApi": true }
+        }
+    })
+}
+
+fn worker_socket(fleet: &Fleet, tenant: &str, n: usize) -> PathBuf {
+    fleet
+        .files
+        .dir
+        .path()
+        .join(format!("s/sockets/{tenant}/{n}.sock"))
+}
+
+/// A direct connection to one worker, initialized: the notifications it got for its initialize
+/// (everything before the answer to the next request), counted by method.
+async fn direct_per_connection(socket: &Path) -> anyhow::Result<BTreeMap<String, usize>> {
+    let mut d = Direct::connect(socket).await?;
+    let (init, mut msgs) = d.until_answer_after(&initialize_frame()).await?;
+    anyhow::ensure!(init.get("result").is_some(), "direct initialize: {init}");
+    d.send(&json!({ "method": "initialized" })).await?;
+    let (_, more) = d.call("thread/loaded/list", json!({})).await?;
+    msgs.extend(more);
+    let mut counts = BTreeMap::new();
+    for m in msgs {
+        let method = m["method"].as_str().context("a notification")?.to_owned();
+        *counts.entry(method).or_insert(0) += 1;
+    }
+    Ok(counts)
+}
+
+/// Issue 15 item 1: a session whose threads live on both workers of its tenant gets the notifications
+/// app-server sends each newly initialized connection exactly as often as a direct client does:
+/// once, after its own initialize; those after the router's replayed initialize are dropped and
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await,
+        "two workers should start"
+    );
+    let direct = direct_per_connection(&worker_socket(&fleet, "acme", 0)).await?;
+    eprintln!("direct connection, after initialize: {direct:?}");
+    anyhow::ensure!(
+        !direct.is_empty(),
+        "a direct connection gets per-connection notifications after initialize"
+    );
+
+    let mut c = fleet.client("acme").await?;
+    let table = &fleet.tenant("acme").table;
+    let mut owners = std::collections::HashSet::new();
+    let mut threads = Vec::new();
+    for _ in 0..8 {
+        let t = c.start_thread().await?;
+        owners.insert(table.owner(&t).context("thread placed")?);
+        threads.push(t);
+        if owners.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        owners.len(),
+        2,
+        "the session's threads should use both workers"
+    );
+    // One more answer from each thread's worker: anything sent after a leg's initialize has
+    // arrived by then.
+    for t in &threads {
+        c.request("thread/read", json!({ "threadId": t })).await?;
+    }
+    while let Ok(v) = c.recv_wire(Duration::from_millis(500)).await {
+        c.backlog.push_back(v);
+    }
+    for (method, n) in &direct {
+        let got = c
+            .backlog
+            .iter()
+            .filter(|m| m["method"] == method.as_str() && m.get("id").is_none())
+            .count();
+        assert_eq!(
+            got, *n,
+            "{method}: the fleet client got it {got} times, a direct client {n}"
+        );
+        let dropped = fleet
+            .metric(
+                "codex_fleet_replayed_notifications_dropped_total",
+                &[("method", method)],
+            )
+            .await?;
+        assert_eq!(
+            dropped, *n as f64,
+            "{method}: the second leg's copies should be counted as dropped"
+        );
+    }
+    fleet.stop().await
+}
+
+/// Issue 15 item 4: malformed requests are invalid requests (`-32600`, as app-server answers them), not
+/// host-access refusals; a real refusal is still `-32003`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 1)
+        .await,
+        "the worker should start"
+    );
+    let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
+    d.until_answer_after(&initialize_frame()).await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = "00000000-0000-0000-0000-000000000000";
+    let shapes = [
+        json!({"id": 11, "method": "turn/start", "params": {"threadId": thread, "input": 42}}),
+        json!({"id": 12, "method": "turn/start", "params": "hello"}),
+        json!({"id": 13, "method": "turn/start", "params": 7}),
+        json!({"id": 14, "method": "thread/start", "params": {"cwd": 5}}),
+        json!({"id": 15, "method": "turn/start", "params": {"threadId": thread, "input": [], "sandboxPolicy": "x"}}),
+        json!({"id": 16, "method": "thread/start", "params": {"config": 3}}),
+    ];
+    for frame in &shapes {
+        let want = d.call_raw(frame).await?;
+        c.send(frame).await?;
+        let id = frame["id"].clone();
+        let got = c.wait_for(|v| v["id"] == id).await?;
+        eprintln!("{frame}\n  direct: {want}\n  fleet:  {got}");
+        assert_eq!(
+            want["error"]["code"], -32600,
+            "app-server calls {frame} invalid"
+        );
+        assert_eq!(got["error"]["code"], -32600, "{frame}: {got}");
+        // Word for word what app-server answers.
+        assert_eq!(got["error"], want["error"], "{frame}");
+    }
+    // A well-formed request the policy refuses is still a host-access denial, and so are
+    // positional params, which the policy cannot check.
+    let refused = c.call("thread/start", json!({ "cwd": "/etc" })).await?;
+    assert_eq!(refused["error"]["code"], -32003, "{refused}");
+    let positional = c.call("thread/start", json!(["/etc"])).await?;
+    assert_eq!(positional["error"]["code"], -32003, "{positional}");
+    fleet.stop().await
+}
