@@ -69,19 +69,25 @@ fn sweep_tenant_uid(shared: &Shared) {
     if user.uid == 0 || user.uid == nix::unistd::geteuid().as_raw() {
         return;
     }
+    let busy = |state: &super::PoolState| {
+        state
+            .slots
+            .iter()
+            .any(|s| s.live.is_some() || s.state == WorkerState::Starting)
+    };
+    // The cheap check first: most worker ends leave others running, and /proc is not read.
+    if busy(&shared.lock()) {
+        return;
+    }
     let leftovers = crate::sweep::processes_of(user.uid);
     if leftovers.is_empty() {
         return;
     }
-    // Under the lock, so no slot can begin a start between the check and the kill; the pids were
-    // read before, so a worker started later is never among them.
+    // Again under the lock, so no slot can begin a start between the check and the kill; the pids
+    // were read before, so a worker started later is never among them.
     let killed = {
         let state = shared.lock();
-        let busy = state
-            .slots
-            .iter()
-            .any(|s| s.live.is_some() || s.state == WorkerState::Starting);
-        if busy {
+        if busy(&state) {
             return;
         }
         crate::sweep::kill_all(&leftovers)
