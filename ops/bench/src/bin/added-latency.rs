@@ -138,21 +138,6 @@ async fn connect_unix(socket: &Path) -> anyhow::Result<Conn> {
     Ok(conn)
 }
 
-fn fleet_bin() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("CODEX_FLEET_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe()?;
-    let candidate = exe.with_file_name("codex-fleet");
-    if !candidate.is_file() {
-        bail!(
-            "{} is missing: build it first (cargo build --release --bins)",
-            candidate.display()
-        );
-    }
-    Ok(candidate)
-}
-
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -173,15 +158,7 @@ async fn wait_port(port: u16) -> anyhow::Result<()> {
 
 /// codex-fleet as its own process; returns it with its wss URL once a worker is ready.
 async fn start_fleet(files: &FleetFiles) -> anyhow::Result<(Child, String)> {
-    let mut child = Command::new(fleet_bin()?)
-        .args(["serve", "--config"])
-        .arg(&files.config)
-        .env("CODEX_FLEET_LOG", "error")
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()?;
-    let (wss, admin) = e2e::read_addresses(&mut child).await?;
+    let (child, wss, admin) = codex_fleet_bench::spawn_fleet(files).await?;
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let (_, body) = e2e::http_get(admin, "/readyz").await?;

@@ -5,14 +5,11 @@
 //! Needs a built `codex-fleet` (release, beside this binary, or `CODEX_FLEET_BIN`) and `CODEX_BIN`.
 //! It raises its own open-files limit; codex-fleet raises its own.
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use e2e::{Client, FleetBuilder};
-use tokio::process::Command;
 use tokio::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -24,17 +21,6 @@ struct Args {
     /// Connections opened at once.
     #[arg(long, default_value_t = 64)]
     batch: usize,
-}
-
-fn fleet_bin() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("CODEX_FLEET_BIN") {
-        return Ok(PathBuf::from(p));
-    }
-    let candidate = std::env::current_exe()?.with_file_name("codex-fleet");
-    if !candidate.is_file() {
-        bail!("{} is missing: build it first", candidate.display());
-    }
-    Ok(candidate)
 }
 
 /// Resident memory of `pid` after a short settle, in KiB.
@@ -62,16 +48,8 @@ async fn main() -> anyhow::Result<()> {
         ))
         .prepare()
         .await?;
-    let mut child = Command::new(fleet_bin()?)
-        .args(["serve", "--config"])
-        .arg(&files.config)
-        .env("CODEX_FLEET_LOG", "error")
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()?;
+    let (child, wss, _admin) = codex_fleet_bench::spawn_fleet(&files).await?;
     let pid = child.id().context("pid")?;
-    let (wss, _admin) = e2e::read_addresses(&mut child).await?;
     let url = format!("wss://localhost:{}/", wss.port());
     let token = files.token("acme");
     let base = settled_rss(pid).await?;
