@@ -79,6 +79,8 @@ methods! {
     ServerRequestResolved = "serverRequest/resolved",
     /// `item/agentMessage/delta` (notification).
     AgentMessageDelta = "item/agentMessage/delta",
+    /// `thread/unsubscribe`: the connection stops following a thread.
+    ThreadUnsubscribe = "thread/unsubscribe",
 }
 
 // === impl Method ===
@@ -150,6 +152,7 @@ mod tests {
             "turn/completed",
             "serverRequest/resolved",
             "item/agentMessage/delta",
+            "thread/unsubscribe",
         ] {
             let m = Method::parse(name);
             assert!(!matches!(m, Method::Other(_)), "{name} is known");

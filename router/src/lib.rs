@@ -12,6 +12,7 @@ pub mod listener;
 pub mod metrics;
 pub mod mock_model;
 pub mod policy;
+pub mod rehome;
 pub mod reload;
 pub mod route;
 pub mod session;

@@ -35,6 +35,10 @@ pub mod names {
     /// Per-connection notifications that followed a replayed initialize, not sent on, by method.
     pub const REPLAYED_NOTIFICATIONS_DROPPED: &str =
         "codex_fleet_replayed_notifications_dropped_total";
+    /// See [`super::RouterMetrics::thread_rehomes`].
+    pub const THREAD_REHOMES: &str = "codex_fleet_thread_rehomes_total";
+    /// See [`super::RouterMetrics::rehome_seconds`].
+    pub const REHOME_SECONDS: &str = "codex_fleet_thread_rehome_duration_seconds";
 }
 
 /// The router's metrics.
@@ -70,6 +74,13 @@ pub struct RouterMetrics {
     pub deltas_dropped: prometheus::IntCounter,
     /// See [`names::REPLAYED_NOTIFICATIONS_DROPPED`]; label `method` (a closed list).
     pub replayed_notifications_dropped: IntCounterVec,
+    /// Threads of a worker that ended, per subscribed session, by tenant, `cause` (crash, hang,
+    /// retired) and `outcome` (`rehomed`; `no_worker` or `resume_failed`, when the session got
+    /// `thread/closed` instead).
+    pub thread_rehomes: IntCounterVec,
+    /// From the tenant learning that a worker ended to a subscribed session's thread being
+    /// served again on another worker, by tenant.
+    pub rehome_seconds: HistogramVec,
 }
 
 /// Why a client frame was refused or dropped: the `reason` of
@@ -134,6 +145,13 @@ impl RouterMetrics {
     /// Creates `tenant`'s counters whose labels are all known, at zero.
     pub fn init_tenant(&self, tenant: &str) {
         self.resume_retries.with_label_values(&[tenant]);
+        for cause in crate::rehome::Cause::ALL {
+            for outcome in crate::rehome::Outcome::ALL {
+                self.thread_rehomes
+                    .with_label_values(&[tenant, cause.as_str(), outcome.as_str()]);
+            }
+        }
+        self.rehome_seconds.with_label_values(&[tenant]);
     }
 
     /// Creates and registers every router metric.
@@ -216,6 +234,24 @@ impl RouterMetrics {
                 ),
                 &["method"],
             )?,
+            thread_rehomes: IntCounterVec::new(
+                Opts::new(
+                    names::THREAD_REHOMES,
+                    "Threads of workers that ended, per subscribed session: re-homed on another \
+                     worker, or closed (no worker, resume failed).",
+                ),
+                &["tenant", "cause", "outcome"],
+            )?,
+            rehome_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    names::REHOME_SECONDS,
+                    "A worker's end to its thread being served again on another worker.",
+                )
+                .buckets(vec![
+                    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                ]),
+                &["tenant"],
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
@@ -231,6 +267,8 @@ impl RouterMetrics {
         registry.register(Box::new(m.admission_rejections.clone()))?;
         registry.register(Box::new(m.deltas_dropped.clone()))?;
         registry.register(Box::new(m.replayed_notifications_dropped.clone()))?;
+        registry.register(Box::new(m.thread_rehomes.clone()))?;
+        registry.register(Box::new(m.rehome_seconds.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event.
         for reason in ClientError::ALL {

@@ -21,6 +21,7 @@
 //! request keeps its entry and its worker slot.
 
 pub mod legs;
+mod rehome;
 mod routing;
 mod server_requests;
 mod turns;
@@ -220,6 +221,8 @@ struct Session {
     queued_bytes: Arc<QueueBytes>,
     /// Bytes on the legs, per direction, per session and per tenant.
     leg_budgets: legs::LegBudgets,
+    /// The threads this client follows, and those being moved off a worker that ended.
+    following: rehome::Following,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -262,6 +265,7 @@ where
         soft_mark: crate::config::soft_mark(ctx_client_queue),
         queued_bytes,
         leg_budgets,
+        following: rehome::Following::default(),
     };
     let shutdown = session.ctx.shutdown.clone();
     let admission = session.ctx.admission.clone();
@@ -279,13 +283,13 @@ where
             Some(wait) => tokio::select! {
                 permit = wait => Ok(Some(permit)),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
         };
@@ -702,6 +706,7 @@ impl Session {
                 thread,
                 retry: Some(text.to_owned()),
             },
+            (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe { thread },
             _ => Learn::Nothing,
         };
         let parked = Parked {
@@ -725,7 +730,7 @@ impl Session {
     /// free the first one's worker slot), or it is the router's own id on legs (its answer
     /// would be swallowed and the request never answered).
     fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
-        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) || rehome::Following::is_own(id) {
             Some(ClientError::ReservedId)
         } else if self.in_flight.contains_key(id) {
             Some(ClientError::DuplicateId)
@@ -835,8 +840,10 @@ impl Session {
         };
         match frame.message {
             Rpc::Response { id } => self.on_worker_response(worker, id, answer, text).await,
-            Rpc::Request { id, .. } => {
-                let sid = self.server_requests.insert(worker, id);
+            Rpc::Request { id, params, .. } => {
+                let sid = self
+                    .server_requests
+                    .insert(worker, id, jsonrpc::thread_id(params));
                 match jsonrpc::with_id(text, &RequestId::Int(sid)) {
                     Some(t) => self.to_client(t),
                     None => Ok(()),
@@ -844,6 +851,9 @@ impl Session {
             }
             Rpc::Notification { method, params } => {
                 self.track_turns(&method, params);
+                if self.follow_notification(worker, &method, params) {
+                    return Ok(());
+                }
                 if method.is_delta()
                     && (self.queued() >= self.soft_mark || self.queued_bytes.behind())
                 {
@@ -880,6 +890,9 @@ impl Session {
                 tracing::warn!(%worker, response = text, "replayed initialize refused");
             }
             return Ok(());
+        }
+        if rehome::Following::is_own(&id) {
+            return self.on_rehome_answer(worker, &id, answer.result.is_some(), text);
         }
         let rewritten = answer
             .overloaded
@@ -920,14 +933,19 @@ impl Session {
 
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
     /// to that worker delivers it (so each broadcast arrives once).
-    fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
+    async fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
         let Some(r) = relayed else { return Ok(()) };
         // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
         // "active" after the leg's turn/completed would count a finished turn as running.
         if let Some(thread) = &r.turn_ended {
             self.ctx.admission.turn_ended(self.tenant(), thread);
         }
-        if self.init.as_ref().is_none_or(|i| !i.answered) {
+        if let Some(order) = &r.rehome {
+            return self.on_rehome(order).await;
+        }
+        if self.init.as_ref().is_none_or(|i| !i.answered)
+            || self.holds_back_relayed(r.worker, &r.text)
+        {
             return Ok(());
         }
         if r.to_all || !self.live.contains(&r.worker) {
@@ -945,7 +963,11 @@ impl Session {
         if self.home == Some(worker) {
             self.home = None;
         }
-        self.server_requests.forget_worker(worker);
+        // The worker's prompts can no longer be answered through this session.
+        for (sid, thread) in self.server_requests.forget_worker(worker) {
+            self.to_client(crate::rehome::request_resolved_frame(&thread, sid))?;
+        }
+        self.moves_lost(worker)?;
         let lost: Vec<RequestId> = self
             .in_flight
             .iter()

@@ -6,16 +6,17 @@ use std::time::Duration;
 
 use proto::event::{Event, Lifecycle, Turn};
 use proto::Method;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
-use worker::metrics::WorkerMetrics;
+use worker::metrics::{ExitReason, WorkerMetrics};
 use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, Sizes, WorkerId, WorkerUser};
 
 use crate::auth::TokenTable;
 use crate::config::{self, Config};
 use crate::dev::private_dir;
 use crate::policy::{HostAccessPolicy, TenantRoots};
+use crate::rehome::{self, Cause, Moves, Rehome, Subscribers};
 use crate::route::ThreadTable;
 
 /// Relayed broadcasts buffered per tenant; a session that lags this far misses some (logged).
@@ -34,6 +35,12 @@ pub struct Tenant {
     pub roots: TenantRoots,
     /// threadId → owning worker.
     pub table: ThreadTable,
+    /// How many sessions are subscribed to each thread (decides re-home or close when a worker
+    /// ends).
+    pub subscribers: Arc<Subscribers>,
+    /// Threads being re-homed now: what the moves themselves make workers say about them is
+    /// held back.
+    pub moves: Moves,
     /// The settings a reload cannot change in place (see [`fingerprint`]).
     settings: String,
     relay: broadcast::Sender<Relayed>,
@@ -53,6 +60,9 @@ pub struct Relayed {
     /// The thread whose turn this notification ends, if it ends one (read once here, so no
     /// session parses the text again).
     pub turn_ended: Option<Arc<str>>,
+    /// An order about a thread of a worker that ended (no text to forward): each session acts
+    /// on it for itself.
+    pub rehome: Option<Arc<Rehome>>,
 }
 
 impl Tenant {
@@ -71,6 +81,8 @@ impl Tenant {
             roots,
             settings,
             table: ThreadTable::default(),
+            subscribers: Arc::default(),
+            moves: Moves::default(),
             relay,
             reconcile: Arc::new(Notify::new()),
             events: std::sync::Mutex::new(None),
@@ -119,11 +131,13 @@ impl Tenant {
         Some(found)
     }
 
-    fn on_pool_event(&self, ev: PoolEvent) {
+    fn on_pool_event(self: &Arc<Self>, ev: PoolEvent) {
         match ev {
             PoolEvent::Notification { worker, message } => self.on_notification(worker, &message),
             PoolEvent::Loaded { worker, threads } => self.table.reconcile(worker, &threads),
-            PoolEvent::WorkerExited { worker, .. } => self.on_worker_exited(worker),
+            PoolEvent::WorkerExited { worker, reason, .. } => {
+                self.on_worker_exited(worker, reason);
+            }
             _ => {}
         }
     }
@@ -138,7 +152,9 @@ impl Tenant {
         let event = Event::from_value(message);
         if let Some(event) = &event {
             match event.lifecycle() {
-                Some(Lifecycle::Loaded { .. }) => self.table.learn(event.thread(), worker),
+                Some(Lifecycle::Loaded { active }) => {
+                    self.table.learn_status(event.thread(), worker, active);
+                }
                 Some(Lifecycle::Unloaded) => self.table.forget(event.thread(), worker),
                 None => {}
             }
@@ -151,24 +167,83 @@ impl Tenant {
             text: Arc::from(message.to_string()),
             to_all: false,
             turn_ended,
+            rehome: None,
         });
     }
 
-    /// Subscribers of the dead worker's threads learn that each one failed and closed.
-    fn on_worker_exited(&self, worker: WorkerId) {
-        for thread in self.table.forget_worker(worker) {
-            let ended: Arc<str> = Arc::from(thread.as_str());
-            for msg in [
-                json!({"method": Method::ThreadStatusChanged.as_str(), "params": {"threadId": thread, "status": {"type": "systemError"}}}),
-                json!({"method": Method::ThreadClosed.as_str(), "params": {"threadId": thread}}),
-            ] {
-                let _receivers = self.relay.send(Relayed {
+    /// A worker ended. Each of its threads that sessions are subscribed to is re-homed: the
+    /// tenant picks a ready worker for it once and orders every session to resume it there
+    /// (`session/rehome.rs`). The others close, as they would in app-server: `systemError` after a
+    /// failure, `notLoaded` after a retirement, then `thread/closed`. When codex-fleet itself
+    /// stops the worker, nothing moves.
+    fn on_worker_exited(self: &Arc<Self>, worker: WorkerId, reason: ExitReason) {
+        let cause = Cause::of(reason);
+        let status = match cause {
+            Some(Cause::Retired) => "notLoaded",
+            _ => "systemError",
+        };
+        let mut orphans = Vec::new();
+        for (thread, active) in self.table.forget_worker(worker) {
+            match cause {
+                Some(cause) if self.subscribers.count(&thread) > 0 => {
+                    self.moves.begin(&thread, self.subscribers.count(&thread));
+                    orphans.push((thread, cause, active));
+                }
+                _ => self.broadcast_closed(worker, &thread, status),
+            }
+        }
+        if orphans.is_empty() {
+            return;
+        }
+        let since = tokio::time::Instant::now();
+        let tenant = self.clone();
+        tokio::spawn(async move {
+            // Handles held until every thread is placed, so placement spreads them.
+            let mut held = Vec::new();
+            for (thread, cause, was_active) in orphans {
+                let to = match tenant.pool.acquire().await {
+                    Ok(handle) => {
+                        tenant.table.learn(&thread, handle.id);
+                        let id = handle.id;
+                        held.push(handle);
+                        Some(id)
+                    }
+                    Err(e) => {
+                        tracing::warn!(tenant = %tenant.id, %thread, %worker, cause = cause.as_str(), error = %e,
+                            "no worker can take the thread of a worker that ended; closing it");
+                        None
+                    }
+                };
+                let thread: Arc<str> = Arc::from(thread.as_str());
+                let _receivers = tenant.relay.send(Relayed {
                     worker,
-                    text: Arc::from(msg.to_string()),
+                    text: Arc::from(""),
                     to_all: true,
-                    turn_ended: Some(ended.clone()),
+                    turn_ended: Some(thread.clone()),
+                    rehome: Some(Arc::new(Rehome {
+                        thread,
+                        from: worker,
+                        to,
+                        cause,
+                        since,
+                        was_active,
+                    })),
                 });
             }
+        });
+    }
+
+    /// Tells every session that `thread` is gone (it went `status`, then closed).
+    fn broadcast_closed(&self, worker: WorkerId, thread: &str, status: &str) {
+        let ended: Arc<str> = Arc::from(thread);
+        for text in rehome::thread_closed_frames(thread, status) {
+            let _receivers = self.relay.send(Relayed {
+                worker,
+                text: Arc::from(text),
+                to_all: true,
+                turn_ended: Some(ended.clone()),
+                rehome: None,
+            });
         }
     }
 }

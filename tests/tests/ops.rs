@@ -702,6 +702,9 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_sessions_closed_total{reason=\"client\"}",
         "codex_fleet_client_errors_total{reason=\"no_worker\"}",
         "codex_fleet_client_errors_total{reason=\"duplicate_id\"}",
+        "codex_fleet_thread_rehomes_total{cause=\"crash\",outcome=\"rehomed\",tenant=\"acme\"}",
+        "codex_fleet_thread_rehomes_total{cause=\"retired\",outcome=\"no_worker\",tenant=\"acme\"}",
+        "codex_fleet_thread_rehome_duration_seconds_count{tenant=\"acme\"}",
     ] {
         assert!(zero(series), "{series} missing:\n{text}");
     }

@@ -337,6 +337,9 @@ pub enum PoolEvent {
         worker: WorkerId,
         /// Like `exit status: 1` or `signal: 9 (SIGKILL)`.
         status: String,
+        /// Why it ended, as counted in `codex_fleet_worker_exits_total` (`Stopped` when the pool
+        /// itself is stopping).
+        reason: crate::metrics::ExitReason,
     },
 }
 

@@ -30,6 +30,10 @@ pub(super) enum Learn {
         thread: String,
         retry: Option<String>,
     },
+    /// `thread/unsubscribe`: the client no longer follows the thread.
+    Unsubscribe {
+        thread: String,
+    },
 }
 
 /// Where a request goes.
@@ -130,12 +134,20 @@ impl Session {
             Learn::NewThread => {
                 if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
                     table.learn(&thread, worker);
+                    self.follow(&thread, worker);
+                }
+                None
+            }
+            Learn::Unsubscribe { thread } => {
+                if answer.result.is_some() {
+                    self.unfollow(&thread);
                 }
                 None
             }
             Learn::Resume { thread, retry } => {
                 if answer.result.and_then(jsonrpc::thread_of_result).is_some() {
                     table.learn(&thread, worker);
+                    self.follow(&thread, worker);
                     return None;
                 }
                 let busy = answer

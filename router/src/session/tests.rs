@@ -9,10 +9,14 @@ fn server_request_ids_are_session_unique_and_mapped_back() {
     let mut s = ServerRequests::default();
     let w1 = WorkerId::new("t", 1, 1);
     let w2 = WorkerId::new("t", 2, 1);
-    let a = s.insert(w1, RequestId::Int(0));
-    let b = s.insert(w2, RequestId::Int(0));
+    let a = s.insert(w1, RequestId::Int(0), None);
+    let b = s.insert(w2, RequestId::Int(0), None);
     assert_ne!(a, b, "the same worker id on two workers must not collide");
-    assert_eq!(s.insert(w1, RequestId::Int(0)), a, "a replay keeps its id");
+    assert_eq!(
+        s.insert(w1, RequestId::Int(0), None),
+        a,
+        "a replay keeps its id"
+    );
     assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
     assert_eq!(
         s.take(b),
@@ -28,10 +32,27 @@ fn server_requests_stay_bounded() {
     let mut s = ServerRequests::default();
     let w = WorkerId::new("t", 1, 1);
     for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
-        s.insert(w, RequestId::Int(n));
+        s.insert(w, RequestId::Int(n), None);
     }
     assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
     assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
+}
+
+#[test]
+fn a_closed_leg_s_requests_come_back_with_their_threads_to_be_resolved() {
+    let mut s = ServerRequests::default();
+    let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
+    let a = s.insert(w1, RequestId::Int(0), Some("th-a".into()));
+    let _global = s.insert(w1, RequestId::Int(1), None);
+    let b = s.insert(w2, RequestId::Int(0), Some("th-b".into()));
+    assert_eq!(s.forget_worker(w1), vec![(a, "th-a".to_owned())]);
+    assert_eq!(s.by_session.len(), 1);
+    assert_eq!(s.threads.len(), 1);
+    assert_eq!(s.take(b), Some((w2, RequestId::Int(0))));
+    assert!(
+        s.threads.is_empty(),
+        "an answered request forgets its thread"
+    );
 }
 
 #[test]
@@ -172,7 +193,7 @@ fn server_request_ids_match_a_model_under_random_operations() {
         match rng.below(5) {
             0 | 1 => {
                 let id = RequestId::Int(rng.below(64) as i64);
-                let sid = s.insert(w, id.clone());
+                let sid = s.insert(w, id.clone(), None);
                 match model.iter().find(|(_, v)| **v == (w, id.clone())) {
                     Some((known, _)) => assert_eq!(*known, sid, "a replay keeps its id"),
                     None => {

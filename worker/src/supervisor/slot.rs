@@ -417,10 +417,12 @@ fn finish(
     if matches!(ended.reason, ExitReason::Idle | ExitReason::Memory) {
         return Some(retire_done(shared, index, ended, now));
     }
+    let mut reason = ended.reason;
     let next = shared.update(|state| {
         state.slots[index].live = None;
         state.publish_load();
         if state.stopping {
+            reason = ExitReason::Stopped;
             shared.metrics.exited(shared.tenant, ExitReason::Stopped);
             state.enter(index, WorkerState::Stopped);
             return None;
@@ -449,6 +451,7 @@ fn finish(
         shared.publish(PoolEvent::WorkerExited {
             worker: ended.id,
             status,
+            reason,
         });
     }
     next.map(|(_, wait)| now + wait)
@@ -468,6 +471,7 @@ fn retire_done(shared: &Shared, index: usize, ended: Ended, now: Instant) -> Ins
         shared.publish(PoolEvent::WorkerExited {
             worker: ended.id,
             status,
+            reason: ended.reason,
         });
     }
     now

@@ -108,7 +108,9 @@ pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) -> Duration
 pub async fn next_exit(events: &mut broadcast::Receiver<PoolEvent>, worker: WorkerId) -> String {
     loop {
         match events.recv().await.unwrap() {
-            PoolEvent::WorkerExited { worker: w, status } if w == worker => return status,
+            PoolEvent::WorkerExited {
+                worker: w, status, ..
+            } if w == worker => return status,
             _ => {}
         }
     }

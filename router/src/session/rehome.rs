@@ -1,0 +1,348 @@
+//! A session's side of re-homing (see [`crate::rehome`]): which threads this client follows and
+//! on which worker, the turn running on each, and what it does when the tenant orders a thread
+//! of a worker that ended moved.
+//!
+//! For each thread it follows on the worker that ended, the session ends the running turn the
+//! way app-server leaves such a turn (`interrupted`, with the reason), then resumes the thread
+//! on the tenant's chosen worker on its own leg with the router's own request id; the answer is
+//! not forwarded, and the new worker's restated `thread/status/changed` is held back until it
+//! arrives, so a client whose thread moved while idle sees nothing at all. Nothing is retried
+//! on the client's behalf. When no worker can take the thread, or the resume fails, the client
+//! gets what a single app-server's death would have meant for the thread: `systemError`, then
+//! `thread/closed`.
+
+use std::sync::Arc;
+
+use proto::event::Event;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use tokio::time::Instant;
+use worker::WorkerId;
+
+use super::{End, Session};
+use crate::jsonrpc::{self, Method, RequestId};
+use crate::rehome::{self, Cause, Outcome, Rehome, Subscription};
+
+/// Prefix of the ids of the router's own resumes on legs; their answers are swallowed.
+pub(super) const REHOME_ID_PREFIX: &str = "codex-fleet:rehome:";
+/// Notifications (besides `thread/status/changed`) a resume makes app-server send about the
+/// thread, to the resuming connection or to all.
+const MOVE_ECHOES: [&str; 2] = ["thread/goal/cleared", "thread/tokenUsage/updated"];
+
+/// A thread this session follows: where it is loaded, the turn running on it (the object its
+/// `turn/started` carried), and its place in the tenant's subscriber count.
+#[derive(Debug)]
+pub(super) struct Followed {
+    worker: WorkerId,
+    turn: Option<Value>,
+    _counted: Subscription,
+}
+
+/// A resume the router sent to move a followed thread.
+#[derive(Debug)]
+pub(super) struct Moving {
+    thread: Arc<str>,
+    to: WorkerId,
+    cause: Cause,
+    since: Instant,
+}
+
+/// The threads a session follows and the moves under way.
+#[derive(Debug, Default)]
+pub(super) struct Following {
+    threads: std::collections::HashMap<String, Followed>,
+    moving: std::collections::HashMap<RequestId, Moving>,
+    /// Threads just resumed by a move on a worker, whose replayed `thread/tokenUsage/updated`
+    /// (app-server restates the last usage to a connection that resumes) is still to come.
+    usage_replays: std::collections::HashSet<(String, WorkerId)>,
+    next: u64,
+}
+
+impl Following {
+    /// Whether `id` is one of the router's re-home resumes.
+    pub(super) fn is_own(id: &RequestId) -> bool {
+        matches!(id, RequestId::Str(s) if s.starts_with(REHOME_ID_PREFIX))
+    }
+
+    /// Whether `thread` is being moved to `worker` now (its restated status is held back).
+    fn moving_to(&self, thread: &str, worker: Option<WorkerId>) -> bool {
+        self.moving
+            .values()
+            .any(|m| &*m.thread == thread && worker.is_none_or(|w| w == m.to))
+    }
+}
+
+// === impl Session: re-homing ===
+
+impl Session {
+    /// The client now follows `thread` on `worker` (a `thread/start`, `thread/fork` or
+    /// `thread/resume` it sent was answered there).
+    pub(super) fn follow(&mut self, thread: &str, worker: WorkerId) {
+        match self.following.threads.get_mut(thread) {
+            Some(f) => f.worker = worker,
+            None => {
+                let counted = self.ctx.tenant.subscribers.subscribe(thread);
+                self.following.threads.insert(
+                    thread.to_owned(),
+                    Followed {
+                        worker,
+                        turn: None,
+                        _counted: counted,
+                    },
+                );
+            }
+        }
+    }
+
+    /// The client stopped following `thread` (`thread/unsubscribe` answered, or it closed).
+    pub(super) fn unfollow(&mut self, thread: &str) {
+        self.following.threads.remove(thread);
+    }
+
+    /// Tracks, from a worker's notification on a leg, the turn running on a followed thread and
+    /// threads that closed. Returns `true` when the frame must not reach the client: an echo of
+    /// a move (see [`Session::is_move_echo`]).
+    pub(super) fn follow_notification(
+        &mut self,
+        worker: WorkerId,
+        method: &Method<'_>,
+        params: Option<&RawValue>,
+    ) -> bool {
+        match method {
+            Method::TurnStarted | Method::TurnCompleted | Method::ThreadClosed => {
+                if !self.following.threads.is_empty() {
+                    self.follow_turn(worker, method, params);
+                }
+                false
+            }
+            Method::ThreadStatusChanged => self.is_move_echo(worker, method, params),
+            Method::Other(name) if MOVE_ECHOES.contains(&name.as_ref()) => {
+                self.is_move_echo(worker, method, params)
+            }
+            _ => false,
+        }
+    }
+
+    fn follow_turn(&mut self, worker: WorkerId, method: &Method<'_>, params: Option<&RawValue>) {
+        let Some(event) = Event::parse(method, params) else {
+            return;
+        };
+        let thread = event.thread().to_owned();
+        let Some(f) = self
+            .following
+            .threads
+            .get_mut(&thread)
+            .filter(|f| f.worker == worker)
+        else {
+            return;
+        };
+        match event {
+            Event::TurnStarted { .. } => {
+                f.turn = params
+                    .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
+                    .map(|mut p| p["turn"].take());
+                self.following.usage_replays.remove(&(thread, worker));
+            }
+            Event::TurnCompleted { .. } => f.turn = None,
+            Event::ThreadClosed { .. } => self.unfollow(&thread),
+            Event::ThreadStarted { .. } | Event::ThreadStatusChanged { .. } => {}
+        }
+    }
+
+    /// Whether a notification from `worker` is an echo of a move rather than news: anything
+    /// about a thread this session is moving there, the usage app-server replays to the
+    /// connection that resumed it, and while the tenant moves a thread, the restated idle status
+    /// and cleared goal the other sessions' resumes make the new worker broadcast.
+    fn is_move_echo(
+        &mut self,
+        worker: WorkerId,
+        method: &Method<'_>,
+        params: Option<&RawValue>,
+    ) -> bool {
+        let Some(thread) = jsonrpc::thread_id(params) else {
+            return false;
+        };
+        if self.following.moving_to(&thread, Some(worker)) {
+            return true;
+        }
+        if method == "thread/tokenUsage/updated" {
+            return self.following.usage_replays.remove(&(thread, worker));
+        }
+        let status = match Event::parse(method, params) {
+            Some(Event::ThreadStatusChanged { status, .. }) => Some(status.into_owned()),
+            _ => None,
+        };
+        rehome::is_move_echo(method.as_str(), status.as_deref())
+            && self.ctx.tenant.moves.quiet(&thread)
+    }
+
+    /// Whether a relayed broadcast (from `worker`'s control leg) is an echo of a move, held
+    /// back like the same frame on a leg.
+    pub(super) fn holds_back_relayed(&mut self, worker: WorkerId, text: &str) -> bool {
+        if !text.contains("thread/status/changed") && !text.contains("thread/goal/cleared") {
+            return false;
+        }
+        let Ok(jsonrpc::Message::Notification { method, params }) = jsonrpc::parse(text) else {
+            return false;
+        };
+        self.is_move_echo(worker, &method, params)
+    }
+
+    /// The tenant's order about a thread of a worker that ended.
+    pub(super) async fn on_rehome(&mut self, order: &Rehome) -> Result<(), End> {
+        let followed = self
+            .following
+            .threads
+            .get_mut(&*order.thread)
+            .filter(|f| f.worker == order.from);
+        let Some(followed) = followed else {
+            // Not following it: a moved thread never left; one that is gone is news, and so is
+            // the end of the turn it was running (this client saw it active).
+            if order.to.is_none() {
+                return self.thread_closed(&order.thread);
+            }
+            if order.was_active && self.init.as_ref().is_some_and(|i| i.answered) {
+                return self.to_client(rehome::thread_idle_frame(&order.thread));
+            }
+            return Ok(());
+        };
+        if let Some(turn) = followed.turn.take() {
+            let frames = rehome::turn_ended_frames(
+                &order.thread,
+                &turn,
+                order.cause.turn_message(),
+                rehome::now_ms(),
+            );
+            for frame in frames {
+                self.to_client(frame)?;
+            }
+        }
+        let Some(to) = order.to else {
+            self.moved(&order.thread, order.cause, Outcome::NoWorker, None);
+            self.unfollow(&order.thread);
+            return self.thread_closed(&order.thread);
+        };
+        match self.send_resume(order, to).await {
+            Ok(()) => Ok(()),
+            Err(why) => {
+                tracing::warn!(tenant = %self.ctx.tenant.id, thread = %order.thread, worker = %to, why,
+                    "cannot resume the thread of a worker that ended; closing it for this client");
+                self.moved(&order.thread, order.cause, Outcome::ResumeFailed, None);
+                self.unfollow(&order.thread);
+                self.thread_closed(&order.thread)
+            }
+        }
+    }
+
+    async fn send_resume(&mut self, order: &Rehome, to: WorkerId) -> Result<(), &'static str> {
+        if !self.legs.contains_key(&to) {
+            let handle = self
+                .ctx
+                .tenant
+                .pool
+                .get(to)
+                .ok_or("the chosen worker is gone")?;
+            self.open_leg(handle)
+                .await
+                .map_err(|_| "no leg to the chosen worker")?;
+        }
+        self.following.next += 1;
+        let id = RequestId::Str(format!("{REHOME_ID_PREFIX}{}", self.following.next));
+        // Without the history: the client has it, and asking for it draws a deprecation notice.
+        let params =
+            serde_json::json!({ "threadId": &*order.thread, "excludeTurns": true }).to_string();
+        let params = RawValue::from_string(params).map_err(|_| "unencodable thread id")?;
+        let request = jsonrpc::request(&id, Method::ThreadResume.as_str(), Some(&params));
+        self.following.moving.insert(
+            id.clone(),
+            Moving {
+                thread: order.thread.clone(),
+                to,
+                cause: order.cause,
+                since: order.since,
+            },
+        );
+        if !self.send_to_leg(to, request).await {
+            self.following.moving.remove(&id);
+            return Err("the leg to the chosen worker closed");
+        }
+        Ok(())
+    }
+
+    /// The answer to one of the router's re-home resumes (never forwarded).
+    pub(super) fn on_rehome_answer(
+        &mut self,
+        worker: WorkerId,
+        id: &RequestId,
+        ok: bool,
+        text: &str,
+    ) -> Result<(), End> {
+        let Some(moving) = self.following.moving.remove(id) else {
+            return Ok(());
+        };
+        if ok && worker == moving.to {
+            self.ctx.tenant.table.learn(&moving.thread, worker);
+            self.follow(&moving.thread, worker);
+            self.following
+                .usage_replays
+                .insert((moving.thread.to_string(), worker));
+            self.moved(
+                &moving.thread,
+                moving.cause,
+                Outcome::Rehomed,
+                Some(moving.since),
+            );
+            tracing::info!(tenant = %self.ctx.tenant.id, thread = %moving.thread, %worker,
+                cause = moving.cause.as_str(), "thread re-homed after its worker ended");
+            return Ok(());
+        }
+        tracing::warn!(tenant = %self.ctx.tenant.id, thread = %moving.thread, %worker, response = text,
+            "resume of the thread of a worker that ended failed; closing it for this client");
+        self.moved(&moving.thread, moving.cause, Outcome::ResumeFailed, None);
+        self.unfollow(&moving.thread);
+        self.thread_closed(&moving.thread)
+    }
+
+    /// The re-home resumes that were on a leg that closed: those threads are lost for this
+    /// client.
+    pub(super) fn moves_lost(&mut self, worker: WorkerId) -> Result<(), End> {
+        let lost: Vec<RequestId> = self
+            .following
+            .moving
+            .iter()
+            .filter(|(_, m)| m.to == worker)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lost {
+            self.on_rehome_answer(worker, &id, false, "leg closed")?;
+        }
+        Ok(())
+    }
+
+    fn thread_closed(&self, thread: &str) -> Result<(), End> {
+        if self.init.as_ref().is_none_or(|i| !i.answered) {
+            return Ok(());
+        }
+        for frame in rehome::thread_closed_frames(thread, "systemError") {
+            self.to_client(frame)?;
+        }
+        Ok(())
+    }
+
+    fn moved(&self, thread: &str, cause: Cause, outcome: Outcome, since: Option<Instant>) {
+        self.ctx.tenant.moves.settle(thread);
+        let tenant = self.ctx.tenant.id.as_str();
+        self.ctx
+            .metrics
+            .thread_rehomes
+            .with_label_values(&[tenant, cause.as_str(), outcome.as_str()])
+            .inc();
+        if let Some(since) = since {
+            self.ctx
+                .metrics
+                .rehome_seconds
+                .with_label_values(&[tenant])
+                .observe(since.elapsed().as_secs_f64());
+        }
+    }
+}
