@@ -1,0 +1,150 @@
+//! Issue 16 test 3: the real Codex TUI (`codex --remote`, driven in tmux) stays in its thread
+//! when the worker running its turn is killed, and its next prompt completes.
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use e2e::{wait_until, FleetBuilder};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::time::Instant;
+
+/// Fast fault detection: ping every second, one second to answer, quick restarts.
+const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+
+/// A tmux server of our own (`-L`), so nothing else on the machine is touched.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .context("tmux must be installed (ops/test.sh installs it)")?;
+        if !out.status.success() {
+            bail!("tmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "tui"])
+            .unwrap_or_default()
+    }
+
+    fn type_line(&self, text: &str) -> anyhow::Result<()> {
+        self.run(&["send-keys", "-t", "tui", "-l", text])?;
+        std::thread::sleep(Duration::from_millis(300));
+        self.run(&["send-keys", "-t", "tui", "Enter"])?;
+        Ok(())
+    }
+
+    async fn until_screen_has(&self, needle: &str, within: Duration) -> anyhow::Result<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let screen = self.screen();
+            if screen.contains(needle) {
+                return Ok(screen);
+            }
+            if Instant::now() >= deadline {
+                bail!("the TUI never showed {needle:?}; screen:\n{screen}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        .workers_toml(FAST)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || e2e::ready_workers(
+            &fleet, "acme"
+        ) == 2)
+        .await
+    );
+    let home = tempfile::tempdir()?;
+    let work = tempfile::tempdir()?;
+    let tmux = Tmux {
+        socket: format!("cf-tui-{}", std::process::id()),
+    };
+    let command = format!(
+        "cd {work} && SSL_CERT_FILE={ca} CODEX_HOME={home} FLEET_TOKEN={token} {codex} --remote {url} \
+         --remote-auth-token-env FLEET_TOKEN; echo TUI-EXITED $?; sleep 600",
+        work = work.path().display(),
+        ca = fleet.files.ca.display(),
+        home = home.path().display(),
+        token = fleet.files.token("acme"),
+        codex = e2e::codex_bin().display(),
+        url = fleet.url(),
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "tui",
+        "-x",
+        "160",
+        "-y",
+        "45",
+        &command,
+    ])?;
+    tmux.until_screen_has("Ask Codex to do anything", Duration::from_secs(60))
+        .await?;
+    tmux.type_line("SLOW30 a long turn")?;
+    // The worker running the turn.
+    let busy = || {
+        fleet
+            .tenant("acme")
+            .pool
+            .workers()
+            .into_iter()
+            .find(|w| w.active_turns > 0)
+            .and_then(|w| w.pid)
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || busy().is_some()).await,
+        "the turn runs on a worker"
+    );
+    tmux.until_screen_has("esc to interrupt", Duration::from_secs(30))
+        .await?;
+    let pid = busy().context("busy worker")?;
+    kill(Pid::from_raw(i32::try_from(pid)?), Signal::SIGKILL)?;
+    let screen = tmux
+        .until_screen_has("Conversation interrupted", Duration::from_secs(30))
+        .await?;
+    eprintln!("measured: the TUI right after its worker was killed mid-turn:\n{screen}");
+    assert!(
+        screen.contains("the worker running this turn ended unexpectedly"),
+        "{screen}"
+    );
+    assert!(!screen.contains("Disconnected"), "{screen}");
+    assert!(!screen.contains("TUI-EXITED"), "{screen}");
+    // The next prompt completes, in the same TUI, on the thread's new worker.
+    tmux.type_line("after the crash")?;
+    let screen = tmux
+        .until_screen_has(&e2e::reply_text("after the crash"), Duration::from_secs(60))
+        .await?;
+    assert!(!screen.contains("TUI-EXITED"), "{screen}");
+    assert!(
+        screen.contains("SLOW30 a long turn"),
+        "still the same thread: {screen}"
+    );
+    drop(tmux);
+    fleet.stop().await
+}
