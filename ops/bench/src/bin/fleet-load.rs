@@ -1,27 +1,29 @@
-//! `fleet-load`: starts the built `codex-fleet` with simulated workers (`codex-app-server-sim`),
-//! T tenants × W workers, runs S sessions of K turns each over wss, runs the same sessions
-//! directly against simulator sockets, and prints readiness time, throughput, latency through
-//! the fleet vs direct, and codex-fleet's memory. Loopback only; bounded in count and time.
+//! `fleet-load` (BENCHMARKS.md, bench 4): starts the built `codex-fleet` with simulated workers
+//! (`codex-app-server-sim`), T tenants × W workers, runs S sessions of K turns each over wss, runs
+//! the same sessions directly against simulator sockets, and prints readiness time, turns per
+//! second and latency through the fleet against direct, their ratio, and codex-fleet's CPU and
+//! memory. Loopback only; bounded in count and time.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use clap::Parser;
-use proto::client::Client;
-use proto::event::Event;
-use proto::initialize::InitializeParams;
-use proto::rpc::{Frame, Message as RpcMessage, ParseError, RequestId};
+use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
+use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
+use codex_fleet_bench::{cpu_secs, peak_rss_kib};
+use e2e::rss_kib;
 use proto::Method;
-use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
-use tokio::process::{Child, Command};
+use serde_json::json;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::{Connector, WebSocketStream};
+use tokio::time::Instant;
+
+/// The goal of issue 10: turns per second through the fleet at least this share of direct.
+const GOAL_RATIO: f64 = 0.7;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -70,19 +72,6 @@ struct Args {
     keep: bool,
 }
 
-fn beside_me(name: &str) -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().context("exe dir")?;
-    let p = dir.join(name);
-    if p.is_file() {
-        return Ok(p);
-    }
-    bail!(
-        "{} is missing: run `cargo build --bins` (or pass a path flag)",
-        p.display()
-    )
-}
-
 struct Samples(Vec<Duration>);
 
 impl Samples {
@@ -99,86 +88,6 @@ impl Samples {
 
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
-}
-
-/// The protocol core's JSON-RPC client over any WebSocket stream (wss to the fleet, ws over a
-/// unix socket to a simulator), so both paths are measured with the same code.
-struct Rpc<S> {
-    client: Client<WebSocketStream<S>>,
-}
-
-/// Answers every server request "accept".
-fn accept_server_request(_text: &str, m: &RpcMessage<'_>) -> Option<String> {
-    match m {
-        RpcMessage::Request { id, .. } => {
-            Some(json!({"id": id, "result": {"decision": "accept"}}).to_string())
-        }
-        _ => None,
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
-    fn new(ws: WebSocketStream<S>) -> Self {
-        Rpc {
-            client: Client::new(ws),
-        }
-    }
-
-    /// A request's result and its latency; notifications on the way are skipped, server
-    /// requests are answered "accept".
-    async fn call(
-        &mut self,
-        method: Method<'_>,
-        params: Value,
-    ) -> anyhow::Result<(Value, Duration)> {
-        let t0 = Instant::now();
-        let reply = self
-            .client
-            .call_with(&method, params, accept_server_request)
-            .await?;
-        let took = t0.elapsed();
-        Ok((reply.result()?, took))
-    }
-
-    async fn until_turn_completed(&mut self, thread: &str) -> anyhow::Result<usize> {
-        let mut deltas = 0;
-        loop {
-            let text = self.client.next_text().await?;
-            let frame = match Frame::parse(&text) {
-                Ok(frame) => frame,
-                Err(ParseError::NotJson(e)) => bail!("invalid JSON: {e}"),
-                Err(_) => continue,
-            };
-            if let Some(answer) = accept_server_request(&text, &frame.message) {
-                self.client.send_text(answer).await?;
-            }
-            let RpcMessage::Notification { method, params } = frame.message else {
-                continue;
-            };
-            if method == Method::AgentMessageDelta {
-                deltas += 1;
-            }
-            if let Some(Event::TurnCompleted { thread: done }) = Event::parse(&method, params) {
-                if done == thread {
-                    return Ok(deltas);
-                }
-            }
-        }
-    }
-
-    async fn initialize(&mut self) -> anyhow::Result<Duration> {
-        let t0 = Instant::now();
-        self.client
-            .call_id(
-                &RequestId::Str("initialize".into()),
-                &Method::Initialize,
-                InitializeParams::experimental("fleet-load", "0.0.1"),
-                |_, _| None,
-            )
-            .await?;
-        self.client.notify(&Method::Initialized).await?;
-        Ok(t0.elapsed())
-    }
 }
 
 #[derive(Default)]
@@ -198,13 +107,9 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> anyhow::Result<SessionStats> {
     let mut stats = SessionStats::default();
     let r = async {
-        stats.latencies.push(rpc.initialize().await?);
-        let (started, took) = rpc.call(Method::ThreadStart, json!({})).await?;
+        stats.latencies.push(rpc.initialize("fleet-load").await?);
+        let (thread, took) = rpc.start_thread().await?;
         stats.latencies.push(took);
-        let thread = started["thread"]["id"]
-            .as_str()
-            .context("thread id")?
-            .to_owned();
         anyhow::Ok(thread)
     }
     .await;
@@ -213,14 +118,14 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
     let _ = go.wait_for(|g| *g).await;
     for k in 0..args.turns {
         let t0 = Instant::now();
-        let (_, took) = rpc
-            .call(
-                Method::TurnStart,
-                json!({"threadId": thread, "input": [{"type": "text", "text": format!("load turn {k}"), "text_elements": []}]}),
-            )
-            .await?;
+        let took = rpc.start_turn(&thread, &format!("load turn {k}")).await?;
         stats.latencies.push(took);
-        stats.deltas += rpc.until_turn_completed(&thread).await?;
+        rpc.until_turn_completed(&thread, |m| {
+            if *m == Method::AgentMessageDelta {
+                stats.deltas += 1;
+            }
+        })
+        .await?;
         stats.turn_latencies.push(t0.elapsed());
         stats.turns += 1;
         for _ in 0..args.reads {
@@ -243,8 +148,8 @@ struct PhaseResult {
     turn_wall: Duration,
     latencies: Samples,
     turn_latencies: Samples,
-    /// What `at_barrier` sampled: codex-fleet (VmRSS KiB, CPU ticks) with every session open.
-    at_barrier: Option<(u64, u64)>,
+    /// What `at_barrier` sampled: codex-fleet (VmRSS KiB, CPU seconds) with every session open.
+    at_barrier: Option<(u64, f64)>,
 }
 
 /// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
@@ -252,7 +157,7 @@ struct PhaseResult {
 async fn phase<S, F, Fut>(
     args: &Args,
     connect: F,
-    at_barrier: impl FnOnce() -> Option<(u64, u64)>,
+    at_barrier: impl FnOnce() -> Option<(u64, f64)>,
 ) -> anyhow::Result<PhaseResult>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -314,54 +219,18 @@ where
     Ok(res)
 }
 
-fn proc_status_kb(pid: u32, key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find(|l| l.starts_with(key))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
-
-/// utime + stime of a process, in clock ticks (100 per second on Linux).
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = s.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the name: state is field 3; utime and stime are fields 14 and 15.
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
 fn mib(kb: u64) -> String {
     format!("{:.1} MiB", kb as f64 / 1024.0)
 }
 
-async fn admin_ready_count(admin: std::net::SocketAddr) -> anyhow::Result<(usize, usize)> {
-    let (_, body) = e2e::http_get(admin, "/readyz").await?;
-    let v: Value = serde_json::from_str(&body)?;
-    let mut ready = 0;
-    let mut total = 0;
-    for t in v["tenants"].as_array().into_iter().flatten() {
-        for w in t["workers"].as_array().into_iter().flatten() {
-            total += 1;
-            if w["state"] == "ready" {
-                ready += 1;
-            }
-        }
-    }
-    Ok((ready, total))
-}
-
-fn raise_nofile() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-    }
+fn turns_per_sec(r: &PhaseResult) -> f64 {
+    r.turns as f64 / r.turn_wall.as_secs_f64().max(1e-9)
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    raise_nofile();
+    codex_fleet_bench::raise_nofile()?;
     let deadline = Duration::from_secs(args.timeout_secs);
     match tokio::time::timeout(deadline, run(args)).await {
         Ok(r) => r,
@@ -375,56 +244,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let fleet_bin = match &args.fleet_bin {
         Some(p) => p.clone(),
-        None => beside_me("codex-fleet")?,
+        None => codex_fleet_bench::fleet_bin()?,
     };
     let sim_bin = match &args.sim_bin {
         Some(p) => p.clone(),
-        None => beside_me("codex-app-server-sim")?,
+        None => codex_fleet_bench::sim_bin()?,
     };
-    router::tls::install_crypto_provider();
     // Short paths: socket paths must stay under ~100 bytes.
     let dir = tempfile::Builder::new().prefix("fl").tempdir_in("/tmp")?;
-    let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
-    let ca = dir.path().join("ca.pem");
-    let cert = dir.path().join("tls.crt");
-    let key = dir.path().join("tls.key");
-    std::fs::write(&ca, &pki.ca_pem)?;
-    std::fs::write(&cert, &pki.cert_pem)?;
-    router::dev::write_private(&key, &pki.key_pem)?;
-    let q = |s: &Path| serde_json::to_string(&s.display().to_string()).expect("string");
-    let total_workers = args.tenants * args.workers;
-    let big = 1_000_000;
-    let mut toml = format!(
-        "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = {cert}\ntls_key = {key}\n\n\
-         [admin]\naddr = \"127.0.0.1:0\"\n\n\
-         [workers]\ncommand = [{sim}, \"app-server\"]\nstate_dir = {state}\n\
-         config_overrides = [\"sim.turn_ms={turn_ms}\", \"sim.deltas={deltas}\"]\n\
-         per_tenant_uid = false\nmax_workers = {total_workers}\nready_timeout_secs = 60\n\
-         stop_grace_secs = 5\n\n\
-         [drain]\nsettle_secs = 0\n\n\
-         [limits]\nhandshakes_per_sec_per_ip = {big}\nhandshake_burst = {big}\n\
-         max_connections = {big}\nmax_connections_per_tenant = {big}\n\
-         tenant_rps = {big}\ntenant_burst = {big}\nconn_fps = {big}\nconn_burst = {big}\n\
-         turn_start_per_min = {big}\nturn_start_burst = {big}\nmax_active_turns_per_tenant = {big}\n\n",
-        cert = q(&cert),
-        key = q(&key),
-        sim = q(&sim_bin),
-        state = q(&dir.path().join("s")),
-        turn_ms = args.turn_ms,
-        deltas = args.deltas,
-    );
-    let mut tokens = Vec::new();
-    for t in 0..args.tenants {
-        let token = router::dev::random_token();
-        toml.push_str(&format!(
-            "[[tenants]]\nid = \"t{t}\"\ntoken_sha256 = [\"{}\"]\nmin_workers = {w}\nmax_workers = {w}\n\n",
-            router::auth::token_digest_hex(&token),
-            w = args.workers
-        ));
-        tokens.push(token);
-    }
-    let config = dir.path().join("config.toml");
-    router::dev::write_private(&config, &toml)?;
+    let script = Script {
+        turn_ms: args.turn_ms,
+        deltas: args.deltas,
+    };
+    let spec = SimFleet {
+        tenants: args.tenants,
+        workers: args.workers,
+        script,
+        sim_bin: sim_bin.clone(),
+    };
+    let total_workers = spec.total_workers();
+    let files = spec.write(dir.path())?;
 
     println!(
         "fleet-load: {} tenants × {} simulated workers = {total_workers} workers, {} sessions × {} turns ({} ms, {} deltas), {} thread/read per turn",
@@ -437,70 +276,29 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
 
     // --- start codex-fleet ---
-    let log = std::fs::File::create(dir.path().join("fleet.log"))?;
+    let log_path = dir.path().join("fleet.log");
+    let log = std::fs::File::create(&log_path)?;
     let t_spawn = Instant::now();
-    let mut child: Child = Command::new(&fleet_bin)
-        .arg("serve")
-        .arg("--config")
-        .arg(&config)
-        .env("CODEX_FLEET_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(log))
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("spawning {}", fleet_bin.display()))?;
+    let (mut child, wss, admin) =
+        codex_fleet_bench::spawn_fleet_config(&fleet_bin, &files.config, "warn", Stdio::from(log))
+            .await
+            .with_context(|| format!("see {}", log_path.display()))?;
     let pid = child.id().context("fleet pid")?;
-    let stdout = child.stdout.take().context("stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .context("codex-fleet did not print its ports")??
-        .ok_or_else(|| {
-            anyhow!(
-                "codex-fleet exited; see {}",
-                dir.path().join("fleet.log").display()
-            )
-        })?;
-    // "codex-fleet listening on wss://ADDR/ admin http://ADDR/"
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let wss = words.get(3).context("wss addr")?.to_string();
-    let admin: std::net::SocketAddr = words
-        .get(5)
-        .and_then(|a| a.strip_prefix("http://"))
-        .and_then(|a| a.strip_suffix('/'))
-        .context("admin addr")?
-        .parse()?;
-    let port = wss
-        .trim_end_matches('/')
-        .rsplit(':')
-        .next()
-        .context("port")?
-        .to_owned();
-    let url = format!("wss://localhost:{port}/");
+    let url = format!("wss://localhost:{}/", wss.port());
     let listening_at = t_spawn.elapsed();
-    let rss_listening = proc_status_kb(pid, "VmRSS:");
-    let mut last = (0, 0);
-    let ready_at = loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            bail!(
-                "codex-fleet exited early ({status}); see {}",
-                dir.path().join("fleet.log").display()
-            );
-        }
-        if let Ok(c) = admin_ready_count(admin).await {
-            last = c;
-            if c.0 == total_workers {
-                break t_spawn.elapsed();
-            }
-        }
-        if t_spawn.elapsed() > Duration::from_secs(120) {
-            bail!("only {}/{} workers ready after 120 s", last.0, last.1);
-        }
-        tokio::time::sleep(Duration::from_millis(args.ready_poll_ms)).await;
-    };
+    let rss_listening = rss_kib(pid);
+    wait_workers_ready(
+        &mut child,
+        admin,
+        total_workers,
+        Duration::from_millis(args.ready_poll_ms),
+    )
+    .await
+    .with_context(|| format!("see {}", log_path.display()))?;
+    let ready_at = t_spawn.elapsed();
     // Let the pool settle (no starts in flight) before the idle sample.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let rss_ready = proc_status_kb(pid, "VmRSS:");
+    let rss_ready = rss_kib(pid);
     println!(
         "\ncodex-fleet printed its ports {} after spawn; all {total_workers} workers ready {} after spawn",
         ms(listening_at),
@@ -508,79 +306,32 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
 
     // --- phase 1: through codex-fleet ---
-    let tls = e2e::client_tls(&ca)?;
-    let tokens = Arc::new(tokens);
-    let ntenants = args.tenants;
+    let tls = e2e::client_tls(&files.ca)?;
+    let tokens = Arc::new(files.tokens);
     let fleet = phase(
         &args,
         |i| {
             let url = url.clone();
             let tls = tls.clone();
-            let token = tokens[i % ntenants].clone();
-            async move {
-                let mut req = url.into_client_request()?;
-                req.headers_mut()
-                    .insert("authorization", format!("Bearer {token}").parse()?);
-                let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(
-                    req,
-                    None,
-                    true,
-                    Some(Connector::Rustls(tls)),
-                )
-                .await?;
-                Ok(Rpc::new(ws))
-            }
+            let token = tokens[i % tokens.len()].clone();
+            async move { connect_wss(&url, tls, &token).await }
         },
-        || Some((proc_status_kb(pid, "VmRSS:")?, cpu_ticks(pid)?)),
+        || Some((rss_kib(pid)?, cpu_secs(pid)?)),
     )
     .await?;
-    let cpu_end = cpu_ticks(pid);
-    let rss_end = proc_status_kb(pid, "VmRSS:");
-    let hwm = proc_status_kb(pid, "VmHWM:");
+    let cpu_end = cpu_secs(pid);
+    let rss_end = rss_kib(pid);
+    let hwm = peak_rss_kib(pid);
 
     // --- phase 2: directly on simulator sockets ---
     let direct_n = args.direct_workers.clamp(1, total_workers);
-    let ddir = dir.path().join("d");
-    std::fs::create_dir_all(&ddir)?;
-    let mut sims = Vec::new();
-    let mut socks = Vec::new();
-    for i in 0..direct_n {
-        let sock = ddir.join(format!("{i}.sock"));
-        let home = ddir.join(format!("h{i}"));
-        std::fs::create_dir_all(&home)?;
-        sims.push(
-            Command::new(&sim_bin)
-                .arg("app-server")
-                .arg("--listen")
-                .arg(format!("unix://{}", sock.display()))
-                .args(["-c", &format!("sim.turn_ms={}", args.turn_ms)])
-                .args(["-c", &format!("sim.deltas={}", args.deltas)])
-                .env("CODEX_HOME", &home)
-                .stdin(Stdio::null())
-                .kill_on_drop(true)
-                .spawn()?,
-        );
-        socks.push(sock);
-    }
-    for s in &socks {
-        let t0 = Instant::now();
-        while tokio::net::UnixStream::connect(s).await.is_err() {
-            if t0.elapsed() > Duration::from_secs(10) {
-                bail!("simulator at {} did not start", s.display());
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
+    let (sims, socks) = start_sims(&sim_bin, &dir.path().join("d"), direct_n, script).await?;
     let socks = Arc::new(socks);
     let direct = phase(
         &args,
         |i| {
             let sock = socks[i % socks.len()].clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(&sock).await?;
-                let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
-                Ok(Rpc::new(ws))
-            }
+            async move { connect_unix(&sock).await }
         },
         || None,
     )
@@ -611,7 +362,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "  turns: {} in {:.2} s = {:.0} turns/s ({} deltas received)",
             r.turns,
             r.turn_wall.as_secs_f64(),
-            r.turns as f64 / r.turn_wall.as_secs_f64().max(1e-9),
+            turns_per_sec(r),
             r.deltas
         );
         println!(
@@ -632,16 +383,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
         &format!("direct on {direct_n} simulator sockets (ws over unix)"),
         &direct,
     );
-    let ratio = |p: f64| {
-        fleet.latencies.pct(p).as_secs_f64() / direct.latencies.pct(p).as_secs_f64().max(1e-9)
+    let through = turns_per_sec(&fleet) / turns_per_sec(&direct).max(1e-9);
+    println!(
+        "\nturns/s through/direct = {through:.2} (goal ≥ {GOAL_RATIO}: {})",
+        if through >= GOAL_RATIO {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    let ratio = |s: fn(&PhaseResult) -> &Samples, p: f64| {
+        s(&fleet).pct(p).as_secs_f64() / s(&direct).pct(p).as_secs_f64().max(1e-9)
     };
     println!(
-        "\nlatency ratio fleet/direct: p50 {:.1}×, p99 {:.1}×",
-        ratio(0.5),
-        ratio(0.99)
+        "latency ratio fleet/direct: requests p50 {:.1}×, p99 {:.1}×; turns p50 {:.1}×, p99 {:.1}×",
+        ratio(|r| &r.latencies, 0.5),
+        ratio(|r| &r.latencies, 0.99),
+        ratio(|r| &r.turn_latencies, 0.5),
+        ratio(|r| &r.turn_latencies, 0.99)
     );
     if let (Some((_, c0)), Some(c1)) = (fleet.at_barrier, cpu_end) {
-        let cpu = (c1.saturating_sub(c0)) as f64 / 100.0;
+        let cpu = c1 - c0;
         println!(
             "codex-fleet CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
             fleet.turn_wall.as_secs_f64(),
@@ -677,7 +439,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Ok(Err(e)) => println!("\ncodex-fleet wait failed: {e}"),
         Err(_) => {
             println!("\ncodex-fleet did not exit within 30 s of SIGTERM; killing it");
-            let _ = child.kill().await;
+            child.kill().await?;
         }
     }
     if args.keep {
