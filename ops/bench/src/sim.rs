@@ -71,7 +71,7 @@ impl SimFleet {
         let key = dir.join("tls.key");
         std::fs::write(&ca, &pki.ca_pem)?;
         std::fs::write(&cert, &pki.cert_pem)?;
-        router::dev::write_private(&key, &pki.key_pem)?;
+        router::fsutil::write_private(&key, &pki.key_pem)?;
         let q = |s: &Path| serde_json::to_string(&s.display().to_string()).expect("string");
         let [turn_ms, deltas] = self.script.overrides();
         let big = 1_000_000;
@@ -104,7 +104,7 @@ impl SimFleet {
             tokens.push(token);
         }
         let config = dir.join("config.toml");
-        router::dev::write_private(&config, &toml)?;
+        router::fsutil::write_private(&config, &toml)?;
         Ok(SimFleetFiles { config, ca, tokens })
     }
 }

@@ -19,7 +19,7 @@
 //! Magic words in a turn's user text: `RUNSHELL` (command approval server request, answered
 //! before the reply), `CRASH` (abort at turn start), `STALL` (SIGSTOP at turn start), `SLOW`
 //! (the turn takes 10× `sim.turn_ms`), `MANY<n>` (a reply of n 72-character words, room for
-//! that many more deltas). The reply text is `router::mock_model::reply_text`.
+//! that many more deltas). The reply text is `mock_model::reply_text`.
 //!
 //! Faithful subset (facts §1–§5, §11): one JSON-RPC message per text frame; invalid JSON is
 //! ignored; `-32600` for unknown methods, missing params, "Not initialized", "Already
@@ -814,7 +814,7 @@ async fn run_turn(
     if text.contains("RUNSHELL") {
         interrupted = approval(&sim, &thread, &turn, &mut stop).await;
     }
-    let reply = router::mock_model::reply_text(&text);
+    let reply = mock_model::reply_text(&text);
     let item_id = uuid_v7();
     let mut turn_ms = sim.settings.turn_ms;
     if text.contains("SLOW") {
