@@ -37,6 +37,31 @@ pub fn sim_bin() -> anyhow::Result<PathBuf> {
     built_bin("codex-app-server-sim", "CODEX_SIM_BIN")
 }
 
+/// The `--fleet-bin` and `--sim-bin` flags of the tools that run codex-fleet on simulators.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Binaries {
+    /// codex-fleet binary (default: beside this tool).
+    #[arg(long, env = "CODEX_FLEET_BIN")]
+    fleet_bin: Option<PathBuf>,
+    /// Simulator binary (default: beside this tool).
+    #[arg(long, env = "CODEX_SIM_BIN")]
+    sim_bin: Option<PathBuf>,
+}
+
+// === impl Binaries ===
+
+impl Binaries {
+    /// The codex-fleet binary: the flag's, or [`fleet_bin`].
+    pub fn fleet(&self) -> anyhow::Result<PathBuf> {
+        self.fleet_bin.clone().map_or_else(fleet_bin, Ok)
+    }
+
+    /// The simulator binary: the flag's, or [`sim_bin`].
+    pub fn sim(&self) -> anyhow::Result<PathBuf> {
+        self.sim_bin.clone().map_or_else(sim_bin, Ok)
+    }
+}
+
 /// `codex-fleet serve` on `files`, quiet, killed on drop; with its wss and admin addresses.
 pub async fn spawn_fleet(files: &FleetFiles) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
     spawn_fleet_config(&fleet_bin()?, &files.config, "error", Stdio::inherit()).await

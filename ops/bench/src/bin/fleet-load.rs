@@ -4,7 +4,6 @@
 //! second and latency through the fleet against direct, their ratio, and codex-fleet's CPU and
 //! memory. Loopback only; bounded in count and time.
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -14,7 +13,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
-use codex_fleet_bench::{cpu_secs, peak_rss_kib};
+use codex_fleet_bench::{cpu_secs, peak_rss_kib, Binaries};
 use e2e::rss_kib;
 use proto::Method;
 use serde_json::json;
@@ -55,12 +54,8 @@ struct Args {
     /// Simulator processes for the direct baseline (capped by tenants × workers).
     #[arg(long, default_value_t = 16)]
     direct_workers: usize,
-    /// codex-fleet binary (default: target/{release,debug}/codex-fleet beside this tool).
-    #[arg(long, env = "CODEX_FLEET_BIN")]
-    fleet_bin: Option<PathBuf>,
-    /// Simulator binary (default: beside this tool).
-    #[arg(long, env = "CODEX_SIM_BIN")]
-    sim_bin: Option<PathBuf>,
+    #[command(flatten)]
+    bins: Binaries,
     /// Give up after this long in total.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
@@ -242,14 +237,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if args.tenants == 0 || args.workers == 0 || args.sessions == 0 {
         bail!("tenants, workers and sessions must be at least 1");
     }
-    let fleet_bin = match &args.fleet_bin {
-        Some(p) => p.clone(),
-        None => codex_fleet_bench::fleet_bin()?,
-    };
-    let sim_bin = match &args.sim_bin {
-        Some(p) => p.clone(),
-        None => codex_fleet_bench::sim_bin()?,
-    };
+    let fleet_bin = args.bins.fleet()?;
+    let sim_bin = args.bins.sim()?;
     // Short paths: socket paths must stay under ~100 bytes.
     let dir = tempfile::Builder::new().prefix("fl").tempdir_in("/tmp")?;
     let script = Script {

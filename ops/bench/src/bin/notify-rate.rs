@@ -9,7 +9,6 @@
 //! Needs a built `codex-fleet` and `codex-app-server-sim` (beside this binary, or
 //! `CODEX_FLEET_BIN` / `CODEX_SIM_BIN`).
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,6 +18,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
+use codex_fleet_bench::Binaries;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -51,12 +51,8 @@ struct Args {
     /// n × 72 / deltas characters: 15 by default, a few tokens as a model streams them).
     #[arg(long, default_value_t = 200)]
     words: usize,
-    /// codex-fleet binary (default: beside this tool).
-    #[arg(long, env = "CODEX_FLEET_BIN")]
-    fleet_bin: Option<PathBuf>,
-    /// Simulator binary (default: beside this tool).
-    #[arg(long, env = "CODEX_SIM_BIN")]
-    sim_bin: Option<PathBuf>,
+    #[command(flatten)]
+    bins: Binaries,
 }
 
 /// One phase's counts over its window.
@@ -190,14 +186,8 @@ async fn main() -> anyhow::Result<()> {
     if args.sessions == 0 || args.workers == 0 || args.deltas == 0 {
         bail!("sessions, workers and deltas must be at least 1");
     }
-    let fleet_bin = match &args.fleet_bin {
-        Some(p) => p.clone(),
-        None => codex_fleet_bench::fleet_bin()?,
-    };
-    let sim_bin = match &args.sim_bin {
-        Some(p) => p.clone(),
-        None => codex_fleet_bench::sim_bin()?,
-    };
+    let fleet_bin = args.bins.fleet()?;
+    let sim_bin = args.bins.sim()?;
     // As fast as the simulator can: no pause between deltas.
     let script = Script {
         turn_ms: 0,
