@@ -60,7 +60,8 @@ struct Window {
     notifications: u64,
     deltas: u64,
     turns: u64,
-    fewest_deltas: u64,
+    /// None when no turn completed.
+    fewest_deltas: Option<u64>,
     wall: Duration,
 }
 
@@ -159,7 +160,8 @@ where
                 notifications: n1 - n0,
                 deltas: d1 - d0,
                 turns: t1 - t0,
-                fewest_deltas: counters.fewest.load(Ordering::Relaxed),
+                fewest_deltas: Some(counters.fewest.load(Ordering::Relaxed))
+                    .filter(|&n| n != u64::MAX),
                 wall,
             },
             cpu,
@@ -260,7 +262,8 @@ async fn main() -> anyhow::Result<()> {
             w.notifications,
             w.deltas,
             w.turns,
-            w.fewest_deltas,
+            w.fewest_deltas
+                .map_or_else(|| "-".to_owned(), |n| n.to_string()),
             w.wall.as_secs_f64(),
             w.per_sec()
         );
