@@ -11,6 +11,8 @@ echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo build --locked --bins
+# Every benchmark at a tiny size on the debug build just made: each must run and print its numbers.
+bash ops/bench/smoke.sh
 cargo test --locked --workspace --exclude e2e
 # End-to-end tests one at a time: several of them measure latency or timing against a baseline
 # taken in the same test, which other tests' real workers running at once would distort.

@@ -2,9 +2,7 @@
 //! certificate, one tenant with a fresh token, and the offline mock model when no credentials exist.
 
 use std::fs;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -15,6 +13,7 @@ use rcgen::{
 };
 
 use crate::auth::token_digest_hex;
+use crate::fsutil::{private_dir, write_private};
 
 /// PEM material of a private CA and a server certificate it signed.
 pub struct Pki {
@@ -59,25 +58,6 @@ pub fn random_token() -> String {
     let mut bytes = [0u8; 32];
     rand::rng().fill_bytes(&mut bytes);
     hex::encode(bytes)
-}
-
-/// Writes a file readable only by its owner.
-pub fn write_private(path: &Path, contents: &str) -> std::io::Result<()> {
-    let mut f = fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(contents.as_bytes())
-}
-
-/// Creates a directory (and parents) with mode 0700.
-pub fn private_dir(path: &Path) -> std::io::Result<()> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
 }
 
 /// What `dev` prepared on disk.

@@ -17,7 +17,7 @@ use std::path::Path;
 use anyhow::Context;
 
 use crate::config::Config;
-use crate::dev::write_private;
+use crate::fsutil::write_private;
 
 /// The file that remembers allocated uids.
 pub const UID_FILE: &str = "tenant-uids";

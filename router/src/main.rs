@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use mock_model::MockModel;
 use prometheus::Registry;
 use router::config::Config;
 use router::dev::{self, DevOptions};
-use router::mock_model::MockModel;
 use router::Server;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};

@@ -14,7 +14,7 @@ use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, Sizes, WorkerId, Wo
 
 use crate::auth::TokenTable;
 use crate::config::{self, Config};
-use crate::dev::private_dir;
+use crate::fsutil::private_dir;
 use crate::policy::{HostAccessPolicy, TenantRoots};
 use crate::rehome::{self, Cause, Moves, Rehome, Subscribers};
 use crate::route::ThreadTable;

@@ -15,7 +15,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 
-pub use router::mock_model::{reply_text, MockModel};
+pub use mock_model::{reply_text, MockModel};
 
 /// How long a test waits for any one expected message.
 pub const STEP: Duration = Duration::from_secs(30);
@@ -215,7 +215,7 @@ impl FleetBuilder {
         let key = dir.path().join("tls.key");
         std::fs::write(&ca, &pki.ca_pem)?;
         std::fs::write(&cert, &pki.cert_pem)?;
-        router::dev::write_private(&key, &pki.key_pem)?;
+        router::fsutil::write_private(&key, &pki.key_pem)?;
         let mock = MockModel::start(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let q = |s: &str| serde_json::to_string(s).expect("string");
         let overrides: Vec<String> = mock.codex_config_overrides().iter().map(|o| q(o)).collect();
@@ -249,7 +249,7 @@ impl FleetBuilder {
             ));
         }
         let config = dir.path().join("config.toml");
-        router::dev::write_private(&config, &toml)?;
+        router::fsutil::write_private(&config, &toml)?;
         Ok(FleetFiles {
             dir,
             ca,

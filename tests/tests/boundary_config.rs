@@ -207,7 +207,7 @@ async fn a_uid_another_tenant_remembers_is_refused_at_start_up() -> anyhow::Resu
     // codex-fleet allocated 431300 to "a" in an earlier run.
     let state = files.dir.path().join("s");
     std::fs::create_dir_all(&state)?;
-    router::dev::write_private(&state.join("tenant-uids"), "a 431300\n")?;
+    router::fsutil::write_private(&state.join("tenant-uids"), "a 431300\n")?;
     refused_at_start_up(&files.config, "uid 431300 is tenant \"a\"'s").await?;
     // Nothing was rewritten: "a" keeps its uid.
     assert_eq!(

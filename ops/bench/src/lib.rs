@@ -1,38 +1,121 @@
-//! What every bench tool shares: finding the built `codex-fleet` and running it as a process.
+//! What every bench tool shares: finding the built binaries, running `codex-fleet` as a process,
+//! reading a process's CPU time and memory, the sessions' client and the simulated fleet.
+
+pub mod rpc;
+pub mod sim;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use e2e::FleetFiles;
 use tokio::process::{Child, Command};
 
-/// `CODEX_FLEET_BIN`, or the `codex-fleet` built beside the running bench binary.
-pub fn fleet_bin() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("CODEX_FLEET_BIN") {
+/// The binary `name` built beside the running bench binary, or the path in `env` when set.
+pub fn built_bin(name: &str, env: &str) -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
         return Ok(PathBuf::from(p));
     }
-    let candidate = std::env::current_exe()?.with_file_name("codex-fleet");
+    let candidate = std::env::current_exe()?.with_file_name(name);
     if !candidate.is_file() {
         bail!(
-            "{} is missing: build it first (cargo build --release --bins)",
+            "{} is missing: build it first (cargo build --release --bins), or set {env}",
             candidate.display()
         );
     }
     Ok(candidate)
 }
 
+/// `CODEX_FLEET_BIN`, or the `codex-fleet` built beside the running bench binary.
+pub fn fleet_bin() -> anyhow::Result<PathBuf> {
+    built_bin("codex-fleet", "CODEX_FLEET_BIN")
+}
+
+/// `CODEX_SIM_BIN`, or the `codex-app-server-sim` built beside the running bench binary.
+pub fn sim_bin() -> anyhow::Result<PathBuf> {
+    built_bin("codex-app-server-sim", "CODEX_SIM_BIN")
+}
+
+/// The `--fleet-bin` and `--sim-bin` flags of the tools that run codex-fleet on simulators.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Binaries {
+    /// codex-fleet binary (default: beside this tool).
+    #[arg(long, env = "CODEX_FLEET_BIN")]
+    fleet_bin: Option<PathBuf>,
+    /// Simulator binary (default: beside this tool).
+    #[arg(long, env = "CODEX_SIM_BIN")]
+    sim_bin: Option<PathBuf>,
+}
+
+// === impl Binaries ===
+
+impl Binaries {
+    /// The codex-fleet binary: the flag's, or [`fleet_bin`].
+    pub fn fleet(&self) -> anyhow::Result<PathBuf> {
+        self.fleet_bin.clone().map_or_else(fleet_bin, Ok)
+    }
+
+    /// The simulator binary: the flag's, or [`sim_bin`].
+    pub fn sim(&self) -> anyhow::Result<PathBuf> {
+        self.sim_bin.clone().map_or_else(sim_bin, Ok)
+    }
+}
+
 /// `codex-fleet serve` on `files`, quiet, killed on drop; with its wss and admin addresses.
 pub async fn spawn_fleet(files: &FleetFiles) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
-    let mut child = Command::new(fleet_bin()?)
+    spawn_fleet_config(&fleet_bin()?, &files.config, "error", Stdio::inherit()).await
+}
+
+/// `bin serve --config config` at log level `log` with its stderr to `stderr`, killed on drop;
+/// with its wss and admin addresses.
+pub async fn spawn_fleet_config(
+    bin: &Path,
+    config: &Path,
+    log: &str,
+    stderr: Stdio,
+) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
+    let mut child = Command::new(bin)
         .args(["serve", "--config"])
-        .arg(&files.config)
-        .env("CODEX_FLEET_LOG", "error")
+        .arg(config)
+        .env("CODEX_FLEET_LOG", log)
         .stdout(Stdio::piped())
+        .stderr(stderr)
         .stdin(Stdio::null())
         .kill_on_drop(true)
-        .spawn()?;
+        .spawn()
+        .with_context(|| format!("spawning {}", bin.display()))?;
     let (wss, admin) = e2e::read_addresses(&mut child).await?;
     Ok((child, wss, admin))
+}
+
+/// CPU time (utime + stime) a process has used so far, in seconds (`/proc/<pid>/stat`; clock
+/// ticks, so 10 ms steps).
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state is field 3; utime and stime are fields 14 and 15.
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()?;
+    Some(ticks as f64 / per_sec as f64)
+}
+
+/// Peak resident memory of a process in KiB (`VmHWM`; `e2e::rss_kib` reads the current one).
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Raises this process's open-files limit to the hard limit; the hard limit.
+pub fn raise_nofile() -> anyhow::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    Ok(hard)
 }

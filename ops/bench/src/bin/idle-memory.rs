@@ -34,8 +34,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let most = args.connections.iter().copied().max().unwrap_or(0);
     // This process holds every client socket.
-    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)?;
-    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard)?;
+    let hard = codex_fleet_bench::raise_nofile()?;
     if (most as u64) + 256 > hard {
         bail!("{most} connections need more open files than the hard limit {hard}");
     }

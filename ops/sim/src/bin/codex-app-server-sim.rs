@@ -8,8 +8,8 @@
 //!
 //! | key | default | effect |
 //! |---|---|---|
-//! | `sim.turn_ms` | 20 | duration of a turn (deltas are spread over it) |
-//! | `sim.deltas` | 4 | `item/agentMessage/delta` notifications per turn |
+//! | `sim.turn_ms` | 20 | duration of a turn (deltas are spread over it; 0: as fast as it can) |
+//! | `sim.deltas` | 4 | `item/agentMessage/delta` notifications per turn (at most one per character of the reply) |
 //! | `sim.request_ms` | 0 | time the single request processor spends on each request |
 //! | `sim.start_delay_ms` | 0 | delay before the socket is bound (slow start) |
 //! | `sim.fail_start` | 0 | 1: exit 1 at once (a command that cannot start) |
@@ -18,7 +18,8 @@
 //!
 //! Magic words in a turn's user text: `RUNSHELL` (command approval server request, answered
 //! before the reply), `CRASH` (abort at turn start), `STALL` (SIGSTOP at turn start), `SLOW`
-//! (the turn takes 10× `sim.turn_ms`). The reply text is `router::mock_model::reply_text`.
+//! (the turn takes 10× `sim.turn_ms`), `MANY<n>` (a reply of n 72-character words, room for
+//! that many more deltas). The reply text is `mock_model::reply_text`.
 //!
 //! Faithful subset (facts §1–§5, §11): one JSON-RPC message per text frame; invalid JSON is
 //! ignored; `-32600` for unknown methods, missing params, "Not initialized", "Already
@@ -813,7 +814,7 @@ async fn run_turn(
     if text.contains("RUNSHELL") {
         interrupted = approval(&sim, &thread, &turn, &mut stop).await;
     }
-    let reply = router::mock_model::reply_text(&text);
+    let reply = mock_model::reply_text(&text);
     let item_id = uuid_v7();
     let mut turn_ms = sim.settings.turn_ms;
     if text.contains("SLOW") {
@@ -829,11 +830,20 @@ async fn run_turn(
         let n = sim.settings.deltas.max(1) as usize;
         let chars: Vec<char> = reply.chars().collect();
         let chunk = chars.len().div_ceil(n).max(1);
-        let pause = Duration::from_millis(turn_ms / n as u64);
+        let pause = Duration::from_millis(turn_ms) / n as u32;
         for piece in chars.chunks(chunk) {
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = stop.wait_for(|s| *s) => { interrupted = true; break; }
+            if pause.is_zero() {
+                // As fast as it can: a timer would round every pause up to the next millisecond.
+                tokio::task::yield_now().await;
+                if *stop.borrow() {
+                    interrupted = true;
+                    break;
+                }
+            } else {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = stop.wait_for(|s| *s) => { interrupted = true; break; }
+                }
             }
             let delta: String = piece.iter().collect();
             sub(

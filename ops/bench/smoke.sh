@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Smoke run of the four benchmarks (BENCHMARKS.md) at a tiny size, a few seconds each: checks that
+# every tool runs to the end and prints its numbers, never the numbers themselves. Uses the debug
+# build that `ops/test.sh` has just made (`cargo build --bins`), since a release build would cost
+# CI minutes for numbers nobody reads; `BENCH_PROFILE=release` uses release binaries instead.
+# Needs CODEX_BIN (ops/test.sh exports it); bench 1 installs HAProxy from Debian when missing and
+# fails if it cannot.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+PROFILE="${BENCH_PROFILE:-debug}"
+BIN="target/$PROFILE"
+: "${CODEX_BIN:?CODEX_BIN must name the pinned codex binary (ops/install-codex.sh prints it)}"
+
+# run NAME PATTERN... -- COMMAND...: runs COMMAND, shows its output, and fails unless it exited 0
+# and printed a line matching every PATTERN.
+run() {
+    local name="$1"
+    shift
+    local patterns=()
+    while [ "$1" != "--" ]; do
+        patterns+=("$1")
+        shift
+    done
+    shift
+    local out started=$SECONDS
+    echo "== bench smoke: $name"
+    if ! out="$("$@" 2>&1)"; then
+        printf '%s\n' "$out"
+        echo "bench smoke: $name failed" >&2
+        exit 1
+    fi
+    printf '%s\n' "$out"
+    for p in "${patterns[@]}"; do
+        if ! grep -Eq -- "$p" <<<"$out"; then
+            echo "bench smoke: $name printed no line matching /$p/" >&2
+            exit 1
+        fi
+    done
+    echo "== bench smoke: $name ok ($((SECONDS - started)) s)"
+}
+
+run "1 added latency (ops/bench/latency.sh)" \
+    'added by codex-fleet: +-?[0-9]+' 'added by HAProxy: +-?[0-9]+' \
+    'HAProxy added median = (-?[0-9.]+|-?inf|NaN)' -- \
+    env BENCH_PROFILE="$PROFILE" bash ops/bench/latency.sh --rounds 20 --runs 1
+run "2 notify-rate" \
+    'through codex-fleet .* = [0-9]+ notifications/s' 'direct on .* = [0-9]+ notifications/s' \
+    'through/direct = [0-9.]+' 'CPU s per 100k notifications' -- \
+    "$BIN/notify-rate" --duration-secs 1 --warmup-secs 0.5 --sessions 2 --workers 1 --deltas 100 --words 20
+run "3 idle-memory" \
+    '50 idle authenticated connections .* KiB per connection' -- \
+    "$BIN/idle-memory" --connections 20,50
+run "4 fleet-load" \
+    'through codex-fleet .*: 4 sessions ok, 0 failed' 'turns/s through/direct = [0-9.]+' \
+    'request latency .* p50 .* p99' -- \
+    "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2

@@ -1,0 +1,442 @@
+//! `fleet-load` (BENCHMARKS.md, bench 4): starts the built `codex-fleet` with simulated workers
+//! (`codex-app-server-sim`), T tenants × W workers, runs S sessions of K turns each over wss, runs
+//! the same sessions directly against simulator sockets, and prints readiness time, turns per
+//! second and latency through the fleet against direct, their ratio, and codex-fleet's CPU and
+//! memory. Loopback only; bounded in count and time.
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
+use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
+use codex_fleet_bench::{cpu_secs, peak_rss_kib, Binaries};
+use e2e::rss_kib;
+use proto::Method;
+use serde_json::json;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The goal of issue 10: turns per second through the fleet at least this share of direct.
+const GOAL_RATIO: f64 = 0.7;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "fleet-load",
+    about = "Load test of codex-fleet with simulated app-server workers"
+)]
+struct Args {
+    /// Tenants.
+    #[arg(long, default_value_t = 50)]
+    tenants: usize,
+    /// Workers per tenant (min_workers = max_workers = this).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Client sessions (spread round-robin over tenants), all concurrent.
+    #[arg(long, default_value_t = 200)]
+    sessions: usize,
+    /// Turns per session.
+    #[arg(long, default_value_t = 5)]
+    turns: usize,
+    /// `thread/read` requests per turn (pure request/response latency samples).
+    #[arg(long, default_value_t = 2)]
+    reads: usize,
+    /// Simulated turn duration (sim.turn_ms).
+    #[arg(long, default_value_t = 20)]
+    turn_ms: u64,
+    /// Deltas per turn (sim.deltas).
+    #[arg(long, default_value_t = 8)]
+    deltas: u64,
+    /// Simulator processes for the direct baseline (capped by tenants × workers).
+    #[arg(long, default_value_t = 16)]
+    direct_workers: usize,
+    #[command(flatten)]
+    bins: Binaries,
+    /// Give up after this long in total.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+    /// How often `/readyz` is polled while workers start (each poll renders every worker).
+    #[arg(long, default_value_t = 50)]
+    ready_poll_ms: u64,
+    /// Keep the generated directory (config, logs) and print its path.
+    #[arg(long)]
+    keep: bool,
+}
+
+struct Samples(Vec<Duration>);
+
+impl Samples {
+    fn pct(&self, p: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        let mut v = self.0.clone();
+        v.sort();
+        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+        v[i]
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+#[derive(Default)]
+struct SessionStats {
+    latencies: Vec<Duration>,
+    turn_latencies: Vec<Duration>,
+    turns: usize,
+    deltas: usize,
+}
+
+/// One session: initialize, thread/start, wait at the barrier, then K × (turn, reads).
+async fn session<S: AsyncRead + AsyncWrite + Unpin>(
+    mut rpc: Rpc<S>,
+    args: &Args,
+    arrived: &AtomicUsize,
+    mut go: watch::Receiver<bool>,
+) -> anyhow::Result<SessionStats> {
+    let mut stats = SessionStats::default();
+    let r = async {
+        stats.latencies.push(rpc.initialize("fleet-load").await?);
+        let (thread, took) = rpc.start_thread().await?;
+        stats.latencies.push(took);
+        anyhow::Ok(thread)
+    }
+    .await;
+    arrived.fetch_add(1, Ordering::SeqCst);
+    let thread = r?;
+    let _ = go.wait_for(|g| *g).await;
+    for k in 0..args.turns {
+        let t0 = Instant::now();
+        let took = rpc.start_turn(&thread, &format!("load turn {k}")).await?;
+        stats.latencies.push(took);
+        rpc.until_turn_completed(&thread, |m| {
+            if *m == Method::AgentMessageDelta {
+                stats.deltas += 1;
+            }
+        })
+        .await?;
+        stats.turn_latencies.push(t0.elapsed());
+        stats.turns += 1;
+        for _ in 0..args.reads {
+            let (_, took) = rpc
+                .call(Method::ThreadRead, json!({"threadId": thread}))
+                .await?;
+            stats.latencies.push(took);
+        }
+    }
+    let _ = rpc.client.close().await;
+    Ok(stats)
+}
+
+struct PhaseResult {
+    ok: usize,
+    failed: usize,
+    first_error: Option<String>,
+    turns: usize,
+    deltas: usize,
+    turn_wall: Duration,
+    latencies: Samples,
+    turn_latencies: Samples,
+    /// What `at_barrier` sampled: codex-fleet (VmRSS KiB, CPU seconds) with every session open.
+    at_barrier: Option<(u64, f64)>,
+}
+
+/// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
+/// `at_barrier` ran) all run their turns at once.
+async fn phase<S, F, Fut>(
+    args: &Args,
+    connect: F,
+    at_barrier: impl FnOnce() -> Option<(u64, f64)>,
+) -> anyhow::Result<PhaseResult>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Rpc<S>>> + Send + 'static,
+{
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let (go_tx, go_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..args.sessions {
+        let fut = connect(i);
+        let arrived = arrived.clone();
+        let go = go_rx.clone();
+        let args = args.clone();
+        tasks.push(tokio::spawn(async move {
+            let rpc = match fut.await {
+                Ok(r) => r,
+                Err(e) => {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    return Err(e);
+                }
+            };
+            session(rpc, &args, &arrived, go).await
+        }));
+    }
+    while arrived.load(Ordering::SeqCst) < args.sessions {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let sampled = at_barrier();
+    let t0 = Instant::now();
+    let _ = go_tx.send(true);
+    let mut res = PhaseResult {
+        ok: 0,
+        failed: 0,
+        first_error: None,
+        turns: 0,
+        deltas: 0,
+        turn_wall: Duration::ZERO,
+        latencies: Samples(Vec::new()),
+        turn_latencies: Samples(Vec::new()),
+        at_barrier: sampled,
+    };
+    for t in tasks {
+        match t.await? {
+            Ok(s) => {
+                res.ok += 1;
+                res.turns += s.turns;
+                res.deltas += s.deltas;
+                res.latencies.0.extend(s.latencies);
+                res.turn_latencies.0.extend(s.turn_latencies);
+            }
+            Err(e) => {
+                res.failed += 1;
+                res.first_error.get_or_insert_with(|| format!("{e:#}"));
+            }
+        }
+    }
+    res.turn_wall = t0.elapsed();
+    Ok(res)
+}
+
+fn mib(kb: u64) -> String {
+    format!("{:.1} MiB", kb as f64 / 1024.0)
+}
+
+fn turns_per_sec(r: &PhaseResult) -> f64 {
+    r.turns as f64 / r.turn_wall.as_secs_f64().max(1e-9)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    codex_fleet_bench::raise_nofile()?;
+    let deadline = Duration::from_secs(args.timeout_secs);
+    match tokio::time::timeout(deadline, run(args)).await {
+        Ok(r) => r,
+        Err(_) => bail!("gave up after the time limit (--timeout-secs)"),
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    if args.tenants == 0 || args.workers == 0 || args.sessions == 0 {
+        bail!("tenants, workers and sessions must be at least 1");
+    }
+    let fleet_bin = args.bins.fleet()?;
+    let sim_bin = args.bins.sim()?;
+    // Short paths: socket paths must stay under ~100 bytes.
+    let dir = tempfile::Builder::new().prefix("fl").tempdir_in("/tmp")?;
+    let script = Script {
+        turn_ms: args.turn_ms,
+        deltas: args.deltas,
+    };
+    let spec = SimFleet {
+        tenants: args.tenants,
+        workers: args.workers,
+        script,
+        sim_bin: sim_bin.clone(),
+    };
+    let total_workers = spec.total_workers();
+    let files = spec.write(dir.path())?;
+
+    println!(
+        "fleet-load: {} tenants × {} simulated workers = {total_workers} workers, {} sessions × {} turns ({} ms, {} deltas), {} thread/read per turn",
+        args.tenants, args.workers, args.sessions, args.turns, args.turn_ms, args.deltas, args.reads
+    );
+    println!(
+        "  codex-fleet: {}\n  simulator:   {}",
+        fleet_bin.display(),
+        sim_bin.display()
+    );
+
+    // --- start codex-fleet ---
+    let log_path = dir.path().join("fleet.log");
+    let log = std::fs::File::create(&log_path)?;
+    let t_spawn = Instant::now();
+    let (mut child, wss, admin) =
+        codex_fleet_bench::spawn_fleet_config(&fleet_bin, &files.config, "warn", Stdio::from(log))
+            .await
+            .with_context(|| format!("see {}", log_path.display()))?;
+    let pid = child.id().context("fleet pid")?;
+    let url = format!("wss://localhost:{}/", wss.port());
+    let listening_at = t_spawn.elapsed();
+    let rss_listening = rss_kib(pid);
+    wait_workers_ready(
+        &mut child,
+        admin,
+        total_workers,
+        Duration::from_millis(args.ready_poll_ms),
+    )
+    .await
+    .with_context(|| format!("see {}", log_path.display()))?;
+    let ready_at = t_spawn.elapsed();
+    // Let the pool settle (no starts in flight) before the idle sample.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss_ready = rss_kib(pid);
+    println!(
+        "\ncodex-fleet printed its ports {} after spawn; all {total_workers} workers ready {} after spawn",
+        ms(listening_at),
+        ms(ready_at)
+    );
+
+    // --- phase 1: through codex-fleet ---
+    let tls = e2e::client_tls(&files.ca)?;
+    let tokens = Arc::new(files.tokens);
+    let fleet = phase(
+        &args,
+        |i| {
+            let url = url.clone();
+            let tls = tls.clone();
+            let token = tokens[i % tokens.len()].clone();
+            async move { connect_wss(&url, tls, &token).await }
+        },
+        || Some((rss_kib(pid)?, cpu_secs(pid)?)),
+    )
+    .await?;
+    let cpu_end = cpu_secs(pid);
+    let rss_end = rss_kib(pid);
+    let hwm = peak_rss_kib(pid);
+
+    // --- phase 2: directly on simulator sockets ---
+    let direct_n = args.direct_workers.clamp(1, total_workers);
+    let (sims, socks) = start_sims(&sim_bin, &dir.path().join("d"), direct_n, script).await?;
+    let socks = Arc::new(socks);
+    let direct = phase(
+        &args,
+        |i| {
+            let sock = socks[i % socks.len()].clone();
+            async move { connect_unix(&sock).await }
+        },
+        || None,
+    )
+    .await?;
+    drop(sims);
+
+    // --- stop codex-fleet ---
+    let t_term = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    let stop_took = t_term.elapsed();
+
+    // --- report ---
+    let report = |name: &str, r: &PhaseResult| {
+        println!(
+            "\n{name}: {} sessions ok, {} failed{}",
+            r.ok,
+            r.failed,
+            r.first_error
+                .as_ref()
+                .map(|e| format!(" (first error: {e})"))
+                .unwrap_or_default()
+        );
+        println!(
+            "  turns: {} in {:.2} s = {:.0} turns/s ({} deltas received)",
+            r.turns,
+            r.turn_wall.as_secs_f64(),
+            turns_per_sec(r),
+            r.deltas
+        );
+        println!(
+            "  request latency (initialize, thread/start, turn/start, thread/read; n={}): p50 {} p99 {}",
+            r.latencies.0.len(),
+            ms(r.latencies.pct(0.5)),
+            ms(r.latencies.pct(0.99))
+        );
+        println!(
+            "  turn latency (turn/start to turn/completed, sim.turn_ms={}): p50 {} p99 {}",
+            args.turn_ms,
+            ms(r.turn_latencies.pct(0.5)),
+            ms(r.turn_latencies.pct(0.99))
+        );
+    };
+    report("through codex-fleet (wss, TLS)", &fleet);
+    report(
+        &format!("direct on {direct_n} simulator sockets (ws over unix)"),
+        &direct,
+    );
+    let through = turns_per_sec(&fleet) / turns_per_sec(&direct).max(1e-9);
+    println!(
+        "\nturns/s through/direct = {through:.2} (goal ≥ {GOAL_RATIO}: {})",
+        if through >= GOAL_RATIO {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    let ratio = |s: fn(&PhaseResult) -> &Samples, p: f64| {
+        s(&fleet).pct(p).as_secs_f64() / s(&direct).pct(p).as_secs_f64().max(1e-9)
+    };
+    println!(
+        "latency ratio fleet/direct: requests p50 {:.1}×, p99 {:.1}×; turns p50 {:.1}×, p99 {:.1}×",
+        ratio(|r| &r.latencies, 0.5),
+        ratio(|r| &r.latencies, 0.99),
+        ratio(|r| &r.turn_latencies, 0.5),
+        ratio(|r| &r.turn_latencies, 0.99)
+    );
+    if let (Some((_, c0)), Some(c1)) = (fleet.at_barrier, cpu_end) {
+        let cpu = c1 - c0;
+        println!(
+            "codex-fleet CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
+            fleet.turn_wall.as_secs_f64(),
+            100.0 * cpu / fleet.turn_wall.as_secs_f64().max(1e-9),
+            1000.0 * cpu / (fleet.turns.max(1) as f64)
+        );
+    }
+    if let (Some(l), Some(r), Some((s, _)), Some(e), Some(h)) =
+        (rss_listening, rss_ready, fleet.at_barrier, rss_end, hwm)
+    {
+        println!("\ncodex-fleet memory (pid {pid}):");
+        println!(
+            "  VmRSS at first line {}, all workers ready {}, {} sessions open {}, end {}",
+            mib(l),
+            mib(r),
+            args.sessions,
+            mib(s),
+            mib(e)
+        );
+        println!("  VmHWM (peak) {}", mib(h));
+        println!(
+            "  estimate per worker: {:.1} KiB ((ready - first line) / {total_workers}; an upper bound if workers were already starting)",
+            r.saturating_sub(l) as f64 / total_workers as f64
+        );
+        println!(
+            "  estimate per session: {:.1} KiB ((sessions open - ready) / {}; client conn + TLS + worker leg)",
+            s.saturating_sub(r) as f64 / args.sessions as f64,
+            args.sessions
+        );
+    }
+    match status {
+        Ok(Ok(st)) => println!("\ncodex-fleet SIGTERM → exit in {} ({st})", ms(stop_took)),
+        Ok(Err(e)) => println!("\ncodex-fleet wait failed: {e}"),
+        Err(_) => {
+            println!("\ncodex-fleet did not exit within 30 s of SIGTERM; killing it");
+            child.kill().await?;
+        }
+    }
+    if args.keep {
+        let kept = dir.keep();
+        println!("kept {}", kept.display());
+    }
+    if fleet.failed > 0 || direct.failed > 0 {
+        bail!("some sessions failed");
+    }
+    Ok(())
+}
