@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
+# tests/tests/tui.rs drives the real Codex TUI in tmux.
+if ! command -v tmux >/dev/null; then
+  echo "installing tmux (Debian) for the TUI test"
+  apt-get install -y tmux >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y tmux >/dev/null; }
+fi
 echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
