@@ -33,6 +33,8 @@ pub struct Admin {
     pub tracker: TaskTracker,
     /// Warnings an operator should see in `/readyz` detail.
     pub warnings: Vec<String>,
+    /// The edge, when this process is one: `/readyz` says which nodes and tenants it reaches.
+    pub edge: Option<std::sync::Arc<crate::edge::Edge>>,
 }
 
 impl Admin {
@@ -130,14 +132,24 @@ impl Admin {
                 "no capacity: no tenant can get a worker (see tenants[].unavailable)".to_owned(),
             );
         }
-        let ready = !draining && !no_capacity;
-        let body = json!({
+        let mut ready = !draining && !no_capacity;
+        let mut body = json!({
             "ready": ready,
             "draining": draining,
             "reasons": reasons,
             "warnings": self.warnings,
             "tenants": tenants,
         });
+        if let Some(edge) = &self.edge {
+            let (reachable, detail) = edge.readiness();
+            if !reachable {
+                ready = false;
+                reasons.push("no node reachable (see edge.nodes)".to_owned());
+            }
+            body["ready"] = json!(ready);
+            body["reasons"] = json!(reasons);
+            body["edge"] = detail;
+        }
         let status = if ready {
             StatusCode::OK
         } else {

@@ -29,6 +29,68 @@ pub struct Config {
     /// The tenants; each has its own workers, home and tokens.
     #[serde(default)]
     pub tenants: Vec<Tenant>,
+    /// Node role (`codex-fleet node`): this process is the node named here and serves the
+    /// tenants assigned to it, to edges only.
+    #[serde(default)]
+    pub node: Option<NodeRole>,
+    /// Edge role (`codex-fleet serve` with this section): tenants live on nodes; this process
+    /// terminates TLS, authenticates and relays each session to its tenant's node.
+    #[serde(default)]
+    pub nodes: Option<Nodes>,
+}
+
+/// `[node]`: this process is a node.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRole {
+    /// This node's name; it serves the tenants whose `node` is this name.
+    pub name: String,
+    /// PEM CA bundle that edges' client certificates must chain to (mutual TLS on the link).
+    pub edge_ca: PathBuf,
+}
+
+/// `[nodes]`: where tenants live, for an edge.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Nodes {
+    /// How nodes are found: `static` (listed below, tenants assigned by `tenants[].node`).
+    pub backend: NodesBackend,
+    /// PEM CA bundle nodes' certificates must chain to.
+    pub ca: PathBuf,
+    /// PEM certificate this edge presents to nodes.
+    pub client_cert: PathBuf,
+    /// Its private key.
+    pub client_key: PathBuf,
+    /// Deadline for connecting a session's link (TCP, TLS, upgrade).
+    #[serde(default = "defaults::link_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// How often each node's reachability is probed (for `/readyz`).
+    #[serde(default = "defaults::probe_interval_secs")]
+    pub probe_interval_secs: u64,
+    /// The nodes (`static` backend).
+    #[serde(default, rename = "static")]
+    pub static_nodes: Vec<StaticNode>,
+}
+
+/// `nodes.backend`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodesBackend {
+    /// Nodes listed in `[[nodes.static]]`; each tenant names its node.
+    Static,
+}
+
+/// `[[nodes.static]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticNode {
+    /// The node's name (what `tenants[].node` refers to).
+    pub name: String,
+    /// Its link address, `host:port`.
+    pub addr: String,
+    /// The name its certificate is checked against; defaults to the host of `addr`.
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// `[listen]`
@@ -267,6 +329,10 @@ pub struct Tenant {
     /// Host-access policy for this tenant's clients (`[tenants.policy]`).
     #[serde(default)]
     pub policy: crate::policy::PolicyConfig,
+    /// The node this tenant lives on (edge and node roles; its CODEX_HOME is on that node's
+    /// disk, so the assignment is explicit).
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 mod defaults {
@@ -274,6 +340,12 @@ mod defaults {
 
     pub fn handshake_timeout_secs() -> u64 {
         10
+    }
+    pub fn link_connect_timeout_ms() -> u64 {
+        2000
+    }
+    pub fn probe_interval_secs() -> u64 {
+        2
     }
     pub fn admin_addr() -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], 9464))
@@ -364,6 +436,17 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// What a process does, decided by its configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Clients and workers in one process (`codex-fleet serve` without `[nodes]`).
+    Embedded,
+    /// Clients only: sessions are relayed to the tenants' nodes (`[nodes]`).
+    Edge,
+    /// Workers only, for edges (`[node]`, `codex-fleet node`).
+    Node,
+}
+
 /// The longest socket path a client can connect through (sun_path is 108 bytes with its NUL).
 pub use proto::names::MAX_SOCKET_PATH;
 
@@ -382,6 +465,36 @@ impl Config {
             other => other,
         })?;
         Ok(cfg)
+    }
+
+    /// The role the file describes.
+    pub fn role(&self) -> Role {
+        match (&self.node, &self.nodes) {
+            (Some(_), _) => Role::Node,
+            (None, Some(_)) => Role::Edge,
+            (None, None) => Role::Embedded,
+        }
+    }
+
+    /// The tenants this process runs workers for: all of them, or on a node those assigned to
+    /// it; none on an edge.
+    pub fn local_tenants(&self) -> impl Iterator<Item = &Tenant> {
+        let role = self.role();
+        let name = self.node.as_ref().map(|n| n.name.as_str());
+        self.tenants.iter().filter(move |t| match role {
+            Role::Embedded => true,
+            Role::Node => t.node.as_deref() == name,
+            Role::Edge => false,
+        })
+    }
+
+    /// This configuration as the process runs it: on a node, only its own tenants; on an
+    /// edge, no tenant runs here (their tokens and nodes are kept by the edge).
+    pub fn localized(&self) -> Config {
+        let mut cfg = self.clone();
+        let keep: HashSet<String> = self.local_tenants().map(|t| t.id.clone()).collect();
+        cfg.tenants.retain(|t| keep.contains(&t.id));
+        cfg
     }
 
     /// Parses and validates TOML text.
@@ -541,6 +654,68 @@ impl Config {
                 ));
             }
         }
+        self.validate_roles()
+    }
+
+    fn validate_roles(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.node.is_some() && self.nodes.is_some() {
+            return bad("[node] and [nodes] describe different roles; a file has one".into());
+        }
+        if let Some(nodes) = &self.nodes {
+            let mut names = HashSet::new();
+            for n in &nodes.static_nodes {
+                if !valid_tenant_id(&n.name) {
+                    return bad(format!(
+                        "nodes.static: node name {:?} is not [a-z0-9_-]{{1,32}}",
+                        n.name
+                    ));
+                }
+                if !names.insert(n.name.as_str()) {
+                    return bad(format!("nodes.static: node {:?} is listed twice", n.name));
+                }
+                if n.addr
+                    .rsplit_once(':')
+                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+                {
+                    return bad(format!(
+                        "nodes.static: node {:?}: addr {:?} is not host:port",
+                        n.name, n.addr
+                    ));
+                }
+            }
+            for t in &self.tenants {
+                match &t.node {
+                    Some(n) if names.contains(n.as_str()) => {}
+                    Some(n) => {
+                        return bad(format!(
+                            "tenant {:?}: node {n:?} is not in [[nodes.static]]",
+                            t.id
+                        ))
+                    }
+                    None => {
+                        return bad(format!(
+                            "tenant {:?}: an edge needs each tenant's node (tenants[].node)",
+                            t.id
+                        ))
+                    }
+                }
+            }
+            if nodes.connect_timeout_ms == 0 || nodes.probe_interval_secs == 0 {
+                return bad(
+                    "nodes.connect_timeout_ms and nodes.probe_interval_secs must be positive"
+                        .into(),
+                );
+            }
+        }
+        if let Some(node) = &self.node {
+            if !valid_tenant_id(&node.name) {
+                return bad(format!(
+                    "node.name {:?} is not [a-z0-9_-]{{1,32}}",
+                    node.name
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -639,6 +814,68 @@ id = "acme"
 token_sha256 = ["{DIGEST}"]
 "#
         )
+    }
+
+    /// Two tenants on two nodes, with `tail` appended (a `[node]` or `[nodes]` section).
+    fn two_nodes(tail: &str) -> String {
+        let other = DIGEST.replace('a', "b");
+        format!(
+            r#"
+[listen]
+addr = "127.0.0.1:8443"
+tls_cert = "/etc/c.crt"
+tls_key = "/etc/c.key"
+
+[workers]
+state_dir = "/var/lib/codex-fleet"
+
+[[tenants]]
+id = "acme"
+token_sha256 = ["{DIGEST}"]
+node = "n1"
+
+[[tenants]]
+id = "beta"
+token_sha256 = ["{other}"]
+node = "n2"
+{tail}"#
+        )
+    }
+
+    const NODES: &str = "[nodes]\nbackend = \"static\"\nca = \"/l/ca.pem\"\nclient_cert = \"/l/e.crt\"\nclient_key = \"/l/e.key\"\n\
+                         [[nodes.static]]\nname = \"n1\"\naddr = \"10.0.0.1:7443\"\n\
+                         [[nodes.static]]\nname = \"n2\"\naddr = \"10.0.0.2:7443\"\n";
+
+    #[test]
+    fn the_role_comes_from_the_file_and_a_node_runs_only_its_tenants() {
+        let embedded = Config::parse(&minimal("")).expect("valid");
+        assert_eq!(embedded.role(), Role::Embedded);
+        assert_eq!(embedded.localized().tenants.len(), 1);
+        let node = Config::parse(&two_nodes("[node]\nname = \"n2\"\nedge_ca = \"/l/ca.pem\"\n"))
+            .expect("valid");
+        assert_eq!(node.role(), Role::Node);
+        let ids: Vec<_> = node.localized().tenants.into_iter().map(|t| t.id).collect();
+        assert_eq!(ids, ["beta"]);
+        let edge = Config::parse(&two_nodes(NODES)).expect("valid");
+        assert_eq!(edge.role(), Role::Edge);
+        assert!(edge.localized().tenants.is_empty(), "an edge runs no worker");
+        assert_eq!(edge.nodes.as_ref().map(|n| n.connect_timeout_ms), Some(2000));
+    }
+
+    #[test]
+    fn an_edge_needs_every_tenant_on_a_listed_node() {
+        let unknown = two_nodes(NODES).replace("node = \"n2\"", "node = \"n9\"");
+        let e = Config::parse(&unknown).unwrap_err().to_string();
+        assert!(e.contains("\"n9\" is not in [[nodes.static]]"), "{e}");
+        let missing = two_nodes(NODES).replace("node = \"n2\"\n", "");
+        let e = Config::parse(&missing).unwrap_err().to_string();
+        assert!(e.contains("tenants[].node"), "{e}");
+        let twice = two_nodes(NODES).replace("name = \"n2\"", "name = \"n1\"");
+        assert!(Config::parse(&twice).unwrap_err().to_string().contains("listed twice"));
+        let bad_addr = two_nodes(NODES).replace("10.0.0.2:7443", "10.0.0.2");
+        assert!(Config::parse(&bad_addr).unwrap_err().to_string().contains("host:port"));
+        let both = two_nodes(&format!("{NODES}[node]\nname = \"n1\"\nedge_ca = \"/l/ca.pem\"\n"));
+        assert!(Config::parse(&both).unwrap_err().to_string().contains("one"));
     }
 
     #[test]

@@ -53,6 +53,64 @@ pub fn generate_pki(names: &[&str]) -> anyhow::Result<Pki> {
     })
 }
 
+/// PEM material for the edge→node link: a private CA, a node (server) certificate and an edge
+/// (client) certificate it signed.
+pub struct LinkPki {
+    /// The link CA: nodes' `node.edge_ca` and edges' `nodes.ca`.
+    pub ca_pem: String,
+    /// A node's certificate (for `names`) and key.
+    pub node_cert_pem: String,
+    /// Its key.
+    pub node_key_pem: String,
+    /// An edge's client certificate.
+    pub edge_cert_pem: String,
+    /// Its key.
+    pub edge_key_pem: String,
+}
+
+/// Generates the link's CA, a node certificate for `names` and an edge client certificate.
+pub fn generate_link_pki(names: &[&str]) -> anyhow::Result<LinkPki> {
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "codex-fleet link CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate()?;
+    let ca_cert = ca.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca, ca_key);
+    let leaf = |names: Vec<String>,
+                cn: &str,
+                usage: ExtendedKeyUsagePurpose|
+     -> anyhow::Result<(String, String)> {
+        let mut params = CertificateParams::new(names)?;
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.use_authority_key_identifier_extension = true;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![usage];
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    };
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let (node_cert_pem, node_key_pem) = leaf(
+        names,
+        "codex-fleet node",
+        ExtendedKeyUsagePurpose::ServerAuth,
+    )?;
+    let (edge_cert_pem, edge_key_pem) = leaf(
+        vec!["codex-fleet-edge".into()],
+        "codex-fleet edge",
+        ExtendedKeyUsagePurpose::ClientAuth,
+    )?;
+    Ok(LinkPki {
+        ca_pem: ca_cert.pem(),
+        node_cert_pem,
+        node_key_pem,
+        edge_cert_pem,
+        edge_key_pem,
+    })
+}
+
 /// A fresh random bearer token (256 bits, hex).
 pub fn random_token() -> String {
     let mut bytes = [0u8; 32];

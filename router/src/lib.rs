@@ -6,6 +6,7 @@ pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod dev;
+pub mod edge;
 pub mod fsutil;
 pub mod identity;
 pub mod jsonrpc;
@@ -62,6 +63,8 @@ pub struct Server {
     reloader: Arc<Reloader>,
     events: ServerEvents,
     admission: Arc<admission::Admission>,
+    /// Where sessions run (here, or on nodes when this process is an edge).
+    upstream: listener::Upstream,
 }
 
 /// Moments of a shutdown, for tests and tools (each token is cancelled when it happens).
@@ -79,10 +82,24 @@ impl Server {
     /// Loads TLS material, resolves the worker program and builds every tenant's pool
     /// (workers listed as `min_workers` start in the background).
     pub fn build(cfg: Config, registry: Registry) -> anyhow::Result<Server> {
-        let tls = tls::server_config(&cfg.listen.tls_cert, &cfg.listen.tls_key)?;
+        let tls = match &cfg.node {
+            Some(node) => {
+                tls::server_config_mutual(&cfg.listen.tls_cert, &cfg.listen.tls_key, &node.edge_ca)?
+            }
+            None => tls::server_config(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
+        };
         let metrics = RouterMetrics::register(&registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
-        let tenants = Arc::new(TenantRegistry::new(Tenants::build(&cfg, &worker_metrics)?));
+        // A node runs only its own tenants, an edge none (it relays them).
+        let tenants = Arc::new(TenantRegistry::new(Tenants::build(
+            &cfg.localized(),
+            &worker_metrics,
+        )?));
+        let upstream = match cfg.role() {
+            config::Role::Embedded => listener::Upstream::Local,
+            config::Role::Node => listener::Upstream::Link,
+            config::Role::Edge => listener::Upstream::Nodes(edge::Edge::build(&cfg, &registry)?),
+        };
         let reloader = Reloader::new(cfg.clone(), tenants.clone(), worker_metrics, &registry)?;
         let mut warnings = Vec::new();
         if let Some(w) = tenants::shared_uid_warning(&cfg) {
@@ -99,6 +116,15 @@ impl Server {
                 init_metrics.init_tenant(&t.id);
             }
         }));
+        if let listener::Upstream::Nodes(edge) = &upstream {
+            // A reload puts new tokens and tenant→node assignments in force at the edge.
+            let edge = edge.clone();
+            reloader.on_reload(Box::new(move |new: &Config| {
+                if let Err(e) = edge.reload(new) {
+                    tracing::error!(error = %e, "reload: the edge keeps its old tenants");
+                }
+            }));
+        }
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.
         let reconfigure = admission.clone();
@@ -117,6 +143,7 @@ impl Server {
             warnings,
             reloader: Arc::new(reloader),
             events: ServerEvents::default(),
+            upstream,
         })
     }
 
@@ -173,6 +200,7 @@ impl Server {
                 stop: admin_stop.clone(),
                 tracker: admin_tracker.clone(),
                 warnings: self.warnings.clone(),
+                edge: self.edge().cloned(),
             }
             .run(),
         );
@@ -191,9 +219,14 @@ impl Server {
                 refuse: refusing.clone(),
                 shutdown: closing.clone(),
                 tracker: tracker.clone(),
+                upstream: self.upstream.clone(),
             }
             .run(),
         );
+        let _prober = self.edge().map(|edge| {
+            let every = self.cfg.nodes.as_ref().map_or(2, |n| n.probe_interval_secs);
+            edge.spawn_prober(Duration::from_secs(every))
+        });
         let grace = Duration::from_secs(self.cfg.workers.stop_grace_secs);
         let retire = {
             let reloader = self.reloader.clone();
@@ -311,6 +344,14 @@ impl Server {
             tokio::time::sleep(DRAIN_POLL).await;
         }
         tokio::time::sleep(LAST_FRAMES).await;
+    }
+
+    /// The edge, when this process is one.
+    pub fn edge(&self) -> Option<&Arc<edge::Edge>> {
+        match &self.upstream {
+            listener::Upstream::Nodes(edge) => Some(edge),
+            _ => None,
+        }
     }
 
     /// Admission control; a reload applies new `[limits]` with [`admission::Admission::reconfigure`].

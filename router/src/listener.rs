@@ -42,6 +42,18 @@ use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 
+/// Where a listener's sessions run, and how its clients prove who they are.
+#[derive(Clone)]
+pub enum Upstream {
+    /// Here; clients present a tenant's bearer token (`codex-fleet serve`).
+    Local,
+    /// Here, for edges (`codex-fleet node`): mutual TLS admitted the edge, and the link's
+    /// headers name the tenant ([`crate::edge::TENANT_HEADER`]).
+    Link,
+    /// On the tenants' nodes: this process is an edge and relays each session.
+    Nodes(Arc<crate::edge::Edge>),
+}
+
 /// The remote address of a client connection.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub SocketAddr);
@@ -74,6 +86,8 @@ pub struct Listener {
     pub shutdown: CancellationToken,
     /// Tracks every connection task.
     pub tracker: TaskTracker,
+    /// Where sessions run.
+    pub upstream: Upstream,
 }
 
 /// TCP connections allowed above `limits.max_connections` for handshakes in progress (and for
@@ -100,6 +114,7 @@ struct Conn {
     shutdown: CancellationToken,
     tracker: TaskTracker,
     addr: ClientAddr,
+    upstream: Upstream,
 }
 
 // === impl Listener ===
@@ -131,7 +146,11 @@ impl Listener {
             };
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
-            let throttled = this.admission.check_handshake(addr.ip()).err();
+            // Edges are trusted peers of a node: their addresses carry many clients each.
+            let throttled = match this.upstream {
+                Upstream::Link => None,
+                _ => this.admission.check_handshake(addr.ip()).err(),
+            };
             let conn = Arc::new(Conn {
                 tenants: this.tenants.clone(),
                 admission: this.admission.clone(),
@@ -145,6 +164,7 @@ impl Listener {
                 shutdown: this.shutdown.clone(),
                 tracker: this.tracker.clone(),
                 addr: ClientAddr(addr),
+                upstream: this.upstream.clone(),
             });
             let tls = this.tls.clone();
             let timeout = this.handshake_timeout;
@@ -187,7 +207,7 @@ impl Conn {
         let this = self.clone();
         let service = service_fn(move |req| {
             let this = this.clone();
-            async move { Ok::<_, Infallible>(this.upgrade(req, started)) }
+            async move { Ok::<_, Infallible>(this.upgrade(req, started).await) }
         });
         let conn = http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
@@ -231,6 +251,89 @@ impl Conn {
         resp
     }
 
+    /// A bearer token that does not authenticate: 401, charged to the source address.
+    fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
+        let reason = match e {
+            AuthError::Missing => "auth_missing",
+            AuthError::Malformed => "auth_malformed",
+            AuthError::Invalid => "auth_invalid",
+        };
+        tracing::info!(reason, "upgrade refused: {e}");
+        self.charge_failed_auth();
+        self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string())
+    }
+
+    /// The edge's upgrade: authenticate, open the session's link to the tenant's node (so a
+    /// node that is down or refuses is answered here, with HTTP), then answer 101 and relay.
+    async fn relay(
+        self: &Arc<Self>,
+        edge: Arc<crate::edge::Edge>,
+        mut req: Request<Incoming>,
+        key: &str,
+        started: tokio::time::Instant,
+    ) -> Response<Full<Bytes>> {
+        let who = match edge.authenticate(req.headers()) {
+            Ok(w) => w,
+            Err(e) => return self.auth_refused(&e),
+        };
+        let link = match edge.connect(&who, self.addr.0).await {
+            Ok(link) => link,
+            Err(crate::edge::LinkError::Refused {
+                node,
+                status,
+                retry_after,
+                body,
+            }) => {
+                tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
+                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                let mut r = self.plain(status, "node_refused", &body);
+                if let Some(v) = retry_after {
+                    r.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+                return r;
+            }
+            Err(e) => {
+                tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: node unavailable");
+                let r = Rejection::cap(
+                    crate::admission::Scope::Worker,
+                    crate::admission::Reason::NodeUnavailable,
+                    NODE_RETRY,
+                );
+                return self.overloaded(&r, "node_unavailable");
+            }
+        };
+        let accept = derive_accept_key(key.as_bytes());
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        let max = self.max_message_bytes;
+        let queue = self.client_queue;
+        let shutdown = self.shutdown.clone();
+        let handshake = self.metrics.handshake_seconds.clone();
+        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
+        self.tracker.spawn(
+            async move {
+                let upgraded = match on_upgrade.await {
+                    Ok(u) => u,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "upgrade failed");
+                        return;
+                    }
+                };
+                handshake.observe(started.elapsed().as_secs_f64());
+                let ws = WebSocketStream::from_raw_socket(
+                    TokioIo::new(upgraded),
+                    Role::Server,
+                    Some(ws_config(max)),
+                )
+                .await;
+                tracing::info!("relaying the session to its node");
+                edge.relay(ws, link, &who.node, queue, shutdown).await;
+                tracing::info!("relay ended");
+            }
+            .instrument(span),
+        );
+        switching_protocols(&accept)
+    }
+
     /// An admission refusal: 429 (rates) or 503 (caps) with `Retry-After`, and the connection
     /// is closed after the answer.
     fn overloaded(&self, r: &Rejection, reason: &str) -> Response<Full<Bytes>> {
@@ -254,7 +357,7 @@ impl Conn {
     }
 
     /// Checks the upgrade request; on success answers 101 and starts the session task.
-    fn upgrade(
+    async fn upgrade(
         self: &Arc<Self>,
         mut req: Request<Incoming>,
         started: tokio::time::Instant,
@@ -293,18 +396,29 @@ impl Conn {
             }
         };
         let tenants = self.tenants.current();
-        let tenant = match tenants.tokens().authenticate(req.headers()) {
-            Ok(i) => tenants.get(i).cloned(),
-            Err(e) => {
-                let reason = match e {
-                    AuthError::Missing => "auth_missing",
-                    AuthError::Malformed => "auth_malformed",
-                    AuthError::Invalid => "auth_invalid",
-                };
-                tracing::info!(reason, "upgrade refused: {e}");
-                self.charge_failed_auth();
-                return self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string());
+        let tenant = match &self.upstream {
+            Upstream::Nodes(edge) => return self.relay(edge.clone(), req, &key, started).await,
+            Upstream::Link => {
+                let named = req
+                    .headers()
+                    .get(crate::edge::TENANT_HEADER)
+                    .and_then(|v| v.to_str().ok());
+                match named.and_then(|id| tenants.iter().find(|t| t.id == id)) {
+                    Some(t) => Some(t.clone()),
+                    None => {
+                        tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
+                        return self.plain(
+                            StatusCode::NOT_FOUND,
+                            "tenant_not_here",
+                            "the tenant is not on this node",
+                        );
+                    }
+                }
             }
+            Upstream::Local => match tenants.tokens().authenticate(req.headers()) {
+                Ok(i) => tenants.get(i).cloned(),
+                Err(e) => return self.auth_refused(&e),
+            },
         };
         let Some(tenant) = tenant else {
             self.charge_failed_auth();
@@ -360,17 +474,25 @@ impl Conn {
             }
             .instrument(span),
         );
-        // Deliberately no x-codex-app-server-compression echo: clients then send plain text frames.
-        let mut resp = Response::new(Full::new(Bytes::new()));
-        *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-        let h = resp.headers_mut();
-        h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        if let Ok(v) = HeaderValue::from_str(&accept) {
-            h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-        }
-        resp
+        switching_protocols(&accept)
     }
+}
+
+/// How long a client whose tenant's node is unreachable is asked to wait.
+const NODE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The 101 answer. Deliberately no x-codex-app-server-compression echo: clients then send plain
+/// text frames.
+fn switching_protocols(accept: &str) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    if let Ok(v) = HeaderValue::from_str(accept) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    resp
 }
 
 /// The WebSocket limits used on both sides of the router.

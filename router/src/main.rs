@@ -29,9 +29,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve clients as the configuration file says.
+    /// Serve clients as the configuration file says: with their workers in this process, or,
+    /// with a `[nodes]` section, as an edge in front of the tenants' nodes.
     Serve {
         /// The TOML configuration.
+        #[arg(long, env = "CODEX_FLEET_CONFIG")]
+        config: PathBuf,
+    },
+    /// Run a node: the tenants assigned to it (`[node] name`), serving edges only, over mutual
+    /// TLS.
+    Node {
+        /// The TOML configuration (with a `[node]` section).
         #[arg(long, env = "CODEX_FLEET_CONFIG")]
         config: PathBuf,
     },
@@ -63,6 +71,7 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::CheckConfig { .. }) {
         raise_nofile_limit();
     }
+    let node = matches!(cli.command, Command::Node { .. });
     match cli.command {
         Command::CheckConfig { file } => match load_checked(&file) {
             Ok(_) => {
@@ -74,8 +83,8 @@ fn main() -> ExitCode {
                 ExitCode::from(EX_CONFIG)
             }
         },
-        Command::Serve { config } => {
-            let cfg = match load_checked(&config) {
+        Command::Serve { config } | Command::Node { config } => {
+            let cfg = match load_checked(&config).and_then(|c| check_role(c, node)) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("invalid configuration: {e:#}");
@@ -96,9 +105,19 @@ fn main() -> ExitCode {
 /// Loads and validates a configuration, including that every worker program can be run.
 fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let cfg = Config::load(path)?;
-    router::tenants::check_worker_programs(&cfg)?;
-    router::identity::check_remembered_uids(&cfg)?;
+    let local = cfg.localized();
+    router::tenants::check_worker_programs(&local)?;
+    router::identity::check_remembered_uids(&local)?;
     Ok(cfg)
+}
+
+/// `codex-fleet node` runs `[node]` files, `codex-fleet serve` the others.
+fn check_role(cfg: Config, node: bool) -> anyhow::Result<Config> {
+    match (node, cfg.node.is_some()) {
+        (true, false) => anyhow::bail!("codex-fleet node needs a [node] section"),
+        (false, true) => anyhow::bail!("a [node] configuration runs with codex-fleet node"),
+        _ => Ok(cfg),
+    }
 }
 
 /// Raises the soft limit on open files to the hard limit: every session holds a TLS socket

@@ -126,7 +126,8 @@ impl Reloader {
         );
         let old = self.tenants.current();
         let retired = self.retired();
-        let rebuilt = Tenants::rebuild(&cfg, &self.worker_metrics, Some(&old), &retired)?;
+        let rebuilt =
+            Tenants::rebuild(&cfg.localized(), &self.worker_metrics, Some(&old), &retired)?;
         drop(retired);
         warnings.extend(rebuilt.warnings);
         let removed: Vec<String> = rebuilt.removed.iter().map(|t| t.id.clone()).collect();

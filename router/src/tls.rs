@@ -50,6 +50,47 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsEr
     Ok(Arc::new(cfg))
 }
 
+/// The node's side of the edge→node link: like [`server_config`], and every client must present a
+/// certificate chaining to `client_ca` (mutual TLS); others fail the handshake.
+pub fn server_config_mutual(
+    cert: &Path,
+    key: &Path,
+    client_ca: &Path,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    install_crypto_provider();
+    let roots = Arc::new(root_store(client_ca)?);
+    let verifier = rustls::server::WebPkiClientVerifier::builder(roots)
+        .build()
+        .map_err(|e| TlsError::Rustls(rustls::Error::General(e.to_string())))?;
+    let mut cfg = ServerConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(load_certs(cert)?, load_key(key)?)?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+/// The edge's side of the link: trusts only `ca` for nodes and presents `cert`.
+pub fn client_config_mutual(
+    ca: &Path,
+    cert: &Path,
+    key: &Path,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    install_crypto_provider();
+    let cfg = rustls::ClientConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
+        .with_root_certificates(root_store(ca)?)
+        .with_client_auth_cert(load_certs(cert)?, load_key(key)?)?;
+    Ok(Arc::new(cfg))
+}
+
+/// Every certificate of a PEM bundle, as trust anchors.
+fn root_store(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in load_certs(path)? {
+        roots.add(cert)?;
+    }
+    Ok(roots)
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Read {
         path: path.display().to_string(),

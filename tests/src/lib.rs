@@ -943,10 +943,20 @@ impl FleetProcess {
         files: &FleetFiles,
         configure: impl FnOnce(&mut tokio::process::Command),
     ) -> anyhow::Result<FleetProcess> {
+        FleetProcess::spawn_role(program, "serve", &files.config, configure).await
+    }
+
+    /// Starts `program <role> --config <config>` (`serve` or `node`) with `CODEX_FLEET_LOG=warn`.
+    pub async fn spawn_role(
+        program: &Path,
+        role: &str,
+        config: &Path,
+        configure: impl FnOnce(&mut tokio::process::Command),
+    ) -> anyhow::Result<FleetProcess> {
         use tokio::io::AsyncBufReadExt;
         let mut cmd = tokio::process::Command::new(program);
-        cmd.args(["serve", "--config"])
-            .arg(&files.config)
+        cmd.args([role, "--config"])
+            .arg(config)
             .env("CODEX_FLEET_LOG", "warn")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -1031,4 +1041,240 @@ pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Re
     // after its answer is read up to the timeout.
     let _read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut buf)).await;
     Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// A tmux server of our own (`-L`), so nothing else on the machine is touched.
+pub struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    /// A tmux server named after this process and `name`.
+    pub fn new(name: &str) -> Tmux {
+        Tmux {
+            socket: format!("cf-{name}-{}", std::process::id()),
+        }
+    }
+
+    /// Runs a tmux command on this server.
+    pub fn run(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = std::process::Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .context("tmux must be installed (ops/test.sh installs it)")?;
+        if !out.status.success() {
+            anyhow::bail!("tmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The pane `tui` as text.
+    pub fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "tui"])
+            .unwrap_or_default()
+    }
+
+    /// Types `text` into the pane `tui`, then Enter.
+    pub fn type_line(&self, text: &str) -> anyhow::Result<()> {
+        self.run(&["send-keys", "-t", "tui", "-l", text])?;
+        std::thread::sleep(Duration::from_millis(300));
+        self.run(&["send-keys", "-t", "tui", "Enter"])?;
+        Ok(())
+    }
+
+    /// Waits until the pane shows `needle`; returns the screen.
+    pub async fn until_screen_has(&self, needle: &str, within: Duration) -> anyhow::Result<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let screen = self.screen();
+            if screen.contains(needle) {
+                return Ok(screen);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                anyhow::bail!("the TUI never showed {needle:?}; screen:\n{screen}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+/// Issue 11: edges in front of nodes, as real processes on loopback (see tests/tests/split.rs).
+/// Two nodes, some edges, tenants assigned to nodes; every process real.
+pub struct Split {
+    /// The base files: client CA, tokens, the mock model.
+    pub files: FleetFiles,
+    base: String,
+    /// The link's PEM files (`ca.pem`, `node.crt`, `node.key`, `edge.crt`, `edge.key`).
+    pub link: PathBuf,
+    /// The nodes `n1`, `n2`.
+    pub nodes: Vec<Node>,
+    /// The edges.
+    pub edges: Vec<FleetProcess>,
+}
+
+/// One node of a [`Split`].
+pub struct Node {
+    /// `n1`, `n2`.
+    pub name: String,
+    /// Its link port.
+    pub port: u16,
+    /// Its config file.
+    pub config: PathBuf,
+    /// The running process.
+    pub process: Option<FleetProcess>,
+}
+
+/// A loopback port free right now.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn toml_path(p: &Path) -> String {
+    serde_json::to_string(&p.display().to_string()).expect("string")
+}
+
+impl Split {
+    /// `tenants` as (id, node); nodes `n1`, `n2`; `edges` edges.
+    /// Starts the nodes, then `edges` edges.
+    pub async fn start(
+        tenants: &[(&str, &str)],
+        edges: usize,
+        limits: &str,
+    ) -> anyhow::Result<Split> {
+        let root = nix::unistd::geteuid().is_root();
+        let mut b = FleetBuilder::new().limits_toml(limits);
+        for (i, (id, node)) in tenants.iter().enumerate() {
+            b = b
+                .tenant_pool(id, 1, 1)
+                .tenant_toml(&format!("node = {node:?}"));
+            if root {
+                // Two nodes on one machine: their tenants' uids must differ (each node remembers
+                // its own allocations).
+                b = b.tenant_toml(&format!("uid = {}", 64_000 + i));
+            }
+        }
+        let files = b.prepare().await?;
+        let base = std::fs::read_to_string(&files.config)?;
+        let link = files.dir.path().join("link");
+        std::fs::create_dir(&link)?;
+        let pki = router::dev::generate_link_pki(&["localhost", "127.0.0.1"])?;
+        for (name, pem) in [
+            ("ca.pem", &pki.ca_pem),
+            ("node.crt", &pki.node_cert_pem),
+            ("node.key", &pki.node_key_pem),
+            ("edge.crt", &pki.edge_cert_pem),
+            ("edge.key", &pki.edge_key_pem),
+        ] {
+            router::fsutil::write_private(&link.join(name), pem)?;
+        }
+        let mut split = Split {
+            files,
+            base,
+            link,
+            nodes: Vec::new(),
+            edges: Vec::new(),
+        };
+        for name in ["n1", "n2"] {
+            let node = split.node_config(name)?;
+            split.nodes.push(node);
+        }
+        for i in 0..split.nodes.len() {
+            split.start_node(i).await?;
+        }
+        for i in 0..edges {
+            let path = split.files.dir.path().join(format!("edge{i}.toml"));
+            std::fs::write(&path, split.edge_config())?;
+            split
+                .edges
+                .push(FleetProcess::spawn_role(&fleet_bin(), "serve", &path, |_| {}).await?);
+        }
+        Ok(split)
+    }
+
+    fn node_config(&self, name: &str) -> anyhow::Result<Node> {
+        let port = free_port()?;
+        let dir = self.files.dir.path();
+        let text = self
+            .base
+            .replacen(
+                "addr = \"127.0.0.1:0\"",
+                &format!("addr = \"127.0.0.1:{port}\""),
+                1,
+            )
+            .replace(
+                &toml_path(&dir.join("tls.crt")),
+                &toml_path(&self.link.join("node.crt")),
+            )
+            .replace(
+                &toml_path(&dir.join("tls.key")),
+                &toml_path(&self.link.join("node.key")),
+            )
+            .replace(&toml_path(&dir.join("s")), &toml_path(&dir.join(name)))
+            + &format!(
+                "\n[node]\nname = {name:?}\nedge_ca = {}\n",
+                toml_path(&self.link.join("ca.pem"))
+            );
+        let config = dir.join(format!("{name}.toml"));
+        std::fs::write(&config, text)?;
+        Ok(Node {
+            name: name.to_owned(),
+            port,
+            config,
+            process: None,
+        })
+    }
+
+    fn edge_config(&self) -> String {
+        let mut text = self.base.clone()
+            + &format!(
+                "\n[nodes]\nbackend = \"static\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
+                 probe_interval_secs = 1\nconnect_timeout_ms = 1000\n",
+                toml_path(&self.link.join("ca.pem")),
+                toml_path(&self.link.join("edge.crt")),
+                toml_path(&self.link.join("edge.key")),
+            );
+        for n in &self.nodes {
+            text += &format!(
+                "[[nodes.static]]\nname = {:?}\naddr = \"127.0.0.1:{}\"\nserver_name = \"localhost\"\n",
+                n.name, n.port
+            );
+        }
+        text
+    }
+
+    /// (Re)starts node `i` on its port.
+    pub async fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[i];
+        node.process =
+            Some(FleetProcess::spawn_role(&fleet_bin(), "node", &node.config, |_| {}).await?);
+        Ok(())
+    }
+
+    /// A tenant's token.
+    pub fn token(&self, tenant: &str) -> String {
+        self.files.token(tenant)
+    }
+
+    /// An initialized client of `tenant` through edge `edge`.
+    pub async fn client(&self, edge: usize, tenant: &str) -> anyhow::Result<Client> {
+        self.edges[edge]
+            .client(&self.files, &self.token(tenant))
+            .await
+    }
+
+    /// Edge `edge`'s `/readyz`.
+    pub async fn edge_readyz(&self, edge: usize) -> anyhow::Result<Value> {
+        let (_, body) = http_get(self.edges[edge].admin, "/readyz").await?;
+        Ok(serde_json::from_str(&body)?)
+    }
 }

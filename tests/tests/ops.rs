@@ -473,12 +473,30 @@ async fn dashboards_and_alerts_use_only_exported_metrics() -> anyhow::Result<()>
         }
     }
 
+    // An edge exports the link series (sessions relayed, link failures, connect time): one edge
+    // in front of one node, a session through it, and a node that is not there.
+    let split = e2e::Split::start(&[("acme", "n1")], 1, "").await?;
+    split.client(0, "acme").await?.close().await;
+    if let Some(n2) = &split.nodes[1].process {
+        n2.signal(Signal::SIGKILL)?;
+    }
+    let edge_series = {
+        let (_, body) = e2e::http_get(split.edges[0].admin, "/metrics").await?;
+        exported(&body)
+    };
+
     // Counters appear as their events are booked; give them a moment, then judge.
     let deadline = tokio::time::Instant::now() + SERIES_DEADLINE;
     let problems = loop {
         let (status, body) = fleet.admin_get("/metrics").await?;
         assert_eq!(status, 200, "{body}");
-        let series = exported(&body);
+        let mut series = exported(&body);
+        for (name, labels) in &edge_series {
+            series
+                .entry(name.clone())
+                .or_default()
+                .extend(labels.iter().cloned());
+        }
         let problems: Vec<String> = exprs
             .iter()
             .flat_map(|(origin, e)| check_expr(origin, e, &series))

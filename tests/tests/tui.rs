@@ -1,69 +1,15 @@
 //! Issue 16 test 3: the real Codex TUI (`codex --remote`, driven in tmux) stays in its thread
 //! when the worker running its turn is killed, and its next prompt completes.
 
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
-use e2e::{wait_until, FleetBuilder};
+use anyhow::Context;
+use e2e::{wait_until, FleetBuilder, Tmux};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::time::Instant;
 
 /// Fast fault detection: ping every second, one second to answer, quick restarts.
 const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
-
-/// A tmux server of our own (`-L`), so nothing else on the machine is touched.
-struct Tmux {
-    socket: String,
-}
-
-impl Tmux {
-    fn run(&self, args: &[&str]) -> anyhow::Result<String> {
-        let out = Command::new("tmux")
-            .arg("-L")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .context("tmux must be installed (ops/test.sh installs it)")?;
-        if !out.status.success() {
-            bail!("tmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    fn screen(&self) -> String {
-        self.run(&["capture-pane", "-p", "-t", "tui"])
-            .unwrap_or_default()
-    }
-
-    fn type_line(&self, text: &str) -> anyhow::Result<()> {
-        self.run(&["send-keys", "-t", "tui", "-l", text])?;
-        std::thread::sleep(Duration::from_millis(300));
-        self.run(&["send-keys", "-t", "tui", "Enter"])?;
-        Ok(())
-    }
-
-    async fn until_screen_has(&self, needle: &str, within: Duration) -> anyhow::Result<String> {
-        let deadline = Instant::now() + within;
-        loop {
-            let screen = self.screen();
-            if screen.contains(needle) {
-                return Ok(screen);
-            }
-            if Instant::now() >= deadline {
-                bail!("the TUI never showed {needle:?}; screen:\n{screen}");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = self.run(&["kill-server"]);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::Result<()> {
@@ -80,9 +26,7 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
     );
     let home = tempfile::tempdir()?;
     let work = tempfile::tempdir()?;
-    let tmux = Tmux {
-        socket: format!("cf-tui-{}", std::process::id()),
-    };
+    let tmux = Tmux::new("tui");
     let command = format!(
         "cd {work} && SSL_CERT_FILE={ca} CODEX_HOME={home} FLEET_TOKEN={token} {codex} --remote {url} \
          --remote-auth-token-env FLEET_TOKEN; echo TUI-EXITED $?; sleep 600",

@@ -59,6 +59,8 @@ pub enum Reason {
     WorkerUnreachable,
     /// Every worker slot of the fleet (`workers.max_workers`) is taken by other tenants.
     FleetWorkerLimit,
+    /// The edge cannot reach the node that holds the tenant.
+    NodeUnavailable,
 }
 
 impl Scope {
@@ -89,6 +91,7 @@ impl Reason {
             Reason::NoWorkerAvailable => "noWorkerAvailable",
             Reason::WorkerUnreachable => "workerUnreachable",
             Reason::FleetWorkerLimit => "fleetWorkerLimit",
+            Reason::NodeUnavailable => "nodeUnavailable",
         }
     }
 }

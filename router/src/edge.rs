@@ -1,0 +1,562 @@
+//! The edge role (issue 11): TLS, authentication and admission at the door, then each session
+//! relayed frame by frame over its own link to the node that holds its tenant.
+//!
+//! The link is wss with mutual TLS (TLS 1.3): the edge trusts only `nodes.ca` for nodes and
+//! presents `nodes.client_cert`; a node accepts only edges whose certificate chains to its
+//! `node.edge_ca`. The upgrade request names the tenant, the authenticated subject and the
+//! client's address in headers ([`TENANT_HEADER`], [`SUBJECT_HEADER`], [`CLIENT_ADDR_HEADER`]).
+//! One session is one link connection; the same WebSocket limits apply on both hops, close
+//! frames pass through unchanged, and a node that goes away mid-session closes its clients with
+//! [`NODE_LOST_CODE`].
+//!
+//! The edge holds no tenant state: its tokens and the tenant→node map come from the
+//! configuration, so any number of edges can run behind one load balancer.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use http::{HeaderMap, HeaderValue};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use rustls::pki_types::ServerName;
+use serde_json::json;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{AuthError, TokenTable};
+use crate::config::{parse_digest, Config};
+use crate::jsonrpc::{self, RequestId};
+
+/// Link upgrade header: the tenant the client authenticated as.
+pub const TENANT_HEADER: &str = "x-codex-fleet-tenant";
+/// Link upgrade header: who the client is (the credential that authenticated it).
+pub const SUBJECT_HEADER: &str = "x-codex-fleet-subject";
+/// Link upgrade header: the client's address as the edge saw it.
+pub const CLIENT_ADDR_HEADER: &str = "x-codex-fleet-client-addr";
+/// Close code for a client whose tenant's node went away mid-session (1012, service restart):
+/// reconnect, and `thread/resume` loads the thread from disk once the node is back.
+pub const NODE_LOST_CODE: u16 = 1012;
+/// Its reason.
+pub const NODE_LOST_REASON: &str = "codex-fleet: the tenant's node went away; reconnect and resume";
+/// How long a draining edge waits for a session's requests in flight before closing it.
+const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
+
+/// The link to one node.
+type Link = WebSocketStream<TlsStream<TcpStream>>;
+
+/// The edge: who is who, where each tenant lives, and how to reach it.
+pub struct Edge {
+    table: RwLock<Table>,
+    nodes: HashMap<String, Target>,
+    tls: TlsConnector,
+    connect_timeout: Duration,
+    max_message_bytes: usize,
+    reach: RwLock<HashMap<String, Option<String>>>,
+    metrics: LinkMetrics,
+}
+
+/// Tokens and the tenant→node map (replaced by a reload).
+#[derive(Default)]
+struct Table {
+    tokens: TokenTable,
+    /// Index → (tenant id, node name).
+    tenants: Vec<(String, String)>,
+}
+
+struct Target {
+    addr: String,
+    server_name: ServerName<'static>,
+}
+
+/// A client the edge admitted: its tenant, its node and who it is.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    /// The tenant.
+    pub tenant: String,
+    /// The node that holds it.
+    pub node: String,
+    /// The credential that authenticated the client (the first 12 hex digits of its token's
+    /// digest: enough to tell tokens apart in logs, useless to an attacker).
+    pub subject: String,
+}
+
+/// Why a link could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The node did not answer in time, or refused TCP or TLS.
+    #[error("node {node} unreachable: {reason}")]
+    Unreachable {
+        /// The node.
+        node: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The node answered the upgrade with an HTTP status (its admission, a tenant it does not
+    /// hold).
+    #[error("node {node} refused the session: HTTP {status}")]
+    Refused {
+        /// The node.
+        node: String,
+        /// The status.
+        status: u16,
+        /// Its `Retry-After`, when given.
+        retry_after: Option<HeaderValue>,
+        /// Its body.
+        body: String,
+    },
+}
+
+/// Link metrics, by node.
+#[derive(Clone)]
+pub struct LinkMetrics {
+    /// Sessions relayed now, by node.
+    pub sessions: IntGaugeVec,
+    /// Link failures, by node and reason (`unreachable`, `refused`, `lost`).
+    pub errors: IntCounterVec,
+    /// Opening a link (TCP, TLS, upgrade), by node.
+    pub connect_seconds: HistogramVec,
+}
+
+impl LinkMetrics {
+    /// Every link failure reason.
+    pub const REASONS: [&'static str; 3] = ["unreachable", "refused", "lost"];
+
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = LinkMetrics {
+            sessions: IntGaugeVec::new(
+                Opts::new(
+                    "codex_fleet_link_sessions",
+                    "Sessions this edge relays to each node.",
+                ),
+                &["node"],
+            )?,
+            errors: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_link_errors_total",
+                    "Edge-to-node link failures, by node and reason.",
+                ),
+                &["node", "reason"],
+            )?,
+            connect_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "codex_fleet_link_connect_duration_seconds",
+                    "Opening a session's link to its node: TCP, mutual TLS and the upgrade.",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+                ]),
+                &["node"],
+            )?,
+        };
+        registry.register(Box::new(m.sessions.clone()))?;
+        registry.register(Box::new(m.errors.clone()))?;
+        registry.register(Box::new(m.connect_seconds.clone()))?;
+        Ok(m)
+    }
+}
+
+// === impl Edge ===
+
+impl Edge {
+    /// Builds the edge from an edge configuration (`[nodes]` present).
+    pub fn build(cfg: &Config, registry: &Registry) -> anyhow::Result<Arc<Edge>> {
+        let nodes_cfg = cfg
+            .nodes
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
+        let tls = crate::tls::client_config_mutual(
+            &nodes_cfg.ca,
+            &nodes_cfg.client_cert,
+            &nodes_cfg.client_key,
+        )?;
+        let mut nodes = HashMap::new();
+        for n in &nodes_cfg.static_nodes {
+            let host = n
+                .server_name
+                .clone()
+                .unwrap_or_else(|| host_of(&n.addr).to_owned());
+            let server_name = ServerName::try_from(host.clone())
+                .map_err(|e| anyhow::anyhow!("node {}: server name {host:?}: {e}", n.name))?;
+            nodes.insert(
+                n.name.clone(),
+                Target {
+                    addr: n.addr.clone(),
+                    server_name,
+                },
+            );
+        }
+        let metrics = LinkMetrics::register(registry)?;
+        for name in nodes.keys() {
+            metrics.sessions.with_label_values(&[name]);
+            metrics.connect_seconds.with_label_values(&[name]);
+            for reason in LinkMetrics::REASONS {
+                metrics.errors.with_label_values(&[name, reason]);
+            }
+        }
+        let edge = Edge {
+            table: RwLock::new(Table::default()),
+            nodes,
+            tls: TlsConnector::from(tls),
+            connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
+            max_message_bytes: cfg.limits.max_message_bytes,
+            reach: RwLock::new(HashMap::new()),
+            metrics,
+        };
+        edge.reload(cfg)?;
+        Ok(Arc::new(edge))
+    }
+
+    /// Puts a configuration's tokens and tenant→node map in force (the nodes themselves are
+    /// fixed for the process's life).
+    pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
+        let mut table = Table::default();
+        for (index, t) in cfg.tenants.iter().enumerate() {
+            let node = t.node.clone().unwrap_or_default();
+            if !self.nodes.contains_key(&node) {
+                anyhow::bail!(
+                    "tenant {:?}: node {node:?} is not one this edge started with",
+                    t.id
+                );
+            }
+            for d in &t.token_sha256 {
+                if let Some(digest) = parse_digest(d) {
+                    table.tokens.insert(digest, index);
+                }
+            }
+            table.tenants.push((t.id.clone(), node));
+        }
+        *self.table.write().unwrap_or_else(PoisonError::into_inner) = table;
+        Ok(())
+    }
+
+    /// Authenticates an upgrade's bearer token.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Admitted, AuthError> {
+        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
+        let index = table.tokens.authenticate(headers)?;
+        let (tenant, node) = table
+            .tenants
+            .get(index)
+            .cloned()
+            .ok_or(AuthError::Invalid)?;
+        let subject = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|token| {
+                let hex = crate::auth::token_digest_hex(token.trim());
+                format!("token:{}", &hex[..12])
+            })
+            .unwrap_or_default();
+        Ok(Admitted {
+            tenant,
+            node,
+            subject,
+        })
+    }
+
+    /// Opens a session's link to its tenant's node.
+    pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        let started = tokio::time::Instant::now();
+        let result = tokio::time::timeout(self.connect_timeout, self.open(who, client))
+            .await
+            .unwrap_or_else(|_| {
+                Err(LinkError::Unreachable {
+                    node: who.node.clone(),
+                    reason: format!("no link within {:?}", self.connect_timeout),
+                })
+            });
+        match &result {
+            Ok(_) => self
+                .metrics
+                .connect_seconds
+                .with_label_values(&[&who.node])
+                .observe(started.elapsed().as_secs_f64()),
+            Err(e) => {
+                let reason = match e {
+                    LinkError::Unreachable { .. } => "unreachable",
+                    LinkError::Refused { .. } => "refused",
+                };
+                self.metrics
+                    .errors
+                    .with_label_values(&[&who.node, reason])
+                    .inc();
+                if matches!(e, LinkError::Unreachable { .. }) {
+                    self.set_reach(&who.node, Some(e.to_string()));
+                }
+            }
+        }
+        result
+    }
+
+    async fn open(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        let node = &who.node;
+        let unreachable = |reason: String| LinkError::Unreachable {
+            node: node.clone(),
+            reason,
+        };
+        let target = self
+            .nodes
+            .get(node)
+            .ok_or_else(|| unreachable("unknown node".into()))?;
+        let tls = self.tls_to(target).await.map_err(unreachable)?;
+        let mut request = format!("wss://{}/", target.addr)
+            .into_client_request()
+            .map_err(|e| unreachable(e.to_string()))?;
+        let h = request.headers_mut();
+        for (name, value) in [
+            (TENANT_HEADER, who.tenant.as_str()),
+            (SUBJECT_HEADER, who.subject.as_str()),
+            (CLIENT_ADDR_HEADER, &client.to_string()),
+        ] {
+            let value = HeaderValue::from_str(value).map_err(|e| unreachable(e.to_string()))?;
+            h.insert(name, value);
+        }
+        let config = crate::listener::ws_config(self.max_message_bytes);
+        match tokio_tungstenite::client_async_with_config(request, tls, Some(config)).await {
+            Ok((ws, _)) => {
+                self.set_reach(node, None);
+                Ok(ws)
+            }
+            Err(WsError::Http(resp)) => {
+                let body = resp
+                    .body()
+                    .as_ref()
+                    .map(|b| String::from_utf8_lossy(b).trim().to_owned())
+                    .unwrap_or_default();
+                Err(LinkError::Refused {
+                    node: node.clone(),
+                    status: resp.status().as_u16(),
+                    retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
+                    body,
+                })
+            }
+            Err(e) => Err(unreachable(e.to_string())),
+        }
+    }
+
+    async fn tls_to(&self, target: &Target) -> Result<TlsStream<TcpStream>, String> {
+        let tcp = TcpStream::connect(&target.addr)
+            .await
+            .map_err(|e| format!("connect {}: {e}", target.addr))?;
+        let _nodelay = tcp.set_nodelay(true);
+        self.tls
+            .connect(target.server_name.clone(), tcp)
+            .await
+            .map_err(|e| format!("TLS with {}: {e}", target.addr))
+    }
+
+    fn set_reach(&self, node: &str, error: Option<String>) {
+        self.reach
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(node.to_owned(), error);
+    }
+
+    /// Probes every node (TCP and mutual TLS) every `every`, for `/readyz`; stops when dropped.
+    pub fn spawn_prober(
+        self: &Arc<Self>,
+        every: Duration,
+    ) -> tokio_util::task::AbortOnDropHandle<()> {
+        let edge = Arc::downgrade(self);
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                let Some(e) = edge.upgrade() else { return };
+                for (name, target) in &e.nodes {
+                    let outcome = tokio::time::timeout(e.connect_timeout, e.tls_to(target)).await;
+                    let error = match outcome {
+                        Ok(Ok(_tls)) => None,
+                        Ok(Err(reason)) => Some(reason),
+                        Err(_) => Some(format!("no TLS within {:?}", e.connect_timeout)),
+                    };
+                    e.set_reach(name, error);
+                }
+                drop(e);
+                tokio::time::sleep(every).await;
+            }
+        }))
+    }
+
+    /// `/readyz` detail: each node and whether it was reachable at the last look, and the
+    /// tenants whose node is not. Ready while any node is reachable (or none was probed yet).
+    pub fn readiness(&self) -> (bool, serde_json::Value) {
+        let reach = self.reach.read().unwrap_or_else(PoisonError::into_inner);
+        let mut names: Vec<&String> = self.nodes.keys().collect();
+        names.sort();
+        let nodes: Vec<_> = names
+            .iter()
+            .map(|n| {
+                let error = reach.get(*n).cloned().flatten();
+                json!({
+                    "name": n,
+                    "addr": self.nodes[*n].addr,
+                    "reachable": error.is_none(),
+                    "lastError": error,
+                })
+            })
+            .collect();
+        let down: HashSet<&str> = reach
+            .iter()
+            .filter(|(_, e)| e.is_some())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
+        let unreachable: Vec<&str> = table
+            .tenants
+            .iter()
+            .filter(|(_, node)| down.contains(node.as_str()))
+            .map(|(t, _)| t.as_str())
+            .collect();
+        let ready = self.nodes.is_empty() || down.len() < self.nodes.len();
+        (
+            ready,
+            json!({ "nodes": nodes, "unreachableTenants": unreachable }),
+        )
+    }
+
+    /// Relays one session between its client and its link until either ends (see the module
+    /// documentation for what each end means for the other).
+    pub async fn relay<C>(
+        &self,
+        client: WebSocketStream<C>,
+        link: Link,
+        node: &str,
+        client_queue: usize,
+        shutdown: CancellationToken,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let sessions = self.metrics.sessions.with_label_values(&[node]);
+        sessions.inc();
+        let lost = relay(client, link, client_queue, shutdown).await;
+        sessions.dec();
+        if lost {
+            self.metrics.errors.with_label_values(&[node, "lost"]).inc();
+            tracing::warn!(node, "link lost: the node went away mid-session");
+        }
+    }
+}
+
+/// The host part of `host:port` (brackets of an IPv6 literal removed).
+fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// Relays until either side ends; returns whether the link was lost (the node went away).
+async fn relay<C>(
+    client: WebSocketStream<C>,
+    link: Link,
+    client_queue: usize,
+    shutdown: CancellationToken,
+) -> bool
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut client_tx, mut client_rx) = client.split();
+    let (mut link_tx, mut link_rx) = link.split();
+    // The client is written by its own task through a bounded queue, so a slow client never
+    // stops the link from being read; a full queue means the client is too slow (1008).
+    let (out, mut out_rx) = mpsc::channel::<Message>(client_queue.max(1));
+    let writer = tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            let closing = matches!(m, Message::Close(_));
+            if client_tx.send(m).await.is_err() || closing {
+                break;
+            }
+        }
+        let _closed = client_tx.close().await;
+    });
+    let mut in_flight: HashSet<RequestId> = HashSet::new();
+    let mut draining: Option<tokio::time::Instant> = None;
+    let close = |code: CloseCode, reason: &str| {
+        Message::Close(Some(CloseFrame {
+            code,
+            reason: reason.to_owned().into(),
+        }))
+    };
+    let mut lost = false;
+    loop {
+        if let Some(deadline) = draining {
+            if in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
+                let _sent = out.try_send(close(CloseCode::Away, "codex-fleet is shutting down"));
+                let _closed = link_tx.send(Message::Close(None)).await;
+                break;
+            }
+        }
+        tokio::select! {
+            m = client_rx.next(), if draining.is_none() => match m {
+                Some(Ok(Message::Text(text))) => {
+                    if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(&text) {
+                        in_flight.insert(id);
+                    }
+                    if link_tx.send(Message::Text(text)).await.is_err() {
+                        lost = true;
+                        let _sent = out.try_send(close(CloseCode::from(NODE_LOST_CODE), NODE_LOST_REASON));
+                        break;
+                    }
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    let _closed = link_tx.send(Message::Close(frame)).await;
+                    break;
+                }
+                Some(Ok(m @ Message::Binary(_))) => {
+                    // The node answers binary frames as codex-fleet does (an error, counted).
+                    if link_tx.send(m).await.is_err() {
+                        lost = true;
+                        break;
+                    }
+                }
+                Some(Ok(_)) => {} // ping/pong are answered on each hop
+                Some(Err(WsError::Capacity(_))) => {
+                    let _sent = out.try_send(close(CloseCode::Size, "message too big"));
+                    let _closed = link_tx.send(Message::Close(None)).await;
+                    break;
+                }
+                Some(Err(_)) | None => {
+                    let _closed = link_tx.send(Message::Close(None)).await;
+                    break;
+                }
+            },
+            m = link_rx.next() => match m {
+                Some(Ok(Message::Text(text))) => {
+                    if let Ok(jsonrpc::Message::Response { id }) = jsonrpc::parse(&text) {
+                        in_flight.remove(&id);
+                    }
+                    if out.try_send(Message::Text(text)).is_err() {
+                        // The client reads too slowly for its queue: as codex-fleet does.
+                        writer.abort();
+                        let _closed = link_tx.send(Message::Close(None)).await;
+                        break;
+                    }
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    let _sent = out.try_send(Message::Close(frame));
+                    break;
+                }
+                Some(Ok(_)) => {}
+                Some(Err(_)) | None => {
+                    lost = true;
+                    let _sent = out.try_send(close(CloseCode::from(NODE_LOST_CODE), NODE_LOST_REASON));
+                    break;
+                }
+            },
+            () = shutdown.cancelled(), if draining.is_none() => {
+                draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS);
+            }
+            () = tokio::time::sleep_until(draining.unwrap_or_else(tokio::time::Instant::now)), if draining.is_some() => {}
+        }
+    }
+    drop(out);
+    let _written = tokio::time::timeout(Duration::from_secs(2), writer).await;
+    lost
+}
