@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke run of the four benchmarks (BENCHMARKS.md) at a tiny size, a few seconds each: checks that
+# Smoke run of the five benchmarks (BENCHMARKS.md) at a tiny size, a few seconds each: checks that
 # every tool runs to the end and prints its numbers, never the numbers themselves. Uses the debug
 # build that `ops/test.sh` has just made (`cargo build --bins`), since a release build would cost
 # CI minutes for numbers nobody reads; `BENCH_PROFILE=release` uses release binaries instead.
@@ -54,3 +54,7 @@ run "4 fleet-load" \
     'through codex-fleet .*: 4 sessions ok, 0 failed' 'turns/s through/direct = [0-9.]+' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2
+run "5 edge-latency" \
+    'added by the node \(one hop, as serve\): p50 +-?[0-9]+' 'added by the edge hop alone: +p50 +-?[0-9]+' \
+    'edge memory: .* KiB per session' -- \
+    "$BIN/edge-latency" --rounds 20 --runs 1 --sessions 20

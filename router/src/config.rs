@@ -851,15 +851,23 @@ node = "n2"
         let embedded = Config::parse(&minimal("")).expect("valid");
         assert_eq!(embedded.role(), Role::Embedded);
         assert_eq!(embedded.localized().tenants.len(), 1);
-        let node = Config::parse(&two_nodes("[node]\nname = \"n2\"\nedge_ca = \"/l/ca.pem\"\n"))
-            .expect("valid");
+        let node = Config::parse(&two_nodes(
+            "[node]\nname = \"n2\"\nedge_ca = \"/l/ca.pem\"\n",
+        ))
+        .expect("valid");
         assert_eq!(node.role(), Role::Node);
         let ids: Vec<_> = node.localized().tenants.into_iter().map(|t| t.id).collect();
         assert_eq!(ids, ["beta"]);
         let edge = Config::parse(&two_nodes(NODES)).expect("valid");
         assert_eq!(edge.role(), Role::Edge);
-        assert!(edge.localized().tenants.is_empty(), "an edge runs no worker");
-        assert_eq!(edge.nodes.as_ref().map(|n| n.connect_timeout_ms), Some(2000));
+        assert!(
+            edge.localized().tenants.is_empty(),
+            "an edge runs no worker"
+        );
+        assert_eq!(
+            edge.nodes.as_ref().map(|n| n.connect_timeout_ms),
+            Some(2000)
+        );
     }
 
     #[test]
@@ -871,11 +879,22 @@ node = "n2"
         let e = Config::parse(&missing).unwrap_err().to_string();
         assert!(e.contains("tenants[].node"), "{e}");
         let twice = two_nodes(NODES).replace("name = \"n2\"", "name = \"n1\"");
-        assert!(Config::parse(&twice).unwrap_err().to_string().contains("listed twice"));
+        assert!(Config::parse(&twice)
+            .unwrap_err()
+            .to_string()
+            .contains("listed twice"));
         let bad_addr = two_nodes(NODES).replace("10.0.0.2:7443", "10.0.0.2");
-        assert!(Config::parse(&bad_addr).unwrap_err().to_string().contains("host:port"));
-        let both = two_nodes(&format!("{NODES}[node]\nname = \"n1\"\nedge_ca = \"/l/ca.pem\"\n"));
-        assert!(Config::parse(&both).unwrap_err().to_string().contains("one"));
+        assert!(Config::parse(&bad_addr)
+            .unwrap_err()
+            .to_string()
+            .contains("host:port"));
+        let both = two_nodes(&format!(
+            "{NODES}[node]\nname = \"n1\"\nedge_ca = \"/l/ca.pem\"\n"
+        ));
+        assert!(Config::parse(&both)
+            .unwrap_err()
+            .to_string()
+            .contains("one"));
     }
 
     #[test]

@@ -997,6 +997,11 @@ impl FleetProcess {
         Ok(c)
     }
 
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Sends `sig` to codex-fleet.
     pub fn signal(&self, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
         let pid = self.child.id().context("codex-fleet already exited")?;
@@ -1118,6 +1123,7 @@ pub struct Split {
     pub nodes: Vec<Node>,
     /// The edges.
     pub edges: Vec<FleetProcess>,
+    program: PathBuf,
 }
 
 /// One node of a [`Split`].
@@ -1147,6 +1153,16 @@ impl Split {
     /// `tenants` as (id, node); nodes `n1`, `n2`; `edges` edges.
     /// Starts the nodes, then `edges` edges.
     pub async fn start(
+        tenants: &[(&str, &str)],
+        edges: usize,
+        limits: &str,
+    ) -> anyhow::Result<Split> {
+        Split::start_with(&fleet_bin(), tenants, edges, limits).await
+    }
+
+    /// Same, running `program` as codex-fleet.
+    pub async fn start_with(
+        program: &Path,
         tenants: &[(&str, &str)],
         edges: usize,
         limits: &str,
@@ -1183,6 +1199,7 @@ impl Split {
             link,
             nodes: Vec::new(),
             edges: Vec::new(),
+            program: program.to_owned(),
         };
         for name in ["n1", "n2"] {
             let node = split.node_config(name)?;
@@ -1196,7 +1213,7 @@ impl Split {
             std::fs::write(&path, split.edge_config())?;
             split
                 .edges
-                .push(FleetProcess::spawn_role(&fleet_bin(), "serve", &path, |_| {}).await?);
+                .push(FleetProcess::spawn_role(&split.program, "serve", &path, |_| {}).await?);
         }
         Ok(split)
     }
@@ -1256,7 +1273,7 @@ impl Split {
     pub async fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
         let node = &mut self.nodes[i];
         node.process =
-            Some(FleetProcess::spawn_role(&fleet_bin(), "node", &node.config, |_| {}).await?);
+            Some(FleetProcess::spawn_role(&self.program, "node", &node.config, |_| {}).await?);
         Ok(())
     }
 

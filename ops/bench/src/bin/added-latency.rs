@@ -22,15 +22,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use codex_fleet_bench::latency::{connect_unix, connect_ws, summarize, Summary};
 use e2e::{FleetBuilder, FleetFiles};
-use futures_util::{SinkExt, StreamExt};
-use serde_json::{json, Value};
-use tokio::net::{TcpStream, UnixStream};
+use serde_json::json;
+use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 
 #[derive(Parser, Debug)]
 #[command(about = "codex-fleet's added latency against HAProxy's, side by side in one run")]
@@ -50,93 +47,6 @@ struct Args {
 }
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// One measured connection.
-enum Conn {
-    Tcp(Box<WebSocketStream<MaybeTlsStream<TcpStream>>>),
-    Unix(Box<WebSocketStream<UnixStream>>),
-}
-
-impl Conn {
-    async fn send(&mut self, text: String) -> anyhow::Result<()> {
-        match self {
-            Conn::Tcp(ws) => ws.send(Message::text(text)).await?,
-            Conn::Unix(ws) => ws.send(Message::text(text)).await?,
-        }
-        Ok(())
-    }
-
-    async fn next_text(&mut self) -> anyhow::Result<String> {
-        loop {
-            let frame = match self {
-                Conn::Tcp(ws) => ws.next().await,
-                Conn::Unix(ws) => ws.next().await,
-            };
-            match frame.context("connection closed")?? {
-                Message::Text(t) => return Ok(t.to_string()),
-                Message::Close(c) => bail!("closed: {c:?}"),
-                _ => {}
-            }
-        }
-    }
-
-    /// Sends a request and waits for the answer with its id (notifications are skipped).
-    async fn call(&mut self, id: u64, method: &str, params: Value) -> anyhow::Result<Value> {
-        self.send(json!({"id": id, "method": method, "params": params}).to_string())
-            .await?;
-        loop {
-            let text = tokio::time::timeout(TIMEOUT, self.next_text())
-                .await
-                .context("no answer")??;
-            let v: Value = serde_json::from_str(&text)?;
-            if v["id"] == id {
-                if v.get("error").is_some() {
-                    bail!("{method}: {v}");
-                }
-                return Ok(v);
-            }
-        }
-    }
-
-    async fn initialize(&mut self) -> anyhow::Result<()> {
-        self.call(
-            0,
-            "initialize",
-            json!({"clientInfo": {"name": "bench", "title": null, "version": "0"},
-                   "capabilities": {"experimentalApi": true}}),
-        )
-        .await?;
-        self.send(json!({"method": "initialized"}).to_string())
-            .await
-    }
-}
-
-async fn connect_ws(url: &str, ca: Option<&Path>, token: Option<&str>) -> anyhow::Result<Conn> {
-    let mut req = url.into_client_request()?;
-    if let Some(t) = token {
-        req.headers_mut()
-            .insert("authorization", format!("Bearer {t}").parse()?);
-    }
-    let connector = match ca {
-        Some(ca) => Some(Connector::Rustls(e2e::client_tls(ca)?)),
-        None => None,
-    };
-    // Nagle off, as an interactive client wants.
-    let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(req, None, true, connector)
-        .await
-        .with_context(|| format!("connect {url}"))?;
-    let mut conn = Conn::Tcp(Box::new(ws));
-    conn.initialize().await?;
-    Ok(conn)
-}
-
-async fn connect_unix(socket: &Path) -> anyhow::Result<Conn> {
-    let stream = UnixStream::connect(socket).await?;
-    let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
-    let mut conn = Conn::Unix(Box::new(ws));
-    conn.initialize().await?;
-    Ok(conn)
-}
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -217,27 +127,6 @@ fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: &str) -> anyhow::Re
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("start {} (ops/bench/latency.sh installs it)", bin.display()))
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let rank = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-struct Summary {
-    p50: f64,
-    p99: f64,
-    p999: f64,
-}
-
-fn summarize(samples: &[f64]) -> Summary {
-    let mut s = samples.to_vec();
-    s.sort_by(f64::total_cmp);
-    Summary {
-        p50: percentile(&s, 0.5),
-        p99: percentile(&s, 0.99),
-        p999: percentile(&s, 0.999),
-    }
 }
 
 const PATHS: [&str; 4] = ["direct-unix", "fleet", "haproxy", "direct-ws"];

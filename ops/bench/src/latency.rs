@@ -1,0 +1,149 @@
+//! The measured connections and percentiles the latency benchmarks share.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::{TcpStream, UnixStream};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
+
+/// How long one answer may take.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One measured connection.
+pub enum Conn {
+    /// wss or ws over TCP.
+    Tcp(Box<WebSocketStream<MaybeTlsStream<TcpStream>>>),
+    /// ws over a Unix socket.
+    Unix(Box<WebSocketStream<UnixStream>>),
+}
+
+impl Conn {
+    async fn send(&mut self, text: String) -> anyhow::Result<()> {
+        match self {
+            Conn::Tcp(ws) => ws.send(Message::text(text)).await?,
+            Conn::Unix(ws) => ws.send(Message::text(text)).await?,
+        }
+        Ok(())
+    }
+
+    async fn next_text(&mut self) -> anyhow::Result<String> {
+        loop {
+            let frame = match self {
+                Conn::Tcp(ws) => ws.next().await,
+                Conn::Unix(ws) => ws.next().await,
+            };
+            match frame.context("connection closed")?? {
+                Message::Text(t) => return Ok(t.to_string()),
+                Message::Close(c) => bail!("closed: {c:?}"),
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends a request and waits for the answer with its id (notifications are skipped).
+    pub async fn call(&mut self, id: u64, method: &str, params: Value) -> anyhow::Result<Value> {
+        self.send(json!({"id": id, "method": method, "params": params}).to_string())
+            .await?;
+        loop {
+            let text = tokio::time::timeout(TIMEOUT, self.next_text())
+                .await
+                .context("no answer")??;
+            let v: Value = serde_json::from_str(&text)?;
+            if v["id"] == id {
+                if v.get("error").is_some() {
+                    bail!("{method}: {v}");
+                }
+                return Ok(v);
+            }
+        }
+    }
+
+    async fn initialize(&mut self) -> anyhow::Result<()> {
+        self.call(
+            0,
+            "initialize",
+            json!({"clientInfo": {"name": "bench", "title": null, "version": "0"},
+                   "capabilities": {"experimentalApi": true}}),
+        )
+        .await?;
+        self.send(json!({"method": "initialized"}).to_string())
+            .await
+    }
+}
+
+/// An initialized connection to `url` (trusting `ca` for wss), with a bearer token.
+pub async fn connect_ws(url: &str, ca: Option<&Path>, token: Option<&str>) -> anyhow::Result<Conn> {
+    let tls = match ca {
+        Some(ca) => Some(e2e::client_tls(ca)?),
+        None => None,
+    };
+    connect_ws_with(
+        url,
+        tls,
+        token.map(|t| ("authorization", format!("Bearer {t}"))),
+    )
+    .await
+}
+
+/// An initialized connection to `url` with a TLS configuration of its own (e.g. a client
+/// certificate) and one extra header.
+pub async fn connect_ws_with(
+    url: &str,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    header: Option<(&'static str, String)>,
+) -> anyhow::Result<Conn> {
+    let mut req = url.into_client_request()?;
+    if let Some((name, value)) = header {
+        req.headers_mut().insert(name, value.parse()?);
+    }
+    let connector = tls.map(Connector::Rustls);
+    // Nagle off, as an interactive client wants.
+    let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(req, None, true, connector)
+        .await
+        .with_context(|| format!("connect {url}"))?;
+    let mut conn = Conn::Tcp(Box::new(ws));
+    conn.initialize().await?;
+    Ok(conn)
+}
+
+/// An initialized connection straight onto a worker's Unix socket.
+pub async fn connect_unix(socket: &Path) -> anyhow::Result<Conn> {
+    let stream = UnixStream::connect(socket).await?;
+    let (ws, _) = tokio_tungstenite::client_async("ws://localhost/", stream).await?;
+    let mut conn = Conn::Unix(Box::new(ws));
+    conn.initialize().await?;
+    Ok(conn)
+}
+
+/// The `p` quantile of sorted samples.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let rank = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// p50, p99 and p99.9 of samples.
+pub struct Summary {
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+}
+
+/// Summarizes samples (any order).
+pub fn summarize(samples: &[f64]) -> Summary {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    Summary {
+        p50: percentile(&s, 0.5),
+        p99: percentile(&s, 0.99),
+        p999: percentile(&s, 0.999),
+    }
+}
