@@ -35,6 +35,8 @@ pub mod names {
     /// Per-connection notifications that followed a replayed initialize, not sent on, by method.
     pub const REPLAYED_NOTIFICATIONS_DROPPED: &str =
         "codex_fleet_replayed_notifications_dropped_total";
+    /// Workers' answers left out of a merged (fanned-out) answer, by method and reason.
+    pub const FANOUT_MISSING: &str = "codex_fleet_fanout_missing_answers_total";
 }
 
 /// The router's metrics.
@@ -70,6 +72,8 @@ pub struct RouterMetrics {
     pub deltas_dropped: prometheus::IntCounter,
     /// See [`names::REPLAYED_NOTIFICATIONS_DROPPED`]; label `method` (a closed list).
     pub replayed_notifications_dropped: IntCounterVec,
+    /// See [`names::FANOUT_MISSING`]; labels `method` (the merged methods), `reason` (closed enum).
+    pub fanout_missing: IntCounterVec,
 }
 
 /// Why a client frame was refused or dropped: the `reason` of
@@ -216,6 +220,14 @@ impl RouterMetrics {
                 ),
                 &["method"],
             )?,
+            fanout_missing: IntCounterVec::new(
+                Opts::new(
+                    names::FANOUT_MISSING,
+                    "Workers' answers left out of a merged answer (timed out, leg closed, \
+                     unreachable): the client got the other workers' merge.",
+                ),
+                &["method", "reason"],
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
@@ -231,6 +243,7 @@ impl RouterMetrics {
         registry.register(Box::new(m.admission_rejections.clone()))?;
         registry.register(Box::new(m.deltas_dropped.clone()))?;
         registry.register(Box::new(m.replayed_notifications_dropped.clone()))?;
+        registry.register(Box::new(m.fanout_missing.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event.
         for reason in ClientError::ALL {
@@ -242,6 +255,12 @@ impl RouterMetrics {
         for method in crate::session::PER_CONNECTION {
             m.replayed_notifications_dropped
                 .with_label_values(&[method]);
+        }
+        for merge in crate::session::FanOutMethod::ALL {
+            for why in crate::session::FanOutMissing::ALL {
+                m.fanout_missing
+                    .with_label_values(&[merge.as_str(), why.as_str()]);
+            }
         }
         Ok(m)
     }

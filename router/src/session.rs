@@ -20,6 +20,7 @@
 //! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
 //! request keeps its entry and its worker slot.
 
+mod fanout;
 pub mod legs;
 mod routing;
 mod server_requests;
@@ -49,6 +50,7 @@ use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
+pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
 use legs::{Leg, LegEvent};
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
@@ -220,6 +222,8 @@ struct Session {
     queued_bytes: Arc<QueueBytes>,
     /// Bytes on the legs, per direction, per session and per tenant.
     leg_budgets: legs::LegBudgets,
+    /// Requests sent to every worker, waiting for their answers to merge.
+    fanouts: fanout::FanOuts,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -262,6 +266,7 @@ where
         soft_mark: crate::config::soft_mark(ctx_client_queue),
         queued_bytes,
         leg_budgets,
+        fanouts: fanout::FanOuts::default(),
     };
     let shutdown = session.ctx.shutdown.clone();
     let admission = session.ctx.admission.clone();
@@ -274,18 +279,21 @@ where
                 slot = Some(Box::pin(async move { admission.worker_slot(worker).await }));
             }
         }
+        let fanout_deadline = fanout::sleep_until(session.fanouts.next_deadline());
         // While a request is parked the client is not read; worker output still flows.
         let step = match slot.as_mut() {
             Some(wait) => tokio::select! {
                 permit = wait => Ok(Some(permit)),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).map(|()| None),
+                () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
         };
@@ -702,7 +710,7 @@ impl Session {
                 thread,
                 retry: Some(text.to_owned()),
             },
-            _ => Learn::Nothing,
+            (m, _) => fanout::Merge::of(m).map_or(Learn::Nothing, Learn::FanOut),
         };
         let parked = Parked {
             id,
@@ -725,7 +733,8 @@ impl Session {
     /// free the first one's worker slot), or it is the router's own id on legs (its answer
     /// would be swallowed and the request never answered).
     fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
-        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID || s.starts_with(fanout::ID_PREFIX))
+        {
             Some(ClientError::ReservedId)
         } else if self.in_flight.contains_key(id) {
             Some(ClientError::DuplicateId)
@@ -759,6 +768,7 @@ impl Session {
             learn,
             first_initialize,
         } = req;
+        let fan_out = learn.fan_out();
         self.in_flight.insert(
             id.clone(),
             InFlight {
@@ -768,6 +778,9 @@ impl Session {
                 _slot: Some(slot),
             },
         );
+        if let Some(merge) = fan_out {
+            return self.fan_out(&id, worker, merge, &text).await;
+        }
         if !self.send_to_leg(worker, text).await {
             self.in_flight.remove(&id);
             if first_initialize {
@@ -881,6 +894,9 @@ impl Session {
             }
             return Ok(());
         }
+        if let Some(merged) = self.fanout_answer(worker, &id, text) {
+            return merged;
+        }
         let rewritten = answer
             .overloaded
             .then(|| self.ctx.admission.rewrite_worker_overload(text))
@@ -946,6 +962,7 @@ impl Session {
             self.home = None;
         }
         self.server_requests.forget_worker(worker);
+        self.fanout_leg_closed(worker)?;
         let lost: Vec<RequestId> = self
             .in_flight
             .iter()

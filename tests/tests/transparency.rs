@@ -239,3 +239,167 @@ async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
     assert_eq!(positional["error"]["code"], -32003, "{positional}");
     fleet.stop().await
 }
+
+/// A tenant of two workers with `per_worker` threads on each, every thread with one finished
+/// turn (so it is on disk and `thread/list` shows it): the client, and each thread's worker slot.
+async fn threads_on_two_workers(
+    fleet: &Fleet,
+    per_worker: usize,
+) -> anyhow::Result<(e2e::Client, Vec<(String, u32)>)> {
+    let mut c = fleet.client("acme").await?;
+    let table = &fleet.tenant("acme").table;
+    let mut threads: Vec<(String, u32)> = Vec::new();
+    for i in 0..per_worker * 6 {
+        let count = |slot: u32| threads.iter().filter(|(_, s)| *s == slot).count();
+        if count(0) >= per_worker && count(1) >= per_worker {
+            break;
+        }
+        let t = c.start_thread().await?;
+        c.start_turn(&t, &format!("placed {i}")).await?;
+        c.until_turn_completed(&t).await?;
+        let slot = table.owner(&t).context("thread placed")?.slot();
+        threads.push((t, slot));
+    }
+    for slot in [0, 1] {
+        let n = threads.iter().filter(|(_, s)| *s == slot).count();
+        anyhow::ensure!(
+            n >= per_worker,
+            "worker {slot} got {n} threads: {threads:?}"
+        );
+    }
+    Ok((c, threads))
+}
+
+async fn two_worker_fleet() -> anyhow::Result<Fleet> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        .start()
+        .await?;
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await,
+        "two workers should start"
+    );
+    Ok(fleet)
+}
+
+/// Issue 15 item 2: `thread/loaded/list` lists the threads loaded on every worker of the tenant,
+/// sorted and paginated as one app-server pages its own (ids in order, `limit` ids a page,
+/// `nextCursor` the page's last id while more follow), and a bad cursor gets app-server's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loaded_threads_are_listed_across_the_pool() -> anyhow::Result<()> {
+    let fleet = two_worker_fleet().await?;
+    let (mut c, threads) = threads_on_two_workers(&fleet, 2).await?;
+    let mut all: Vec<String> = threads.iter().map(|(t, _)| t.clone()).collect();
+    all.sort();
+    let whole = c.request("thread/loaded/list", json!({})).await?;
+    assert_eq!(whole, json!({ "data": all, "nextCursor": null }));
+    let mut pages = Vec::new();
+    let mut cursor = Value::Null;
+    loop {
+        let page = c
+            .request(
+                "thread/loaded/list",
+                json!({ "limit": 2, "cursor": cursor }),
+            )
+            .await?;
+        pages.push(page.clone());
+        cursor = page["nextCursor"].clone();
+        if cursor.is_null() || pages.len() > all.len() {
+            break;
+        }
+    }
+    let want: Vec<Value> = all
+        .chunks(2)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let last = (i + 1) * 2 < all.len();
+            json!({ "data": chunk, "nextCursor": if last { json!(chunk[1]) } else { Value::Null } })
+        })
+        .collect();
+    assert_eq!(pages, want, "pages of 2 over {all:?}");
+    // A cursor between ids starts after it, as app-server's binary search does.
+    let mid = c
+        .request(
+            "thread/loaded/list",
+            json!({ "cursor": all[1], "limit": 0 }),
+        )
+        .await?;
+    assert_eq!(mid, json!({ "data": [all[2]], "nextCursor": all[2] }));
+    // app-server's own refusal of a cursor that is not a thread id, word for word.
+    let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
+    d.until_answer_after(&initialize_frame()).await?;
+    let bad = json!({ "cursor": "not-a-thread" });
+    let (want, _) = d.call("thread/loaded/list", bad.clone()).await?;
+    let got = c.call("thread/loaded/list", bad).await?;
+    assert!(want.get("error").is_some(), "{want}");
+    assert_eq!(got["error"], want["error"]);
+    fleet.stop().await
+}
+
+/// Issue 15 item 3: `thread/list` through codex-fleet reports each thread as the worker holding it
+/// does (its live status and environments), in the order and with the cursors one app-server
+/// gives over the tenant's one CODEX_HOME.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thread_list_reports_each_thread_from_its_worker() -> anyhow::Result<()> {
+    let fleet = two_worker_fleet().await?;
+    let (mut c, threads) = threads_on_two_workers(&fleet, 2).await?;
+    let mut direct = Vec::new();
+    for slot in [0, 1] {
+        let mut d = Direct::connect(&worker_socket(&fleet, "acme", slot)).await?;
+        d.until_answer_after(&initialize_frame()).await?;
+        direct.push(d);
+    }
+    for params in [
+        json!({}),
+        json!({ "limit": 3 }),
+        json!({ "limit": 2, "sortKey": "updated_at" }),
+    ] {
+        let got = c.request("thread/list", params.clone()).await?;
+        let mut per_worker = Vec::new();
+        for d in &mut direct {
+            let (r, _) = d.call("thread/list", params.clone()).await?;
+            per_worker.push(r["result"].clone());
+        }
+        let ids = |v: &Value| -> Vec<Value> {
+            v["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|e| e["id"].clone())
+                .collect()
+        };
+        assert_eq!(
+            ids(&got),
+            ids(&per_worker[0]),
+            "{params}: the order of one CODEX_HOME"
+        );
+        assert_eq!(got["nextCursor"], per_worker[0]["nextCursor"], "{params}");
+        assert_eq!(
+            got["backwardsCursor"], per_worker[0]["backwardsCursor"],
+            "{params}"
+        );
+        let listed = got["data"].as_array().context("data")?;
+        assert!(!listed.is_empty(), "{params}: {got}");
+        for entry in listed {
+            let id = entry["id"].as_str().context("id")?;
+            let (_, slot) = threads
+                .iter()
+                .find(|(t, _)| t == id)
+                .context("our thread")?;
+            let holder = per_worker[*slot as usize]["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["id"] == id)
+                .context("listed by its worker")?;
+            assert_ne!(holder["status"]["type"], "notLoaded", "{holder}");
+            assert_eq!(
+                entry, holder,
+                "{params}: {id} as its worker ({slot}) reports it"
+            );
+        }
+    }
+    fleet.stop().await
+}
