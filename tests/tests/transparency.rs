@@ -403,3 +403,100 @@ async fn thread_list_reports_each_thread_from_its_worker() -> anyhow::Result<()>
     }
     fleet.stop().await
 }
+
+/// A merged request does not wait for a worker that stopped answering: after the bounded wait the
+/// client gets the other workers' merge, and the missing answer is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        // The stopped worker must not be killed as hung while the test looks.
+        .workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120")
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await,
+        "two workers should start"
+    );
+    let pool = fleet.tenant("acme").pool.clone();
+    let handles = |slot: u32| {
+        pool.workers()
+            .iter()
+            .find(|w| w.slot == slot)
+            .map_or(0, |w| w.handles)
+    };
+    let before = [handles(0), handles(1)];
+    let mut c = fleet.client("acme").await?;
+    c.request("thread/loaded/list", json!({})).await?;
+    // The session's first leg (its home) holds a handle on its worker.
+    let home = (0..2u32)
+        .find(|s| handles(*s) > before[*s as usize])
+        .context("a home leg")?;
+    let other = 1 - home;
+    let table = &fleet.tenant("acme").table;
+    let mut on_home = Vec::new();
+    for _ in 0..12 {
+        let t = c.start_thread().await?;
+        let slot = table.owner(&t).context("placed")?.slot();
+        if slot == home {
+            on_home.push(t);
+        } else if !on_home.is_empty() {
+            break;
+        }
+    }
+    let stuck = pool
+        .workers()
+        .iter()
+        .find(|w| w.slot == other)
+        .and_then(|w| w.pid)
+        .context("the other worker's pid")?;
+    let stuck = nix::unistd::Pid::from_raw(i32::try_from(stuck)?);
+    // The worker runs in its own process group (its launcher and app-server).
+    nix::sys::signal::killpg(stuck, nix::sys::signal::Signal::SIGSTOP)?;
+    // Stopping is asynchronous: wait until every thread of the worker shows as stopped.
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{stuck}/task")).is_ok_and(|tasks| {
+            tasks.filter_map(Result::ok).all(|t| {
+                std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                    stat.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('T'))
+                })
+            })
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), stopped).await,
+        "the worker should stop"
+    );
+    let asked = tokio::time::Instant::now();
+    let got = tokio::time::timeout(
+        Duration::from_secs(25),
+        c.request("thread/loaded/list", json!({})),
+    )
+    .await;
+    let waited = asked.elapsed();
+    nix::sys::signal::killpg(stuck, nix::sys::signal::Signal::SIGCONT)?;
+    let got = got.context("the merged answer waited for the stopped worker")??;
+    eprintln!("answered without the stopped worker after {waited:?}: {got}");
+    on_home.sort();
+    assert_eq!(got, json!({ "data": on_home, "nextCursor": null }));
+    let missing = fleet
+        .metric(
+            "codex_fleet_fanout_missing_answers_total",
+            &[("method", "thread/loaded/list"), ("reason", "timeout")],
+        )
+        .await?;
+    assert_eq!(missing, 1.0);
+    // The late answer is dropped, and the worker counts again once it runs.
+    let all = c.request("thread/loaded/list", json!({})).await?;
+    assert!(
+        all["data"]
+            .as_array()
+            .is_some_and(|d| d.len() > on_home.len()),
+        "{all}"
+    );
+    fleet.stop().await
+}
