@@ -1,7 +1,7 @@
 //! A tenant's pool answers as one app-server: what a client sees through codex-fleet is compared
 //! with what the same client gets on a direct connection to one of the tenant's real workers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -499,4 +499,614 @@ async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()
         "{all}"
     );
     fleet.stop().await
+}
+
+// === The transparency scenario (issue 15, Tests) ===
+
+/// One client connection of the scenario: straight to a worker's socket, or through codex-fleet.
+enum Wire {
+    Direct(Box<Direct>),
+    Fleet(Box<e2e::Client>),
+}
+
+/// How long a step waits for more after its last expected message: notifications that follow
+/// a step's answer (status changes after a turn) belong to it, not to the next step.
+const SETTLE: Duration = Duration::from_millis(250);
+
+impl Wire {
+    async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
+        match self {
+            Wire::Direct(d) => d.send(v).await,
+            Wire::Fleet(c) => c.send(v).await,
+        }
+    }
+
+    async fn recv(&mut self, within: Duration) -> anyhow::Result<Value> {
+        match self {
+            Wire::Direct(d) => Ok(tokio::time::timeout(within, d.recv()).await??),
+            Wire::Fleet(c) => c.recv_wire(within).await,
+        }
+    }
+
+    /// Reads until `done` holds for a message (answering server requests with `answer`), then
+    /// until the wire has been quiet for [`SETTLE`]; returns everything read, in order.
+    async fn until(
+        &mut self,
+        mut done: impl FnMut(&Value) -> bool,
+        mut answer: impl FnMut(&Value) -> Option<Value>,
+    ) -> anyhow::Result<Vec<Value>> {
+        let mut seen = Vec::new();
+        loop {
+            let v = self.recv(STEP).await?;
+            if v.get("method").is_some() && v.get("id").is_some() {
+                if let Some(result) = answer(&v) {
+                    self.send(&json!({ "id": v["id"], "result": result }))
+                        .await?;
+                }
+            }
+            let finished = done(&v);
+            seen.push(v);
+            if finished {
+                break;
+            }
+        }
+        while let Ok(v) = self.recv(SETTLE).await {
+            seen.push(v);
+        }
+        Ok(seen)
+    }
+}
+
+/// A scenario run: its wire, the next request id, and the transcript so far (one entry a step).
+struct Run {
+    wire: Wire,
+    next_id: i64,
+    steps: Vec<(String, Vec<Value>)>,
+    /// The threads of the run, by scenario name.
+    threads: BTreeMap<&'static str, String>,
+}
+
+fn no_answer(_: &Value) -> Option<Value> {
+    None
+}
+
+impl Run {
+    fn thread(&self, name: &str) -> String {
+        self.threads.get(name).cloned().unwrap_or_default()
+    }
+
+    fn record(&mut self, name: impl Into<String>, msgs: Vec<Value>) -> Vec<Value> {
+        self.steps.push((name.into(), msgs.clone()));
+        msgs
+    }
+
+    /// A request and everything up to its answer (and the settle after it).
+    async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.wire
+            .send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        let msgs = self
+            .wire
+            .until(|v| v["id"] == id && v.get("method").is_none(), no_answer)
+            .await?;
+        let answer = msgs
+            .iter()
+            .find(|v| v["id"] == id && v.get("method").is_none())
+            .cloned()
+            .unwrap_or_default();
+        self.record(format!("{method} {params}"), msgs);
+        Ok(answer)
+    }
+
+    /// `thread/start` with `params`; remembers the thread as `name`.
+    async fn start(&mut self, name: &'static str, params: Value) -> anyhow::Result<()> {
+        let r = self.call("thread/start", params).await?;
+        let id = r["result"]["thread"]["id"].as_str().context("thread id")?;
+        self.threads.insert(name, id.to_owned());
+        Ok(())
+    }
+
+    /// A turn from `turn/start` to its `turn/completed`, approvals answered with `decision`.
+    async fn turn(&mut self, name: &str, text: &str, decision: Option<&str>) -> anyhow::Result<()> {
+        let thread = self.thread(name);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.wire
+            .send(&json!({ "id": id, "method": "turn/start", "params": {
+                "threadId": thread,
+                "input": [{ "type": "text", "text": text, "text_elements": [] }] } }))
+            .await?;
+        let msgs = self
+            .wire
+            .until(
+                |v| v["method"] == "turn/completed" && v["params"]["threadId"] == thread.as_str(),
+                |_| decision.map(|d| json!({ "decision": d })),
+            )
+            .await?;
+        self.record(format!("turn on {name}: {text} ({decision:?})"), msgs);
+        Ok(())
+    }
+
+    /// A turn interrupted (`turn/interrupt`) or steered (`turn/steer`) once it has started.
+    async fn turn_then(&mut self, name: &str, text: &str, then: &str) -> anyhow::Result<()> {
+        let thread = self.thread(name);
+        let id = self.next_id;
+        self.next_id += 2;
+        self.wire
+            .send(&json!({ "id": id, "method": "turn/start", "params": {
+                "threadId": thread,
+                "input": [{ "type": "text", "text": text, "text_elements": [] }] } }))
+            .await?;
+        let mut msgs = self
+            .wire
+            .until(|v| v["method"] == "turn/started", no_answer)
+            .await?;
+        let turn = msgs
+            .iter()
+            .find(|v| v["id"] == id)
+            .and_then(|v| v["result"]["turn"]["id"].as_str())
+            .context("turn id")?
+            .to_owned();
+        let params = match then {
+            "turn/interrupt" => json!({ "threadId": thread, "turnId": turn }),
+            _ => json!({ "threadId": thread, "expectedTurnId": turn,
+                "input": [{ "type": "text", "text": "steered", "text_elements": [] }] }),
+        };
+        self.wire
+            .send(&json!({ "id": id + 1, "method": then, "params": params }))
+            .await?;
+        msgs.extend(
+            self.wire
+                .until(
+                    |v| {
+                        v["method"] == "turn/completed"
+                            && v["params"]["threadId"] == thread.as_str()
+                    },
+                    no_answer,
+                )
+                .await?,
+        );
+        self.record(format!("{then} on {name}: {text}"), msgs);
+        Ok(())
+    }
+}
+
+/// Prefix of the names of the second connection's steps.
+const SECOND: &str = "second session: ";
+
+/// The scenario, the same for every run: ~50 steps of what a client does. `workspace` is the
+/// tenant's workspace (a cwd the policy allows), `second` a second connection of the tenant.
+async fn scenario(
+    mut run: Run,
+    second: impl std::future::Future<Output = anyhow::Result<Run>>,
+    workspace: &Path,
+) -> anyhow::Result<Vec<(String, Vec<Value>)>> {
+    let init = initialize_frame();
+    run.wire.send(&init).await?;
+    let msgs = run
+        .wire
+        .until(|v| v["id"] == "initialize", no_answer)
+        .await?;
+    run.record("initialize", msgs);
+    run.wire.send(&json!({ "method": "initialized" })).await?;
+    let ws = workspace.display().to_string();
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/list", json!({})).await?;
+    run.call("model/list", json!({})).await?;
+    run.call("collaborationMode/list", json!({})).await?;
+    run.start("a", json!({})).await?;
+    run.start("b", json!({ "cwd": ws })).await?;
+    run.start("c", json!({ "approvalPolicy": "never" })).await?;
+    run.turn("a", "hello one", None).await?;
+    run.turn("b", "hello two", None).await?;
+    run.turn("c", "hello three", None).await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    let page = run
+        .call("thread/loaded/list", json!({ "limit": 1 }))
+        .await?;
+    let cursor = page["result"]["nextCursor"].clone();
+    run.call(
+        "thread/loaded/list",
+        json!({ "limit": 1, "cursor": cursor }),
+    )
+    .await?;
+    run.call("thread/list", json!({})).await?;
+    let page = run.call("thread/list", json!({ "limit": 2 })).await?;
+    let cursor = page["result"]["nextCursor"].clone();
+    run.call("thread/list", json!({ "limit": 2, "cursor": cursor }))
+        .await?;
+    run.call("thread/list", json!({ "sortKey": "updated_at" }))
+        .await?;
+    let (a, b, c) = (run.thread("a"), run.thread("b"), run.thread("c"));
+    run.call(
+        "thread/read",
+        json!({ "threadId": a, "includeTurns": true }),
+    )
+    .await?;
+    run.call("thread/name/set", json!({ "threadId": a, "name": "first" }))
+        .await?;
+    run.call("thread/read", json!({ "threadId": a })).await?;
+    run.turn("a", "please RUNSHELL", Some("accept")).await?;
+    run.turn("b", "please RUNSHELL", Some("decline")).await?;
+    run.turn("a", "please RUNSHELL", Some("cancel")).await?;
+    run.turn_then("b", "SLOW3 interrupt me", "turn/interrupt")
+        .await?;
+    run.turn_then("c", "SLOW2 steer me", "turn/steer").await?;
+    let fork = run.call("thread/fork", json!({ "threadId": a })).await?;
+    let d = fork["result"]["thread"]["id"]
+        .as_str()
+        .context("fork id")?
+        .to_owned();
+    run.threads.insert("d", d.clone());
+    run.turn("d", "after the fork", None).await?;
+    run.call(
+        "thread/read",
+        json!({ "threadId": d, "includeTurns": true }),
+    )
+    .await?;
+    run.call("thread/turns/list", json!({ "threadId": a }))
+        .await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/archive", json!({ "threadId": c })).await?;
+    run.call("thread/list", json!({})).await?;
+    run.call("thread/list", json!({ "archived": true })).await?;
+    run.call("thread/unarchive", json!({ "threadId": c }))
+        .await?;
+    run.call("thread/unsubscribe", json!({ "threadId": b }))
+        .await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/resume", json!({ "threadId": b })).await?;
+    run.turn("b", "after the resume", None).await?;
+    run.call("thread/list", json!({ "limit": 10 })).await?;
+    // A second connection (opened now: app-server drops connections that stay uninitialized)
+    // takes part in thread a and answers its approval.
+    let mut second = second.await?;
+    second.wire.send(&init).await?;
+    second
+        .wire
+        .until(|v| v["id"] == "initialize", no_answer)
+        .await?;
+    second
+        .wire
+        .send(&json!({ "method": "initialized" }))
+        .await?;
+    second
+        .call("thread/resume", json!({ "threadId": a }))
+        .await?;
+    let msgs = {
+        let id = run.next_id;
+        run.next_id += 1;
+        run.wire
+            .send(
+                &json!({ "id": id, "method": "turn/start", "params": { "threadId": a,
+                "input": [{ "type": "text", "text": "shared RUNSHELL", "text_elements": [] }] } }),
+            )
+            .await?;
+        let asked = second
+            .wire
+            .until(
+                |v| v["method"] == "item/commandExecution/requestApproval",
+                |_| Some(json!({ "decision": "accept" })),
+            )
+            .await?;
+        second.record("second session answers the approval", asked);
+        run.wire
+            .until(
+                |v| v["method"] == "turn/completed" && v["params"]["threadId"] == a.as_str(),
+                no_answer,
+            )
+            .await?
+    };
+    run.record("turn on a, approved by the second session", msgs);
+    // Errors, in app-server's words.
+    let unknown = "00000000-0000-7000-8000-000000000000";
+    run.call("thread/read", json!({ "threadId": unknown }))
+        .await?;
+    run.call("thread/resume", json!({ "threadId": unknown }))
+        .await?;
+    run.call("turn/start", json!({ "threadId": a, "input": 42 }))
+        .await?;
+    run.call("thread/loaded/list", json!({ "cursor": "not-a-thread" }))
+        .await?;
+    run.call("thread/read", json!({ "threadId": "not-a-uuid" }))
+        .await?;
+    run.call(
+        "thread/name/set",
+        json!({ "threadId": d, "name": "the fork" }),
+    )
+    .await?;
+    run.call(
+        "thread/list",
+        json!({ "limit": 3, "sortKey": "updated_at" }),
+    )
+    .await?;
+    run.call("thread/loaded/list", json!({ "limit": 2 }))
+        .await?;
+    let _ = (b, c);
+    let mut steps = run.steps;
+    steps.extend(
+        second
+            .steps
+            .into_iter()
+            .map(|(name, msgs)| (format!("{SECOND}{name}"), msgs)),
+    );
+    Ok(steps)
+}
+
+/// Replaces what differs between runs without meaning: ids (in order of first appearance),
+/// timestamps and durations, opaque cursors, the run's temporary directory and the mock model's
+/// port.
+struct Normalizer {
+    ids: HashMap<String, String>,
+    dir: String,
+}
+
+impl Normalizer {
+    fn id(&mut self, s: &str) -> String {
+        let n = self.ids.len();
+        self.ids
+            .entry(s.to_owned())
+            .or_insert_with(|| format!("<id{n}>"))
+            .clone()
+    }
+
+    fn string(&mut self, key: &str, s: &str) -> Value {
+        let is_id = key == "id" || key.ends_with("Id") || key.ends_with("Ids") || key == "data";
+        if key.ends_with("ursor") {
+            return json!("<cursor>");
+        }
+        let uuid = regex_uuid(s);
+        if is_id || uuid.is_some() {
+            if let Some(u) = uuid.filter(|u| u.len() != s.len()) {
+                let placeholder = self.id(&u);
+                return self.string("", &s.replace(&u, &placeholder));
+            }
+            return json!(self.id(s));
+        }
+        let mut out = s.replace(&self.dir, "<dir>");
+        // Rollout file names and paths carry the time they were made.
+        out = mask_digits_after(&out, "rollout-");
+        out = mask_digits_after(&out, "/sessions/");
+        out = mask_digits_after(&out, "127.0.0.1:");
+        json!(out)
+    }
+
+    fn value(&mut self, key: &str, v: &Value) -> Value {
+        match v {
+            Value::String(s) => self.string(key, s),
+            Value::Number(_)
+                if key.ends_with("At")
+                    || key.ends_with("Ms")
+                    || key.ends_with("Seconds")
+                    || key.contains("time")
+                    || key.contains("Time")
+                    || key == "duration" =>
+            {
+                json!("<n>")
+            }
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.value(key, x)).collect()),
+            Value::Object(o) => Value::Object(
+                o.iter()
+                    .map(|(k, x)| {
+                        // Maps keyed by thread id (`readStates`).
+                        let name = match regex_uuid(k) {
+                            Some(_) => self.string("id", k).as_str().unwrap_or_default().to_owned(),
+                            None => k.clone(),
+                        };
+                        (name, self.value(k, x))
+                    })
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
+    }
+}
+
+/// The first UUID in `s`, if any.
+fn regex_uuid(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let shape = |w: &[u8]| {
+        w.len() == 36
+            && w.iter().enumerate().all(|(i, c)| match i {
+                8 | 13 | 18 | 23 => *c == b'-',
+                _ => c.is_ascii_hexdigit(),
+            })
+    };
+    (0..b.len().saturating_sub(35))
+        .find(|i| shape(&b[*i..*i + 36]))
+        .map(|i| s[i..i + 36].to_owned())
+}
+
+/// `s` with the digits after each `marker` (up to the next `/` or `.`) masked.
+fn mask_digits_after(s: &str, marker: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find(marker) {
+        out.push_str(&rest[..i + marker.len()]);
+        rest = &rest[i + marker.len()..];
+        let end = rest.find(['/', '.']).unwrap_or(rest.len());
+        out.extend(
+            rest[..end]
+                .chars()
+                .map(|c| if c.is_ascii_digit() { '#' } else { c }),
+        );
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A step's messages, normalized. Notifications from two workers reach a fleet client in the
+/// order the two processes sent them, which no single process reproduces: within a step,
+/// notifications are compared as a sorted list beside the ordered answers and server requests
+/// (README "One app-server per tenant").
+fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
+    let mut ordered = Vec::new();
+    let mut notifications = Vec::new();
+    for m in msgs {
+        let mut v = n.value("", m);
+        // Server-request ids are the server's to choose and a client only echoes them: app-server
+        // counts them per process (across its connections), codex-fleet per session (two workers
+        // would collide). Compared per connection by first appearance, like every other id.
+        if m.get("method").is_some() && m.get("id").is_some() {
+            v["id"] = json!(n.id(&format!("{conn} server request {}", m["id"])));
+        }
+        if m["method"] == "serverRequest/resolved" {
+            v["params"]["requestId"] = json!(n.id(&format!(
+                "{conn} server request {}",
+                m["params"]["requestId"]
+            )));
+        }
+        if m.get("id").is_none() {
+            notifications.push(v.to_string());
+        } else {
+            ordered.push(v);
+        }
+    }
+    notifications.sort();
+    json!({ "ordered": ordered, "notifications": notifications })
+}
+
+fn normalize_run(steps: &[(String, Vec<Value>)], dir: &Path) -> Vec<(String, Value)> {
+    let mut n = Normalizer {
+        ids: HashMap::new(),
+        dir: dir.display().to_string(),
+    };
+    steps
+        .iter()
+        .map(|(name, msgs)| {
+            let conn = if name.starts_with(SECOND) {
+                "second"
+            } else {
+                "first"
+            };
+            (name.clone(), normalize(msgs, &mut n, conn))
+        })
+        .collect()
+}
+
+/// Runs the scenario straight against the only worker of a fresh tenant.
+async fn direct_run() -> anyhow::Result<Vec<(String, Value)>> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .start()
+        .await?;
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 1)
+        .await,
+        "the worker should start"
+    );
+    let socket = worker_socket(&fleet, "acme", 0);
+    let wire = |d: Direct| Run {
+        wire: Wire::Direct(Box::new(d)),
+        next_id: 1,
+        steps: Vec::new(),
+        threads: BTreeMap::new(),
+    };
+    let first = wire(Direct::connect(&socket).await?);
+    let second = async { Ok(wire(Direct::connect(&socket).await?)) };
+    let steps = scenario(first, second, &fleet.workspace("acme")).await?;
+    let out = normalize_run(&steps, fleet.files.dir.path());
+    fleet.stop().await?;
+    Ok(out)
+}
+
+/// Runs the scenario through codex-fleet, against a tenant of two workers; returns the steps and
+/// how many workers the scenario's threads ended up on.
+async fn fleet_run() -> anyhow::Result<(Vec<(String, Value)>, usize)> {
+    let fleet = two_worker_fleet().await?;
+    let wire = |c: e2e::Client| Run {
+        wire: Wire::Fleet(Box::new(c)),
+        next_id: 1,
+        steps: Vec::new(),
+        threads: BTreeMap::new(),
+    };
+    let first = wire(fleet.connect("acme").await?);
+    let second = async { Ok(wire(fleet.connect("acme").await?)) };
+    let steps = scenario(first, second, &fleet.workspace("acme")).await?;
+    let table = &fleet.tenant("acme").table;
+    let owners: std::collections::HashSet<_> = steps
+        .iter()
+        .flat_map(|(_, msgs)| msgs)
+        .filter_map(|m| m["result"]["thread"]["id"].as_str())
+        .filter_map(|t| table.owner(t))
+        .collect();
+    let out = normalize_run(&steps, fleet.files.dir.path());
+    fleet.stop().await?;
+    Ok((out, owners.len()))
+}
+
+/// Prints where two values differ.
+fn diff(at: &str, want: &Value, got: &Value) {
+    match (want, got) {
+        (Value::Object(w), Value::Object(g)) => {
+            for k in w.keys().chain(g.keys().filter(|k| !w.contains_key(*k))) {
+                let (wk, gk) = (w.get(k), g.get(k));
+                diff(
+                    &format!("{at}.{k}"),
+                    wk.unwrap_or(&Value::Null),
+                    gk.unwrap_or(&Value::Null),
+                );
+            }
+        }
+        (Value::Array(w), Value::Array(g)) if w.len() == g.len() => {
+            for (i, (w, g)) in w.iter().zip(g).enumerate() {
+                diff(&format!("{at}[{i}]"), w, g);
+            }
+        }
+        (w, g) if w != g => {
+            let cut = |v: &Value| v.to_string().chars().take(600).collect::<String>();
+            eprintln!("  at {at}\n    want: {}\n    got:  {}", cut(w), cut(g));
+        }
+        _ => {}
+    }
+}
+
+/// Compares two runs step by step; prints the differing steps and the count.
+fn compare(what: &str, want: &[(String, Value)], got: &[(String, Value)]) -> usize {
+    let mut same = 0;
+    for (i, ((name, w), (_, g))) in want.iter().zip(got).enumerate() {
+        if w == g {
+            same += 1;
+        } else {
+            eprintln!("{what}: step {i} differs: {name}");
+            diff("", w, g);
+        }
+    }
+    eprintln!("{what}: {same}/{} identical", want.len().max(got.len()));
+    same
+}
+
+/// Issue 15, Tests: the scenario run straight against one worker, twice, is the same every time
+/// (after normalizing ids, timestamps and paths), and through codex-fleet against a tenant of two
+/// workers, with the threads on both, it is the same step by step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_through_the_pool_is_the_scenario_against_one_app_server() -> anyhow::Result<()>
+{
+    let started = tokio::time::Instant::now();
+    let direct = direct_run().await?;
+    let again = direct_run().await?;
+    let (fleet, workers) = fleet_run().await?;
+    eprintln!("three runs in {:?}", started.elapsed());
+    let stable = compare("direct vs direct", &direct, &again);
+    let same = compare("fleet vs direct", &direct, &fleet);
+    assert_eq!(
+        workers, 2,
+        "the scenario's threads should live on both workers"
+    );
+    assert!(direct.len() >= 50, "{} steps", direct.len());
+    assert_eq!(
+        stable,
+        direct.len(),
+        "direct against direct must be identical"
+    );
+    assert_eq!(
+        same,
+        direct.len(),
+        "through codex-fleet every step must be identical"
+    );
+    Ok(())
 }
