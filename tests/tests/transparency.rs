@@ -290,6 +290,17 @@ async fn two_worker_fleet() -> anyhow::Result<Fleet> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loaded_threads_are_listed_across_the_pool() -> anyhow::Result<()> {
     let fleet = two_worker_fleet().await?;
+    // With no threads anywhere, only the home worker is asked: a leg to a worker with nothing
+    // to add would keep it from idling out.
+    let mut idle = fleet.client("acme").await?;
+    let none = idle.request("thread/loaded/list", json!({})).await?;
+    assert_eq!(none, json!({ "data": [], "nextCursor": null }));
+    let legs = [("tenant", "acme")];
+    assert_eq!(
+        fleet.metric("codex_fleet_legs_opened_total", &legs).await?,
+        1.0
+    );
+    idle.close().await;
     let (mut c, threads) = threads_on_two_workers(&fleet, 2).await?;
     let mut all: Vec<String> = threads.iter().map(|(t, _)| t.clone()).collect();
     all.sort();

@@ -1,5 +1,5 @@
-//! Requests a tenant's pool answers as one app-server by asking every live worker and merging
-//! the answers (issue 15): `thread/loaded/list` is the union of the workers' loaded threads,
+//! Requests a tenant's pool answers as one app-server by asking every worker that holds threads
+//! and merging the answers (issue 15): `thread/loaded/list` is the union of the workers' loaded threads,
 //! sorted and paginated as one process sorts and paginates its own; `thread/list` is the home
 //! worker's page (every worker reads the one CODEX_HOME, so order and cursors agree), with each
 //! thread as the worker that has it loaded reports it (its live status and environments).
@@ -221,9 +221,11 @@ fn response(id: &RequestId, merged: Result<Value, Value>) -> String {
 // === impl Session: fan-out ===
 
 impl Session {
-    /// Sends an admitted request (in flight on `home`) to every live worker of the tenant,
-    /// opening legs where the session has none. A tenant with one live worker gets the request
-    /// as it came.
+    /// Sends an admitted request (in flight on `home`) to every live worker of the tenant that
+    /// has threads loaded or a leg of this session, opening legs where the session has none. A
+    /// worker with no threads loaded has nothing to add (none listed, every status `notLoaded`),
+    /// and a leg to it would keep it from idling out. With no such worker besides the home
+    /// worker, the request goes as it came.
     pub(super) async fn fan_out(
         &mut self,
         id: &RequestId,
@@ -232,9 +234,21 @@ impl Session {
         text: &str,
     ) -> Result<(), End> {
         let pool = self.ctx.tenant.pool.clone();
+        let holding: HashSet<WorkerId> = pool
+            .loaded_threads()
+            .into_iter()
+            .filter(|(_, threads)| !threads.is_empty())
+            .map(|(w, _)| w)
+            .collect();
         let others: Vec<WorkerId> = pool
             .workers()
             .into_iter()
+            .filter(|w| {
+                w.loaded_threads > 0
+                    || w.active_turns > 0
+                    || holding.contains(&w.id)
+                    || self.legs.contains_key(&w.id)
+            })
             .map(|w| w.id)
             .filter(|w| *w != home && pool.get(*w).is_some())
             .collect();
