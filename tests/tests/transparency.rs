@@ -125,16 +125,7 @@ async fn direct_per_connection(socket: &Path) -> anyhow::Result<BTreeMap<String,
 /// counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await,
-        "two workers should start"
-    );
+    let fleet = acme(FleetBuilder::new(), 2).await?;
     let direct = direct_per_connection(&worker_socket(&fleet, "acme", 0)).await?;
     eprintln!("direct connection, after initialize: {direct:?}");
     anyhow::ensure!(
@@ -195,16 +186,7 @@ async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Resu
 /// host-access refusals; a real refusal is still `-32003`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 1, 1)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 1)
-        .await,
-        "the worker should start"
-    );
+    let fleet = acme(FleetBuilder::new(), 1).await?;
     let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
     d.until_answer_after(&initialize_frame()).await?;
     let mut c = fleet.client("acme").await?;
@@ -270,18 +252,23 @@ async fn threads_on_two_workers(
     Ok((c, threads))
 }
 
-async fn two_worker_fleet() -> anyhow::Result<Fleet> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
+/// A fleet with tenant `acme` of exactly `workers` workers, all ready.
+async fn acme(builder: FleetBuilder, workers: usize) -> anyhow::Result<Fleet> {
+    let fleet = builder
+        .tenant_pool("acme", workers, workers)
         .start()
         .await?;
     anyhow::ensure!(
         wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
+            == workers)
         .await,
-        "two workers should start"
+        "{workers} workers should start"
     );
     Ok(fleet)
+}
+
+async fn two_worker_fleet() -> anyhow::Result<Fleet> {
+    acme(FleetBuilder::new(), 2).await
 }
 
 /// Issue 15 item 2: `thread/loaded/list` lists the threads loaded on every worker of the tenant,
@@ -419,18 +406,10 @@ async fn thread_list_reports_each_thread_from_its_worker() -> anyhow::Result<()>
 /// client gets the other workers' merge, and the missing answer is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        // The stopped worker must not be killed as hung while the test looks.
-        .workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120")
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await,
-        "two workers should start"
-    );
+    // The stopped worker must not be killed as hung while the test looks.
+    let hold =
+        FleetBuilder::new().workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120");
+    let fleet = acme(hold, 2).await?;
     let pool = fleet.tenant("acme").pool.clone();
     let handles = |slot: u32| {
         pool.workers()
@@ -581,6 +560,11 @@ fn no_answer(_: &Value) -> Option<Value> {
     None
 }
 
+/// Whether a message is `turn/completed` for `thread`.
+fn completed(thread: &str) -> impl FnMut(&Value) -> bool + '_ {
+    move |v| v["method"] == "turn/completed" && v["params"]["threadId"] == thread
+}
+
 impl Run {
     fn thread(&self, name: &str) -> String {
         self.threads.get(name).cloned().unwrap_or_default()
@@ -619,9 +603,8 @@ impl Run {
         Ok(())
     }
 
-    /// A turn from `turn/start` to its `turn/completed`, approvals answered with `decision`.
-    async fn turn(&mut self, name: &str, text: &str, decision: Option<&str>) -> anyhow::Result<()> {
-        let thread = self.thread(name);
+    /// Sends `turn/start` on `thread` with one text input; returns its id.
+    async fn start_turn(&mut self, thread: &str, text: &str) -> anyhow::Result<i64> {
         let id = self.next_id;
         self.next_id += 1;
         self.wire
@@ -629,12 +612,18 @@ impl Run {
                 "threadId": thread,
                 "input": [{ "type": "text", "text": text, "text_elements": [] }] } }))
             .await?;
+        Ok(id)
+    }
+
+    /// A turn from `turn/start` to its `turn/completed`, approvals answered with `decision`.
+    async fn turn(&mut self, name: &str, text: &str, decision: Option<&str>) -> anyhow::Result<()> {
+        let thread = self.thread(name);
+        self.start_turn(&thread, text).await?;
         let msgs = self
             .wire
-            .until(
-                |v| v["method"] == "turn/completed" && v["params"]["threadId"] == thread.as_str(),
-                |_| decision.map(|d| json!({ "decision": d })),
-            )
+            .until(completed(&thread), |_| {
+                decision.map(|d| json!({ "decision": d }))
+            })
             .await?;
         self.record(format!("turn on {name}: {text} ({decision:?})"), msgs);
         Ok(())
@@ -643,13 +632,8 @@ impl Run {
     /// A turn interrupted (`turn/interrupt`) or steered (`turn/steer`) once it has started.
     async fn turn_then(&mut self, name: &str, text: &str, then: &str) -> anyhow::Result<()> {
         let thread = self.thread(name);
-        let id = self.next_id;
-        self.next_id += 2;
-        self.wire
-            .send(&json!({ "id": id, "method": "turn/start", "params": {
-                "threadId": thread,
-                "input": [{ "type": "text", "text": text, "text_elements": [] }] } }))
-            .await?;
+        let id = self.start_turn(&thread, text).await?;
+        self.next_id += 1;
         let mut msgs = self
             .wire
             .until(|v| v["method"] == "turn/started", no_answer)
@@ -668,17 +652,7 @@ impl Run {
         self.wire
             .send(&json!({ "id": id + 1, "method": then, "params": params }))
             .await?;
-        msgs.extend(
-            self.wire
-                .until(
-                    |v| {
-                        v["method"] == "turn/completed"
-                            && v["params"]["threadId"] == thread.as_str()
-                    },
-                    no_answer,
-                )
-                .await?,
-        );
+        msgs.extend(self.wire.until(completed(&thread), no_answer).await?);
         self.record(format!("{then} on {name}: {text}"), msgs);
         Ok(())
     }
@@ -786,30 +760,16 @@ async fn scenario(
     second
         .call("thread/resume", json!({ "threadId": a }))
         .await?;
-    let msgs = {
-        let id = run.next_id;
-        run.next_id += 1;
-        run.wire
-            .send(
-                &json!({ "id": id, "method": "turn/start", "params": { "threadId": a,
-                "input": [{ "type": "text", "text": "shared RUNSHELL", "text_elements": [] }] } }),
-            )
-            .await?;
-        let asked = second
-            .wire
-            .until(
-                |v| v["method"] == "item/commandExecution/requestApproval",
-                |_| Some(json!({ "decision": "accept" })),
-            )
-            .await?;
-        second.record("second session answers the approval", asked);
-        run.wire
-            .until(
-                |v| v["method"] == "turn/completed" && v["params"]["threadId"] == a.as_str(),
-                no_answer,
-            )
-            .await?
-    };
+    run.start_turn(&a, "shared RUNSHELL").await?;
+    let asked = second
+        .wire
+        .until(
+            |v| v["method"] == "item/commandExecution/requestApproval",
+            |_| Some(json!({ "decision": "accept" })),
+        )
+        .await?;
+    second.record("second session answers the approval", asked);
+    let msgs = run.wire.until(completed(&a), no_answer).await?;
     run.record("turn on a, approved by the second session", msgs);
     // Errors, in app-server's words.
     let unknown = "00000000-0000-7000-8000-000000000000";
@@ -1000,16 +960,7 @@ fn normalize_run(steps: &[(String, Vec<Value>)], dir: &Path) -> Vec<(String, Val
 
 /// Runs the scenario straight against the only worker of a fresh tenant.
 async fn direct_run() -> anyhow::Result<Vec<(String, Value)>> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 1, 1)
-        .start()
-        .await?;
-    anyhow::ensure!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 1)
-        .await,
-        "the worker should start"
-    );
+    let fleet = acme(FleetBuilder::new(), 1).await?;
     let socket = worker_socket(&fleet, "acme", 0);
     let wire = |d: Direct| Run {
         wire: Wire::Direct(Box::new(d)),
