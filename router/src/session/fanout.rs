@@ -18,7 +18,8 @@ use worker::WorkerId;
 
 use super::routing::Target;
 use super::{End, Session};
-use crate::jsonrpc::{Method, RequestId};
+use crate::admission::{Reason, Scope};
+use crate::jsonrpc::{codes, Method, RequestId};
 
 /// Prefix of the ids the router gives the copies of a fanned-out request.
 pub(super) const ID_PREFIX: &str = "codex-fleet:fanout:";
@@ -65,12 +66,19 @@ pub(crate) enum Missing {
     LegClosed,
     /// No leg could be opened, or the request could not be sent on it.
     Unreachable,
+    /// The worker (not the home worker) answered app-server's own `-32001`: it is busy, which
+    /// says nothing about the request.
+    Overloaded,
 }
 
 impl Missing {
     /// Every reason.
-    pub(crate) const ALL: [Missing; 3] =
-        [Missing::Timeout, Missing::LegClosed, Missing::Unreachable];
+    pub(crate) const ALL: [Missing; 4] = [
+        Missing::Timeout,
+        Missing::LegClosed,
+        Missing::Unreachable,
+        Missing::Overloaded,
+    ];
 
     /// The `reason` label.
     pub(crate) fn as_str(self) -> &'static str {
@@ -78,6 +86,7 @@ impl Missing {
             Missing::Timeout => "timeout",
             Missing::LegClosed => "leg_closed",
             Missing::Unreachable => "unreachable",
+            Missing::Overloaded => "overloaded",
         }
     }
 }
@@ -310,9 +319,17 @@ impl Session {
             return Some(Ok(())); // late: answered without this worker
         };
         if f.waiting.remove(&worker) {
-            let answer = serde_json::from_str(text).unwrap_or(Value::Null);
-            f.answers.push((worker, answer));
+            let answer: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+            if worker != f.home && answer["error"]["code"] == codes::OVERLOADED {
+                let merge = f.merge;
+                self.count_missing(merge, Missing::Overloaded);
+            } else {
+                f.answers.push((worker, answer));
+            }
         }
+        let Some(f) = self.fanouts.open.get(&seq) else {
+            return Some(Ok(()));
+        };
         if f.waiting.is_empty() {
             return Some(self.finish_fanout(seq));
         }
@@ -395,6 +412,21 @@ impl Session {
         let answers: Vec<Value> = f.answers.into_iter().map(|(_, a)| a).collect();
         match merge(f.merge, &answers, f.limit) {
             Err(Value::Null) => self.worker_gone_reply(&f.client_id),
+            Err(e) if e["code"] == codes::OVERLOADED => {
+                // The home worker is busy: answered as on a single leg, with codex-fleet's `data`.
+                let text = response(&f.client_id, Err(e));
+                let text = self
+                    .ctx
+                    .admission
+                    .rewrite_worker_overload(&text)
+                    .unwrap_or(text);
+                self.ctx
+                    .metrics
+                    .admission_rejections
+                    .with_label_values(&[Scope::Worker.as_str(), Reason::WorkerOverloaded.as_str()])
+                    .inc();
+                self.to_client(text)
+            }
             merged => self.to_client(response(&f.client_id, merged)),
         }
     }
