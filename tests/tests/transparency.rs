@@ -325,6 +325,12 @@ async fn loaded_threads_are_listed_across_the_pool() -> anyhow::Result<()> {
         )
         .await?;
     assert_eq!(mid, json!({ "data": [all[2]], "nextCursor": all[2] }));
+    // The ids codex-fleet gives the copies are its own: a client cannot use them.
+    let reserved =
+        json!({ "id": "codex-fleet:fanout:0", "method": "thread/loaded/list", "params": {} });
+    c.send(&reserved).await?;
+    let refused = c.wait_for(|v| v["id"] == "codex-fleet:fanout:0").await?;
+    assert_eq!(refused["error"]["code"], -32600, "{refused}");
     // app-server's own refusal of a cursor that is not a thread id, word for word.
     let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
     d.until_answer_after(&initialize_frame()).await?;
