@@ -8,6 +8,7 @@
 //! - [`error`]: the error codes and the error shapes codex-fleet answers with.
 //! - [`ws`]: the WebSocket limits of every leg.
 //! - [`names`]: tenant-id and socket-path rules.
+//! - [`placement`]: how a tenant's pool answers each client method as one app-server.
 //! - [`client`]: a small request/response client over any WebSocket stream.
 
 #[doc(hidden)]
@@ -18,6 +19,7 @@ pub mod event;
 pub mod initialize;
 pub mod method;
 pub mod names;
+pub mod placement;
 pub mod rpc;
 pub mod ws;
 

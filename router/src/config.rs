@@ -1084,6 +1084,10 @@ node = "n2"
             ),
             ("limits.handshake_burst", a.handshake_burst.to_string()),
             ("limits.conn_fps", a.conn_fps.to_string()),
+            (
+                "tenants[].node",
+                t.node.clone().unwrap_or_else(|| "unset".to_owned()),
+            ),
             ("limits.conn_burst", a.conn_burst.to_string()),
             ("limits.tenant_rps", a.tenant_rps.to_string()),
             ("limits.tenant_burst", a.tenant_burst.to_string()),

@@ -39,6 +39,8 @@ pub mod names {
     pub const THREAD_REHOMES: &str = "codex_fleet_thread_rehomes_total";
     /// See [`super::RouterMetrics::rehome_seconds`].
     pub const REHOME_SECONDS: &str = "codex_fleet_thread_rehome_duration_seconds";
+    /// Workers' answers left out of a merged (fanned-out) answer, by method and reason.
+    pub const FANOUT_MISSING: &str = "codex_fleet_fanout_missing_answers_total";
 }
 
 /// The router's metrics.
@@ -81,6 +83,8 @@ pub struct RouterMetrics {
     /// From the tenant learning that a worker ended to a subscribed session's thread being
     /// served again on another worker, by tenant.
     pub rehome_seconds: HistogramVec,
+    /// See [`names::FANOUT_MISSING`]; labels `method` (the merged methods), `reason` (closed enum).
+    pub fanout_missing: IntCounterVec,
 }
 
 /// Why a client frame was refused or dropped: the `reason` of
@@ -252,6 +256,14 @@ impl RouterMetrics {
                 ]),
                 &["tenant"],
             )?,
+            fanout_missing: IntCounterVec::new(
+                Opts::new(
+                    names::FANOUT_MISSING,
+                    "Workers' answers left out of a merged answer (timed out, leg closed, \
+                     unreachable): the client got the other workers' merge.",
+                ),
+                &["method", "reason"],
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
@@ -269,6 +281,7 @@ impl RouterMetrics {
         registry.register(Box::new(m.replayed_notifications_dropped.clone()))?;
         registry.register(Box::new(m.thread_rehomes.clone()))?;
         registry.register(Box::new(m.rehome_seconds.clone()))?;
+        registry.register(Box::new(m.fanout_missing.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event.
         for reason in ClientError::ALL {
@@ -280,6 +293,12 @@ impl RouterMetrics {
         for method in crate::session::PER_CONNECTION {
             m.replayed_notifications_dropped
                 .with_label_values(&[method]);
+        }
+        for merge in crate::session::FanOutMethod::ALL {
+            for why in crate::session::FanOutMissing::ALL {
+                m.fanout_missing
+                    .with_label_values(&[merge.as_str(), why.as_str()]);
+            }
         }
         Ok(m)
     }

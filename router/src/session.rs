@@ -20,6 +20,7 @@
 //! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
 //! request keeps its entry and its worker slot.
 
+mod fanout;
 pub mod legs;
 mod rehome;
 mod routing;
@@ -50,6 +51,7 @@ use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::policy::{self, Decision};
 use crate::tenants::{Relayed, Tenant};
+pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
 use legs::{Leg, LegEvent};
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
@@ -223,6 +225,8 @@ struct Session {
     leg_budgets: legs::LegBudgets,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
+    /// Requests sent to every worker, waiting for their answers to merge.
+    fanouts: fanout::FanOuts,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -266,6 +270,7 @@ where
         queued_bytes,
         leg_budgets,
         following: rehome::Following::default(),
+        fanouts: fanout::FanOuts::default(),
     };
     let shutdown = session.ctx.shutdown.clone();
     let admission = session.ctx.admission.clone();
@@ -278,18 +283,21 @@ where
                 slot = Some(Box::pin(async move { admission.worker_slot(worker).await }));
             }
         }
+        let fanout_deadline = fanout::sleep_until(session.fanouts.next_deadline());
         // While a request is parked the client is not read; worker output still flows.
         let step = match slot.as_mut() {
             Some(wait) => tokio::select! {
                 permit = wait => Ok(Some(permit)),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
+                () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
                 Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
+                () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
             },
         };
@@ -707,7 +715,7 @@ impl Session {
                 retry: Some(text.to_owned()),
             },
             (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe { thread },
-            _ => Learn::Nothing,
+            (m, _) => fanout::Merge::of(m).map_or(Learn::Nothing, Learn::FanOut),
         };
         let parked = Parked {
             id,
@@ -730,7 +738,9 @@ impl Session {
     /// free the first one's worker slot), or it is the router's own id on legs (its answer
     /// would be swallowed and the request never answered).
     fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
-        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID) || rehome::Following::is_own(id) {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID || s.starts_with(fanout::ID_PREFIX))
+            || rehome::Following::is_own(id)
+        {
             Some(ClientError::ReservedId)
         } else if self.in_flight.contains_key(id) {
             Some(ClientError::DuplicateId)
@@ -764,6 +774,7 @@ impl Session {
             learn,
             first_initialize,
         } = req;
+        let fan_out = learn.fan_out();
         self.in_flight.insert(
             id.clone(),
             InFlight {
@@ -773,6 +784,9 @@ impl Session {
                 _slot: Some(slot),
             },
         );
+        if let Some(merge) = fan_out {
+            return self.fan_out(&id, worker, merge, &text).await;
+        }
         if !self.send_to_leg(worker, text).await {
             self.in_flight.remove(&id);
             if first_initialize {
@@ -894,6 +908,9 @@ impl Session {
         if rehome::Following::is_own(&id) {
             return self.on_rehome_answer(worker, &id, answer.result.is_some(), text);
         }
+        if let Some(merged) = self.fanout_answer(worker, &id, text) {
+            return merged;
+        }
         let rewritten = answer
             .overloaded
             .then(|| self.ctx.admission.rewrite_worker_overload(text))
@@ -968,6 +985,7 @@ impl Session {
             self.to_client(crate::rehome::request_resolved_frame(&thread, sid))?;
         }
         self.moves_lost(worker)?;
+        self.fanout_leg_closed(worker)?;
         let lost: Vec<RequestId> = self
             .in_flight
             .iter()

@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use proto::placement::Placement;
 use router::policy::{Class, Decision, HostAccessPolicy, TenantRoots};
 use serde_json::Value;
 
@@ -113,4 +114,103 @@ fn client_notifications_are_not_requests_the_table_must_name() {
         methods(&generated_schema("ClientNotification.json")),
         ["initialized"]
     );
+}
+
+/// Whether a request's params name a thread: `Some(true)` when `threadId` is required,
+/// `Some(false)` when it is optional, `None` when there is none.
+fn thread_id_param(schema: &Value, variant: &Value) -> Option<bool> {
+    let resolve = |v: &Value| -> Value {
+        match v["$ref"].as_str() {
+            Some(r) => schema["definitions"][r.rsplit('/').next().unwrap_or_default()].clone(),
+            None => v.clone(),
+        }
+    };
+    let params = resolve(&variant["properties"]["params"]);
+    let mut shapes = vec![params.clone()];
+    for key in ["anyOf", "oneOf", "allOf"] {
+        shapes.extend(params[key].as_array().into_iter().flatten().map(resolve));
+    }
+    let has = shapes
+        .iter()
+        .any(|s| s["properties"].get("threadId").is_some());
+    let required = shapes.iter().any(|s| {
+        s["required"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|k| k == "threadId"))
+    });
+    has.then_some(required)
+}
+
+/// The rows of README's pool table: placement name → the methods its row lists.
+fn readme_rows() -> Vec<(String, String)> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let start = readme
+        .find("### One app-server per tenant")
+        .expect("README has the section \"One app-server per tenant\"");
+    readme[start..]
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with("### ") && !l.starts_with("## "))
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let name = cells.get(1)?.strip_prefix("**")?.strip_suffix("**")?;
+            Some((name.to_owned(), cells.get(2)?.to_string()))
+        })
+        .collect()
+}
+
+/// Issue 15: every client method of the pinned app-server is placed (how a tenant's pool answers
+/// it as one app-server), consistently with its params (a method naming a thread is routed by
+/// it), and README's table lists it in its placement's row: a codex upgrade that adds a method
+/// fails here until it is placed and documented.
+#[test]
+fn every_method_of_the_pinned_app_server_is_placed_and_documented() {
+    let schema = generated_schema("ClientRequest.json");
+    let rows = readme_rows();
+    let mut unplaced = Vec::new();
+    let mut inconsistent = Vec::new();
+    let mut undocumented = Vec::new();
+    for variant in schema["oneOf"].as_array().expect("oneOf") {
+        let method = variant["properties"]["method"]["enum"][0]
+            .as_str()
+            .expect("a method name");
+        let Some(placement) = Placement::of(method) else {
+            unplaced.push(method.to_owned());
+            continue;
+        };
+        let consistent = match thread_id_param(&schema, variant) {
+            Some(true) => placement == Placement::Thread,
+            Some(false) => placement == Placement::ThreadOrShared,
+            None => !matches!(placement, Placement::Thread | Placement::ThreadOrShared),
+        };
+        if !consistent {
+            inconsistent.push(format!("{method} ({})", placement.as_str()));
+        }
+        let listed = rows.iter().any(|(name, methods)| {
+            name == placement.as_str() && methods.contains(&format!("`{method}`"))
+        });
+        if !listed {
+            undocumented.push(format!("{method} ({})", placement.as_str()));
+        }
+    }
+    assert!(
+        unplaced.is_empty(),
+        "methods of the pinned app-server with no placement in proto/src/placement.rs: {unplaced:?}"
+    );
+    assert!(
+        inconsistent.is_empty(),
+        "placements that disagree with the method's threadId param: {inconsistent:?}"
+    );
+    assert!(
+        undocumented.is_empty(),
+        "methods missing from their row of README's \"One app-server per tenant\" table: {undocumented:?}"
+    );
+    for placement in Placement::ALL {
+        assert!(
+            rows.iter().any(|(name, _)| name == placement.as_str()),
+            "README has no row for {}",
+            placement.as_str()
+        );
+    }
 }

@@ -1,7 +1,7 @@
 //! A tenant's pool answers as one app-server: what a client sees through codex-fleet is compared
 //! with what the same client gets on a direct connection to one of the tenant's real workers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -125,16 +125,7 @@ async fn direct_per_connection(socket: &Path) -> anyhow::Result<BTreeMap<String,
 /// counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await,
-        "two workers should start"
-    );
+    let fleet = acme(FleetBuilder::new(), 2).await?;
     let direct = direct_per_connection(&worker_socket(&fleet, "acme", 0)).await?;
     eprintln!("direct connection, after initialize: {direct:?}");
     anyhow::ensure!(
@@ -195,16 +186,7 @@ async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Resu
 /// host-access refusals; a real refusal is still `-32003`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 1, 1)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 1)
-        .await,
-        "the worker should start"
-    );
+    let fleet = acme(FleetBuilder::new(), 1).await?;
     let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
     d.until_answer_after(&initialize_frame()).await?;
     let mut c = fleet.client("acme").await?;
@@ -238,4 +220,861 @@ async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
     let positional = c.call("thread/start", json!(["/etc"])).await?;
     assert_eq!(positional["error"]["code"], -32003, "{positional}");
     fleet.stop().await
+}
+
+/// A tenant of two workers with `per_worker` threads on each, every thread with one finished
+/// turn (so it is on disk and `thread/list` shows it): the client, and each thread's worker slot.
+async fn threads_on_two_workers(
+    fleet: &Fleet,
+    per_worker: usize,
+) -> anyhow::Result<(e2e::Client, Vec<(String, u32)>)> {
+    let mut c = fleet.client("acme").await?;
+    let table = &fleet.tenant("acme").table;
+    let mut threads: Vec<(String, u32)> = Vec::new();
+    for i in 0..per_worker * 6 {
+        let count = |slot: u32| threads.iter().filter(|(_, s)| *s == slot).count();
+        if count(0) >= per_worker && count(1) >= per_worker {
+            break;
+        }
+        let t = c.start_thread().await?;
+        c.start_turn(&t, &format!("placed {i}")).await?;
+        c.until_turn_completed(&t).await?;
+        let slot = table.owner(&t).context("thread placed")?.slot();
+        threads.push((t, slot));
+    }
+    for slot in [0, 1] {
+        let n = threads.iter().filter(|(_, s)| *s == slot).count();
+        anyhow::ensure!(
+            n >= per_worker,
+            "worker {slot} got {n} threads: {threads:?}"
+        );
+    }
+    Ok((c, threads))
+}
+
+/// A fleet with tenant `acme` of exactly `workers` workers, all ready.
+async fn acme(builder: FleetBuilder, workers: usize) -> anyhow::Result<Fleet> {
+    let fleet = builder
+        .tenant_pool("acme", workers, workers)
+        .start()
+        .await?;
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == workers)
+        .await,
+        "{workers} workers should start"
+    );
+    Ok(fleet)
+}
+
+async fn two_worker_fleet() -> anyhow::Result<Fleet> {
+    acme(FleetBuilder::new(), 2).await
+}
+
+/// Issue 15 item 2: `thread/loaded/list` lists the threads loaded on every worker of the tenant,
+/// sorted and paginated as one app-server pages its own (ids in order, `limit` ids a page,
+/// `nextCursor` the page's last id while more follow), and a bad cursor gets app-server's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loaded_threads_are_listed_across_the_pool() -> anyhow::Result<()> {
+    let fleet = two_worker_fleet().await?;
+    // With no threads anywhere, only the home worker is asked: a leg to a worker with nothing
+    // to add would keep it from idling out.
+    let mut idle = fleet.client("acme").await?;
+    let none = idle.request("thread/loaded/list", json!({})).await?;
+    assert_eq!(none, json!({ "data": [], "nextCursor": null }));
+    let legs = [("tenant", "acme")];
+    assert_eq!(
+        fleet.metric("codex_fleet_legs_opened_total", &legs).await?,
+        1.0
+    );
+    idle.close().await;
+    let (mut c, threads) = threads_on_two_workers(&fleet, 2).await?;
+    let mut all: Vec<String> = threads.iter().map(|(t, _)| t.clone()).collect();
+    all.sort();
+    let whole = c.request("thread/loaded/list", json!({})).await?;
+    assert_eq!(whole, json!({ "data": all, "nextCursor": null }));
+    let mut pages = Vec::new();
+    let mut cursor = Value::Null;
+    loop {
+        let page = c
+            .request(
+                "thread/loaded/list",
+                json!({ "limit": 2, "cursor": cursor }),
+            )
+            .await?;
+        pages.push(page.clone());
+        cursor = page["nextCursor"].clone();
+        if cursor.is_null() || pages.len() > all.len() {
+            break;
+        }
+    }
+    let want: Vec<Value> = all
+        .chunks(2)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let last = (i + 1) * 2 < all.len();
+            json!({ "data": chunk, "nextCursor": if last { json!(chunk[1]) } else { Value::Null } })
+        })
+        .collect();
+    assert_eq!(pages, want, "pages of 2 over {all:?}");
+    // A cursor between ids starts after it, as app-server's binary search does.
+    let mid = c
+        .request(
+            "thread/loaded/list",
+            json!({ "cursor": all[1], "limit": 0 }),
+        )
+        .await?;
+    assert_eq!(mid, json!({ "data": [all[2]], "nextCursor": all[2] }));
+    // The ids codex-fleet gives the copies are its own: a client cannot use them.
+    let reserved =
+        json!({ "id": "codex-fleet:fanout:0", "method": "thread/loaded/list", "params": {} });
+    c.send(&reserved).await?;
+    let refused = c.wait_for(|v| v["id"] == "codex-fleet:fanout:0").await?;
+    assert_eq!(refused["error"]["code"], -32600, "{refused}");
+    // app-server's own refusal of a cursor that is not a thread id, word for word.
+    let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
+    d.until_answer_after(&initialize_frame()).await?;
+    let bad = json!({ "cursor": "not-a-thread" });
+    let (want, _) = d.call("thread/loaded/list", bad.clone()).await?;
+    let got = c.call("thread/loaded/list", bad).await?;
+    assert!(want.get("error").is_some(), "{want}");
+    assert_eq!(got["error"], want["error"]);
+    fleet.stop().await
+}
+
+/// Issue 15 item 3: `thread/list` through codex-fleet reports each thread as the worker holding it
+/// does (its live status and environments), in the order and with the cursors one app-server
+/// gives over the tenant's one CODEX_HOME.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thread_list_reports_each_thread_from_its_worker() -> anyhow::Result<()> {
+    let fleet = two_worker_fleet().await?;
+    let (mut c, threads) = threads_on_two_workers(&fleet, 2).await?;
+    let mut direct = Vec::new();
+    for slot in [0, 1] {
+        let mut d = Direct::connect(&worker_socket(&fleet, "acme", slot)).await?;
+        d.until_answer_after(&initialize_frame()).await?;
+        direct.push(d);
+    }
+    for params in [
+        json!({}),
+        json!({ "limit": 3 }),
+        json!({ "limit": 2, "sortKey": "updated_at" }),
+    ] {
+        let got = c.request("thread/list", params.clone()).await?;
+        let mut per_worker = Vec::new();
+        for d in &mut direct {
+            let (r, _) = d.call("thread/list", params.clone()).await?;
+            per_worker.push(r["result"].clone());
+        }
+        let ids = |v: &Value| -> Vec<Value> {
+            v["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|e| e["id"].clone())
+                .collect()
+        };
+        assert_eq!(
+            ids(&got),
+            ids(&per_worker[0]),
+            "{params}: the order of one CODEX_HOME"
+        );
+        assert_eq!(got["nextCursor"], per_worker[0]["nextCursor"], "{params}");
+        assert_eq!(
+            got["backwardsCursor"], per_worker[0]["backwardsCursor"],
+            "{params}"
+        );
+        let listed = got["data"].as_array().context("data")?;
+        assert!(!listed.is_empty(), "{params}: {got}");
+        for entry in listed {
+            let id = entry["id"].as_str().context("id")?;
+            let (_, slot) = threads
+                .iter()
+                .find(|(t, _)| t == id)
+                .context("our thread")?;
+            let holder = per_worker[*slot as usize]["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["id"] == id)
+                .context("listed by its worker")?;
+            assert_ne!(holder["status"]["type"], "notLoaded", "{holder}");
+            assert_eq!(
+                entry, holder,
+                "{params}: {id} as its worker ({slot}) reports it"
+            );
+        }
+    }
+    fleet.stop().await
+}
+
+/// A merged request does not wait for a worker that stopped answering: after the bounded wait the
+/// client gets the other workers' merge, and the missing answer is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()> {
+    // The stopped worker must not be killed as hung while the test looks.
+    let hold =
+        FleetBuilder::new().workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120");
+    let fleet = acme(hold, 2).await?;
+    let pool = fleet.tenant("acme").pool.clone();
+    let handles = |slot: u32| {
+        pool.workers()
+            .iter()
+            .find(|w| w.slot == slot)
+            .map_or(0, |w| w.handles)
+    };
+    let before = [handles(0), handles(1)];
+    let mut c = fleet.client("acme").await?;
+    c.request("thread/loaded/list", json!({})).await?;
+    // The session's first leg (its home) holds a handle on its worker.
+    let home = (0..2u32)
+        .find(|s| handles(*s) > before[*s as usize])
+        .context("a home leg")?;
+    let other = 1 - home;
+    let table = &fleet.tenant("acme").table;
+    let mut on_home = Vec::new();
+    for _ in 0..12 {
+        let t = c.start_thread().await?;
+        let slot = table.owner(&t).context("placed")?.slot();
+        if slot == home {
+            on_home.push(t);
+        } else if !on_home.is_empty() {
+            break;
+        }
+    }
+    let stuck = pool
+        .workers()
+        .iter()
+        .find(|w| w.slot == other)
+        .and_then(|w| w.pid)
+        .context("the other worker's pid")?;
+    let stuck = nix::unistd::Pid::from_raw(i32::try_from(stuck)?);
+    // The worker runs in its own process group (its launcher and app-server).
+    nix::sys::signal::killpg(stuck, nix::sys::signal::Signal::SIGSTOP)?;
+    // Stopping is asynchronous: wait until every thread of the worker shows as stopped.
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{stuck}/task")).is_ok_and(|tasks| {
+            tasks.filter_map(Result::ok).all(|t| {
+                std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                    stat.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('T'))
+                })
+            })
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), stopped).await,
+        "the worker should stop"
+    );
+    let asked = tokio::time::Instant::now();
+    let got = tokio::time::timeout(
+        Duration::from_secs(25),
+        c.request("thread/loaded/list", json!({})),
+    )
+    .await;
+    let waited = asked.elapsed();
+    nix::sys::signal::killpg(stuck, nix::sys::signal::Signal::SIGCONT)?;
+    let got = got.context("the merged answer waited for the stopped worker")??;
+    eprintln!("answered without the stopped worker after {waited:?}: {got}");
+    on_home.sort();
+    assert_eq!(got, json!({ "data": on_home, "nextCursor": null }));
+    let missing = fleet
+        .metric(
+            "codex_fleet_fanout_missing_answers_total",
+            &[("method", "thread/loaded/list"), ("reason", "timeout")],
+        )
+        .await?;
+    assert_eq!(missing, 1.0);
+    // The late answer is dropped, and the worker counts again once it runs.
+    let all = c.request("thread/loaded/list", json!({})).await?;
+    assert!(
+        all["data"]
+            .as_array()
+            .is_some_and(|d| d.len() > on_home.len()),
+        "{all}"
+    );
+    fleet.stop().await
+}
+
+// === The transparency scenario (issue 15, Tests) ===
+
+/// One client connection of the scenario: straight to a worker's socket, or through codex-fleet.
+enum Wire {
+    Direct(Box<Direct>),
+    Fleet(Box<e2e::Client>),
+}
+
+/// How long a step waits for more after its last expected message: notifications that follow
+/// a step's answer (status changes after a turn) belong to it, not to the next step.
+const SETTLE: Duration = Duration::from_millis(250);
+
+impl Wire {
+    async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
+        match self {
+            Wire::Direct(d) => d.send(v).await,
+            Wire::Fleet(c) => c.send(v).await,
+        }
+    }
+
+    async fn recv(&mut self, within: Duration) -> anyhow::Result<Value> {
+        match self {
+            Wire::Direct(d) => Ok(tokio::time::timeout(within, d.recv()).await??),
+            Wire::Fleet(c) => c.recv_wire(within).await,
+        }
+    }
+
+    /// Reads until `done` holds for a message (answering server requests with `answer`), then
+    /// until the wire has been quiet for [`SETTLE`]; returns everything read, in order.
+    async fn until(
+        &mut self,
+        mut done: impl FnMut(&Value) -> bool,
+        mut answer: impl FnMut(&Value) -> Option<Value>,
+    ) -> anyhow::Result<Vec<Value>> {
+        let mut seen = Vec::new();
+        loop {
+            let v = self.recv(STEP).await?;
+            if v.get("method").is_some() && v.get("id").is_some() {
+                if let Some(result) = answer(&v) {
+                    self.send(&json!({ "id": v["id"], "result": result }))
+                        .await?;
+                }
+            }
+            let finished = done(&v);
+            seen.push(v);
+            if finished {
+                break;
+            }
+        }
+        while let Ok(v) = self.recv(SETTLE).await {
+            seen.push(v);
+        }
+        Ok(seen)
+    }
+}
+
+/// A scenario run: its wire, the next request id, and the transcript so far (one entry a step).
+struct Run {
+    wire: Wire,
+    next_id: i64,
+    steps: Vec<(String, Vec<Value>)>,
+    /// The threads of the run, by scenario name.
+    threads: BTreeMap<&'static str, String>,
+}
+
+fn no_answer(_: &Value) -> Option<Value> {
+    None
+}
+
+/// Whether a message is `turn/completed` for `thread`.
+fn completed(thread: &str) -> impl FnMut(&Value) -> bool + '_ {
+    move |v| v["method"] == "turn/completed" && v["params"]["threadId"] == thread
+}
+
+impl Run {
+    fn thread(&self, name: &str) -> String {
+        self.threads.get(name).cloned().unwrap_or_default()
+    }
+
+    fn record(&mut self, name: impl Into<String>, msgs: Vec<Value>) -> Vec<Value> {
+        self.steps.push((name.into(), msgs.clone()));
+        msgs
+    }
+
+    /// A request and everything up to its answer (and the settle after it).
+    async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.wire
+            .send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        let msgs = self
+            .wire
+            .until(|v| v["id"] == id && v.get("method").is_none(), no_answer)
+            .await?;
+        let answer = msgs
+            .iter()
+            .find(|v| v["id"] == id && v.get("method").is_none())
+            .cloned()
+            .unwrap_or_default();
+        self.record(format!("{method} {params}"), msgs);
+        Ok(answer)
+    }
+
+    /// `thread/start` with `params`; remembers the thread as `name`.
+    async fn start(&mut self, name: &'static str, params: Value) -> anyhow::Result<()> {
+        let r = self.call("thread/start", params).await?;
+        let id = r["result"]["thread"]["id"].as_str().context("thread id")?;
+        self.threads.insert(name, id.to_owned());
+        Ok(())
+    }
+
+    /// Sends `turn/start` on `thread` with one text input; returns its id.
+    async fn start_turn(&mut self, thread: &str, text: &str) -> anyhow::Result<i64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.wire
+            .send(&json!({ "id": id, "method": "turn/start", "params": {
+                "threadId": thread,
+                "input": [{ "type": "text", "text": text, "text_elements": [] }] } }))
+            .await?;
+        Ok(id)
+    }
+
+    /// A turn from `turn/start` to its `turn/completed`, approvals answered with `decision`.
+    async fn turn(&mut self, name: &str, text: &str, decision: Option<&str>) -> anyhow::Result<()> {
+        let thread = self.thread(name);
+        self.start_turn(&thread, text).await?;
+        let msgs = self
+            .wire
+            .until(completed(&thread), |_| {
+                decision.map(|d| json!({ "decision": d }))
+            })
+            .await?;
+        self.record(format!("turn on {name}: {text} ({decision:?})"), msgs);
+        Ok(())
+    }
+
+    /// A turn interrupted (`turn/interrupt`) or steered (`turn/steer`) once it has started.
+    async fn turn_then(&mut self, name: &str, text: &str, then: &str) -> anyhow::Result<()> {
+        let thread = self.thread(name);
+        let id = self.start_turn(&thread, text).await?;
+        self.next_id += 1;
+        let mut msgs = self
+            .wire
+            .until(|v| v["method"] == "turn/started", no_answer)
+            .await?;
+        let turn = msgs
+            .iter()
+            .find(|v| v["id"] == id)
+            .and_then(|v| v["result"]["turn"]["id"].as_str())
+            .context("turn id")?
+            .to_owned();
+        let params = match then {
+            "turn/interrupt" => json!({ "threadId": thread, "turnId": turn }),
+            _ => json!({ "threadId": thread, "expectedTurnId": turn,
+                "input": [{ "type": "text", "text": "steered", "text_elements": [] }] }),
+        };
+        self.wire
+            .send(&json!({ "id": id + 1, "method": then, "params": params }))
+            .await?;
+        msgs.extend(self.wire.until(completed(&thread), no_answer).await?);
+        self.record(format!("{then} on {name}: {text}"), msgs);
+        Ok(())
+    }
+}
+
+/// Prefix of the names of the second connection's steps.
+const SECOND: &str = "second session: ";
+
+/// The scenario, the same for every run: ~50 steps of what a client does. `workspace` is the
+/// tenant's workspace (a cwd the policy allows), `second` a second connection of the tenant.
+async fn scenario(
+    mut run: Run,
+    second: impl std::future::Future<Output = anyhow::Result<Run>>,
+    workspace: &Path,
+) -> anyhow::Result<Vec<(String, Vec<Value>)>> {
+    let init = initialize_frame();
+    run.wire.send(&init).await?;
+    let msgs = run
+        .wire
+        .until(|v| v["id"] == "initialize", no_answer)
+        .await?;
+    run.record("initialize", msgs);
+    run.wire.send(&json!({ "method": "initialized" })).await?;
+    let ws = workspace.display().to_string();
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/list", json!({})).await?;
+    run.call("model/list", json!({})).await?;
+    run.call("collaborationMode/list", json!({})).await?;
+    run.start("a", json!({})).await?;
+    run.start("b", json!({ "cwd": ws })).await?;
+    run.start("c", json!({ "approvalPolicy": "never" })).await?;
+    run.turn("a", "hello one", None).await?;
+    run.turn("b", "hello two", None).await?;
+    run.turn("c", "hello three", None).await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    let page = run
+        .call("thread/loaded/list", json!({ "limit": 1 }))
+        .await?;
+    let cursor = page["result"]["nextCursor"].clone();
+    run.call(
+        "thread/loaded/list",
+        json!({ "limit": 1, "cursor": cursor }),
+    )
+    .await?;
+    run.call("thread/list", json!({})).await?;
+    let page = run.call("thread/list", json!({ "limit": 2 })).await?;
+    let cursor = page["result"]["nextCursor"].clone();
+    run.call("thread/list", json!({ "limit": 2, "cursor": cursor }))
+        .await?;
+    run.call("thread/list", json!({ "sortKey": "updated_at" }))
+        .await?;
+    let (a, b, c) = (run.thread("a"), run.thread("b"), run.thread("c"));
+    run.call(
+        "thread/read",
+        json!({ "threadId": a, "includeTurns": true }),
+    )
+    .await?;
+    run.call("thread/name/set", json!({ "threadId": a, "name": "first" }))
+        .await?;
+    run.call("thread/read", json!({ "threadId": a })).await?;
+    run.turn("a", "please RUNSHELL", Some("accept")).await?;
+    run.turn("b", "please RUNSHELL", Some("decline")).await?;
+    run.turn("a", "please RUNSHELL", Some("cancel")).await?;
+    run.turn_then("b", "SLOW3 interrupt me", "turn/interrupt")
+        .await?;
+    run.turn_then("c", "SLOW2 steer me", "turn/steer").await?;
+    let fork = run.call("thread/fork", json!({ "threadId": a })).await?;
+    let d = fork["result"]["thread"]["id"]
+        .as_str()
+        .context("fork id")?
+        .to_owned();
+    run.threads.insert("d", d.clone());
+    run.turn("d", "after the fork", None).await?;
+    run.call(
+        "thread/read",
+        json!({ "threadId": d, "includeTurns": true }),
+    )
+    .await?;
+    run.call("thread/turns/list", json!({ "threadId": a }))
+        .await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/archive", json!({ "threadId": c })).await?;
+    run.call("thread/list", json!({})).await?;
+    run.call("thread/list", json!({ "archived": true })).await?;
+    run.call("thread/unarchive", json!({ "threadId": c }))
+        .await?;
+    run.call("thread/unsubscribe", json!({ "threadId": b }))
+        .await?;
+    run.call("thread/loaded/list", json!({})).await?;
+    run.call("thread/resume", json!({ "threadId": b })).await?;
+    run.turn("b", "after the resume", None).await?;
+    run.call("thread/list", json!({ "limit": 10 })).await?;
+    // A second connection (opened now: app-server drops connections that stay uninitialized)
+    // takes part in thread a and answers its approval.
+    let mut second = second.await?;
+    second.wire.send(&init).await?;
+    second
+        .wire
+        .until(|v| v["id"] == "initialize", no_answer)
+        .await?;
+    second
+        .wire
+        .send(&json!({ "method": "initialized" }))
+        .await?;
+    second
+        .call("thread/resume", json!({ "threadId": a }))
+        .await?;
+    run.start_turn(&a, "shared RUNSHELL").await?;
+    let asked = second
+        .wire
+        .until(
+            |v| v["method"] == "item/commandExecution/requestApproval",
+            |_| Some(json!({ "decision": "accept" })),
+        )
+        .await?;
+    second.record("second session answers the approval", asked);
+    let msgs = run.wire.until(completed(&a), no_answer).await?;
+    run.record("turn on a, approved by the second session", msgs);
+    // Errors, in app-server's words.
+    let unknown = "00000000-0000-7000-8000-000000000000";
+    run.call("thread/read", json!({ "threadId": unknown }))
+        .await?;
+    run.call("thread/resume", json!({ "threadId": unknown }))
+        .await?;
+    run.call("turn/start", json!({ "threadId": a, "input": 42 }))
+        .await?;
+    run.call("thread/loaded/list", json!({ "cursor": "not-a-thread" }))
+        .await?;
+    run.call("thread/read", json!({ "threadId": "not-a-uuid" }))
+        .await?;
+    run.call(
+        "thread/name/set",
+        json!({ "threadId": d, "name": "the fork" }),
+    )
+    .await?;
+    run.call(
+        "thread/list",
+        json!({ "limit": 3, "sortKey": "updated_at" }),
+    )
+    .await?;
+    run.call("thread/loaded/list", json!({ "limit": 2 }))
+        .await?;
+    let _ = (b, c);
+    let mut steps = run.steps;
+    steps.extend(
+        second
+            .steps
+            .into_iter()
+            .map(|(name, msgs)| (format!("{SECOND}{name}"), msgs)),
+    );
+    Ok(steps)
+}
+
+/// Replaces what differs between runs without meaning: ids (in order of first appearance),
+/// timestamps and durations, opaque cursors, the run's temporary directory and the mock model's
+/// port.
+struct Normalizer {
+    ids: HashMap<String, String>,
+    dir: String,
+}
+
+impl Normalizer {
+    fn id(&mut self, s: &str) -> String {
+        let n = self.ids.len();
+        self.ids
+            .entry(s.to_owned())
+            .or_insert_with(|| format!("<id{n}>"))
+            .clone()
+    }
+
+    fn string(&mut self, key: &str, s: &str) -> Value {
+        let is_id = key == "id" || key.ends_with("Id") || key.ends_with("Ids") || key == "data";
+        if key.ends_with("ursor") {
+            return json!("<cursor>");
+        }
+        let uuid = regex_uuid(s);
+        if is_id || uuid.is_some() {
+            if let Some(u) = uuid.filter(|u| u.len() != s.len()) {
+                let placeholder = self.id(&u);
+                return self.string("", &s.replace(&u, &placeholder));
+            }
+            return json!(self.id(s));
+        }
+        let mut out = s.replace(&self.dir, "<dir>");
+        // Rollout file names and paths carry the time they were made.
+        out = mask_digits_after(&out, "rollout-");
+        out = mask_digits_after(&out, "/sessions/");
+        out = mask_digits_after(&out, "127.0.0.1:");
+        json!(out)
+    }
+
+    fn value(&mut self, key: &str, v: &Value) -> Value {
+        match v {
+            Value::String(s) => self.string(key, s),
+            Value::Number(_)
+                if key.ends_with("At")
+                    || key.ends_with("Ms")
+                    || key.ends_with("Seconds")
+                    || key.contains("time")
+                    || key.contains("Time")
+                    || key == "duration" =>
+            {
+                json!("<n>")
+            }
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.value(key, x)).collect()),
+            Value::Object(o) => Value::Object(
+                o.iter()
+                    .map(|(k, x)| {
+                        // Maps keyed by thread id (`readStates`).
+                        let name = match regex_uuid(k) {
+                            Some(_) => self.string("id", k).as_str().unwrap_or_default().to_owned(),
+                            None => k.clone(),
+                        };
+                        (name, self.value(k, x))
+                    })
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
+    }
+}
+
+/// The first UUID in `s`, if any.
+fn regex_uuid(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let shape = |w: &[u8]| {
+        w.len() == 36
+            && w.iter().enumerate().all(|(i, c)| match i {
+                8 | 13 | 18 | 23 => *c == b'-',
+                _ => c.is_ascii_hexdigit(),
+            })
+    };
+    (0..b.len().saturating_sub(35))
+        .find(|i| shape(&b[*i..*i + 36]))
+        .map(|i| s[i..i + 36].to_owned())
+}
+
+/// `s` with the digits after each `marker` (up to the next `/` or `.`) masked.
+fn mask_digits_after(s: &str, marker: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find(marker) {
+        out.push_str(&rest[..i + marker.len()]);
+        rest = &rest[i + marker.len()..];
+        let end = rest.find(['/', '.']).unwrap_or(rest.len());
+        out.extend(
+            rest[..end]
+                .chars()
+                .map(|c| if c.is_ascii_digit() { '#' } else { c }),
+        );
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A step's messages, normalized. Notifications from two workers reach a fleet client in the
+/// order the two processes sent them, which no single process reproduces: within a step,
+/// notifications are compared as a sorted list beside the ordered answers and server requests
+/// (README "One app-server per tenant").
+fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
+    let mut ordered = Vec::new();
+    let mut notifications = Vec::new();
+    for m in msgs {
+        let mut v = n.value("", m);
+        // Server-request ids are the server's to choose and a client only echoes them: app-server
+        // counts them per process (across its connections), codex-fleet per session (two workers
+        // would collide). Compared per connection by first appearance, like every other id.
+        if m.get("method").is_some() && m.get("id").is_some() {
+            v["id"] = json!(n.id(&format!("{conn} server request {}", m["id"])));
+        }
+        if m["method"] == "serverRequest/resolved" {
+            v["params"]["requestId"] = json!(n.id(&format!(
+                "{conn} server request {}",
+                m["params"]["requestId"]
+            )));
+        }
+        if m.get("id").is_none() {
+            notifications.push(v.to_string());
+        } else {
+            ordered.push(v);
+        }
+    }
+    notifications.sort();
+    json!({ "ordered": ordered, "notifications": notifications })
+}
+
+fn normalize_run(steps: &[(String, Vec<Value>)], dir: &Path) -> Vec<(String, Value)> {
+    let mut n = Normalizer {
+        ids: HashMap::new(),
+        dir: dir.display().to_string(),
+    };
+    steps
+        .iter()
+        .map(|(name, msgs)| {
+            let conn = if name.starts_with(SECOND) {
+                "second"
+            } else {
+                "first"
+            };
+            (name.clone(), normalize(msgs, &mut n, conn))
+        })
+        .collect()
+}
+
+/// Runs the scenario straight against the only worker of a fresh tenant.
+async fn direct_run() -> anyhow::Result<Vec<(String, Value)>> {
+    let fleet = acme(FleetBuilder::new(), 1).await?;
+    let socket = worker_socket(&fleet, "acme", 0);
+    let wire = |d: Direct| Run {
+        wire: Wire::Direct(Box::new(d)),
+        next_id: 1,
+        steps: Vec::new(),
+        threads: BTreeMap::new(),
+    };
+    let first = wire(Direct::connect(&socket).await?);
+    let second = async { Ok(wire(Direct::connect(&socket).await?)) };
+    let steps = scenario(first, second, &fleet.workspace("acme")).await?;
+    let out = normalize_run(&steps, fleet.files.dir.path());
+    fleet.stop().await?;
+    Ok(out)
+}
+
+/// Runs the scenario through codex-fleet, against a tenant of two workers; returns the steps and
+/// how many workers the scenario's threads ended up on.
+async fn fleet_run() -> anyhow::Result<(Vec<(String, Value)>, usize)> {
+    let fleet = two_worker_fleet().await?;
+    let wire = |c: e2e::Client| Run {
+        wire: Wire::Fleet(Box::new(c)),
+        next_id: 1,
+        steps: Vec::new(),
+        threads: BTreeMap::new(),
+    };
+    let first = wire(fleet.connect("acme").await?);
+    let second = async { Ok(wire(fleet.connect("acme").await?)) };
+    let steps = scenario(first, second, &fleet.workspace("acme")).await?;
+    let table = &fleet.tenant("acme").table;
+    let owners: std::collections::HashSet<_> = steps
+        .iter()
+        .flat_map(|(_, msgs)| msgs)
+        .filter_map(|m| m["result"]["thread"]["id"].as_str())
+        .filter_map(|t| table.owner(t))
+        .collect();
+    let out = normalize_run(&steps, fleet.files.dir.path());
+    fleet.stop().await?;
+    Ok((out, owners.len()))
+}
+
+/// Prints where two values differ.
+fn diff(at: &str, want: &Value, got: &Value) {
+    match (want, got) {
+        (Value::Object(w), Value::Object(g)) => {
+            for k in w.keys().chain(g.keys().filter(|k| !w.contains_key(*k))) {
+                let (wk, gk) = (w.get(k), g.get(k));
+                diff(
+                    &format!("{at}.{k}"),
+                    wk.unwrap_or(&Value::Null),
+                    gk.unwrap_or(&Value::Null),
+                );
+            }
+        }
+        (Value::Array(w), Value::Array(g)) if w.len() == g.len() => {
+            for (i, (w, g)) in w.iter().zip(g).enumerate() {
+                diff(&format!("{at}[{i}]"), w, g);
+            }
+        }
+        (w, g) if w != g => {
+            let cut = |v: &Value| v.to_string().chars().take(600).collect::<String>();
+            eprintln!("  at {at}\n    want: {}\n    got:  {}", cut(w), cut(g));
+        }
+        _ => {}
+    }
+}
+
+/// Compares two runs step by step; prints the differing steps and the count.
+fn compare(what: &str, want: &[(String, Value)], got: &[(String, Value)]) -> usize {
+    let mut same = 0;
+    for (i, ((name, w), (_, g))) in want.iter().zip(got).enumerate() {
+        if w == g {
+            same += 1;
+        } else {
+            eprintln!("{what}: step {i} differs: {name}");
+            diff("", w, g);
+        }
+    }
+    eprintln!("{what}: {same}/{} identical", want.len().max(got.len()));
+    same
+}
+
+/// Issue 15, Tests: the scenario run straight against one worker, twice, is the same every time
+/// (after normalizing ids, timestamps and paths), and through codex-fleet against a tenant of two
+/// workers, with the threads on both, it is the same step by step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_through_the_pool_is_the_scenario_against_one_app_server() -> anyhow::Result<()>
+{
+    let started = tokio::time::Instant::now();
+    let direct = direct_run().await?;
+    let again = direct_run().await?;
+    let (fleet, workers) = fleet_run().await?;
+    eprintln!("three runs in {:?}", started.elapsed());
+    let stable = compare("direct vs direct", &direct, &again);
+    let same = compare("fleet vs direct", &direct, &fleet);
+    assert_eq!(
+        workers, 2,
+        "the scenario's threads should live on both workers"
+    );
+    assert!(direct.len() >= 50, "{} steps", direct.len());
+    assert_eq!(
+        stable,
+        direct.len(),
+        "direct against direct must be identical"
+    );
+    assert_eq!(
+        same,
+        direct.len(),
+        "through codex-fleet every step must be identical"
+    );
+    Ok(())
 }

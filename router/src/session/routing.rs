@@ -34,6 +34,18 @@ pub(super) enum Learn {
     Unsubscribe {
         thread: String,
     },
+    /// A request merged from every worker's answer (`fanout.rs`); the client's id learns nothing.
+    FanOut(super::fanout::Merge),
+}
+
+impl Learn {
+    /// The merge of a fanned-out request.
+    pub(super) fn fan_out(&self) -> Option<super::fanout::Merge> {
+        match self {
+            Learn::FanOut(m) => Some(*m),
+            _ => None,
+        }
+    }
 }
 
 /// Where a request goes.
@@ -130,7 +142,7 @@ impl Session {
     ) -> Option<Result<(), End>> {
         let table = &self.ctx.tenant.table;
         match f.learn {
-            Learn::Nothing => None,
+            Learn::Nothing | Learn::FanOut(_) => None,
             Learn::NewThread => {
                 if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
                     table.learn(&thread, worker);

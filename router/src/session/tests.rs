@@ -28,6 +28,19 @@ fn server_request_ids_are_session_unique_and_mapped_back() {
 }
 
 #[test]
+fn the_resolution_of_an_answered_request_carries_the_sessions_id() {
+    let mut s = ServerRequests::default();
+    let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
+    let a = s.insert(w1, RequestId::Int(0), None);
+    let b = s.insert(w2, RequestId::Int(0), None);
+    assert_eq!(s.take(b), Some((w2, RequestId::Int(0))));
+    // The worker reports the request resolved after the client's answer: in the session's ids.
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert_eq!(s.take(b), None);
+    assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
+}
+
+#[test]
 fn server_requests_stay_bounded() {
     let mut s = ServerRequests::default();
     let w = WorkerId::new("t", 1, 1);
@@ -47,12 +60,9 @@ fn a_closed_leg_s_requests_come_back_with_their_threads_to_be_resolved() {
     let b = s.insert(w2, RequestId::Int(0), Some("th-b".into()));
     assert_eq!(s.forget_worker(w1), vec![(a, "th-a".to_owned())]);
     assert_eq!(s.by_session.len(), 1);
-    assert_eq!(s.threads.len(), 1);
     assert_eq!(s.take(b), Some((w2, RequestId::Int(0))));
-    assert!(
-        s.threads.is_empty(),
-        "an answered request forgets its thread"
-    );
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert!(s.by_session.is_empty(), "a resolved request is forgotten");
 }
 
 #[test]
@@ -185,8 +195,8 @@ fn server_request_ids_match_a_model_under_random_operations() {
         WorkerId::new("t", 1, 2),
     ];
     let mut s = ServerRequests::default();
-    // The model: session id -> (worker, original id), for requests still answerable.
-    let mut model: HashMap<i64, (WorkerId, RequestId)> = HashMap::new();
+    // The model: session id -> (worker, original id, answered), for requests not yet resolved.
+    let mut model: HashMap<i64, (WorkerId, RequestId, bool)> = HashMap::new();
     let mut issued: HashSet<i64> = HashSet::new();
     for _ in 0..50_000 {
         let w = *rng.pick(&workers);
@@ -194,11 +204,11 @@ fn server_request_ids_match_a_model_under_random_operations() {
             0 | 1 => {
                 let id = RequestId::Int(rng.below(64) as i64);
                 let sid = s.insert(w, id.clone(), None);
-                match model.iter().find(|(_, v)| **v == (w, id.clone())) {
+                match model.iter().find(|(_, v)| (v.0, &v.1) == (w, &id)) {
                     Some((known, _)) => assert_eq!(*known, sid, "a replay keeps its id"),
                     None => {
                         assert!(issued.insert(sid), "session ids are never reused");
-                        model.insert(sid, (w, id));
+                        model.insert(sid, (w, id, false));
                     }
                 }
             }
@@ -209,13 +219,17 @@ fn server_request_ids_match_a_model_under_random_operations() {
                     let keys: Vec<i64> = model.keys().copied().collect();
                     *rng.pick(&keys)
                 };
-                assert_eq!(s.take(sid), model.remove(&sid), "answer to {sid}");
+                let expect = model.get_mut(&sid).filter(|v| !v.2).map(|v| {
+                    v.2 = true;
+                    (v.0, v.1.clone())
+                });
+                assert_eq!(s.take(sid), expect, "answer to {sid}");
             }
             3 => {
                 let id = RequestId::Int(rng.below(64) as i64);
                 let expect = model
                     .iter()
-                    .find(|(_, v)| **v == (w, id.clone()))
+                    .find(|(_, v)| (v.0, &v.1) == (w, &id))
                     .map(|(k, _)| *k);
                 assert_eq!(s.resolved(w, id), expect);
                 if let Some(k) = expect {
