@@ -943,6 +943,10 @@ fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
         }
     }
     notifications.sort();
+    // app-server itself restates a status some runs and not others (archiving a loaded thread
+    // sends `notLoaded` once or twice, direct against direct): a restatement carries nothing,
+    // so identical notifications within a step count once.
+    notifications.dedup();
     json!({ "ordered": ordered, "notifications": notifications })
 }
 
