@@ -304,33 +304,14 @@ impl Conn {
         };
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
-        let max = self.max_message_bytes;
         let queue = self.client_queue;
         let shutdown = self.shutdown.clone();
-        let handshake = self.metrics.handshake_seconds.clone();
         let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
-        self.tracker.spawn(
-            async move {
-                let upgraded = match on_upgrade.await {
-                    Ok(u) => u,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "upgrade failed");
-                        return;
-                    }
-                };
-                handshake.observe(started.elapsed().as_secs_f64());
-                let ws = WebSocketStream::from_raw_socket(
-                    TokioIo::new(upgraded),
-                    Role::Server,
-                    Some(ws_config(max)),
-                )
-                .await;
-                tracing::info!("relaying the session to its node");
-                edge.relay(ws, link, &who.node, queue, shutdown).await;
-                tracing::info!("relay ended");
-            }
-            .instrument(span),
-        );
+        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
+            tracing::info!("relaying the session to its node");
+            edge.relay(ws, link, &who.node, queue, shutdown).await;
+            tracing::info!("relay ended");
+        });
         switching_protocols(&accept)
     }
 
@@ -447,10 +428,31 @@ impl Conn {
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
         };
-        let max = self.max_message_bytes;
-        let handshake = self.metrics.handshake_seconds.clone();
         let span =
             tracing::info_span!("session", tenant = %ctx.tenant.id, client.addr = %self.addr.0);
+        self.spawn_upgraded(on_upgrade, started, span, |ws| async move {
+            let (sink, stream) = futures_util::StreamExt::split(ws);
+            tracing::info!("session started");
+            let end = session::serve(sink, stream, ctx, guard).await;
+            tracing::info!(?end, "session ended");
+        });
+        switching_protocols(&accept)
+    }
+
+    /// After the 101: waits for the upgraded connection, records the handshake time and runs
+    /// `serve` on its WebSocket in a tracked task.
+    fn spawn_upgraded<F, Fut>(
+        &self,
+        on_upgrade: hyper::upgrade::OnUpgrade,
+        started: tokio::time::Instant,
+        span: tracing::Span,
+        serve: F,
+    ) where
+        F: FnOnce(WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let max = self.max_message_bytes;
+        let handshake = self.metrics.handshake_seconds.clone();
         self.tracker.spawn(
             async move {
                 let upgraded = match on_upgrade.await {
@@ -467,14 +469,10 @@ impl Conn {
                     Some(ws_config(max)),
                 )
                 .await;
-                let (sink, stream) = futures_util::StreamExt::split(ws);
-                tracing::info!("session started");
-                let end = session::serve(sink, stream, ctx, guard).await;
-                tracing::info!(?end, "session ended");
+                serve(ws).await;
             }
             .instrument(span),
         );
-        switching_protocols(&accept)
     }
 }
 

@@ -1051,6 +1051,8 @@ pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Re
 /// A tmux server of our own (`-L`), so nothing else on the machine is touched.
 pub struct Tmux {
     socket: String,
+    /// The TUI's CODEX_HOME and working directory, kept while it runs.
+    dirs: Vec<tempfile::TempDir>,
 }
 
 impl Tmux {
@@ -1058,7 +1060,39 @@ impl Tmux {
     pub fn new(name: &str) -> Tmux {
         Tmux {
             socket: format!("cf-{name}-{}", std::process::id()),
+            dirs: Vec::new(),
         }
+    }
+
+    /// Starts the real Codex TUI (`codex --remote url`, trusting `ca`, with `token`) in the
+    /// pane `tui`, in fresh directories, and waits for its prompt. When it exits the pane shows
+    /// `TUI-EXITED`.
+    pub async fn start_tui(&mut self, url: &str, ca: &Path, token: &str) -> anyhow::Result<()> {
+        let home = tempfile::tempdir()?;
+        let work = tempfile::tempdir()?;
+        let command = format!(
+            "cd {work} && SSL_CERT_FILE={ca} CODEX_HOME={home} FLEET_TOKEN={token} {codex} \
+             --remote {url} --remote-auth-token-env FLEET_TOKEN; echo TUI-EXITED $?; sleep 600",
+            work = work.path().display(),
+            ca = ca.display(),
+            home = home.path().display(),
+            codex = codex_bin().display(),
+        );
+        self.dirs.extend([home, work]);
+        self.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "tui",
+            "-x",
+            "160",
+            "-y",
+            "45",
+            &command,
+        ])?;
+        self.until_screen_has("Ask Codex to do anything", Duration::from_secs(60))
+            .await?;
+        Ok(())
     }
 
     /// Runs a tmux command on this server.

@@ -293,31 +293,8 @@ async fn codex_exec_and_the_tui_work_through_an_edge() -> anyhow::Result<()> {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let tui_home = tempfile::tempdir()?;
-    let work = tempfile::tempdir()?;
-    let tmux = e2e::Tmux::new("edge-tui");
-    let command = format!(
-        "cd {work} && SSL_CERT_FILE={ca} CODEX_HOME={home} FLEET_TOKEN={token} {codex} --remote {url} \
-         --remote-auth-token-env FLEET_TOKEN; echo TUI-EXITED $?; sleep 600",
-        work = work.path().display(),
-        ca = s.files.ca.display(),
-        home = tui_home.path().display(),
-        token = s.token("acme"),
-        codex = e2e::codex_bin().display(),
-        url = s.edges[0].url(),
-    );
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "tui",
-        "-x",
-        "160",
-        "-y",
-        "45",
-        &command,
-    ])?;
-    tmux.until_screen_has("Ask Codex to do anything", Duration::from_secs(60))
+    let mut tmux = e2e::Tmux::new("edge-tui");
+    tmux.start_tui(&s.edges[0].url(), &s.files.ca, &s.token("acme"))
         .await?;
     tmux.type_line("hello through an edge")?;
     tmux.until_screen_has(

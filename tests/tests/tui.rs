@@ -24,31 +24,8 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
         ) == 2)
         .await
     );
-    let home = tempfile::tempdir()?;
-    let work = tempfile::tempdir()?;
-    let tmux = Tmux::new("tui");
-    let command = format!(
-        "cd {work} && SSL_CERT_FILE={ca} CODEX_HOME={home} FLEET_TOKEN={token} {codex} --remote {url} \
-         --remote-auth-token-env FLEET_TOKEN; echo TUI-EXITED $?; sleep 600",
-        work = work.path().display(),
-        ca = fleet.files.ca.display(),
-        home = home.path().display(),
-        token = fleet.files.token("acme"),
-        codex = e2e::codex_bin().display(),
-        url = fleet.url(),
-    );
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "tui",
-        "-x",
-        "160",
-        "-y",
-        "45",
-        &command,
-    ])?;
-    tmux.until_screen_has("Ask Codex to do anything", Duration::from_secs(60))
+    let mut tmux = Tmux::new("tui");
+    tmux.start_tui(&fleet.url(), &fleet.files.ca, &fleet.files.token("acme"))
         .await?;
     tmux.type_line("SLOW30 a long turn")?;
     // The worker running the turn.

@@ -147,3 +147,31 @@ pub fn summarize(samples: &[f64]) -> Summary {
         p999: percentile(&s, 0.999),
     }
 }
+
+/// Warms every connection up (TLS session state, caches, the worker's read path), then measures
+/// `rounds` round trips of `method` on each, interleaved round by round with the order rotating
+/// so no path always goes first; returns each connection's samples in µs.
+pub async fn interleaved<const N: usize>(
+    conns: &mut [Conn; N],
+    rounds: usize,
+    method: &str,
+    params: &Value,
+) -> anyhow::Result<[Vec<f64>; N]> {
+    for conn in conns.iter_mut() {
+        for i in 0..20 {
+            conn.call(1_000_000 + i, method, params.clone()).await?;
+        }
+    }
+    let mut samples: [Vec<f64>; N] = std::array::from_fn(|_| Vec::with_capacity(rounds));
+    for round in 0..rounds {
+        for k in 0..N {
+            let i = (round + k) % N;
+            let t = tokio::time::Instant::now();
+            conns[i]
+                .call(round as u64 + 1, method, params.clone())
+                .await?;
+            samples[i].push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(samples)
+}

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use codex_fleet_bench::latency::{connect_unix, connect_ws, summarize, Summary};
+use codex_fleet_bench::latency::{connect_unix, connect_ws, interleaved, summarize, Summary};
 use e2e::{FleetBuilder, FleetFiles};
 use serde_json::json;
 use tokio::net::TcpStream;
@@ -205,25 +205,7 @@ async fn main() -> anyhow::Result<()> {
             .await?,
             connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
         ];
-        // Warm every path up (TLS session state, caches, the worker's thread read path).
-        for conn in &mut conns {
-            for i in 0..20 {
-                conn.call(1_000_000 + i, "thread/read", params.clone())
-                    .await?;
-            }
-        }
-        let mut samples: [Vec<f64>; 4] = Default::default();
-        for round in 0..args.rounds {
-            // Rotate the order each round so no path always goes first.
-            for k in 0..4 {
-                let i = (round + k) % 4;
-                let t = Instant::now();
-                conns[i]
-                    .call(round as u64 + 1, "thread/read", params.clone())
-                    .await?;
-                samples[i].push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+        let samples = interleaved(&mut conns, args.rounds, "thread/read", &params).await?;
         ratios.push(report(&format!("run {run}"), &samples));
         for (a, s) in all.iter_mut().zip(samples) {
             a.extend(s);

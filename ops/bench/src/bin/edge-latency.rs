@@ -12,9 +12,10 @@
 //! `CODEX_FLEET_BIN`).
 
 use clap::Parser;
-use codex_fleet_bench::latency::{connect_unix, connect_ws, connect_ws_with, summarize, Summary};
+use codex_fleet_bench::latency::{
+    connect_unix, connect_ws, connect_ws_with, interleaved, summarize, Summary,
+};
 use serde_json::json;
-use tokio::time::Instant;
 
 #[derive(Parser, Debug)]
 #[command(about = "the edge→node hop's added latency, against one hop and the bare worker")]
@@ -95,23 +96,7 @@ async fn main() -> anyhow::Result<()> {
             .await?,
             connect_ws(&edge_url, Some(&split.files.ca), Some(&token)).await?,
         ];
-        for conn in &mut conns {
-            for i in 0..20 {
-                conn.call(1_000_000 + i, "thread/read", params.clone())
-                    .await?;
-            }
-        }
-        let mut samples: [Vec<f64>; 3] = Default::default();
-        for round in 0..args.rounds {
-            for k in 0..3 {
-                let i = (round + k) % 3;
-                let t = Instant::now();
-                conns[i]
-                    .call(round as u64 + 1, "thread/read", params.clone())
-                    .await?;
-                samples[i].push(t.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+        let samples = interleaved(&mut conns, args.rounds, "thread/read", &params).await?;
         report(&format!("run {run}"), &samples);
         for (a, s) in all.iter_mut().zip(samples) {
             a.extend(s);
