@@ -32,6 +32,9 @@ struct Args {
     sessions: usize,
 }
 
+/// Rates and caps out of the way: the bench measures latency, not admission.
+const BENCH_LIMITS: &str = "tenant_rps = 1000000\ntenant_burst = 1000000\nconn_fps = 1000000\nconn_burst = 1000000\nmax_connections_per_tenant = 100000\nhandshakes_per_sec_per_ip = 1000000\nhandshake_burst = 1000000";
+
 const PATHS: [&str; 3] = ["direct-unix", "node", "edge"];
 
 fn report(label: &str, samples: &[Vec<f64>; 3]) {
@@ -65,7 +68,7 @@ fn report(label: &str, samples: &[Vec<f64>; 3]) {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let program = codex_fleet_bench::fleet_bin()?;
-    let split = e2e::Split::start_with(&program, &[("acme", "n1")], 1, "").await?;
+    let split = e2e::Split::start_with(&program, &[("acme", "n1")], 1, BENCH_LIMITS).await?;
     let token = split.token("acme");
     let edge_url = split.edges[0].url();
     let node_url = format!("wss://localhost:{}/", split.nodes[0].port);
