@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
+# tests/tests/ops.rs checks the alert rules with promtool (Debian's prometheus package ships it).
+if ! command -v promtool >/dev/null; then
+  echo "installing prometheus (Debian) for promtool"
+  apt-get install -y prometheus >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y prometheus >/dev/null; }
+fi
 # tests/tests/tui.rs drives the real Codex TUI in tmux.
 if ! command -v tmux >/dev/null; then
   echo "installing tmux (Debian) for the TUI test"

@@ -107,15 +107,9 @@ impl Server {
             warnings.push(w);
         }
         // Per-tenant series exist at zero for every configured tenant, now and after reloads.
-        for t in &cfg.tenants {
-            metrics.init_tenant(&t.id);
-        }
+        metrics.init_config(&cfg);
         let init_metrics = metrics.clone();
-        reloader.on_reload(Box::new(move |new: &Config| {
-            for t in &new.tenants {
-                init_metrics.init_tenant(&t.id);
-            }
-        }));
+        reloader.on_reload(Box::new(move |new: &Config| init_metrics.init_config(new)));
         if let listener::Upstream::Nodes(edge) = &upstream {
             // A reload puts new tokens and tenant→node assignments in force at the edge.
             let edge = edge.clone();

@@ -39,6 +39,12 @@ pub mod names {
     pub const THREAD_REHOMES: &str = "codex_fleet_thread_rehomes_total";
     /// See [`super::RouterMetrics::rehome_seconds`].
     pub const REHOME_SECONDS: &str = "codex_fleet_thread_rehome_duration_seconds";
+    /// See [`super::RouterMetrics::tenant_rejections`].
+    pub const TENANT_REJECTIONS: &str = "codex_fleet_tenant_rejections_total";
+    /// See [`super::RouterMetrics::limits`].
+    pub const LIMITS: &str = "codex_fleet_limit";
+    /// See [`super::RouterMetrics::tenant_limits`].
+    pub const TENANT_LIMITS: &str = "codex_fleet_tenant_limit";
     /// Workers' answers left out of a merged (fanned-out) answer, by method and reason.
     pub const FANOUT_MISSING: &str = "codex_fleet_fanout_missing_answers_total";
 }
@@ -85,7 +91,26 @@ pub struct RouterMetrics {
     pub rehome_seconds: HistogramVec,
     /// See [`names::FANOUT_MISSING`]; labels `method` (the merged methods), `reason` (closed enum).
     pub fanout_missing: IntCounterVec,
+    /// The configured fleet-wide limits, by `limit` (a closed list: see [`FLEET_LIMITS`]), so a
+    /// panel divides use by limit without copying configuration into the dashboard.
+    pub limits: IntGaugeVec,
+    /// The configured per-tenant limits, by `tenant` and `limit` (`max_workers`, `min_workers`).
+    pub tenant_limits: IntGaugeVec,
+    /// A tenant's requests refused by admission, by `tenant` and `reason` (both bounded): who is
+    /// refused, and why.
+    pub tenant_rejections: IntCounterVec,
 }
+
+/// The `limit` values of `codex_fleet_limit`.
+pub const FLEET_LIMITS: [&str; 7] = [
+    "max_workers",
+    "max_connections",
+    "max_connections_per_tenant",
+    "max_active_turns_per_tenant",
+    "tenant_rps",
+    "turn_start_per_min",
+    "max_worker_rss_bytes",
+];
 
 /// Why a client frame was refused or dropped: the `reason` of
 /// `codex_fleet_client_errors_total`.
@@ -156,6 +181,50 @@ impl RouterMetrics {
             }
         }
         self.rehome_seconds.with_label_values(&[tenant]);
+        for reason in crate::admission::Reason::ALL {
+            self.tenant_rejections
+                .with_label_values(&[tenant, reason.as_str()]);
+        }
+    }
+
+    /// Puts a configuration in force on the metrics: every tenant's series at zero
+    /// ([`Self::init_tenant`]) and the configured limits ([`FLEET_LIMITS`]).
+    pub fn init_config(&self, cfg: &crate::config::Config) {
+        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let usize_gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let a = &cfg.limits.admission;
+        for (limit, value) in [
+            ("max_workers", usize_gauge(cfg.workers.max_workers)),
+            ("max_connections", usize_gauge(a.max_connections)),
+            (
+                "max_connections_per_tenant",
+                usize_gauge(a.max_connections_per_tenant),
+            ),
+            (
+                "max_active_turns_per_tenant",
+                usize_gauge(a.max_active_turns_per_tenant),
+            ),
+            ("tenant_rps", i64::from(a.tenant_rps)),
+            ("turn_start_per_min", i64::from(a.turn_start_per_min)),
+            // 0: no memory guard.
+            (
+                "max_worker_rss_bytes",
+                gauge(cfg.workers.max_worker_rss_bytes.unwrap_or(0)),
+            ),
+        ] {
+            debug_assert!(FLEET_LIMITS.contains(&limit));
+            self.limits.with_label_values(&[limit]).set(value);
+        }
+        self.tenant_limits.reset();
+        for t in &cfg.tenants {
+            self.init_tenant(&t.id);
+            self.tenant_limits
+                .with_label_values(&[&t.id, "max_workers"])
+                .set(usize_gauge(t.max_workers));
+            self.tenant_limits
+                .with_label_values(&[&t.id, "min_workers"])
+                .set(usize_gauge(t.min_workers));
+        }
     }
 
     /// Creates and registers every router metric.
@@ -264,8 +333,29 @@ impl RouterMetrics {
                 ),
                 &["method", "reason"],
             )?,
+            limits: IntGaugeVec::new(
+                Opts::new(names::LIMITS, "A configured fleet-wide limit, by name."),
+                &["limit"],
+            )?,
+            tenant_rejections: IntCounterVec::new(
+                Opts::new(
+                    names::TENANT_REJECTIONS,
+                    "A tenant's requests refused by admission control, by reason.",
+                ),
+                &["tenant", "reason"],
+            )?,
+            tenant_limits: IntGaugeVec::new(
+                Opts::new(
+                    names::TENANT_LIMITS,
+                    "A configured per-tenant limit, by name.",
+                ),
+                &["tenant", "limit"],
+            )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
+        registry.register(Box::new(m.limits.clone()))?;
+        registry.register(Box::new(m.tenant_limits.clone()))?;
+        registry.register(Box::new(m.tenant_rejections.clone()))?;
         registry.register(Box::new(m.upgrades_refused.clone()))?;
         registry.register(Box::new(m.sessions.clone()))?;
         registry.register(Box::new(m.client_frames.clone()))?;
@@ -301,6 +391,14 @@ impl RouterMetrics {
             }
         }
         Ok(m)
+    }
+
+    /// Counts one admission refusal of one of `tenant`'s requests.
+    pub fn rejected_for(&self, tenant: &str, r: &crate::admission::Rejection) {
+        self.rejected(r);
+        self.tenant_rejections
+            .with_label_values(&[tenant, r.reason.as_str()])
+            .inc();
     }
 
     /// Counts one admission refusal.

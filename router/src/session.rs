@@ -495,7 +495,7 @@ impl Session {
 
     /// Answers a refused request with `-32001` and counts the refusal.
     fn reject(&self, id: &RequestId, r: &Rejection) -> Result<(), End> {
-        self.ctx.metrics.rejected(r);
+        self.ctx.metrics.rejected_for(self.tenant(), r);
         self.to_client(r.to_error_response(id))
     }
 
@@ -644,7 +644,7 @@ impl Session {
     /// frames): over it, the connection is closed rather than the frame dropped silently.
     fn check_unanswerable_frame(&self) -> Result<(), End> {
         self.guard.check_frame().map_err(|r| {
-            self.ctx.metrics.rejected(&r);
+            self.ctx.metrics.rejected_for(self.tenant(), &r);
             tracing::info!("closing a connection that floods notifications or responses");
             End::Flooded
         })

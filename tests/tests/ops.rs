@@ -728,3 +728,108 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
     }
     fleet.stop().await
 }
+
+// === promtool (Debian `prometheus`; ops/test.sh installs it) ===
+
+fn promtool(args: &[&str]) -> std::process::Output {
+    std::process::Command::new("promtool")
+        .args(args)
+        .current_dir(repo_root())
+        .output()
+        .expect("promtool must be installed (ops/test.sh installs Debian's prometheus package)")
+}
+
+/// `promtool check rules` accepts the alert rules, and `promtool test rules` runs their unit
+/// tests, in which every alert fires at least once.
+#[test]
+fn promtool_checks_the_rules_and_every_alert_has_a_unit_test_that_fires() {
+    let check = promtool(&["check", "rules", RULES]);
+    assert!(
+        check.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let tests = "ops/alerts/codex-fleet.rules.test.yml";
+    let run = promtool(&["test", "rules", tests]);
+    assert!(
+        run.status.success(),
+        "promtool test rules: {}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // Each alert is expected to fire somewhere (its name followed by expected alerts).
+    let text = read(tests);
+    for rule in parse_rules(&read(RULES)) {
+        let fires = format!("alertname: {}\n        exp_alerts:", rule.alert);
+        assert!(
+            text.contains(&fires),
+            "{} has no promtool unit test in which it fires",
+            rule.alert
+        );
+    }
+}
+
+/// Issue 14: the configured limits are gauges, and each tenant's workers' memory and CPU are
+/// sampled from their process groups at every health ping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_and_worker_resources_are_exported_per_tenant() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 3)
+        .workers_toml("health_interval_secs = 1\nhealth_timeout_secs = 1\nmax_workers = 7\nmax_worker_rss_bytes = 2000000000")
+        .limits_toml("max_active_turns_per_tenant = 5")
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "use some CPU").await?;
+    c.until_turn_completed(&thread).await?;
+    for (labels, want) in [
+        (vec![("limit", "max_workers")], 7.0),
+        (vec![("limit", "max_active_turns_per_tenant")], 5.0),
+        (vec![("limit", "max_worker_rss_bytes")], 2e9),
+    ] {
+        assert_eq!(
+            fleet.metric("codex_fleet_limit", &labels).await?,
+            want,
+            "{labels:?}"
+        );
+    }
+    let tenant_max = fleet
+        .metric(
+            "codex_fleet_tenant_limit",
+            &[("limit", "max_workers"), ("tenant", "acme")],
+        )
+        .await?;
+    assert_eq!(tenant_max, 3.0);
+    let acme = [("tenant", "acme")];
+    let sampled = e2e::wait_until_async(Duration::from_secs(10), || async {
+        let rss = fleet
+            .metric("codex_fleet_worker_resident_bytes", &acme)
+            .await
+            .unwrap_or(0.0);
+        let largest = fleet
+            .metric("codex_fleet_worker_largest_rss_bytes", &acme)
+            .await
+            .unwrap_or(0.0);
+        let cpu = fleet
+            .metric("codex_fleet_worker_cpu_seconds_total", &acme)
+            .await
+            .unwrap_or(0.0);
+        // An app-server with a thread is far above 20 MiB, and a turn costs CPU.
+        rss > 20e6 && largest > 20e6 && largest <= rss && cpu > 0.0
+    })
+    .await;
+    let (_, metrics) = fleet.admin_get("/metrics").await?;
+    assert!(
+        sampled,
+        "worker memory and CPU sampled: {}",
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("codex_fleet_worker_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    c.close().await;
+    fleet.stop().await
+}

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod restart;
 pub mod supervisor;
 mod sweep;
+pub mod usage;
 pub mod worker;
 
 pub use error::{ConfigError, ControlError, LegError, PoolError, StartError};

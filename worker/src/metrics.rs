@@ -12,6 +12,9 @@ const WORKERS: &str = "codex_fleet_workers";
 const START_SECONDS: &str = "codex_fleet_worker_start_seconds";
 const ACTIVE_TURNS: &str = "codex_fleet_worker_active_turns";
 const LOADED_THREADS: &str = "codex_fleet_worker_loaded_threads";
+const RESIDENT_BYTES: &str = "codex_fleet_worker_resident_bytes";
+const LARGEST_RSS_BYTES: &str = "codex_fleet_worker_largest_rss_bytes";
+const CPU_SECONDS: &str = "codex_fleet_worker_cpu_seconds_total";
 
 const LABEL_TENANT: &str = "tenant";
 const LABEL_REASON: &str = "reason";
@@ -74,6 +77,9 @@ pub struct WorkerMetrics {
     start_seconds: HistogramVec,
     active_turns: IntGaugeVec,
     loaded_threads: IntGaugeVec,
+    resident: IntGaugeVec,
+    largest_rss: IntGaugeVec,
+    cpu: prometheus::CounterVec,
 }
 
 // === impl WorkerMetrics ===
@@ -119,6 +125,32 @@ impl WorkerMetrics {
             Opts::new(LOADED_THREADS, "Threads loaded on a tenant's workers."),
             &[LABEL_TENANT],
         )?;
+        let resident = IntGaugeVec::new(
+            Opts::new(
+                RESIDENT_BYTES,
+                "Resident memory of a tenant's workers' process groups (app-servers and the \
+                 commands they run), at the last health pings.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        let largest_rss = IntGaugeVec::new(
+            Opts::new(
+                LARGEST_RSS_BYTES,
+                "Resident memory of a tenant's largest worker process: what the memory guard \
+                 (workers.max_worker_rss_bytes) compares.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        let cpu = prometheus::CounterVec::new(
+            Opts::new(
+                CPU_SECONDS,
+                "CPU time used by a tenant's workers' process groups, sampled at health pings.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        registry.register(Box::new(resident.clone()))?;
+        registry.register(Box::new(largest_rss.clone()))?;
+        registry.register(Box::new(cpu.clone()))?;
         registry.register(Box::new(starts.clone()))?;
         registry.register(Box::new(exits.clone()))?;
         registry.register(Box::new(restarts.clone()))?;
@@ -134,6 +166,9 @@ impl WorkerMetrics {
             start_seconds,
             active_turns,
             loaded_threads,
+            resident,
+            largest_rss,
+            cpu,
         })
     }
 
@@ -142,6 +177,9 @@ impl WorkerMetrics {
     pub fn init_tenant(&self, tenant: &str) {
         self.starts.with_label_values(&[tenant]);
         self.restarts.with_label_values(&[tenant]);
+        self.resident.with_label_values(&[tenant]);
+        self.largest_rss.with_label_values(&[tenant]);
+        self.cpu.with_label_values(&[tenant]);
         for reason in ExitReason::ALL {
             self.exits.with_label_values(&[tenant, reason.as_str()]);
         }
@@ -176,6 +214,22 @@ impl WorkerMetrics {
         self.loaded_threads
             .with_label_values(&[tenant])
             .set(gauge(loaded_threads));
+    }
+
+    /// Sets a tenant's memory totals: all its workers' process groups, and its largest worker.
+    pub(crate) fn resources(&self, tenant: &str, resident: u64, largest: u64) {
+        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.resident
+            .with_label_values(&[tenant])
+            .set(gauge(resident));
+        self.largest_rss
+            .with_label_values(&[tenant])
+            .set(gauge(largest));
+    }
+
+    /// Adds CPU time a tenant's workers used.
+    pub(crate) fn cpu_spent(&self, tenant: &str, secs: f64) {
+        self.cpu.with_label_values(&[tenant]).inc_by(secs);
     }
 
     /// Moves one slot between states in the `codex_fleet_workers` gauge.

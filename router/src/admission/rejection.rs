@@ -76,6 +76,23 @@ impl Scope {
 }
 
 impl Reason {
+    /// Every reason, so each series exists (at zero) from the start.
+    pub const ALL: [Reason; 13] = [
+        Reason::HandshakeRateLimited,
+        Reason::ConnectionRateLimited,
+        Reason::TenantRateLimited,
+        Reason::TurnRateLimited,
+        Reason::ActiveTurnLimit,
+        Reason::WorkerBusy,
+        Reason::WorkerOverloaded,
+        Reason::TooManyConnections,
+        Reason::TooManyRequestsInFlight,
+        Reason::NoWorkerAvailable,
+        Reason::WorkerUnreachable,
+        Reason::FleetWorkerLimit,
+        Reason::NodeUnavailable,
+    ];
+
     /// The wire spelling, e.g. `"tenantRateLimited"`.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -238,6 +238,7 @@ fn register(
             control,
             threads: ThreadView::default(),
             rss: None,
+            usage: crate::usage::Usage::default(),
             idle_since: None,
             retire: None,
             placed: Default::default(),
@@ -319,8 +320,12 @@ fn observe(shared: &Shared, index: usize, process: &WorkerProcess, seen: Observe
         }
         Observed::Loaded(threads) => {
             let rss = worker::rss_bytes(process.pid());
+            let usage = crate::usage::group_usage(process.pid());
             let verdict = shared.update(|state| {
-                state.on_loaded(index, id, &threads, rss, &shared.cfg, Instant::now())
+                let verdict =
+                    state.on_loaded(index, id, &threads, rss, &shared.cfg, Instant::now());
+                state.on_usage(index, id, usage);
+                verdict
             });
             act(verdict);
             shared.publish(PoolEvent::Loaded {

@@ -32,6 +32,8 @@ pub(super) struct Live {
     pub threads: ThreadView,
     /// Resident memory at the last health ping.
     pub rss: Option<u64>,
+    /// What its process group used at the last health ping (capacity metrics).
+    pub usage: crate::usage::Usage,
     /// Since when the worker has had nothing loaded, nothing active and no handles.
     pub idle_since: Option<Instant>,
     /// The worker is being retired on purpose (idle, memory).
@@ -520,6 +522,24 @@ impl PoolState {
                 (a + live.threads.active(), l + live.threads.loaded())
             });
         self.metrics.load(self.tenant, active, loaded);
+        let live = self.slots.iter().filter_map(|s| s.live.as_ref());
+        let resident: u64 = live.clone().map(|l| l.usage.rss_bytes).sum();
+        let largest = live.filter_map(|l| l.rss).max().unwrap_or(0);
+        self.metrics.resources(self.tenant, resident, largest);
+    }
+
+    /// What worker `id`'s process group used at a health ping: its CPU time since the last
+    /// sample is added to the tenant's, and its memory replaces the last sample's.
+    pub fn on_usage(&mut self, index: usize, id: WorkerId, usage: crate::usage::Usage) {
+        let Some(live) = self.live_mut(index, id) else {
+            return;
+        };
+        let spent = usage.cpu_secs - live.usage.cpu_secs;
+        live.usage = usage;
+        if spent > 0.0 && !self.detached {
+            self.metrics.cpu_spent(self.tenant, spent);
+        }
+        self.publish_load();
     }
 
     /// Every slot failed recently: mark them wanted, and wait if one retries before `deadline`.

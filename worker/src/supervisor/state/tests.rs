@@ -37,6 +37,7 @@ fn ready(state: &mut PoolState) -> usize {
         control,
         threads: ThreadView::default(),
         rss: None,
+        usage: crate::usage::Usage::default(),
         idle_since: None,
         retire: None,
         placed: Default::default(),
