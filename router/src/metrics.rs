@@ -101,6 +101,23 @@ pub struct RouterMetrics {
     pub tenant_rejections: IntCounterVec,
 }
 
+/// The `reason` values of `codex_fleet_upgrades_refused_total` (listener and edge).
+pub const UPGRADE_REFUSALS: [&str; 13] = [
+    "auth_missing",
+    "auth_malformed",
+    "auth_invalid",
+    "path",
+    "not_websocket",
+    "draining",
+    "handshake_rate",
+    "connection_cap",
+    "tls",
+    "handshake_timeout",
+    "node_refused",
+    "node_unavailable",
+    "tenant_not_here",
+];
+
 /// The `limit` values of `codex_fleet_limit`.
 pub const FLEET_LIMITS: [&str; 7] = [
     "max_workers",
@@ -376,6 +393,9 @@ impl RouterMetrics {
         // alerts then see 0, not "no data", before the first event.
         for reason in ClientError::ALL {
             m.client_errors.with_label_values(&[reason.as_str()]);
+        }
+        for reason in UPGRADE_REFUSALS {
+            m.upgrades_refused.with_label_values(&[reason]);
         }
         for end in crate::session::End::ALL {
             m.sessions_closed.with_label_values(&[end.label()]);

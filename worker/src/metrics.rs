@@ -180,6 +180,9 @@ impl WorkerMetrics {
         self.resident.with_label_values(&[tenant]);
         self.largest_rss.with_label_values(&[tenant]);
         self.cpu.with_label_values(&[tenant]);
+        for state in WorkerState::ALL {
+            self.workers.with_label_values(&[tenant, state.as_str()]);
+        }
         for reason in ExitReason::ALL {
             self.exits.with_label_values(&[tenant, reason.as_str()]);
         }

@@ -269,6 +269,16 @@ pub enum WorkerState {
 }
 
 impl WorkerState {
+    /// Every state, so each series exists (at zero) from the start.
+    pub const ALL: [WorkerState; 6] = [
+        WorkerState::Starting,
+        WorkerState::Ready,
+        WorkerState::Draining,
+        WorkerState::Backoff,
+        WorkerState::Quarantined,
+        WorkerState::Stopped,
+    ];
+
     /// The `state` label value.
     pub fn as_str(self) -> &'static str {
         match self {
