@@ -305,6 +305,27 @@ fn message_text(item: &Value) -> String {
     }
 }
 
+/// Tokens the mock reports for every response (`response.completed` `usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MockUsage {
+    /// `input_tokens`.
+    pub input: u64,
+    /// `input_tokens_details.cached_tokens`.
+    pub cached_input: u64,
+    /// `output_tokens`.
+    pub output: u64,
+    /// `output_tokens_details.reasoning_tokens`.
+    pub reasoning_output: u64,
+}
+
+/// What every mock response reports as its usage.
+pub const MOCK_USAGE: MockUsage = MockUsage {
+    input: 100,
+    cached_input: 40,
+    output: 7,
+    reasoning_output: 3,
+};
+
 /// Builds the SSE stream for request number `n`.
 fn script(n: usize, prompt: &Prompt) -> Script {
     let response_id = format!("resp-{n}");
@@ -384,12 +405,13 @@ fn script(n: usize, prompt: &Prompt) -> Script {
             "type": "response.completed",
             "response": {
                 "id": response_id,
+                // Fixed, non-zero usage per response, so usage accounting can be checked.
                 "usage": {
-                    "input_tokens": 0,
-                    "input_tokens_details": null,
-                    "output_tokens": 0,
-                    "output_tokens_details": null,
-                    "total_tokens": 0,
+                    "input_tokens": MOCK_USAGE.input,
+                    "input_tokens_details": {"cached_tokens": MOCK_USAGE.cached_input},
+                    "output_tokens": MOCK_USAGE.output,
+                    "output_tokens_details": {"reasoning_tokens": MOCK_USAGE.reasoning_output},
+                    "total_tokens": MOCK_USAGE.input + MOCK_USAGE.output,
                 },
             },
         }));

@@ -19,6 +19,7 @@ pub mod route;
 pub mod session;
 pub mod tenants;
 pub mod tls;
+pub mod usage;
 
 use std::future::Future;
 use std::path::PathBuf;

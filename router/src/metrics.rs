@@ -99,6 +99,8 @@ pub struct RouterMetrics {
     /// A tenant's requests refused by admission, by `tenant` and `reason` (both bounded): who is
     /// refused, and why.
     pub tenant_rejections: IntCounterVec,
+    /// Turns, tokens and approvals per tenant ([`crate::usage`]).
+    pub usage: crate::usage::UsageMetrics,
 }
 
 /// The `reason` values of `codex_fleet_upgrades_refused_total` (listener and edge).
@@ -198,6 +200,7 @@ impl RouterMetrics {
             }
         }
         self.rehome_seconds.with_label_values(&[tenant]);
+        self.usage.init_tenant(tenant);
         for reason in crate::admission::Reason::ALL {
             self.tenant_rejections
                 .with_label_values(&[tenant, reason.as_str()]);
@@ -354,6 +357,7 @@ impl RouterMetrics {
                 Opts::new(names::LIMITS, "A configured fleet-wide limit, by name."),
                 &["limit"],
             )?,
+            usage: crate::usage::UsageMetrics::register(registry)?,
             tenant_rejections: IntCounterVec::new(
                 Opts::new(
                     names::TENANT_REJECTIONS,

@@ -822,6 +822,14 @@ impl Session {
             self.count_error(ClientError::UnknownResponse);
             return Ok(());
         };
+        let result = Frame::parse(text).ok().and_then(|f| f.result);
+        self.ctx.tenant.counted.answer(
+            &self.ctx.metrics.usage,
+            self.tenant(),
+            worker,
+            &original,
+            result,
+        );
         if let Some(text) = jsonrpc::with_id(text, &original) {
             self.send_to_leg(worker, text).await;
         }
@@ -854,7 +862,14 @@ impl Session {
         };
         match frame.message {
             Rpc::Response { id } => self.on_worker_response(worker, id, answer, text).await,
-            Rpc::Request { id, params, .. } => {
+            Rpc::Request { id, method, params } => {
+                self.ctx.tenant.counted.server_request(
+                    &self.ctx.metrics.usage,
+                    self.tenant(),
+                    worker,
+                    &id,
+                    &method,
+                );
                 let sid = self
                     .server_requests
                     .insert(worker, id, jsonrpc::thread_id(params));
@@ -865,6 +880,12 @@ impl Session {
             }
             Rpc::Notification { method, params } => {
                 self.track_turns(&method, params);
+                self.ctx.tenant.counted.notification(
+                    &self.ctx.metrics.usage,
+                    self.tenant(),
+                    &method,
+                    params,
+                );
                 if self.follow_notification(worker, &method, params) {
                     return Ok(());
                 }

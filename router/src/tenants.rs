@@ -41,6 +41,8 @@ pub struct Tenant {
     /// Threads being re-homed now: what the moves themselves make workers say about them is
     /// held back.
     pub moves: Moves,
+    /// Turns, tokens and approvals already counted (each once, however many sessions see it).
+    pub counted: crate::usage::Counted,
     /// The settings a reload cannot change in place (see [`fingerprint`]).
     settings: String,
     relay: broadcast::Sender<Relayed>,
@@ -83,6 +85,7 @@ impl Tenant {
             table: ThreadTable::default(),
             subscribers: Arc::default(),
             moves: Moves::default(),
+            counted: crate::usage::Counted::default(),
             relay,
             reconcile: Arc::new(Notify::new()),
             events: std::sync::Mutex::new(None),

@@ -15,7 +15,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 
-pub use mock_model::{reply_text, MockModel};
+pub use mock_model::{reply_text, MockModel, MOCK_USAGE};
 
 /// How long a test waits for any one expected message.
 pub const STEP: Duration = Duration::from_secs(30);

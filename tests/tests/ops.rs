@@ -589,3 +589,84 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     );
     Ok(())
 }
+
+/// Issue 14: turns, their duration, tokens and approvals are counted once per tenant, however
+/// many sessions follow the thread; a fork's restated usage is not counted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let mut a = fleet.client("acme").await?;
+    let mut b = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "first").await?;
+    a.until_turn_completed(&thread).await?;
+    b.request("thread/resume", serde_json::json!({ "threadId": thread }))
+        .await?;
+    let requests_before = fleet.files.mock.requests();
+    a.start_turn(&thread, "count me RUNSHELL").await?;
+    let approval = |v: &Value| v["method"] == "item/commandExecution/requestApproval";
+    let ask = a.wait_for(approval).await?;
+    b.wait_for(approval).await?;
+    a.send(&serde_json::json!({ "id": ask["id"], "result": { "decision": "accept" } }))
+        .await?;
+    a.until_turn_completed(&thread).await?;
+    b.until_turn_completed(&thread).await?;
+    let model_calls = (fleet.files.mock.requests() - requests_before) as f64;
+    let fork = a
+        .request("thread/fork", serde_json::json!({ "threadId": thread }))
+        .await?;
+    assert!(fork["thread"]["id"].is_string(), "{fork}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let acme = ("tenant", "acme");
+    let m = |name: &'static str, labels: Vec<(&'static str, &'static str)>| {
+        let fleet = &fleet;
+        async move { fleet.metric(name, &labels).await }
+    };
+    assert_eq!(m("codex_fleet_turns_started_total", vec![acme]).await?, 2.0);
+    assert_eq!(
+        m(
+            "codex_fleet_turns_completed_total",
+            vec![("status", "completed"), acme]
+        )
+        .await?,
+        2.0
+    );
+    assert_eq!(
+        m("codex_fleet_turn_duration_seconds_count", vec![acme]).await?,
+        2.0
+    );
+    assert_eq!(
+        m("codex_fleet_approvals_requested_total", vec![acme]).await?,
+        1.0
+    );
+    assert_eq!(
+        m(
+            "codex_fleet_approvals_answered_total",
+            vec![("decision", "accept"), acme]
+        )
+        .await?,
+        1.0
+    );
+    // Every model call of both turns (the first turn made one), once, not twice for two
+    // sessions, and not again for the fork's restatement.
+    let calls = model_calls + 1.0;
+    let u = e2e::MOCK_USAGE;
+    for (kind, per_call) in [
+        ("input", u.input),
+        ("cached_input", u.cached_input),
+        ("output", u.output),
+        ("reasoning_output", u.reasoning_output),
+    ] {
+        let got = fleet
+            .metric("codex_fleet_model_tokens_total", &[("kind", kind), acme])
+            .await?;
+        assert_eq!(
+            got,
+            calls * per_call as f64,
+            "{kind} tokens over {calls} model calls"
+        );
+    }
+    a.close().await;
+    b.close().await;
+    fleet.stop().await
+}

@@ -1,0 +1,474 @@
+//! Who uses the fleet, and how much (issue 14): turns started and completed by final status,
+//! their duration, the model tokens each tenant spends, and approvals asked and answered.
+//!
+//! Sessions see these events on their legs, and several sessions may follow one thread, so
+//! every event is counted once per tenant: a small bounded memory of what was counted
+//! ([`Counted`], one per tenant) decides. Tokens come from `thread/tokenUsage/updated`'s `last`
+//! field, counted only for a turn this process saw start and only once per (turn, running
+//! total): app-server restates the last usage to a connection that resumes or forks a thread,
+//! and those restatements are not new spending.
+
+use std::collections::{HashSet, VecDeque};
+use std::hash::Hash;
+use std::sync::{Mutex, PoisonError};
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use worker::WorkerId;
+
+use crate::jsonrpc::{Method, RequestId};
+
+/// Events remembered per kind and tenant (oldest forgotten first).
+const REMEMBERED: usize = 4096;
+
+/// Final statuses of `turn/completed`, the `status` label (anything else is `other`).
+pub const TURN_STATUSES: [&str; 4] = ["completed", "interrupted", "failed", "other"];
+/// Token kinds, the `kind` label.
+pub const TOKEN_KINDS: [&str; 4] = ["input", "cached_input", "output", "reasoning_output"];
+/// Approval decisions, the `decision` label (anything else is `other`).
+pub const DECISIONS: [&str; 6] = [
+    "accept",
+    "acceptForSession",
+    "acceptWithExecpolicyAmendment",
+    "decline",
+    "cancel",
+    "other",
+];
+
+/// Server requests that ask the user to approve something.
+const APPROVALS: [&str; 5] = [
+    "item/commandExecution/requestApproval",
+    "item/fileChange/requestApproval",
+    "item/permissions/requestApproval",
+    "applyPatchApproval",
+    "execCommandApproval",
+];
+
+/// The usage metrics (all labelled by tenant; other labels are closed lists).
+#[derive(Clone)]
+pub struct UsageMetrics {
+    turns_started: IntCounterVec,
+    turns_completed: IntCounterVec,
+    turn_seconds: HistogramVec,
+    tokens: IntCounterVec,
+    approvals_requested: IntCounterVec,
+    approvals_answered: IntCounterVec,
+}
+
+impl UsageMetrics {
+    /// Creates and registers the metrics.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = UsageMetrics {
+            turns_started: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_turns_started_total",
+                    "Turns started, per tenant.",
+                ),
+                &["tenant"],
+            )?,
+            turns_completed: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_turns_completed_total",
+                    "Turns ended, per tenant, by final status.",
+                ),
+                &["tenant", "status"],
+            )?,
+            turn_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "codex_fleet_turn_duration_seconds",
+                    "Turn duration (turn/started to turn/completed), per tenant.",
+                )
+                .buckets(vec![
+                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+                ]),
+                &["tenant"],
+            )?,
+            tokens: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_model_tokens_total",
+                    "Model tokens spent, per tenant, by kind.",
+                ),
+                &["tenant", "kind"],
+            )?,
+            approvals_requested: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_approvals_requested_total",
+                    "Approval requests workers sent, per tenant.",
+                ),
+                &["tenant"],
+            )?,
+            approvals_answered: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_approvals_answered_total",
+                    "Approval requests answered by a client, per tenant, by decision.",
+                ),
+                &["tenant", "decision"],
+            )?,
+        };
+        registry.register(Box::new(m.turns_started.clone()))?;
+        registry.register(Box::new(m.turns_completed.clone()))?;
+        registry.register(Box::new(m.turn_seconds.clone()))?;
+        registry.register(Box::new(m.tokens.clone()))?;
+        registry.register(Box::new(m.approvals_requested.clone()))?;
+        registry.register(Box::new(m.approvals_answered.clone()))?;
+        Ok(m)
+    }
+
+    /// Every series of `tenant` at zero.
+    pub fn init_tenant(&self, tenant: &str) {
+        self.turns_started.with_label_values(&[tenant]);
+        self.turn_seconds.with_label_values(&[tenant]);
+        self.approvals_requested.with_label_values(&[tenant]);
+        for s in TURN_STATUSES {
+            self.turns_completed.with_label_values(&[tenant, s]);
+        }
+        for k in TOKEN_KINDS {
+            self.tokens.with_label_values(&[tenant, k]);
+        }
+        for d in DECISIONS {
+            self.approvals_answered.with_label_values(&[tenant, d]);
+        }
+    }
+}
+
+/// A bounded set that forgets its oldest members.
+struct Recent<T: Eq + Hash + Clone> {
+    order: VecDeque<T>,
+    set: HashSet<T>,
+}
+
+impl<T: Eq + Hash + Clone> Default for Recent<T> {
+    fn default() -> Self {
+        Recent {
+            order: VecDeque::new(),
+            set: HashSet::new(),
+        }
+    }
+}
+
+impl<T: Eq + Hash + Clone> Recent<T> {
+    /// Adds `item`; false when it was already there.
+    fn insert(&mut self, item: T) -> bool {
+        if !self.set.insert(item.clone()) {
+            return false;
+        }
+        self.order.push_back(item);
+        if self.order.len() > REMEMBERED {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        true
+    }
+
+    fn contains(&self, item: &T) -> bool {
+        self.set.contains(item)
+    }
+}
+
+/// What one tenant has counted already.
+#[derive(Default)]
+pub struct Counted {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    started: Recent<String>,
+    completed: Recent<String>,
+    usage: Recent<(String, u64)>,
+    approvals: Recent<(WorkerId, RequestId)>,
+    answered: Recent<(WorkerId, RequestId)>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TurnParams {
+    turn: Turn,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Turn {
+    id: String,
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    duration_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct UsageParams {
+    turn_id: String,
+    token_usage: TokenUsage,
+}
+
+#[derive(Deserialize)]
+struct TokenUsage {
+    total: Tokens,
+    last: Tokens,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Tokens {
+    #[serde(default)]
+    total_tokens: u64,
+    #[serde(default)]
+    input_tokens: u64,
+    #[serde(default)]
+    cached_input_tokens: u64,
+    #[serde(default)]
+    output_tokens: u64,
+    #[serde(default)]
+    reasoning_output_tokens: u64,
+}
+
+impl Counted {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A notification a session received from a worker: counts turns and tokens once.
+    pub fn notification(
+        &self,
+        metrics: &UsageMetrics,
+        tenant: &str,
+        method: &Method<'_>,
+        params: Option<&RawValue>,
+    ) {
+        let Some(params) = params else { return };
+        match method {
+            Method::TurnStarted => {
+                let Ok(p) = serde_json::from_str::<TurnParams>(params.get()) else {
+                    return;
+                };
+                if self.lock().started.insert(p.turn.id) {
+                    metrics.turns_started.with_label_values(&[tenant]).inc();
+                }
+            }
+            Method::TurnCompleted => {
+                let Ok(p) = serde_json::from_str::<TurnParams>(params.get()) else {
+                    return;
+                };
+                if !self.lock().completed.insert(p.turn.id) {
+                    return;
+                }
+                let status = p
+                    .turn
+                    .status
+                    .as_deref()
+                    .filter(|s| TURN_STATUSES.contains(s))
+                    .unwrap_or("other");
+                metrics
+                    .turns_completed
+                    .with_label_values(&[tenant, status])
+                    .inc();
+                if let Some(ms) = p.turn.duration_ms {
+                    metrics
+                        .turn_seconds
+                        .with_label_values(&[tenant])
+                        .observe(ms as f64 / 1000.0);
+                }
+            }
+            Method::Other(name) if name == "thread/tokenUsage/updated" => {
+                let Ok(p) = serde_json::from_str::<UsageParams>(params.get()) else {
+                    return;
+                };
+                {
+                    let mut inner = self.lock();
+                    // A turn this process did not see start is history being restated.
+                    if !inner.started.contains(&p.turn_id)
+                        || !inner
+                            .usage
+                            .insert((p.turn_id, p.token_usage.total.total_tokens))
+                    {
+                        return;
+                    }
+                }
+                let last = &p.token_usage.last;
+                for (kind, n) in [
+                    ("input", last.input_tokens),
+                    ("cached_input", last.cached_input_tokens),
+                    ("output", last.output_tokens),
+                    ("reasoning_output", last.reasoning_output_tokens),
+                ] {
+                    metrics.tokens.with_label_values(&[tenant, kind]).inc_by(n);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A server request a session received from `worker`: counts approval requests once.
+    pub fn server_request(
+        &self,
+        metrics: &UsageMetrics,
+        tenant: &str,
+        worker: WorkerId,
+        id: &RequestId,
+        method: &Method<'_>,
+    ) {
+        if APPROVALS.contains(&method.as_str())
+            && self.lock().approvals.insert((worker, id.clone()))
+        {
+            metrics
+                .approvals_requested
+                .with_label_values(&[tenant])
+                .inc();
+        }
+    }
+
+    /// A client's answer to `worker`'s request `id` (first answer per request only): counts the
+    /// decision of an approval.
+    pub fn answer(
+        &self,
+        metrics: &UsageMetrics,
+        tenant: &str,
+        worker: WorkerId,
+        id: &RequestId,
+        result: Option<&RawValue>,
+    ) {
+        {
+            let mut inner = self.lock();
+            let key = (worker, id.clone());
+            if !inner.approvals.contains(&key) || !inner.answered.insert(key) {
+                return;
+            }
+        }
+        let decision = result.map_or("other", decision_of);
+        metrics
+            .approvals_answered
+            .with_label_values(&[tenant, decision])
+            .inc();
+    }
+}
+
+/// The decision of an approval answer: `{"decision": "accept"}` or `{"decision": {"acceptWith…":
+/// …}}`, as a closed label value.
+fn decision_of(result: &RawValue) -> &'static str {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(result.get()) else {
+        return "other";
+    };
+    let name = match &v["decision"] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Object(m) => m.keys().next().cloned().unwrap_or_default(),
+        _ => String::new(),
+    };
+    DECISIONS
+        .iter()
+        .find(|d| **d == name)
+        .copied()
+        .unwrap_or("other")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).expect("json")
+    }
+
+    fn metrics() -> (Registry, UsageMetrics) {
+        let r = Registry::new();
+        let m = UsageMetrics::register(&r).expect("register");
+        m.init_tenant("t");
+        (r, m)
+    }
+
+    fn usage(turn: &str, total: u64, last_in: u64) -> Box<RawValue> {
+        raw(&format!(
+            r#"{{"threadId":"th","turnId":"{turn}","tokenUsage":{{"total":{{"totalTokens":{total}}},"last":{{"totalTokens":{last_in},"inputTokens":{last_in},"cachedInputTokens":1,"outputTokens":2,"reasoningOutputTokens":3}}}}}}"#
+        ))
+    }
+
+    #[test]
+    fn a_turn_and_its_tokens_count_once_however_many_sessions_see_them() {
+        let (_r, m) = metrics();
+        let c = Counted::default();
+        let started = raw(r#"{"threadId":"th","turn":{"id":"u1"}}"#);
+        let done =
+            raw(r#"{"threadId":"th","turn":{"id":"u1","status":"interrupted","durationMs":2500}}"#);
+        let other = Method::Other("thread/tokenUsage/updated".into());
+        for _session in 0..2 {
+            c.notification(&m, "t", &Method::TurnStarted, Some(&started));
+            c.notification(&m, "t", &other, Some(&usage("u1", 110, 100)));
+            c.notification(&m, "t", &other, Some(&usage("u1", 220, 110)));
+            c.notification(&m, "t", &Method::TurnCompleted, Some(&done));
+        }
+        // A replay (resume, fork) restates the last usage: not counted again.
+        c.notification(&m, "t", &other, Some(&usage("u1", 220, 110)));
+        // Usage of a turn this process never saw start is history.
+        c.notification(&m, "t", &other, Some(&usage("old", 999, 999)));
+        assert_eq!(m.turns_started.with_label_values(&["t"]).get(), 1);
+        assert_eq!(
+            m.turns_completed
+                .with_label_values(&["t", "interrupted"])
+                .get(),
+            1
+        );
+        assert_eq!(
+            m.turn_seconds.with_label_values(&["t"]).get_sample_count(),
+            1
+        );
+        assert_eq!(
+            m.turn_seconds.with_label_values(&["t"]).get_sample_sum(),
+            2.5
+        );
+        assert_eq!(m.tokens.with_label_values(&["t", "input"]).get(), 210);
+        assert_eq!(m.tokens.with_label_values(&["t", "cached_input"]).get(), 2);
+        assert_eq!(m.tokens.with_label_values(&["t", "output"]).get(), 4);
+        assert_eq!(
+            m.tokens.with_label_values(&["t", "reasoning_output"]).get(),
+            6
+        );
+    }
+
+    #[test]
+    fn approvals_count_once_per_request_and_answer_with_a_closed_decision() {
+        let (_r, m) = metrics();
+        let c = Counted::default();
+        let w = WorkerId::new("t", 0, 1);
+        let ask = Method::parse("item/commandExecution/requestApproval");
+        for _session in 0..2 {
+            c.server_request(&m, "t", w, &RequestId::Int(0), &ask);
+        }
+        c.server_request(
+            &m,
+            "t",
+            w,
+            &RequestId::Int(1),
+            &Method::parse("item/tool/requestUserInput"),
+        );
+        c.answer(
+            &m,
+            "t",
+            w,
+            &RequestId::Int(0),
+            Some(&raw(r#"{"decision":{"acceptWithExecpolicyAmendment":{}}}"#)),
+        );
+        c.answer(
+            &m,
+            "t",
+            w,
+            &RequestId::Int(0),
+            Some(&raw(r#"{"decision":"decline"}"#)),
+        );
+        c.answer(
+            &m,
+            "t",
+            w,
+            &RequestId::Int(1),
+            Some(&raw(r#"{"answers":{}}"#)),
+        );
+        assert_eq!(m.approvals_requested.with_label_values(&["t"]).get(), 1);
+        let answered = |d: &str| m.approvals_answered.with_label_values(&["t", d]).get();
+        assert_eq!(answered("acceptWithExecpolicyAmendment"), 1);
+        assert_eq!(answered("decline"), 0, "only the first answer counts");
+        assert_eq!(answered("other"), 0, "user input is not an approval");
+        assert_eq!(decision_of(&raw(r#"{"decision":"sure"}"#)), "other");
+    }
+}
