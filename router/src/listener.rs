@@ -38,6 +38,7 @@ use tracing::Instrument;
 
 use crate::admission::{Admission, ConnectionGuard, Rejection};
 use crate::auth::AuthError;
+use crate::credentials::Lease;
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
@@ -251,16 +252,15 @@ impl Conn {
         resp
     }
 
-    /// A bearer token that does not authenticate: 401, charged to the source address.
+    /// A credential that does not authenticate: 401, charged to the source address; or an
+    /// `Origin` the tenant does not allow: 403.
     fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
-        let reason = match e {
-            AuthError::Missing => "auth_missing",
-            AuthError::Malformed => "auth_malformed",
-            AuthError::Invalid => "auth_invalid",
-        };
+        let reason = e.reason();
         tracing::info!(reason, "upgrade refused: {e}");
-        self.charge_failed_auth();
-        self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string())
+        if *e != AuthError::Origin {
+            self.charge_failed_auth();
+        }
+        self.plain(e.status(), reason, &e.to_string())
     }
 
     /// The edge's upgrade: authenticate, open the session's link to the tenant's node (so a
@@ -326,7 +326,7 @@ impl Conn {
                 )
                 .await;
                 tracing::info!("relaying the session to its node");
-                edge.relay(ws, link, &who.node, queue, shutdown).await;
+                edge.relay(ws, link, &who, queue, shutdown).await;
                 tracing::info!("relay ended");
             }
             .instrument(span),
@@ -396,15 +396,22 @@ impl Conn {
             }
         };
         let tenants = self.tenants.current();
-        let tenant = match &self.upstream {
+        let (tenant, lease, subject) = match &self.upstream {
             Upstream::Nodes(edge) => return self.relay(edge.clone(), req, &key, started).await,
             Upstream::Link => {
                 let named = req
                     .headers()
                     .get(crate::edge::TENANT_HEADER)
                     .and_then(|v| v.to_str().ok());
-                match named.and_then(|id| tenants.iter().find(|t| t.id == id)) {
-                    Some(t) => Some(t.clone()),
+                let subject = req
+                    .headers()
+                    .get(crate::edge::SUBJECT_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                match named.and_then(|id| tenants.get(id)) {
+                    // The edge holds the session's lease and closes it when its credential ends.
+                    Some(t) => (Some(t.clone()), Lease::unbounded(), subject),
                     None => {
                         tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
                         return self.plain(
@@ -415,8 +422,11 @@ impl Conn {
                     }
                 }
             }
-            Upstream::Local => match tenants.tokens().authenticate(req.headers()) {
-                Ok(i) => tenants.get(i).cloned(),
+            Upstream::Local => match tenants.credentials().admit(req.headers()) {
+                Ok(v) => {
+                    tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
+                    (tenants.get(&v.tenant).cloned(), v.lease, v.subject)
+                }
                 Err(e) => return self.auth_refused(&e),
             },
         };
@@ -446,11 +456,11 @@ impl Conn {
             tenant_queue_bytes: self.tenant_queue_bytes,
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
+            lease,
         };
         let max = self.max_message_bytes;
         let handshake = self.metrics.handshake_seconds.clone();
-        let span =
-            tracing::info_span!("session", tenant = %ctx.tenant.id, client.addr = %self.addr.0);
+        let span = tracing::info_span!("session", tenant = %ctx.tenant.id, %subject, client.addr = %self.addr.0);
         self.tracker.spawn(
             async move {
                 let upgraded = match on_upgrade.await {

@@ -287,6 +287,9 @@ impl RouterMetrics {
         for reason in ClientError::ALL {
             m.client_errors.with_label_values(&[reason.as_str()]);
         }
+        for refusal in crate::auth::AuthError::ALL {
+            m.upgrades_refused.with_label_values(&[refusal.reason()]);
+        }
         for end in crate::session::End::ALL {
             m.sessions_closed.with_label_values(&[end.label()]);
         }

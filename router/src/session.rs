@@ -106,6 +106,8 @@ pub struct SessionCtx {
     pub admission: Arc<Admission>,
     /// Cancelled when codex-fleet shuts down.
     pub shutdown: CancellationToken,
+    /// Ends the session with the credential that admitted it (expiry, reload).
+    pub lease: crate::credentials::Lease,
 }
 
 /// Why a session ended; decides the close frame.
@@ -124,17 +126,37 @@ pub enum End {
     /// Notifications or responses beyond the connection's frame rate (1008): they cannot be
     /// answered with `-32001` and are never dropped silently.
     Flooded,
+    /// The credential that admitted the session expired (1008, [`EXPIRED_REASON`]).
+    CredentialExpired,
+    /// A reload removed the session's token, key or tenant (1008, [`REVOKED_REASON`]).
+    CredentialRevoked,
+}
+
+/// Close reason of a session whose JWT expired.
+pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect with a new token";
+/// Close reason of a session whose credential or tenant a reload removed.
+pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
+
+impl From<crate::credentials::CredentialEnd> for End {
+    fn from(e: crate::credentials::CredentialEnd) -> End {
+        match e {
+            crate::credentials::CredentialEnd::Expired => End::CredentialExpired,
+            crate::credentials::CredentialEnd::Revoked => End::CredentialRevoked,
+        }
+    }
 }
 
 impl End {
     /// Every way a session ends, so each series exists (at zero) from the start.
-    pub const ALL: [End; 6] = [
+    pub const ALL: [End; 8] = [
         End::ClientGone,
         End::Shutdown,
         End::SlowClient,
         End::TooBig,
         End::ProtocolErrors,
         End::Flooded,
+        End::CredentialExpired,
+        End::CredentialRevoked,
     ];
 
     /// The `reason` of `codex_fleet_sessions_closed_total`.
@@ -146,6 +168,8 @@ impl End {
             End::TooBig => "too_big",
             End::ProtocolErrors => "protocol_errors",
             End::Flooded => "flooded",
+            End::CredentialExpired => "credential_expired",
+            End::CredentialRevoked => "credential_revoked",
         }
     }
 
@@ -158,6 +182,8 @@ impl End {
             End::TooBig => (CloseCode::Size, "message too big"),
             End::ProtocolErrors => (CloseCode::Policy, "too many protocol errors"),
             End::Flooded => (CloseCode::Policy, FLOOD_CLOSE_REASON),
+            End::CredentialExpired => (CloseCode::Policy, EXPIRED_REASON),
+            End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
         };
         Some(CloseFrame {
             code,
@@ -273,6 +299,9 @@ where
         fanouts: fanout::FanOuts::default(),
     };
     let shutdown = session.ctx.shutdown.clone();
+    let lease = session.ctx.lease.clone();
+    let credential_ended = lease.ended();
+    tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
     let mut relay = Some(session.ctx.tenant.subscribe());
     let mut slot: Option<SlotWait> = None;
@@ -292,6 +321,7 @@ where
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
+                e = &mut credential_ended => Err(End::from(e)),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
@@ -299,6 +329,7 @@ where
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
+                e = &mut credential_ended => Err(End::from(e)),
             },
         };
         let step = match step {
