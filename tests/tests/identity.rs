@@ -1,0 +1,520 @@
+//! Identity and trust (issue 12), end to end over real wss with real workers: every credential
+//! kind runs a real turn (and the real `codex exec --remote` with a JWT), every bad credential is
+//! refused with 401 and counted by reason, a JWT session closes after its `exp`, a reload that
+//! removes a token closes its sessions and no other, and `Origin` needs the tenant's allowlist.
+
+use std::process::Stdio;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use e2e::{agent_text, reply_text, Client, Fleet, FleetBuilder, Upgrade};
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use serde_json::{json, Value};
+use tokio::process::Command;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::Connector;
+
+const SECRET: &str = "an-hs256-secret-of-more-than-32-bytes-for-tests";
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/jwt");
+const STEP: Duration = Duration::from_secs(60);
+
+fn fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!("{FIXTURES}/{name}")).expect("fixture")
+}
+
+fn now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64
+}
+
+fn hs256(claims: &Value) -> String {
+    encode(
+        &Header::new(Algorithm::HS256),
+        claims,
+        &EncodingKey::from_secret(SECRET.as_bytes()),
+    )
+    .expect("sign")
+}
+
+fn signed(alg: Algorithm, kid: &str, pem: &str, claims: &Value) -> String {
+    let mut header = Header::new(alg);
+    header.kid = Some(kid.into());
+    let key = match alg {
+        Algorithm::ES256 => EncodingKey::from_ec_pem(&fixture(pem)),
+        _ => EncodingKey::from_rsa_pem(&fixture(pem)),
+    }
+    .expect("key");
+    encode(&header, claims, &key).expect("sign")
+}
+
+fn jwks(keys: &[&str]) -> String {
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|k| String::from_utf8(fixture(&format!("{k}.jwk.json"))).expect("utf-8"))
+        .collect();
+    format!("{{\"keys\":[{}]}}", keys.join(","))
+}
+
+/// An HS256 token of the `shared` issuer (tenant acme), valid for `secs`.
+fn acme_jwt(sub: &str, secs: i64) -> String {
+    hs256(
+        &json!({"sub": sub, "exp": now() + secs, "iss": "https://issuer.test", "aud": "codex-fleet"}),
+    )
+}
+
+/// Tenants `acme` (a static token, origin https://app.test allowed) and `beta` (a static token,
+/// `close_on_expiry = false`); issuers: `shared` (HS256, tenant acme, iss and aud checked),
+/// `idp` (RS256 over a JWKS file, tenant from the `org` claim, subject from `email`) and `ec`
+/// (ES256, tenant beta).
+async fn fleet() -> anyhow::Result<Fleet> {
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .tenant_toml("allowed_origins = [\"https://app.test\"]")
+        .tenant("beta")
+        .tenant_toml("close_on_expiry = false")
+        .prepare()
+        .await?;
+    let dir = files.dir.path();
+    std::fs::write(dir.join("hs.secret"), format!("{SECRET}\n"))?;
+    std::fs::write(dir.join("idp.jwks"), jwks(&["rsa-a"]))?;
+    std::fs::write(dir.join("ec.jwks"), jwks(&["ec-a"]))?;
+    let mut toml = std::fs::read_to_string(&files.config)?;
+    toml.push_str(&format!(
+        r#"
+[auth]
+expiry_grace_secs = 0
+[[auth.jwt]]
+name = "shared"
+algorithm = "HS256"
+secret_file = "{hs}"
+issuer = "https://issuer.test"
+audience = "codex-fleet"
+leeway_secs = 5
+tenant = "acme"
+[[auth.jwt]]
+name = "idp"
+algorithm = "RS256"
+jwks_file = "{idp}"
+tenant_claim = "org"
+subject_claim = "email"
+[[auth.jwt]]
+name = "ec"
+algorithm = "ES256"
+jwks_file = "{ec}"
+tenant = "beta"
+"#,
+        hs = dir.join("hs.secret").display(),
+        idp = dir.join("idp.jwks").display(),
+        ec = dir.join("ec.jwks").display(),
+    ));
+    router::fsutil::write_private(&files.config, &toml)?;
+    files.start().await
+}
+
+/// One upgrade with optional token and `Origin`: the client, or the refusal.
+async fn upgrade(
+    fleet: &Fleet,
+    token: Option<&str>,
+    origin: Option<&str>,
+) -> anyhow::Result<Upgrade> {
+    if origin.is_none() {
+        return Client::try_connect(&fleet.url(), &fleet.files.ca, token).await;
+    }
+    let mut req = fleet.url().into_client_request()?;
+    if let Some(t) = token {
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse()?);
+    }
+    if let Some(o) = origin {
+        req.headers_mut().insert("origin", o.parse()?);
+    }
+    let connector = Connector::Rustls(e2e::client_tls(&fleet.files.ca)?);
+    match tokio_tungstenite::connect_async_tls_with_config(req, None, true, Some(connector)).await {
+        Ok(_) => Ok(Upgrade::Refused {
+            status: 101,
+            retry_after: None,
+            body: String::new(),
+        }),
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Upgrade::Refused {
+            status: resp.status().as_u16(),
+            retry_after: None,
+            body: String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned(),
+        }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn status(u: &Upgrade) -> u16 {
+    match u {
+        Upgrade::Open(_) => 101,
+        Upgrade::Refused { status, .. } => *status,
+    }
+}
+
+async fn turn(fleet: &Fleet, token: &str, prompt: &str) -> anyhow::Result<()> {
+    let mut c = Client::connect(&fleet.url(), &fleet.files.ca, Some(token)).await?;
+    c.initialize("identity-test").await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, prompt).await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    anyhow::ensure!(
+        agent_text(&msgs) == Some(reply_text(prompt)),
+        "{prompt}: {:?}",
+        agent_text(&msgs)
+    );
+    c.close().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_credential_kind_runs_a_real_turn_and_codex_exec_uses_a_jwt() -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    turn(&fleet, &fleet.files.token("acme"), "static token").await?;
+    turn(&fleet, &acme_jwt("ada", 600), "hs256 jwt").await?;
+    let rs = signed(
+        Algorithm::RS256,
+        "rsa-a",
+        "rsa-a.pem",
+        &json!({"email": "bob@beta.test", "org": "beta", "exp": now() + 600}),
+    );
+    turn(&fleet, &rs, "rs256 jwt").await?;
+    let es = signed(
+        Algorithm::ES256,
+        "ec-a",
+        "ec-a.pem",
+        &json!({"sub": "eve", "exp": now() + 600}),
+    );
+    turn(&fleet, &es, "es256 jwt").await?;
+
+    // The real codex exec, with the JWT passed through --remote-auth-token-env.
+    let client_home = tempfile::tempdir()?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        Command::new(e2e::codex_bin())
+            .args([
+                "exec",
+                "--skip-git-repo-check",
+                "--remote",
+                &fleet.url(),
+                "--remote-auth-token-env",
+                "CODEX_FLEET_JWT",
+                "hello jwt",
+            ])
+            .env("SSL_CERT_FILE", &fleet.files.ca)
+            .env("CODEX_FLEET_JWT", acme_jwt("exec-user", 600))
+            .env("CODEX_HOME", client_home.path())
+            .current_dir(client_home.path())
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(stdout.contains(&reply_text("hello jwt")), "{stdout}");
+    fleet.stop().await
+}
+
+#[tokio::test]
+async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    let ok = json!({"sub": "ada", "exp": now() + 600, "iss": "https://issuer.test", "aud": "codex-fleet"});
+    let with = |key: &str, v: Value| {
+        let mut c = ok.clone();
+        c[key] = v;
+        c
+    };
+    let b64 = |v: &Value| {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+    };
+    let mut no_exp = ok.clone();
+    no_exp.as_object_mut().expect("object").remove("exp");
+    let beta_claims = json!({"email": "m@beta", "org": "beta", "exp": now() + 600});
+    let cases: Vec<(&str, Option<String>, &str)> = vec![
+        ("missing", None, "auth_missing"),
+        ("unknown token", Some("not-a-token".into()), "auth_invalid"),
+        ("malformed jwt", Some("a.b.c".into()), "jwt_malformed"),
+        (
+            "expired",
+            Some(hs256(&with("exp", json!(now() - 60)))),
+            "jwt_expired",
+        ),
+        (
+            "not yet valid",
+            Some(hs256(&with("nbf", json!(now() + 60)))),
+            "jwt_not_yet_valid",
+        ),
+        (
+            "wrong issuer",
+            Some(hs256(&with("iss", json!("https://evil.test")))),
+            "jwt_issuer",
+        ),
+        (
+            "wrong audience",
+            Some(hs256(&with("aud", json!(["other"])))),
+            "jwt_audience",
+        ),
+        ("no exp", Some(hs256(&no_exp)), "jwt_claims"),
+        (
+            "bad signature",
+            Some(
+                encode(
+                    &Header::new(Algorithm::HS256),
+                    &ok,
+                    &EncodingKey::from_secret(b"some-other-secret-of-32-bytes-or-more"),
+                )
+                .expect("sign"),
+            ),
+            "jwt_signature",
+        ),
+        (
+            "alg none",
+            Some(format!(
+                "{}.{}.",
+                b64(&json!({"alg": "none", "typ": "JWT"})),
+                b64(&ok)
+            )),
+            "jwt_algorithm",
+        ),
+        (
+            "HS512",
+            Some(
+                encode(
+                    &Header::new(Algorithm::HS512),
+                    &ok,
+                    &EncodingKey::from_secret(SECRET.as_bytes()),
+                )
+                .expect("sign"),
+            ),
+            "jwt_algorithm",
+        ),
+        (
+            "RS256 by an unknown key",
+            Some(signed(Algorithm::RS256, "rsa-b", "rsa-b.pem", &beta_claims)),
+            "jwt_unknown_key",
+        ),
+        (
+            "RS256 forged with the known kid",
+            Some(signed(Algorithm::RS256, "rsa-a", "rsa-b.pem", &beta_claims)),
+            "jwt_signature",
+        ),
+        (
+            "tenant claim names no tenant",
+            Some(signed(
+                Algorithm::RS256,
+                "rsa-a",
+                "rsa-a.pem",
+                &json!({"email": "m@x", "org": "nobody", "exp": now() + 600}),
+            )),
+            "unknown_tenant",
+        ),
+    ];
+    // Key confusion: an HS256 token "signed" with the RSA public key, against a fleet whose
+    // only issuer is RS256 (checked below, after a reload leaves only `idp`).
+    let confused = {
+        let mut h = Header::new(Algorithm::HS256);
+        h.kid = Some("rsa-a".into());
+        encode(
+            &h,
+            &beta_claims,
+            &EncodingKey::from_secret(&fixture("rsa-a.pub.pem")),
+        )
+        .expect("sign")
+    };
+    for (what, token, reason) in &cases {
+        let before = fleet
+            .metric("codex_fleet_upgrades_refused_total", &[("reason", reason)])
+            .await?;
+        let u = upgrade(&fleet, token.as_deref(), None).await?;
+        assert_eq!(status(&u), 401, "{what}");
+        if let Some(t) = token {
+            if let Upgrade::Refused { body, .. } = &u {
+                assert!(
+                    !body.contains(t.as_str()),
+                    "{what}: the body echoes the token"
+                );
+            }
+        }
+        let after = fleet
+            .metric("codex_fleet_upgrades_refused_total", &[("reason", reason)])
+            .await?;
+        assert_eq!(after, before + 1.0, "{what} is counted as {reason}");
+    }
+
+    // Origin: 403 for a tenant without an allowlist, and for an origin not on it; accepted
+    // when listed.
+    let beta = fleet.files.token("beta");
+    let acme = fleet.files.token("acme");
+    let u = upgrade(&fleet, Some(&beta), Some("https://app.test")).await?;
+    assert_eq!(status(&u), 403);
+    let u = upgrade(&fleet, Some(&acme), Some("https://evil.test")).await?;
+    assert_eq!(status(&u), 403);
+    let u = upgrade(&fleet, Some(&acme), Some("https://app.test")).await?;
+    assert_eq!(status(&u), 101);
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_upgrades_refused_total",
+                &[("reason", "origin")]
+            )
+            .await?,
+        2.0
+    );
+
+    // A reload that removes tenant beta and the HS256 issuer: beta's static token and a JWT
+    // naming beta are refused; an HS256 token (the RSA public key as its secret) now meets
+    // only the RS256 issuer.
+    let rs_beta = signed(Algorithm::RS256, "rsa-a", "rsa-a.pem", &beta_claims);
+    assert_eq!(status(&upgrade(&fleet, Some(&rs_beta), None).await?), 101);
+    let toml = std::fs::read_to_string(&fleet.files.config)?;
+    let toml = remove_tenant(&toml, "beta");
+    let toml = remove_issuer(&remove_issuer(&toml, "shared"), "ec");
+    router::fsutil::write_private(&fleet.files.config, &toml)?;
+    fleet.reloader.reload().await?;
+    assert_eq!(status(&upgrade(&fleet, Some(&beta), None).await?), 401);
+    assert_eq!(status(&upgrade(&fleet, Some(&rs_beta), None).await?), 401);
+    let before = fleet
+        .metric(
+            "codex_fleet_upgrades_refused_total",
+            &[("reason", "jwt_algorithm")],
+        )
+        .await?;
+    assert_eq!(status(&upgrade(&fleet, Some(&confused), None).await?), 401);
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_upgrades_refused_total",
+                &[("reason", "jwt_algorithm")]
+            )
+            .await?,
+        before + 1.0
+    );
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_upgrades_refused_total",
+                &[("reason", "unknown_tenant")]
+            )
+            .await?,
+        2.0
+    );
+    fleet.stop().await
+}
+
+/// The config text without the `[[tenants]]` table of `id`.
+fn remove_tenant(toml: &str, id: &str) -> String {
+    remove_table(toml, "[[tenants]]", &format!("id = \"{id}\""))
+}
+
+/// The config text without the `[[auth.jwt]]` table named `name`.
+fn remove_issuer(toml: &str, name: &str) -> String {
+    remove_table(toml, "[[auth.jwt]]", &format!("name = \"{name}\""))
+}
+
+fn remove_table(toml: &str, header: &str, first_line: &str) -> String {
+    let mut out = Vec::new();
+    let mut lines = toml.lines().peekable();
+    while let Some(l) = lines.next() {
+        if l == header && lines.peek() == Some(&first_line) {
+            while lines.peek().is_some_and(|n| !n.starts_with('[')) {
+                lines.next();
+            }
+            continue;
+        }
+        out.push(l);
+    }
+    out.join("\n") + "\n"
+}
+
+async fn open(fleet: &Fleet, token: &str) -> anyhow::Result<Client> {
+    let mut c = Client::connect(&fleet.url(), &fleet.files.ca, Some(token)).await?;
+    c.initialize("identity-test").await?;
+    Ok(c)
+}
+
+async fn still_serves(c: &mut Client) -> anyhow::Result<()> {
+    c.request("thread/loaded/list", json!({})).await.map(|_| ())
+}
+
+#[tokio::test]
+async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    let exp_in = 4;
+    let mut short = open(&fleet, &acme_jwt("short", exp_in)).await?;
+    let started = tokio::time::Instant::now();
+    // Tenant beta has close_on_expiry = false: its short JWT session stays.
+    let es = signed(
+        Algorithm::ES256,
+        "ec-a",
+        "ec-a.pem",
+        &json!({"sub": "kept", "exp": now() + exp_in}),
+    );
+    let mut kept = open(&fleet, &es).await?;
+    let mut long = open(&fleet, &acme_jwt("long", 600)).await?;
+    let mut token = open(&fleet, &fleet.files.token("acme")).await?;
+    let frame = short.recv_close_frame(STEP).await?;
+    assert_eq!(
+        frame,
+        Some((1008, router::session::EXPIRED_REASON.to_owned())),
+        "the expired session is closed with 1008"
+    );
+    // Closed after exp (the clock has whole seconds), and not long after it.
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(exp_in as u64 - 1), "{took:?}");
+    assert!(took < Duration::from_secs(40), "{took:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for c in [&mut kept, &mut long, &mut token] {
+        still_serves(c).await?;
+    }
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_sessions_closed_total",
+                &[("reason", "credential_expired")]
+            )
+            .await?,
+        1.0
+    );
+
+    // A second static token for acme, then a reload that removes the first: only the first
+    // token's session closes.
+    let second = router::dev::random_token();
+    let first = fleet.files.token("acme");
+    let toml = std::fs::read_to_string(&fleet.files.config)?;
+    let toml = toml.replacen(
+        &format!(
+            "token_sha256 = [\"{}\"]",
+            router::auth::token_digest_hex(&first)
+        ),
+        &format!(
+            "token_sha256 = [\"{}\", \"{}\"]",
+            router::auth::token_digest_hex(&first),
+            router::auth::token_digest_hex(&second)
+        ),
+        1,
+    );
+    router::fsutil::write_private(&fleet.files.config, &toml)?;
+    fleet.reloader.reload().await?;
+    let mut by_second = open(&fleet, &second).await?;
+    let toml = toml.replacen(
+        &format!("\"{}\", ", router::auth::token_digest_hex(&first)),
+        "",
+        1,
+    );
+    router::fsutil::write_private(&fleet.files.config, &toml)?;
+    fleet.reloader.reload().await?;
+    let frame = token.recv_close_frame(STEP).await?;
+    assert_eq!(
+        frame,
+        Some((1008, router::session::REVOKED_REASON.to_owned()))
+    );
+    for c in [&mut kept, &mut long, &mut by_second] {
+        still_serves(c)
+            .await
+            .context("a session of another credential")?;
+    }
+    assert_eq!(status(&upgrade(&fleet, Some(&first), None).await?), 401);
+    fleet.stop().await
+}
