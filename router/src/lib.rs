@@ -60,6 +60,8 @@ pub struct Server {
     metrics: RouterMetrics,
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
+    /// The listener's certificate files, watched for rotation while running.
+    cert_files: Arc<tls::CertFiles>,
     warnings: Vec<String>,
     reloader: Arc<Reloader>,
     events: ServerEvents,
@@ -83,11 +85,11 @@ impl Server {
     /// Loads TLS material, resolves the worker program and builds every tenant's pool
     /// (workers listed as `min_workers` start in the background).
     pub fn build(cfg: Config, registry: Registry) -> anyhow::Result<Server> {
-        let tls = match &cfg.node {
+        let (tls, cert_files) = match &cfg.node {
             Some(node) => {
                 tls::server_config_mutual(&cfg.listen.tls_cert, &cfg.listen.tls_key, &node.edge_ca)?
             }
-            None => tls::server_config(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
+            None => tls::server_config_reloading(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
         };
         let metrics = RouterMetrics::register(&registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
@@ -141,6 +143,7 @@ impl Server {
             metrics,
             registry,
             tls: tokio_rustls::TlsAcceptor::from(tls),
+            cert_files,
             warnings,
             reloader: Arc::new(reloader),
             events: ServerEvents::default(),
@@ -189,6 +192,10 @@ impl Server {
             closing,
         } = self.events.clone();
         let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
+        let _cert_watch = self
+            .cert_files
+            .clone()
+            .spawn_watch(tls::CERT_POLL, &self.registry)?;
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();

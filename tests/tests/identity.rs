@@ -518,3 +518,118 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
     assert_eq!(status(&upgrade(&fleet, Some(&first), None).await?), 401);
     fleet.stop().await
 }
+
+/// The leaf certificate a new TLS handshake with `fleet` is served (trusting `cas`).
+async fn served_cert(fleet: &Fleet, cas: &[&str]) -> anyhow::Result<Vec<u8>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for pem in cas {
+        for cert in rustls_pemfile::certs(&mut pem.as_bytes()) {
+            roots.add(cert?)?;
+        }
+    }
+    let cfg = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(fleet.addr).await?;
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(rustls::pki_types::ServerName::try_from("localhost")?, tcp)
+        .await?;
+    let leaf = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .context("no certificate")?
+        .to_vec();
+    Ok(leaf)
+}
+
+fn leaf_der(pem: &str) -> Vec<u8> {
+    rustls_pemfile::certs(&mut pem.as_bytes())
+        .next()
+        .expect("a certificate")
+        .expect("PEM")
+        .to_vec()
+}
+
+/// Replaces a file as Kubernetes does: a new file renamed over the old one.
+fn replace(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("new");
+    router::fsutil::write_private(&tmp, text)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    let old_ca = std::fs::read_to_string(&fleet.files.ca)?;
+    let cert_path = fleet.files.dir.path().join("tls.crt");
+    let key_path = fleet.files.dir.path().join("tls.key");
+    let old_leaf = leaf_der(&std::fs::read_to_string(&cert_path)?);
+    assert_eq!(served_cert(&fleet, &[&old_ca]).await?, old_leaf);
+    let mut before = open(&fleet, &fleet.files.token("acme")).await?;
+
+    let next = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+    replace(&key_path, &next.key_pem)?;
+    replace(&cert_path, &next.cert_pem)?;
+    let new_leaf = leaf_der(&next.cert_pem);
+    let cas = [old_ca.as_str(), next.ca_pem.as_str()];
+    // Clients trust both CAs from now on.
+    std::fs::write(&fleet.files.ca, cas.concat())?;
+    let mut served = Vec::new();
+    for _ in 0..150 {
+        served = served_cert(&fleet, &cas).await?;
+        if served == new_leaf {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(served, new_leaf, "a new handshake sees the new certificate");
+    still_serves(&mut before)
+        .await
+        .context("the session opened before the rotation")?;
+    assert_eq!(
+        fleet
+            .metric("codex_fleet_tls_reloads_total", &[("result", "ok")])
+            .await?,
+        1.0
+    );
+
+    // A corrupt replacement, then a certificate whose key is not the one beside it: both are
+    // refused, counted, and the rotated pair keeps serving.
+    replace(
+        &cert_path,
+        "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
+    )?;
+    assert!(
+        e2e::wait_until_async(Duration::from_secs(30), || async {
+            fleet
+                .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
+                .await
+                .unwrap_or(0.0)
+                == 1.0
+        })
+        .await,
+        "the corrupt certificate is refused and counted"
+    );
+    assert_eq!(served_cert(&fleet, &cas).await?, new_leaf);
+    let other = router::dev::generate_pki(&["localhost"])?;
+    replace(&cert_path, &other.cert_pem)?;
+    assert!(
+        e2e::wait_until_async(Duration::from_secs(30), || async {
+            fleet
+                .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
+                .await
+                .unwrap_or(0.0)
+                == 2.0
+        })
+        .await,
+        "a certificate without its key is refused"
+    );
+    assert_eq!(served_cert(&fleet, &cas).await?, new_leaf);
+    let mut after = open(&fleet, &fleet.files.token("acme")).await?;
+    still_serves(&mut after).await?;
+    still_serves(&mut before).await?;
+    fleet.stop().await
+}
