@@ -1234,6 +1234,17 @@ node = "n2"
                 "tenants[].workspace_roots",
                 format!("`{:?}`", t.workspace_roots),
             ),
+            ("tenants[].token_files", format!("`{:?}`", t.token_files)),
+            (
+                "tenants[].allowed_origins",
+                format!("`{:?}`", t.allowed_origins),
+            ),
+            ("tenants[].close_on_expiry", t.close_on_expiry.to_string()),
+            (
+                "auth.expiry_grace_secs",
+                cfg.auth.expiry_grace_secs.to_string(),
+            ),
+            ("auth.jwt", format!("`{:?}`", cfg.auth.jwt)),
         ];
         let readme = include_str!("../../README.md");
         let documented: Vec<(String, String)> = readme
@@ -1248,6 +1259,7 @@ node = "n2"
                     "drain.",
                     "limits.",
                     "tenants[].",
+                    "auth.",
                 ];
                 known.iter().any(|p| key.starts_with(p)).then(|| {
                     (
