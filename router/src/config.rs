@@ -40,6 +40,35 @@ pub struct Config {
     /// How clients authenticate besides static tokens (`[auth]`).
     #[serde(default)]
     pub auth: Auth,
+    /// The audit log (`[audit]`).
+    #[serde(default)]
+    pub audit: AuditConfig,
+}
+
+/// `[audit]`: where the audit log goes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditConfig {
+    /// A file (appended, rotated to `<path>.1` past `max_file_bytes`) or `-` for stdout; unset:
+    /// no audit log.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Events queued towards the sink; beyond it events are dropped and counted.
+    #[serde(default = "defaults::audit_queue")]
+    pub queue: usize,
+    /// Size at which the file is rotated.
+    #[serde(default = "defaults::audit_max_file_bytes")]
+    pub max_file_bytes: u64,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig {
+            path: None,
+            queue: defaults::audit_queue(),
+            max_file_bytes: defaults::audit_max_file_bytes(),
+        }
+    }
 }
 
 /// `[auth]`: signed JWTs and what ends a session with its credential.
@@ -398,6 +427,12 @@ pub struct Tenant {
 mod defaults {
     use std::net::SocketAddr;
 
+    pub fn audit_queue() -> usize {
+        4096
+    }
+    pub fn audit_max_file_bytes() -> u64 {
+        104_857_600
+    }
     pub fn jwt_leeway_secs() -> u64 {
         30
     }
@@ -1245,6 +1280,9 @@ node = "n2"
                 cfg.auth.expiry_grace_secs.to_string(),
             ),
             ("auth.jwt", format!("`{:?}`", cfg.auth.jwt)),
+            ("audit.path", "unset".to_owned()),
+            ("audit.queue", cfg.audit.queue.to_string()),
+            ("audit.max_file_bytes", cfg.audit.max_file_bytes.to_string()),
         ];
         let readme = include_str!("../../README.md");
         let documented: Vec<(String, String)> = readme
@@ -1260,6 +1298,7 @@ node = "n2"
                     "limits.",
                     "tenants[].",
                     "auth.",
+                    "audit.",
                 ];
                 known.iter().any(|p| key.starts_with(p)).then(|| {
                     (

@@ -88,6 +88,10 @@ pub struct Admitted {
     /// Who the client is: its JWT's subject, or for a static token `token:` and the first 12
     /// hex digits of its digest (enough to tell tokens apart in logs, useless to an attacker).
     pub subject: String,
+    /// `token` or `jwt`.
+    pub kind: &'static str,
+    /// Which credential (see [`crate::credentials::Verified::key_id`]).
+    pub key_id: String,
     /// Ends the relay when the credential ends.
     pub lease: Lease,
 }
@@ -262,6 +266,8 @@ impl Edge {
             tenant: v.tenant,
             node,
             subject: v.subject,
+            kind: v.kind,
+            key_id: v.key_id,
             lease: v.lease,
         })
     }

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod audit;
 pub mod auth;
 pub mod config;
 pub mod credentials;
@@ -62,6 +63,8 @@ pub struct Server {
     tls: tokio_rustls::TlsAcceptor,
     /// The listener's certificate files, watched for rotation while running.
     cert_files: Arc<tls::CertFiles>,
+    /// The audit log.
+    audit: audit::Audit,
     warnings: Vec<String>,
     reloader: Arc<Reloader>,
     events: ServerEvents,
@@ -92,6 +95,7 @@ impl Server {
             None => tls::server_config_reloading(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
         };
         let metrics = RouterMetrics::register(&registry)?;
+        let audit = audit::Audit::start(&cfg.audit, &registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
         // A node runs only its own tenants, an edge none (it relays them).
         let tenants = Arc::new(TenantRegistry::new(Tenants::build(
@@ -144,6 +148,7 @@ impl Server {
             registry,
             tls: tokio_rustls::TlsAcceptor::from(tls),
             cert_files,
+            audit,
             warnings,
             reloader: Arc::new(reloader),
             events: ServerEvents::default(),
@@ -228,6 +233,7 @@ impl Server {
                 shutdown: closing.clone(),
                 tracker: tracker.clone(),
                 upstream: self.upstream.clone(),
+                audit: self.audit.clone(),
             }
             .run(),
         );

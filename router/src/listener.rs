@@ -89,6 +89,8 @@ pub struct Listener {
     pub tracker: TaskTracker,
     /// Where sessions run.
     pub upstream: Upstream,
+    /// The audit log.
+    pub audit: crate::audit::Audit,
 }
 
 /// TCP connections allowed above `limits.max_connections` for handshakes in progress (and for
@@ -116,6 +118,7 @@ struct Conn {
     tracker: TaskTracker,
     addr: ClientAddr,
     upstream: Upstream,
+    audit: crate::audit::Audit,
 }
 
 // === impl Listener ===
@@ -166,6 +169,7 @@ impl Listener {
                 tracker: this.tracker.clone(),
                 addr: ClientAddr(addr),
                 upstream: this.upstream.clone(),
+                audit: this.audit.clone(),
             });
             let tls = this.tls.clone();
             let timeout = this.handshake_timeout;
@@ -257,10 +261,24 @@ impl Conn {
     fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
         let reason = e.reason();
         tracing::info!(reason, "upgrade refused: {e}");
+        self.audit.record(
+            "auth.failed",
+            serde_json::json!({ "reason": reason, "remote": self.addr.0.to_string() }),
+        );
         if *e != AuthError::Origin {
             self.charge_failed_auth();
         }
         self.plain(e.status(), reason, &e.to_string())
+    }
+
+    fn audit_admitted(&self, tenant: &str, subject: &str, kind: &str, key_id: &str) {
+        self.audit.record(
+            "auth.succeeded",
+            serde_json::json!({
+                "tenant": tenant, "subject": subject, "credential": kind, "key_id": key_id,
+                "remote": self.addr.0.to_string(),
+            }),
+        );
     }
 
     /// The edge's upgrade: authenticate, open the session's link to the tenant's node (so a
@@ -276,6 +294,7 @@ impl Conn {
             Ok(w) => w,
             Err(e) => return self.auth_refused(&e),
         };
+        self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
         let link = match edge.connect(&who, self.addr.0).await {
             Ok(link) => link,
             Err(crate::edge::LinkError::Refused {
@@ -309,6 +328,8 @@ impl Conn {
         let shutdown = self.shutdown.clone();
         let handshake = self.metrics.handshake_seconds.clone();
         let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
+        let audit = self.audit.clone();
+        let remote = self.addr.0.to_string();
         self.tracker.spawn(
             async move {
                 let upgraded = match on_upgrade.await {
@@ -328,6 +349,10 @@ impl Conn {
                 tracing::info!("relaying the session to its node");
                 edge.relay(ws, link, &who, queue, shutdown).await;
                 tracing::info!("relay ended");
+                audit.record(
+                    "session.ended",
+                    serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": remote }),
+                );
             }
             .instrument(span),
         );
@@ -425,6 +450,7 @@ impl Conn {
             Upstream::Local => match tenants.credentials().admit(req.headers()) {
                 Ok(v) => {
                     tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
+                    self.audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);
                     (tenants.get(&v.tenant).cloned(), v.lease, v.subject)
                 }
                 Err(e) => return self.auth_refused(&e),
@@ -457,7 +483,11 @@ impl Conn {
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
             lease,
+            subject: subject.clone(),
+            audit: self.audit.clone(),
         };
+        let audit = self.audit.clone();
+        let remote = self.addr.0.to_string();
         let max = self.max_message_bytes;
         let handshake = self.metrics.handshake_seconds.clone();
         let span = tracing::info_span!("session", tenant = %ctx.tenant.id, %subject, client.addr = %self.addr.0);
@@ -479,8 +509,14 @@ impl Conn {
                 .await;
                 let (sink, stream) = futures_util::StreamExt::split(ws);
                 tracing::info!("session started");
+                let tenant = ctx.tenant.id.clone();
+                let who = ctx.subject.clone();
                 let end = session::serve(sink, stream, ctx, guard).await;
                 tracing::info!(?end, "session ended");
+                audit.record(
+                    "session.ended",
+                    serde_json::json!({ "tenant": tenant, "subject": who, "reason": end.label(), "remote": remote }),
+                );
             }
             .instrument(span),
         );

@@ -83,6 +83,8 @@ async fn fleet() -> anyhow::Result<Fleet> {
     let mut toml = std::fs::read_to_string(&files.config)?;
     toml.push_str(&format!(
         r#"
+[audit]
+path = "{audit}"
 [auth]
 expiry_grace_secs = 0
 [[auth.jwt]]
@@ -108,9 +110,43 @@ tenant = "beta"
         hs = dir.join("hs.secret").display(),
         idp = dir.join("idp.jwks").display(),
         ec = dir.join("ec.jwks").display(),
+        audit = dir.join("audit.jsonl").display(),
     ));
     router::fsutil::write_private(&files.config, &toml)?;
     files.start().await
+}
+
+/// The audit log's events so far.
+fn audit_events(fleet: &Fleet) -> anyhow::Result<Vec<Value>> {
+    let text = std::fs::read_to_string(fleet.files.dir.path().join("audit.jsonl"))?;
+    text.lines()
+        .map(|l| serde_json::from_str(l).map_err(Into::into))
+        .collect()
+}
+
+/// No token, JWT, secret or key in any of `logs` nor in the fleet's audit log.
+fn assert_no_secrets(fleet: &Fleet, logs: &[(&str, &str)]) -> anyhow::Result<()> {
+    let audit = std::fs::read_to_string(fleet.files.dir.path().join("audit.jsonl"))?;
+    let tokens: Vec<String> = fleet
+        .files
+        .tenants
+        .iter()
+        .map(|t| t.token.clone())
+        .collect();
+    for (name, text) in logs.iter().copied().chain([("audit log", audit.as_str())]) {
+        // Every JWT starts with the base64 of `{"`: no log line may hold one.
+        for needle in ["eyJ", SECRET, "PRIVATE KEY"]
+            .into_iter()
+            .chain(tokens.iter().map(String::as_str))
+        {
+            assert!(
+                !text.contains(needle),
+                "{name} holds a credential ({} chars of it)",
+                needle.len()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One upgrade with optional token and `Origin`: the client, or the refusal.
@@ -213,6 +249,30 @@ async fn every_credential_kind_runs_a_real_turn_and_codex_exec_uses_a_jwt() -> a
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(stdout.contains(&reply_text("hello jwt")), "{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The audit log names each subject and credential, never the credential itself.
+    let events = audit_events(&fleet)?;
+    let subjects: Vec<&str> = events
+        .iter()
+        .filter(|e| e["event"] == "auth.succeeded")
+        .filter_map(|e| e["subject"].as_str())
+        .collect();
+    for who in ["ada", "bob@beta.test", "eve", "exec-user"] {
+        assert!(subjects.contains(&who), "{who} in {subjects:?}");
+    }
+    assert!(events.iter().any(|e| e["event"] == "session.initialized"
+        && e["subject"] == "exec-user"
+        && e["client_name"].is_string()));
+    assert!(events.iter().any(|e| e["event"] == "thread.created"
+        && e["tenant"] == "beta"
+        && e["thread"].is_string()));
+    assert_no_secrets(
+        &fleet,
+        &[
+            ("codex exec stdout", &stdout),
+            ("codex exec stderr", &stderr),
+        ],
+    )?;
     fleet.stop().await
 }
 
@@ -400,6 +460,12 @@ async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> any
             .await?,
         2.0
     );
+    let failed = audit_events(&fleet)?
+        .iter()
+        .filter(|e| e["event"] == "auth.failed")
+        .count();
+    assert!(failed >= cases.len() + 2, "{failed} auth.failed events");
+    assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
 
@@ -442,8 +508,9 @@ async fn still_serves(c: &mut Client) -> anyhow::Result<()> {
 async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()> {
     let fleet = fleet().await?;
     let exp_in = 4;
-    let mut short = open(&fleet, &acme_jwt("short", exp_in)).await?;
+    // Before the token is minted: its exp (whole seconds) is then at least exp_in - 1 away.
     let started = tokio::time::Instant::now();
+    let mut short = open(&fleet, &acme_jwt("short", exp_in)).await?;
     // Tenant beta has close_on_expiry = false: its short JWT session stays.
     let es = signed(
         Algorithm::ES256,
@@ -516,6 +583,7 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
             .context("a session of another credential")?;
     }
     assert_eq!(status(&upgrade(&fleet, Some(&first), None).await?), 401);
+    assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
 
@@ -631,5 +699,70 @@ async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyho
     let mut after = open(&fleet, &fleet.files.token("acme")).await?;
     still_serves(&mut after).await?;
     still_serves(&mut before).await?;
+    fleet.stop().await
+}
+
+#[tokio::test]
+async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
+) -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    let mut c = open(&fleet, &acme_jwt("approver@acme", 600)).await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "please RUNSHELL").await?;
+    let ask = c
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    c.send(&json!({ "id": ask["id"], "result": { "decision": "accept" } }))
+        .await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    assert!(msgs
+        .iter()
+        .any(|m| m["method"] == "item/completed"
+            && m["params"]["item"]["type"] == "commandExecution"));
+    c.close().await;
+    assert!(
+        e2e::wait_until_async(Duration::from_secs(30), || async {
+            audit_events(&fleet)
+                .unwrap_or_default()
+                .iter()
+                .any(|e| e["event"] == "session.ended" && e["subject"] == "approver@acme")
+        })
+        .await
+    );
+    let events = audit_events(&fleet)?;
+    let asked = events
+        .iter()
+        .find(|e| e["event"] == "approval.requested")
+        .context("approval.requested")?;
+    assert_eq!(asked["thread"], thread.as_str());
+    assert!(asked["turn"].is_string(), "{asked}");
+    assert!(
+        asked["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("echo mock-approved")),
+        "{asked}"
+    );
+    let answered = events
+        .iter()
+        .position(|e| e["event"] == "approval.answered")
+        .context("approval.answered")?;
+    let a = &events[answered];
+    assert_eq!(a["decision"], "accept", "{a}");
+    assert_eq!(a["subject"], "approver@acme", "{a}");
+    assert_eq!(a["tenant"], "acme", "{a}");
+    assert_eq!(a["thread"], thread.as_str(), "{a}");
+    assert_eq!(a["command"], asked["command"], "{a}");
+    // In order: authenticated, thread created, asked, answered, session ended.
+    let at = |name: &str| events.iter().position(|e| e["event"] == name);
+    let order = [
+        at("auth.succeeded"),
+        at("thread.created"),
+        at("approval.requested"),
+        Some(answered),
+        at("session.ended"),
+    ];
+    assert!(order.iter().all(Option::is_some), "{order:?}");
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+    assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
