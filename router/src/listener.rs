@@ -262,7 +262,7 @@ impl Conn {
         let reason = e.reason();
         tracing::info!(reason, "upgrade refused: {e}");
         self.audit.record(
-            "auth.failed",
+            "authentication.failed",
             serde_json::json!({ "reason": reason, "remote": self.addr.0.to_string() }),
         );
         if *e != AuthError::Origin {
@@ -273,7 +273,7 @@ impl Conn {
 
     fn audit_admitted(&self, tenant: &str, subject: &str, kind: &str, key_id: &str) {
         self.audit.record(
-            "auth.succeeded",
+            "authentication.succeeded",
             serde_json::json!({
                 "tenant": tenant, "subject": subject, "credential": kind, "key_id": key_id,
                 "remote": self.addr.0.to_string(),

@@ -254,7 +254,7 @@ async fn every_credential_kind_runs_a_real_turn_and_codex_exec_uses_a_jwt() -> a
     let events = audit_events(&fleet)?;
     let subjects: Vec<&str> = events
         .iter()
-        .filter(|e| e["event"] == "auth.succeeded")
+        .filter(|e| e["event"] == "authentication.succeeded")
         .filter_map(|e| e["subject"].as_str())
         .collect();
     for who in ["ada", "bob@beta.test", "eve", "exec-user"] {
@@ -462,9 +462,12 @@ async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> any
     );
     let failed = audit_events(&fleet)?
         .iter()
-        .filter(|e| e["event"] == "auth.failed")
+        .filter(|e| e["event"] == "authentication.failed")
         .count();
-    assert!(failed >= cases.len() + 2, "{failed} auth.failed events");
+    assert!(
+        failed >= cases.len() + 2,
+        "{failed} authentication.failed events"
+    );
     assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
@@ -755,7 +758,7 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     // In order: authenticated, thread created, asked, answered, session ended.
     let at = |name: &str| events.iter().position(|e| e["event"] == name);
     let order = [
-        at("auth.succeeded"),
+        at("authentication.succeeded"),
         at("thread.created"),
         at("approval.requested"),
         Some(answered),
