@@ -98,6 +98,15 @@ pub struct JwtIssuer {
     /// RS256/ES256: a JWKS file (`{"keys": [...]}`); each key needs a `kid`.
     #[serde(default)]
     pub jwks_file: Option<PathBuf>,
+    /// RS256/ES256: or a JWKS URL (https), fetched periodically and on an unknown `kid`.
+    #[serde(default)]
+    pub jwks_url: Option<String>,
+    /// PEM CA bundle trusted for `jwks_url`.
+    #[serde(default = "defaults::jwks_ca_file")]
+    pub jwks_ca_file: PathBuf,
+    /// Seconds between fetches of `jwks_url`.
+    #[serde(default = "defaults::jwks_refresh_secs")]
+    pub jwks_refresh_secs: u64,
     /// When set, the token's `iss` must equal it.
     #[serde(default)]
     pub issuer: Option<String>,
@@ -432,6 +441,12 @@ mod defaults {
     }
     pub fn audit_max_file_bytes() -> u64 {
         104_857_600
+    }
+    pub fn jwks_ca_file() -> std::path::PathBuf {
+        std::path::PathBuf::from("/etc/ssl/certs/ca-certificates.crt")
+    }
+    pub fn jwks_refresh_secs() -> u64 {
+        300
     }
     pub fn jwt_leeway_secs() -> u64 {
         30
@@ -783,11 +798,18 @@ impl Config {
                 ));
             };
             let hs = alg == jsonwebtoken::Algorithm::HS256;
-            if hs != j.secret_file.is_some() || hs == j.jwks_file.is_some() {
+            let jwks = usize::from(j.jwks_file.is_some()) + usize::from(j.jwks_url.is_some());
+            if hs != j.secret_file.is_some() || (hs && jwks > 0) || (!hs && jwks != 1) {
                 return bad(format!(
-                    "auth.jwt {:?}: HS256 takes secret_file, RS256 and ES256 take jwks_file",
+                    "auth.jwt {:?}: HS256 takes secret_file, RS256 and ES256 take jwks_file or jwks_url",
                     j.name
                 ));
+            }
+            if j.jwks_url
+                .as_ref()
+                .is_some_and(|u| !u.starts_with("https://"))
+            {
+                return bad(format!("auth.jwt {:?}: jwks_url must be https://", j.name));
             }
             if j.tenant.is_some() == j.tenant_claim.is_some() {
                 return bad(format!(

@@ -27,6 +27,8 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::{bearer_token, AuthError, TokenTable};
 use crate::config::{parse_digest, Config, JwtIssuer};
 
+mod jwks;
+
 /// The smallest HS256 secret accepted, in bytes (as app-server's `signed-bearer-token`).
 pub const MIN_SECRET_BYTES: usize = 32;
 
@@ -135,17 +137,32 @@ struct StaticToken {
 }
 
 /// A verification key of an issuer.
-struct Key {
+#[derive(Clone)]
+pub(crate) struct Key {
     /// `secret` or the JWKS `kid`.
-    id: String,
-    key: DecodingKey,
+    pub(crate) id: String,
+    pub(crate) key: DecodingKey,
+}
+
+/// Who a credential names, before the tenant's rules apply.
+struct Named {
+    tenant: String,
+    subject: String,
+    kind: &'static str,
+    key_id: String,
+    /// The lease token's key: the credential a reload can remove.
+    lease_key: String,
+    exp: Option<SystemTime>,
 }
 
 /// One `[[auth.jwt]]` issuer, ready to verify.
 struct Issuer {
     name: String,
     algorithm: Algorithm,
-    keys: Vec<Key>,
+    /// The keys of a secret or a JWKS file.
+    keys: Arc<Vec<Key>>,
+    /// Or a JWKS fetched over HTTPS.
+    url: Option<Arc<jwks::JwksUrl>>,
     validation: Validation,
     tenant: Option<String>,
     tenant_claim: Option<String>,
@@ -231,7 +248,12 @@ impl Credentials {
     pub fn commit(&self) -> usize {
         let mut keep: HashSet<String> = self.statics.iter().map(|s| s.key_id.clone()).collect();
         for i in &self.issuers {
-            keep.extend(i.keys.iter().map(|k| format!("jwt:{}:{}", i.name, k.id)));
+            match &i.url {
+                Some(_) => {
+                    keep.insert(format!("jwt:{}:url", i.name));
+                }
+                None => keep.extend(i.keys.iter().map(|k| format!("jwt:{}:{}", i.name, k.id))),
+            }
         }
         keep.extend(self.tenants.keys().map(|t| format!("tenant:{t}")));
         let removed = self.leases.retain(&keep);
@@ -245,19 +267,59 @@ impl Credentials {
     }
 
     /// Authenticates an upgrade: its bearer token, then its `Origin` against the tenant's
-    /// allowlist.
-    pub fn admit(&self, headers: &HeaderMap) -> Result<Verified, AuthError> {
+    /// allowlist. A JWT whose `kid` no JWKS URL holds yet has that JWKS fetched again first
+    /// (at most once a second per URL), so a rotated key works without a reload.
+    pub async fn admit(&self, headers: &HeaderMap) -> Result<Verified, AuthError> {
+        let refused = match self.admit_now(headers) {
+            Err(e) => e,
+            admitted => return admitted,
+        };
+        // A JWT with a kid that a JWKS URL of its algorithm does not hold (yet).
+        let Some(peek) = bearer_token(headers).ok().and_then(Peek::of) else {
+            return Err(refused);
+        };
+        let Some(kid) = peek.kid.as_deref() else {
+            return Err(refused);
+        };
+        let mut refreshed = false;
+        for url in self
+            .issuers
+            .iter()
+            .filter(|i| alg_name(i.algorithm) == peek.alg)
+            .filter_map(|i| i.url.as_ref())
+            .filter(|u| !u.keys().iter().any(|k| k.id == kid))
+        {
+            // A fetch already under way (or just done) may have brought the key too.
+            refreshed |= url.refresh(jwks::UNKNOWN_KID_REFETCH).await
+                || url.keys().iter().any(|k| k.id == kid);
+        }
+        if refreshed {
+            self.admit_now(headers)
+        } else {
+            Err(refused)
+        }
+    }
+
+    fn admit_now(&self, headers: &HeaderMap) -> Result<Verified, AuthError> {
         let token = bearer_token(headers)?;
-        let (tenant, subject, kind, key_id, exp) = match self.tokens.lookup(token) {
+        let Named {
+            tenant,
+            subject,
+            kind,
+            key_id,
+            lease_key,
+            exp,
+        } = match self.tokens.lookup(token) {
             Some(i) => {
                 let s = &self.statics[i];
-                (
-                    s.tenant.clone(),
-                    s.key_id.clone(),
-                    "token",
-                    s.key_id.clone(),
-                    None,
-                )
+                Named {
+                    tenant: s.tenant.clone(),
+                    subject: s.key_id.clone(),
+                    kind: "token",
+                    key_id: s.key_id.clone(),
+                    lease_key: s.key_id.clone(),
+                    exp: None,
+                }
             }
             None if looks_like_jwt(token) => self.verify_jwt(token)?,
             None => return Err(AuthError::Invalid),
@@ -278,7 +340,7 @@ impl Credentials {
             tokio::time::Instant::now() + left + self.grace
         });
         let lease = Lease {
-            credential: self.leases.token(&key_id),
+            credential: self.leases.token(&lease_key),
             tenant: self.leases.token(&format!("tenant:{tenant}")),
             deadline,
         };
@@ -292,11 +354,7 @@ impl Credentials {
     }
 
     /// Verifies a JWT with the issuers configured for its algorithm.
-    #[allow(clippy::type_complexity)]
-    fn verify_jwt(
-        &self,
-        token: &str,
-    ) -> Result<(String, String, &'static str, String, Option<SystemTime>), AuthError> {
+    fn verify_jwt(&self, token: &str) -> Result<Named, AuthError> {
         let peek = Peek::of(token).ok_or(AuthError::JwtMalformed)?;
         let mut candidates: Vec<&Issuer> = self
             .issuers
@@ -403,6 +461,7 @@ impl Issuer {
                 c.algorithm
             )
         })?;
+        let mut url = None;
         let keys = match (algorithm, &c.secret_file, &c.jwks_file) {
             (Algorithm::HS256, Some(path), None) => {
                 let secret = read_trimmed(path)
@@ -432,8 +491,15 @@ impl Issuer {
                     anyhow::anyhow!("auth.jwt {:?}: {}: {e}", c.name, path.display())
                 })?
             }
+            (Algorithm::RS256 | Algorithm::ES256, None, None) if c.jwks_url.is_some() => {
+                let fetched = jwks::JwksUrl::new(c, algorithm)
+                    .map_err(|e| anyhow::anyhow!("auth.jwt {:?}: {e}", c.name))?;
+                fetched.spawn_refresh();
+                url = Some(fetched);
+                Vec::new()
+            }
             _ => anyhow::bail!(
-                "auth.jwt {:?}: HS256 takes secret_file, RS256 and ES256 take jwks_file",
+                "auth.jwt {:?}: HS256 takes secret_file, RS256 and ES256 take jwks_file or jwks_url",
                 c.name
             ),
         };
@@ -456,7 +522,8 @@ impl Issuer {
         Ok(Issuer {
             name: c.name.clone(),
             algorithm,
-            keys,
+            keys: Arc::new(keys),
+            url,
             validation,
             tenant: c.tenant.clone(),
             tenant_claim: c.tenant_claim.clone(),
@@ -464,17 +531,16 @@ impl Issuer {
         })
     }
 
-    #[allow(clippy::type_complexity)]
-    fn verify(
-        &self,
-        token: &str,
-        kid: Option<&str>,
-    ) -> Result<(String, String, &'static str, String, Option<SystemTime>), AuthError> {
+    fn verify(&self, token: &str, kid: Option<&str>) -> Result<Named, AuthError> {
+        let keys = match &self.url {
+            Some(url) => url.keys(),
+            None => self.keys.clone(),
+        };
         let key = match (self.algorithm, kid) {
-            (Algorithm::HS256, _) => self.keys.first(),
-            (_, Some(kid)) => self.keys.iter().find(|k| k.id == kid),
+            (Algorithm::HS256, _) => keys.first(),
+            (_, Some(kid)) => keys.iter().find(|k| k.id == kid),
             // No kid: only unambiguous with a single key.
-            (_, None) if self.keys.len() == 1 => self.keys.first(),
+            (_, None) if keys.len() == 1 => keys.first(),
             (_, None) => None,
         }
         .ok_or(AuthError::JwtUnknownKey)?;
@@ -498,18 +564,26 @@ impl Issuer {
             .get("exp")
             .and_then(serde_json::Value::as_u64)
             .map(|s| UNIX_EPOCH + Duration::from_secs(s));
-        Ok((
+        let key_id = format!("jwt:{}:{}", self.name, key.id);
+        let lease_key = match self.url {
+            // Keys come and go with the identity provider's rotation; the issuer is what a
+            // reload removes.
+            Some(_) => format!("jwt:{}:url", self.name),
+            None => key_id.clone(),
+        };
+        Ok(Named {
             tenant,
             subject,
-            "jwt",
-            format!("jwt:{}:{}", self.name, key.id),
+            kind: "jwt",
+            key_id,
+            lease_key,
             exp,
-        ))
+        })
     }
 }
 
 /// The keys of a JWKS usable with `algorithm`, each by its `kid`.
-fn jwks_keys(text: &str, algorithm: Algorithm) -> anyhow::Result<Vec<Key>> {
+pub(crate) fn jwks_keys(text: &str, algorithm: Algorithm) -> anyhow::Result<Vec<Key>> {
     let set: JwkSet = serde_json::from_str(text)?;
     let mut keys = Vec::new();
     for jwk in &set.keys {
@@ -672,21 +746,21 @@ id = "beta"
     }
 
     fn refusal(c: &Credentials, token: &str) -> AuthError {
-        c.admit(&bearer(token)).unwrap_err()
+        c.admit_now(&bearer(token)).unwrap_err()
     }
 
     #[test]
     fn each_credential_kind_names_its_tenant_and_subject() {
         let s = setup();
         let c = Credentials::build(&s.cfg, None).unwrap();
-        let v = c.admit(&bearer("alpha")).unwrap();
+        let v = c.admit_now(&bearer("alpha")).unwrap();
         assert_eq!((v.tenant.as_str(), v.kind), ("acme", "token"));
         assert!(v.subject.starts_with("token:"));
-        let v = c.admit(&bearer(&hs(good_hs()))).unwrap();
+        let v = c.admit_now(&bearer(&hs(good_hs()))).unwrap();
         assert_eq!((v.tenant.as_str(), v.subject.as_str()), ("acme", "ada"));
         assert!(v.key_id.starts_with("jwt:shared:secret-"));
         let v = c
-            .admit(&bearer(&rs(
+            .admit_now(&bearer(&rs(
                 "rsa-a",
                 "rsa-a.pem",
                 json!({"email": "bob@beta", "org": "beta", "exp": now() + 60}),
@@ -703,7 +777,10 @@ id = "beta"
     fn every_bad_credential_is_refused_with_its_reason() {
         let s = setup();
         let c = Credentials::build(&s.cfg, None).unwrap();
-        assert_eq!(c.admit(&HeaderMap::new()).unwrap_err(), AuthError::Missing);
+        assert_eq!(
+            c.admit_now(&HeaderMap::new()).unwrap_err(),
+            AuthError::Missing
+        );
         assert_eq!(refusal(&c, "gamma"), AuthError::Invalid);
         assert_eq!(refusal(&c, "a.b.c"), AuthError::JwtMalformed);
         let mut claims = good_hs();
@@ -711,7 +788,7 @@ id = "beta"
         assert_eq!(refusal(&c, &hs(claims)), AuthError::JwtExpired);
         let mut claims = good_hs();
         claims["exp"] = json!(now() - 2); // within the 5 s leeway
-        assert!(c.admit(&bearer(&hs(claims))).is_ok());
+        assert!(c.admit_now(&bearer(&hs(claims))).is_ok());
         let mut claims = good_hs();
         claims["nbf"] = json!(now() + 60);
         assert_eq!(refusal(&c, &hs(claims)), AuthError::JwtNotYetValid);
@@ -784,19 +861,19 @@ id = "beta"
         let c = Credentials::build(&s.cfg, None).unwrap();
         let mut h = bearer("alpha");
         h.insert(http::header::ORIGIN, "https://ok.example".parse().unwrap());
-        assert!(c.admit(&h).is_ok());
+        assert!(c.admit_now(&h).is_ok());
         h.insert(
             http::header::ORIGIN,
             "https://evil.example".parse().unwrap(),
         );
-        assert_eq!(c.admit(&h).unwrap_err(), AuthError::Origin);
+        assert_eq!(c.admit_now(&h).unwrap_err(), AuthError::Origin);
         let mut h = bearer(&rs(
             "rsa-a",
             "rsa-a.pem",
             json!({"email": "b", "org": "beta", "exp": now() + 60}),
         ));
         h.insert(http::header::ORIGIN, "https://ok.example".parse().unwrap());
-        assert_eq!(c.admit(&h).unwrap_err(), AuthError::Origin);
+        assert_eq!(c.admit_now(&h).unwrap_err(), AuthError::Origin);
     }
 
     #[tokio::test(start_paused = true)]
@@ -804,7 +881,7 @@ id = "beta"
         let s = setup();
         let c = Credentials::build(&s.cfg, None).unwrap();
         let jwt = c
-            .admit(&bearer(&hs(json!({"sub": "ada", "exp": now() + 30, "iss": "https://issuer.example", "aud": "codex-fleet"}))))
+            .admit_now(&bearer(&hs(json!({"sub": "ada", "exp": now() + 30, "iss": "https://issuer.example", "aud": "codex-fleet"}))))
             .unwrap();
         let started = tokio::time::Instant::now();
         let ended = tokio::time::timeout(Duration::from_secs(120), jwt.lease.ended()).await;
@@ -815,9 +892,9 @@ id = "beta"
             "{waited:?}"
         );
 
-        let token = c.admit(&bearer("alpha")).unwrap();
+        let token = c.admit_now(&bearer("alpha")).unwrap();
         let idp = |org: &str| {
-            c.admit(&bearer(&rs(
+            c.admit_now(&bearer(&rs(
                 "rsa-a",
                 "rsa-a.pem",
                 json!({"email": "b", "org": org, "exp": now() + 3600}),

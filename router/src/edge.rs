@@ -68,7 +68,7 @@ pub struct Edge {
 
 /// Credentials and the tenant→node map (replaced by a reload).
 struct Table {
-    credentials: Credentials,
+    credentials: Arc<Credentials>,
     /// Tenant id → node name.
     tenants: HashMap<String, String>,
 }
@@ -211,7 +211,7 @@ impl Edge {
         }
         let edge = Edge {
             table: RwLock::new(Table {
-                credentials: Credentials::build(cfg, None)?,
+                credentials: Arc::new(Credentials::build(cfg, None)?),
                 tenants: HashMap::new(),
             }),
             nodes,
@@ -241,7 +241,7 @@ impl Edge {
         }
         let credentials = {
             let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
-            Credentials::build(cfg, Some(&table.credentials))?
+            Arc::new(Credentials::build(cfg, Some(&table.credentials))?)
         };
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
         *table = Table {
@@ -253,10 +253,18 @@ impl Edge {
     }
 
     /// Authenticates an upgrade (its credential, then its `Origin`).
-    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Admitted, AuthError> {
-        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
-        let v = table.credentials.admit(headers)?;
-        let node = table
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Admitted, AuthError> {
+        let credentials = self
+            .table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .credentials
+            .clone();
+        let v = credentials.admit(headers).await?;
+        let node = self
+            .table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
             .tenants
             .get(&v.tenant)
             .cloned()

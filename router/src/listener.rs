@@ -290,7 +290,7 @@ impl Conn {
         key: &str,
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
-        let who = match edge.authenticate(req.headers()) {
+        let who = match edge.authenticate(req.headers()).await {
             Ok(w) => w,
             Err(e) => return self.auth_refused(&e),
         };
@@ -447,7 +447,7 @@ impl Conn {
                     }
                 }
             }
-            Upstream::Local => match tenants.credentials().admit(req.headers()) {
+            Upstream::Local => match tenants.credentials().admit(req.headers()).await {
                 Ok(v) => {
                     tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
                     self.audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);

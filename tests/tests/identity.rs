@@ -69,6 +69,11 @@ fn acme_jwt(sub: &str, secs: i64) -> String {
 /// `idp` (RS256 over a JWKS file, tenant from the `org` claim, subject from `email`) and `ec`
 /// (ES256, tenant beta).
 async fn fleet() -> anyhow::Result<Fleet> {
+    fleet_with("").await
+}
+
+/// [`fleet`] with more configuration appended (e.g. another `[[auth.jwt]]`).
+async fn fleet_with(extra: &str) -> anyhow::Result<Fleet> {
     let files = FleetBuilder::new()
         .tenant("acme")
         .tenant_toml("allowed_origins = [\"https://app.test\"]")
@@ -112,6 +117,7 @@ tenant = "beta"
         ec = dir.join("ec.jwks").display(),
         audit = dir.join("audit.jsonl").display(),
     ));
+    toml.push_str(extra);
     router::fsutil::write_private(&files.config, &toml)?;
     files.start().await
 }
@@ -766,6 +772,121 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     ];
     assert!(order.iter().all(Option::is_some), "{order:?}");
     assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+    assert_no_secrets(&fleet, &[])?;
+    fleet.stop().await
+}
+
+/// An HTTPS server on loopback that answers every request with the JWKS it holds now.
+struct JwksServer {
+    url: String,
+    ca: std::path::PathBuf,
+    jwks: std::sync::Arc<std::sync::Mutex<String>>,
+    fetches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    _dir: tempfile::TempDir,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl JwksServer {
+    async fn start(jwks: String) -> anyhow::Result<JwksServer> {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir()?;
+        let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+        let (ca, cert, key) = (
+            dir.path().join("ca.pem"),
+            dir.path().join("cert.pem"),
+            dir.path().join("key.pem"),
+        );
+        std::fs::write(&ca, &pki.ca_pem)?;
+        std::fs::write(&cert, &pki.cert_pem)?;
+        router::fsutil::write_private(&key, &pki.key_pem)?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(router::tls::server_config(&cert, &key)?);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!(
+            "https://localhost:{}/.well-known/jwks.json",
+            listener.local_addr()?.port()
+        );
+        let body = std::sync::Arc::new(std::sync::Mutex::new(jwks));
+        let fetches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (b, f) = (body.clone(), fetches.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, b, f) = (acceptor.clone(), b.clone(), f.clone());
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut req = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => req.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    f.fetch_add(1, Ordering::SeqCst);
+                    let jwks = b.lock().expect("jwks").clone();
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{jwks}",
+                        jwks.len()
+                    );
+                    let _written = tls.write_all(resp.as_bytes()).await;
+                    let _closed = tls.shutdown().await;
+                });
+            }
+        });
+        Ok(JwksServer {
+            url,
+            ca,
+            jwks: body,
+            fetches,
+            _dir: dir,
+            _task: task,
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_jwks_over_https_rotates_its_key_without_a_restart() -> anyhow::Result<()> {
+    let idp = JwksServer::start(jwks(&["rsa-a"])).await?;
+    let fleet = fleet_with(&format!(
+        r#"
+[[auth.jwt]]
+name = "remote"
+algorithm = "RS256"
+jwks_url = "{}"
+jwks_ca_file = "{}"
+issuer = "https://idp.remote.test"
+tenant = "beta"
+"#,
+        idp.url,
+        idp.ca.display()
+    ))
+    .await?;
+    let claims = json!({"sub": "rita", "iss": "https://idp.remote.test", "exp": now() + 600});
+    let a = signed(Algorithm::RS256, "rsa-a", "rsa-a.pem", &claims);
+    turn(&fleet, &a, "remote jwks").await?;
+    let before = idp.fetches.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(before >= 1);
+
+    // The identity provider rotates: rsa-b replaces rsa-a. A token of the new key is accepted
+    // at once (its unknown kid fetches the JWKS again), with no reload or restart.
+    *idp.jwks.lock().expect("jwks") = jwks(&["rsa-b"]);
+    // Fetches for unknown kids are at most once a second per URL.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let b = signed(Algorithm::RS256, "rsa-b", "rsa-b.pem", &claims);
+    let mut c = open(&fleet, &b).await?;
+    still_serves(&mut c).await?;
+    assert!(idp.fetches.load(std::sync::atomic::Ordering::SeqCst) > before);
+    let events = audit_events(&fleet)?;
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "authentication.succeeded"
+            && e["subject"] == "rita"
+            && e["key_id"] == "jwt:remote:rsa-b"));
+    // A key the provider no longer publishes is unknown once the JWKS was fetched again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(status(&upgrade(&fleet, Some(&a), None).await?), 401);
     assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
