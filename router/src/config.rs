@@ -957,12 +957,16 @@ pub fn parse_digest(hex_digest: &str) -> Option<[u8; 32]> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    const DIGEST: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    /// SHA-256 of the token `test`, the token of [`minimal`]'s tenant `acme`.
+    pub(crate) const DIGEST: &str =
+        "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
 
-    fn minimal(extra: &str) -> String {
+    /// The smallest valid configuration, `extra` after `[workers]`, then tenant `acme` (its
+    /// table is the last: lines appended to the result belong to it).
+    pub(crate) fn minimal(extra: &str) -> String {
         format!(
             r#"
 [listen]

@@ -653,7 +653,7 @@ mod tests {
         jwks: std::path::PathBuf,
     }
 
-    /// Tenants `acme` (static token "alpha", origin https://ok.example) and `beta`; an HS256
+    /// Tenants `acme` (static token "test", origin https://ok.example) and `beta`; an HS256
     /// issuer fixed to `acme` with iss/aud, and an RS256 issuer (key rsa-a) naming the tenant
     /// in the `org` claim.
     fn setup() -> Setup {
@@ -663,14 +663,8 @@ mod tests {
         let jwks = dir.path().join("jwks.json");
         let rsa_a = String::from_utf8(fixture("rsa-a.jwk.json")).unwrap();
         std::fs::write(&jwks, format!("{{\"keys\":[{rsa_a}]}}")).unwrap();
-        let text = format!(
+        let auth = format!(
             r#"
-[listen]
-addr = "127.0.0.1:8443"
-tls_cert = "/etc/c.crt"
-tls_key = "/etc/c.key"
-[workers]
-state_dir = "/var/lib/codex-fleet"
 [auth]
 expiry_grace_secs = 0
 [[auth.jwt]]
@@ -687,17 +681,12 @@ algorithm = "RS256"
 jwks_file = "{}"
 tenant_claim = "org"
 subject_claim = "email"
-[[tenants]]
-id = "acme"
-token_sha256 = ["{}"]
-allowed_origins = ["https://ok.example"]
-[[tenants]]
-id = "beta"
 "#,
             secret.display(),
             jwks.display(),
-            crate::auth::token_digest_hex("alpha"),
         );
+        let text = crate::config::tests::minimal(&auth)
+            + "allowed_origins = [\"https://ok.example\"]\n[[tenants]]\nid = \"beta\"\n";
         Setup {
             _dir: dir,
             cfg: Config::parse(&text).unwrap(),
@@ -753,7 +742,7 @@ id = "beta"
     fn each_credential_kind_names_its_tenant_and_subject() {
         let s = setup();
         let c = Credentials::build(&s.cfg, None).unwrap();
-        let v = c.admit_now(&bearer("alpha")).unwrap();
+        let v = c.admit_now(&bearer("test")).unwrap();
         assert_eq!((v.tenant.as_str(), v.kind), ("acme", "token"));
         assert!(v.subject.starts_with("token:"));
         let v = c.admit_now(&bearer(&hs(good_hs()))).unwrap();
@@ -859,7 +848,7 @@ id = "beta"
     fn origins_need_the_tenants_allowlist() {
         let s = setup();
         let c = Credentials::build(&s.cfg, None).unwrap();
-        let mut h = bearer("alpha");
+        let mut h = bearer("test");
         h.insert(http::header::ORIGIN, "https://ok.example".parse().unwrap());
         assert!(c.admit_now(&h).is_ok());
         h.insert(
@@ -892,7 +881,7 @@ id = "beta"
             "{waited:?}"
         );
 
-        let token = c.admit_now(&bearer("alpha")).unwrap();
+        let token = c.admit_now(&bearer("test")).unwrap();
         let idp = |org: &str| {
             c.admit_now(&bearer(&rs(
                 "rsa-a",
@@ -928,7 +917,7 @@ id = "beta"
         let last = Credentials::build(&cfg, Some(&next)).unwrap();
         last.commit();
         assert_eq!(ends_soon(token.lease).await, Some(CredentialEnd::Revoked));
-        assert_eq!(refusal(&last, "alpha"), AuthError::Invalid);
+        assert_eq!(refusal(&last, "test"), AuthError::Invalid);
     }
 
     #[test]

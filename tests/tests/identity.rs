@@ -3,14 +3,12 @@
 //! refused with 401 and counted by reason, a JWT session closes after its `exp`, a reload that
 //! removes a token closes its sessions and no other, and `Origin` needs the tenant's allowlist.
 
-use std::process::Stdio;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use e2e::{agent_text, reply_text, Client, Fleet, FleetBuilder, Upgrade};
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
-use tokio::process::Command;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::Connector;
 
@@ -231,27 +229,13 @@ async fn every_credential_kind_runs_a_real_turn_and_codex_exec_uses_a_jwt() -> a
     turn(&fleet, &es, "es256 jwt").await?;
 
     // The real codex exec, with the JWT passed through --remote-auth-token-env.
-    let client_home = tempfile::tempdir()?;
-    let out = tokio::time::timeout(
-        Duration::from_secs(90),
-        Command::new(e2e::codex_bin())
-            .args([
-                "exec",
-                "--skip-git-repo-check",
-                "--remote",
-                &fleet.url(),
-                "--remote-auth-token-env",
-                "CODEX_FLEET_JWT",
-                "hello jwt",
-            ])
-            .env("SSL_CERT_FILE", &fleet.files.ca)
-            .env("CODEX_FLEET_JWT", acme_jwt("exec-user", 600))
-            .env("CODEX_HOME", client_home.path())
-            .current_dir(client_home.path())
-            .stdin(Stdio::null())
-            .output(),
+    let out = e2e::codex_exec_remote(
+        &fleet.url(),
+        &fleet.files.ca,
+        &acme_jwt("exec-user", 600),
+        "hello jwt",
     )
-    .await??;
+    .await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(stdout.contains(&reply_text("hello jwt")), "{stdout}");
@@ -637,6 +621,18 @@ fn replace(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether `codex_fleet_tls_reloads_total{result="invalid"}` reaches `n` within 30 s.
+async fn refused_certificates(fleet: &Fleet, n: f64) -> bool {
+    e2e::wait_until_async(Duration::from_secs(30), || async {
+        fleet
+            .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
+            .await
+            .unwrap_or(0.0)
+            == n
+    })
+    .await
+}
+
 #[tokio::test]
 async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyhow::Result<()> {
     let fleet = fleet().await?;
@@ -680,28 +676,14 @@ async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyho
         "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
     )?;
     assert!(
-        e2e::wait_until_async(Duration::from_secs(30), || async {
-            fleet
-                .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
-                .await
-                .unwrap_or(0.0)
-                == 1.0
-        })
-        .await,
+        refused_certificates(&fleet, 1.0).await,
         "the corrupt certificate is refused and counted"
     );
     assert_eq!(served_cert(&fleet, &cas).await?, new_leaf);
     let other = router::dev::generate_pki(&["localhost"])?;
     replace(&cert_path, &other.cert_pem)?;
     assert!(
-        e2e::wait_until_async(Duration::from_secs(30), || async {
-            fleet
-                .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
-                .await
-                .unwrap_or(0.0)
-                == 2.0
-        })
-        .await,
+        refused_certificates(&fleet, 2.0).await,
         "a certificate without its key is refused"
     );
     assert_eq!(served_cert(&fleet, &cas).await?, new_leaf);
