@@ -872,3 +872,61 @@ tenant = "beta"
     assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_ends_at_exp(
+) -> anyhow::Result<()> {
+    let keys = tempfile::tempdir()?;
+    let secret = keys.path().join("hs.secret");
+    std::fs::write(&secret, SECRET)?;
+    let audit = keys.path().join("audit.jsonl");
+    // Split writes these tables into the edge's and the nodes' files alike (nodes skip the
+    // issuers: they trust their edges).
+    let extra = format!(
+        "max_connections = 10000\n[audit]\npath = {audit:?}\n[auth]\n[[auth.jwt]]\nname = \"shared\"\n\
+         algorithm = \"HS256\"\nsecret_file = {secret:?}\ntenant = \"acme\"\n",
+    );
+    let s = e2e::Split::start(&[("acme", "n1"), ("beta", "n2")], 1, &extra).await?;
+    let started = tokio::time::Instant::now();
+    let jwt = hs256(&json!({"sub": "edge-user", "exp": now() + 8}));
+    let mut c = s.edges[0].client(&s.files, &jwt).await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "through the edge").await?;
+    let msgs = c.until_turn_completed(&thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("through the edge")));
+    let frame = c.recv_close_frame(STEP).await?;
+    assert_eq!(
+        frame,
+        Some((1008, router::session::EXPIRED_REASON.to_owned())),
+        "the edge closes the relay at exp"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(6));
+    // The node learnt the subject from the edge: its audit events name the person.
+    let text = std::fs::read_to_string(&audit)?;
+    let events: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "authentication.succeeded"
+            && e["subject"] == "edge-user"
+            && e["credential"] == "jwt"));
+    assert!(events.iter().any(|e| e["event"] == "thread.created"
+        && e["subject"] == "edge-user"
+        && e["thread"] == thread.as_str()));
+    // No credential in the audit log or in what the edge and the nodes wrote to stderr.
+    let mut logs = vec![("audit log".to_owned(), text)];
+    logs.push(("edge stderr".to_owned(), s.edges[0].stderr()));
+    for n in &s.nodes {
+        if let Some(p) = &n.process {
+            logs.push((format!("{} stderr", n.name), p.stderr()));
+        }
+    }
+    for (name, text) in &logs {
+        for needle in ["eyJ", SECRET, &s.token("acme"), &s.token("beta")] {
+            assert!(!text.contains(needle), "{name} holds a credential");
+        }
+    }
+    Ok(())
+}
