@@ -40,6 +40,8 @@ pub struct Audit {
 struct Inner {
     tx: mpsc::Sender<Entry>,
     dropped: IntCounter,
+    /// Pools whose worker lifecycle is being recorded (by address, while alive).
+    watched: std::sync::Mutex<std::collections::HashSet<usize>>,
 }
 
 impl std::fmt::Debug for Audit {
@@ -90,7 +92,11 @@ impl Audit {
             .name("audit-writer".into())
             .spawn(move || write_lines(sink, rx))?;
         Ok(Audit {
-            inner: Some(Arc::new(Inner { tx, dropped })),
+            inner: Some(Arc::new(Inner {
+                tx,
+                dropped,
+                watched: Default::default(),
+            })),
         })
     }
 
@@ -119,6 +125,65 @@ impl Audit {
             tracing::warn!(
                 "audit sink slow: an approval decision was forwarded before it was written"
             );
+        }
+    }
+}
+
+impl Audit {
+    /// Records the worker lifecycle of every tenant in `tenants` (`worker.ready`,
+    /// `worker.exited`) until its pool is gone; a tenant already watched is skipped, so this is
+    /// called again after each reload.
+    pub fn watch_workers(&self, tenants: &crate::tenants::Tenants) {
+        let Some(inner) = &self.inner else { return };
+        for tenant in tenants.iter() {
+            let key = Arc::as_ptr(&tenant.pool) as usize;
+            if !inner
+                .watched
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key)
+            {
+                continue;
+            }
+            let mut events = tenant.pool.subscribe();
+            let id = tenant.id.clone();
+            let audit = self.clone();
+            tokio::spawn(async move {
+                use tokio::sync::broadcast::error::RecvError;
+                loop {
+                    match events.recv().await {
+                        Ok(worker::PoolEvent::WorkerReady { worker }) => audit.record(
+                            "worker.ready",
+                            json!({ "tenant": id, "worker": worker.to_string() }),
+                        ),
+                        Ok(worker::PoolEvent::WorkerExited {
+                            worker,
+                            status,
+                            reason,
+                        }) => audit.record(
+                            "worker.exited",
+                            json!({
+                                "tenant": id, "worker": worker.to_string(),
+                                "status": status, "reason": reason.as_str(),
+                            }),
+                        ),
+                        Ok(_) => {}
+                        Err(RecvError::Lagged(n)) => {
+                            if let Some(inner) = &audit.inner {
+                                inner.dropped.inc_by(n);
+                            }
+                        }
+                        Err(RecvError::Closed) => break,
+                    }
+                }
+                if let Some(inner) = &audit.inner {
+                    inner
+                        .watched
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .remove(&key);
+                }
+            });
         }
     }
 }

@@ -132,6 +132,12 @@ impl Server {
                 }
             }));
         }
+        // The audit log records every tenant's worker lifecycle, new tenants' after a reload.
+        audit.watch_workers(&tenants.current());
+        let (watcher, watched) = (audit.clone(), tenants.clone());
+        reloader.on_reload(Box::new(move |_: &Config| {
+            watcher.watch_workers(&watched.current());
+        }));
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.
         let reconfigure = admission.clone();

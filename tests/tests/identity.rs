@@ -743,6 +743,12 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     assert_eq!(a["tenant"], "acme", "{a}");
     assert_eq!(a["thread"], thread.as_str(), "{a}");
     assert_eq!(a["command"], asked["command"], "{a}");
+    assert!(
+        events.iter().any(|e| e["event"] == "worker.ready"
+            && e["tenant"] == "acme"
+            && e["worker"].is_string()),
+        "the worker's start is audited"
+    );
     // In order: authenticated, thread created, asked, answered, session ended.
     let at = |name: &str| events.iter().position(|e| e["event"] == name);
     let order = [
