@@ -936,3 +936,32 @@ async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_end
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn check_config_refuses_a_short_secret_without_printing_it() -> anyhow::Result<()> {
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let secret = files.dir.path().join("short.secret");
+    let short = "too-short-secret-1234";
+    std::fs::write(&secret, short)?;
+    let text = std::fs::read_to_string(&files.config)?
+        + &format!(
+            "\n[auth]\n[[auth.jwt]]\nname = \"shared\"\nalgorithm = \"HS256\"\nsecret_file = {:?}\ntenant = \"acme\"\n",
+            secret
+        );
+    router::fsutil::write_private(&files.config, &text)?;
+    let check = || {
+        tokio::process::Command::new(e2e::fleet_bin())
+            .arg("check-config")
+            .arg(&files.config)
+            .output()
+    };
+    let out = check().await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("at least 32 bytes"), "{stderr}");
+    assert!(!stderr.contains(short), "the secret is printed: {stderr}");
+    std::fs::write(&secret, SECRET)?;
+    let out = check().await?;
+    assert!(out.status.success(), "{out:?}");
+    Ok(())
+}
