@@ -710,6 +710,14 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
         .iter()
         .any(|m| m["method"] == "item/completed"
             && m["params"]["item"]["type"] == "commandExecution"));
+    // A host-access denial is audited too.
+    let denied = c
+        .call(
+            "config/value/write",
+            json!({ "keyPath": "model", "value": "x", "mergeStrategy": "replace" }),
+        )
+        .await?;
+    assert_eq!(denied["error"]["code"], -32003, "{denied}");
     c.close().await;
     assert!(
         e2e::wait_until_async(Duration::from_secs(30), || async {
@@ -743,6 +751,10 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     assert_eq!(a["tenant"], "acme", "{a}");
     assert_eq!(a["thread"], thread.as_str(), "{a}");
     assert_eq!(a["command"], asked["command"], "{a}");
+    assert!(events.iter().any(|e| e["event"] == "access.denied"
+        && e["method"] == "config/value/write"
+        && e["policy"] == "config_write"
+        && e["subject"] == "approver@acme"));
     assert!(
         events.iter().any(|e| e["event"] == "worker.ready"
             && e["tenant"] == "acme"
