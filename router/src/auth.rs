@@ -4,7 +4,9 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-/// Why an upgrade was refused with 401. The text is safe to send: it says nothing of tenants.
+/// Why an upgrade was refused: 401, or 403 for an `Origin` the tenant does not allow. The text
+/// is safe to send (app-server's own wording where it has one): it says nothing of tenants, keys
+/// or the token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// No `Authorization` header.
@@ -13,12 +15,94 @@ pub enum AuthError {
     /// Not `Bearer <token>`.
     #[error("invalid authorization header")]
     Malformed,
-    /// No tenant has this token.
+    /// No tenant has this static token.
     #[error("invalid bearer token")]
     Invalid,
+    /// A JWT whose header or claims cannot be read.
+    #[error("invalid websocket jwt")]
+    JwtMalformed,
+    /// A JWT whose `alg` no issuer is configured with (`none`, HS512, HS256 against an RSA key).
+    #[error("invalid websocket jwt")]
+    JwtAlgorithm,
+    /// A JWT whose `kid` is in no configured JWKS.
+    #[error("invalid websocket jwt")]
+    JwtUnknownKey,
+    /// A JWT whose signature does not verify.
+    #[error("invalid websocket jwt")]
+    JwtSignature,
+    /// A JWT past its `exp` (plus the leeway).
+    #[error("expired websocket jwt")]
+    JwtExpired,
+    /// A JWT before its `nbf` (minus the leeway).
+    #[error("websocket jwt is not valid yet")]
+    JwtNotYetValid,
+    /// A JWT of another issuer.
+    #[error("websocket jwt issuer mismatch")]
+    JwtIssuer,
+    /// A JWT for another audience.
+    #[error("websocket jwt audience mismatch")]
+    JwtAudience,
+    /// A JWT without `exp` or without a subject.
+    #[error("invalid websocket jwt")]
+    JwtClaims,
+    /// A valid credential whose tenant is not configured (removed, or a tenant claim naming
+    /// none).
+    #[error("invalid websocket jwt")]
+    UnknownTenant,
+    /// An `Origin` header the tenant's `allowed_origins` does not list (403).
+    #[error("origin not allowed")]
+    Origin,
 }
 
-/// Token digests and the tenant index each one authenticates.
+impl AuthError {
+    /// Every refusal, so each `codex_fleet_upgrades_refused_total` series exists from the start.
+    pub const ALL: [AuthError; 14] = [
+        AuthError::Missing,
+        AuthError::Malformed,
+        AuthError::Invalid,
+        AuthError::JwtMalformed,
+        AuthError::JwtAlgorithm,
+        AuthError::JwtUnknownKey,
+        AuthError::JwtSignature,
+        AuthError::JwtExpired,
+        AuthError::JwtNotYetValid,
+        AuthError::JwtIssuer,
+        AuthError::JwtAudience,
+        AuthError::JwtClaims,
+        AuthError::UnknownTenant,
+        AuthError::Origin,
+    ];
+
+    /// The `reason` label of `codex_fleet_upgrades_refused_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AuthError::Missing => "auth_missing",
+            AuthError::Malformed => "auth_malformed",
+            AuthError::Invalid => "auth_invalid",
+            AuthError::JwtMalformed => "jwt_malformed",
+            AuthError::JwtAlgorithm => "jwt_algorithm",
+            AuthError::JwtUnknownKey => "jwt_unknown_key",
+            AuthError::JwtSignature => "jwt_signature",
+            AuthError::JwtExpired => "jwt_expired",
+            AuthError::JwtNotYetValid => "jwt_not_yet_valid",
+            AuthError::JwtIssuer => "jwt_issuer",
+            AuthError::JwtAudience => "jwt_audience",
+            AuthError::JwtClaims => "jwt_claims",
+            AuthError::UnknownTenant => "unknown_tenant",
+            AuthError::Origin => "origin",
+        }
+    }
+
+    /// 403 for a refused origin, 401 for everything else.
+    pub fn status(&self) -> http::StatusCode {
+        match self {
+            AuthError::Origin => http::StatusCode::FORBIDDEN,
+            _ => http::StatusCode::UNAUTHORIZED,
+        }
+    }
+}
+
+/// Token digests and the index (tenant, or credential) each one authenticates.
 #[derive(Debug, Default, Clone)]
 pub struct TokenTable {
     entries: Vec<([u8; 32], usize)>,
@@ -35,20 +119,25 @@ impl TokenTable {
     /// Every entry is compared, whatever matches, so the time taken does not depend on which
     /// tenant (if any) the token belongs to.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<usize, AuthError> {
-        let token = bearer_token(headers)?;
+        self.lookup(bearer_token(headers)?)
+            .ok_or(AuthError::Invalid)
+    }
+
+    /// The index `token` names, comparing every entry in constant time.
+    pub fn lookup(&self, token: &str) -> Option<usize> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut found = None;
-        for (d, tenant) in &self.entries {
+        for (d, index) in &self.entries {
             if bool::from(d.ct_eq(&digest)) {
-                found = Some(*tenant);
+                found = Some(*index);
             }
         }
-        found.ok_or(AuthError::Invalid)
+        found
     }
 }
 
 /// Extracts the token of `Authorization: Bearer <token>` (scheme case-insensitive, trimmed).
-fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
+pub fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
     let value = headers
         .get(http::header::AUTHORIZATION)
         .ok_or(AuthError::Missing)?;

@@ -37,6 +37,94 @@ pub struct Config {
     /// terminates TLS, authenticates and relays each session to its tenant's node.
     #[serde(default)]
     pub nodes: Option<Nodes>,
+    /// How clients authenticate besides static tokens (`[auth]`).
+    #[serde(default)]
+    pub auth: Auth,
+    /// The audit log (`[audit]`).
+    #[serde(default)]
+    pub audit: AuditConfig,
+}
+
+/// `[audit]`: where the audit log goes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditConfig {
+    /// A file (appended, rotated to `<path>.1` past `max_file_bytes`) or `-` for stdout; unset:
+    /// no audit log.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Events queued towards the sink; beyond it events are dropped and counted.
+    #[serde(default = "defaults::audit_queue")]
+    pub queue: usize,
+    /// Size at which the file is rotated.
+    #[serde(default = "defaults::audit_max_file_bytes")]
+    pub max_file_bytes: u64,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig {
+            path: None,
+            queue: defaults::audit_queue(),
+            max_file_bytes: defaults::audit_max_file_bytes(),
+        }
+    }
+}
+
+/// `[auth]`: signed JWTs and what ends a session with its credential.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Auth {
+    /// Seconds a JWT session stays open past its token's `exp` before it is closed.
+    #[serde(default)]
+    pub expiry_grace_secs: u64,
+    /// The issuers whose signed tokens are accepted (`[[auth.jwt]]`).
+    #[serde(default)]
+    pub jwt: Vec<JwtIssuer>,
+}
+
+/// `[[auth.jwt]]`: one issuer of signed bearer tokens.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtIssuer {
+    /// Names the issuer in key ids, logs and the audit log.
+    pub name: String,
+    /// `HS256` (with `secret_file`), `RS256` or `ES256` (with `jwks_file`); tokens of any
+    /// other algorithm are refused.
+    pub algorithm: String,
+    /// HS256: a file holding the shared secret (trimmed, at least 32 bytes).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+    /// RS256/ES256: a JWKS file (`{"keys": [...]}`); each key needs a `kid`.
+    #[serde(default)]
+    pub jwks_file: Option<PathBuf>,
+    /// RS256/ES256: or a JWKS URL (https), fetched periodically and on an unknown `kid`.
+    #[serde(default)]
+    pub jwks_url: Option<String>,
+    /// PEM CA bundle trusted for `jwks_url`.
+    #[serde(default = "defaults::jwks_ca_file")]
+    pub jwks_ca_file: PathBuf,
+    /// Seconds between fetches of `jwks_url`.
+    #[serde(default = "defaults::jwks_refresh_secs")]
+    pub jwks_refresh_secs: u64,
+    /// When set, the token's `iss` must equal it.
+    #[serde(default)]
+    pub issuer: Option<String>,
+    /// When set, the token's `aud` (a string or an array) must contain it.
+    #[serde(default)]
+    pub audience: Option<String>,
+    /// Allowed clock skew for `exp` and `nbf`, seconds.
+    #[serde(default = "defaults::jwt_leeway_secs")]
+    pub leeway_secs: u64,
+    /// Every token of this issuer authenticates as this tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Or: the claim that names the tenant.
+    #[serde(default)]
+    pub tenant_claim: Option<String>,
+    /// The claim that names the person (the subject).
+    #[serde(default = "defaults::subject_claim")]
+    pub subject_claim: String,
 }
 
 /// `[node]`: this process is a node.
@@ -303,7 +391,17 @@ pub struct Tenant {
     /// Short id: `[a-z0-9_-]{1,32}`; names directories and metric labels.
     pub id: String,
     /// Hex SHA-256 digests of the bearer tokens that authenticate as this tenant.
+    #[serde(default)]
     pub token_sha256: Vec<String>,
+    /// Files each holding one bearer token of this tenant (trimmed; read at start and reload).
+    #[serde(default)]
+    pub token_files: Vec<PathBuf>,
+    /// `Origin` values accepted from browsers; a request with any other `Origin` gets 403.
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
+    /// Close a JWT session when its token expires (plus `auth.expiry_grace_secs`).
+    #[serde(default = "defaults::close_on_expiry")]
+    pub close_on_expiry: bool,
     /// Workers kept running even when idle.
     #[serde(default)]
     pub min_workers: usize,
@@ -337,6 +435,28 @@ pub struct Tenant {
 
 mod defaults {
     use std::net::SocketAddr;
+
+    pub fn audit_queue() -> usize {
+        4096
+    }
+    pub fn audit_max_file_bytes() -> u64 {
+        104_857_600
+    }
+    pub fn jwks_ca_file() -> std::path::PathBuf {
+        std::path::PathBuf::from("/etc/ssl/certs/ca-certificates.crt")
+    }
+    pub fn jwks_refresh_secs() -> u64 {
+        300
+    }
+    pub fn jwt_leeway_secs() -> u64 {
+        30
+    }
+    pub fn subject_claim() -> String {
+        "sub".into()
+    }
+    pub fn close_on_expiry() -> bool {
+        true
+    }
 
     pub fn handshake_timeout_secs() -> u64 {
         10
@@ -608,8 +728,11 @@ impl Config {
             if !ids.insert(t.id.as_str()) {
                 return bad(format!("tenant id {:?} appears twice", t.id));
             }
-            if t.token_sha256.is_empty() {
-                return bad(format!("tenant {:?} has no token_sha256", t.id));
+            if t.token_sha256.is_empty() && t.token_files.is_empty() && self.auth.jwt.is_empty() {
+                return bad(format!(
+                    "tenant {:?} has no token_sha256 or token_files, and no [[auth.jwt]] is configured",
+                    t.id
+                ));
             }
             for d in &t.token_sha256 {
                 let digest = parse_digest(d).ok_or_else(|| {
@@ -654,7 +777,48 @@ impl Config {
                 ));
             }
         }
+        self.validate_auth()?;
         self.validate_roles()
+    }
+
+    fn validate_auth(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let mut names = HashSet::new();
+        for j in &self.auth.jwt {
+            if j.name.is_empty() || !names.insert(j.name.as_str()) {
+                return bad(format!(
+                    "auth.jwt name {:?} is empty or appears twice",
+                    j.name
+                ));
+            }
+            let Some(alg) = crate::credentials::parse_algorithm(&j.algorithm) else {
+                return bad(format!(
+                    "auth.jwt {:?}: algorithm {:?} is not HS256, RS256 or ES256",
+                    j.name, j.algorithm
+                ));
+            };
+            let hs = alg == jsonwebtoken::Algorithm::HS256;
+            let jwks = usize::from(j.jwks_file.is_some()) + usize::from(j.jwks_url.is_some());
+            if hs != j.secret_file.is_some() || (hs && jwks > 0) || (!hs && jwks != 1) {
+                return bad(format!(
+                    "auth.jwt {:?}: HS256 takes secret_file, RS256 and ES256 take jwks_file or jwks_url",
+                    j.name
+                ));
+            }
+            if j.jwks_url
+                .as_ref()
+                .is_some_and(|u| !u.starts_with("https://"))
+            {
+                return bad(format!("auth.jwt {:?}: jwks_url must be https://", j.name));
+            }
+            if j.tenant.is_some() == j.tenant_claim.is_some() {
+                return bad(format!(
+                    "auth.jwt {:?}: set exactly one of tenant and tenant_claim",
+                    j.name
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_roles(&self) -> Result<(), ConfigError> {
@@ -793,12 +957,16 @@ pub fn parse_digest(hex_digest: &str) -> Option<[u8; 32]> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    const DIGEST: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    /// SHA-256 of the token `test`, the token of [`minimal`]'s tenant `acme`.
+    pub(crate) const DIGEST: &str =
+        "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
 
-    fn minimal(extra: &str) -> String {
+    /// The smallest valid configuration, `extra` after `[workers]`, then tenant `acme` (its
+    /// table is the last: lines appended to the result belong to it).
+    pub(crate) fn minimal(extra: &str) -> String {
         format!(
             r#"
 [listen]
@@ -1127,6 +1295,20 @@ node = "n2"
                 "tenants[].workspace_roots",
                 format!("`{:?}`", t.workspace_roots),
             ),
+            ("tenants[].token_files", format!("`{:?}`", t.token_files)),
+            (
+                "tenants[].allowed_origins",
+                format!("`{:?}`", t.allowed_origins),
+            ),
+            ("tenants[].close_on_expiry", t.close_on_expiry.to_string()),
+            (
+                "auth.expiry_grace_secs",
+                cfg.auth.expiry_grace_secs.to_string(),
+            ),
+            ("auth.jwt", format!("`{:?}`", cfg.auth.jwt)),
+            ("audit.path", "unset".to_owned()),
+            ("audit.queue", cfg.audit.queue.to_string()),
+            ("audit.max_file_bytes", cfg.audit.max_file_bytes.to_string()),
         ];
         let readme = include_str!("../../README.md");
         let documented: Vec<(String, String)> = readme
@@ -1141,6 +1323,8 @@ node = "n2"
                     "drain.",
                     "limits.",
                     "tenants[].",
+                    "auth.",
+                    "audit.",
                 ];
                 known.iter().any(|p| key.starts_with(p)).then(|| {
                     (

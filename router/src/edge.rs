@@ -33,8 +33,9 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::{AuthError, TokenTable};
-use crate::config::{parse_digest, Config};
+use crate::auth::AuthError;
+use crate::config::Config;
+use crate::credentials::{CredentialEnd, Credentials, Lease};
 use crate::jsonrpc::{self, RequestId};
 
 /// Link upgrade header: the tenant the client authenticated as.
@@ -65,12 +66,11 @@ pub struct Edge {
     metrics: LinkMetrics,
 }
 
-/// Tokens and the tenant→node map (replaced by a reload).
-#[derive(Default)]
+/// Credentials and the tenant→node map (replaced by a reload).
 struct Table {
-    tokens: TokenTable,
-    /// Index → (tenant id, node name).
-    tenants: Vec<(String, String)>,
+    credentials: Arc<Credentials>,
+    /// Tenant id → node name.
+    tenants: HashMap<String, String>,
 }
 
 struct Target {
@@ -85,9 +85,15 @@ pub struct Admitted {
     pub tenant: String,
     /// The node that holds it.
     pub node: String,
-    /// The credential that authenticated the client (the first 12 hex digits of its token's
-    /// digest: enough to tell tokens apart in logs, useless to an attacker).
+    /// Who the client is: its JWT's subject, or for a static token `token:` and the first 12
+    /// hex digits of its digest (enough to tell tokens apart in logs, useless to an attacker).
     pub subject: String,
+    /// `token` or `jwt`.
+    pub kind: &'static str,
+    /// Which credential (see [`crate::credentials::Verified::key_id`]).
+    pub key_id: String,
+    /// Ends the relay when the credential ends.
+    pub lease: Lease,
 }
 
 /// Why a link could not be opened.
@@ -204,7 +210,10 @@ impl Edge {
             }
         }
         let edge = Edge {
-            table: RwLock::new(Table::default()),
+            table: RwLock::new(Table {
+                credentials: Arc::new(Credentials::build(cfg, None)?),
+                tenants: HashMap::new(),
+            }),
             nodes,
             tls: TlsConnector::from(tls),
             connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
@@ -219,8 +228,8 @@ impl Edge {
     /// Puts a configuration's tokens and tenant→node map in force (the nodes themselves are
     /// fixed for the process's life).
     pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
-        let mut table = Table::default();
-        for (index, t) in cfg.tenants.iter().enumerate() {
+        let mut tenants = HashMap::new();
+        for t in &cfg.tenants {
             let node = t.node.clone().unwrap_or_default();
             if !self.nodes.contains_key(&node) {
                 anyhow::bail!(
@@ -228,39 +237,46 @@ impl Edge {
                     t.id
                 );
             }
-            for d in &t.token_sha256 {
-                if let Some(digest) = parse_digest(d) {
-                    table.tokens.insert(digest, index);
-                }
-            }
-            table.tenants.push((t.id.clone(), node));
+            tenants.insert(t.id.clone(), node);
         }
-        *self.table.write().unwrap_or_else(PoisonError::into_inner) = table;
+        let credentials = {
+            let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
+            Arc::new(Credentials::build(cfg, Some(&table.credentials))?)
+        };
+        let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
+        *table = Table {
+            credentials,
+            tenants,
+        };
+        table.credentials.commit();
         Ok(())
     }
 
-    /// Authenticates an upgrade's bearer token.
-    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Admitted, AuthError> {
-        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
-        let index = table.tokens.authenticate(headers)?;
-        let (tenant, node) = table
+    /// Authenticates an upgrade (its credential, then its `Origin`).
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Admitted, AuthError> {
+        let credentials = self
+            .table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .credentials
+            .clone();
+        let v = credentials.admit(headers).await?;
+        let node = self
+            .table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
             .tenants
-            .get(index)
+            .get(&v.tenant)
             .cloned()
-            .ok_or(AuthError::Invalid)?;
-        let subject = headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|token| {
-                let hex = crate::auth::token_digest_hex(token.trim());
-                format!("token:{}", &hex[..12])
-            })
-            .unwrap_or_default();
+            .ok_or(AuthError::UnknownTenant)?;
+        tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
         Ok(Admitted {
-            tenant,
+            tenant: v.tenant,
             node,
-            subject,
+            subject: v.subject,
+            kind: v.kind,
+            key_id: v.key_id,
+            lease: v.lease,
         })
     }
 
@@ -429,15 +445,16 @@ impl Edge {
         &self,
         client: WebSocketStream<C>,
         link: Link,
-        node: &str,
+        who: &Admitted,
         client_queue: usize,
         shutdown: CancellationToken,
     ) where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        let node = who.node.as_str();
         let sessions = self.metrics.sessions.with_label_values(&[node]);
         sessions.inc();
-        let lost = relay(client, link, client_queue, shutdown).await;
+        let lost = relay(client, link, client_queue, shutdown, &who.lease).await;
         sessions.dec();
         if lost {
             self.metrics.errors.with_label_values(&[node, "lost"]).inc();
@@ -458,6 +475,7 @@ async fn relay<C>(
     link: Link,
     client_queue: usize,
     shutdown: CancellationToken,
+    lease: &Lease,
 ) -> bool
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -485,6 +503,8 @@ where
         }))
     };
     let mut lost = false;
+    let credential_ended = lease.ended();
+    tokio::pin!(credential_ended);
     loop {
         if let Some(deadline) = draining {
             if in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -550,6 +570,15 @@ where
                     break;
                 }
             },
+            end = &mut credential_ended => {
+                let reason = match end {
+                    CredentialEnd::Expired => crate::session::EXPIRED_REASON,
+                    CredentialEnd::Revoked => crate::session::REVOKED_REASON,
+                };
+                let _sent = out.try_send(close(CloseCode::Policy, reason));
+                let _closed = link_tx.send(Message::Close(None)).await;
+                break;
+            }
             () = shutdown.cancelled(), if draining.is_none() => {
                 draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS);
             }

@@ -3,8 +3,10 @@
 
 pub mod admin;
 pub mod admission;
+pub mod audit;
 pub mod auth;
 pub mod config;
+pub mod credentials;
 pub mod dev;
 pub mod edge;
 pub mod fsutil;
@@ -60,6 +62,10 @@ pub struct Server {
     metrics: RouterMetrics,
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
+    /// The listener's certificate files, watched for rotation while running.
+    cert_files: Arc<tls::CertFiles>,
+    /// The audit log.
+    audit: audit::Audit,
     warnings: Vec<String>,
     reloader: Arc<Reloader>,
     events: ServerEvents,
@@ -83,13 +89,14 @@ impl Server {
     /// Loads TLS material, resolves the worker program and builds every tenant's pool
     /// (workers listed as `min_workers` start in the background).
     pub fn build(cfg: Config, registry: Registry) -> anyhow::Result<Server> {
-        let tls = match &cfg.node {
+        let (tls, cert_files) = match &cfg.node {
             Some(node) => {
                 tls::server_config_mutual(&cfg.listen.tls_cert, &cfg.listen.tls_key, &node.edge_ca)?
             }
-            None => tls::server_config(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
+            None => tls::server_config_reloading(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
         };
         let metrics = RouterMetrics::register(&registry)?;
+        let audit = audit::Audit::start(&cfg.audit, &registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
         // A node runs only its own tenants, an edge none (it relays them).
         let tenants = Arc::new(TenantRegistry::new(Tenants::build(
@@ -120,6 +127,12 @@ impl Server {
                 }
             }));
         }
+        // The audit log records every tenant's worker lifecycle, new tenants' after a reload.
+        audit.watch_workers(&tenants.current());
+        let (watcher, watched) = (audit.clone(), tenants.clone());
+        reloader.on_reload(Box::new(move |_: &Config| {
+            watcher.watch_workers(&watched.current());
+        }));
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.
         let reconfigure = admission.clone();
@@ -135,6 +148,8 @@ impl Server {
             metrics,
             registry,
             tls: tokio_rustls::TlsAcceptor::from(tls),
+            cert_files,
+            audit,
             warnings,
             reloader: Arc::new(reloader),
             events: ServerEvents::default(),
@@ -183,6 +198,10 @@ impl Server {
             closing,
         } = self.events.clone();
         let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
+        let _cert_watch = self
+            .cert_files
+            .clone()
+            .spawn_watch(tls::CERT_POLL, &self.registry)?;
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();
@@ -215,6 +234,7 @@ impl Server {
                 shutdown: closing.clone(),
                 tracker: tracker.clone(),
                 upstream: self.upstream.clone(),
+                audit: self.audit.clone(),
             }
             .run(),
         );

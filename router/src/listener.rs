@@ -38,6 +38,7 @@ use tracing::Instrument;
 
 use crate::admission::{Admission, ConnectionGuard, Rejection};
 use crate::auth::AuthError;
+use crate::credentials::Lease;
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
@@ -88,6 +89,8 @@ pub struct Listener {
     pub tracker: TaskTracker,
     /// Where sessions run.
     pub upstream: Upstream,
+    /// The audit log.
+    pub audit: crate::audit::Audit,
 }
 
 /// TCP connections allowed above `limits.max_connections` for handshakes in progress (and for
@@ -115,6 +118,7 @@ struct Conn {
     tracker: TaskTracker,
     addr: ClientAddr,
     upstream: Upstream,
+    audit: crate::audit::Audit,
 }
 
 // === impl Listener ===
@@ -165,6 +169,7 @@ impl Listener {
                 tracker: this.tracker.clone(),
                 addr: ClientAddr(addr),
                 upstream: this.upstream.clone(),
+                audit: this.audit.clone(),
             });
             let tls = this.tls.clone();
             let timeout = this.handshake_timeout;
@@ -251,16 +256,29 @@ impl Conn {
         resp
     }
 
-    /// A bearer token that does not authenticate: 401, charged to the source address.
+    /// A credential that does not authenticate: 401, charged to the source address; or an
+    /// `Origin` the tenant does not allow: 403.
     fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
-        let reason = match e {
-            AuthError::Missing => "auth_missing",
-            AuthError::Malformed => "auth_malformed",
-            AuthError::Invalid => "auth_invalid",
-        };
+        let reason = e.reason();
         tracing::info!(reason, "upgrade refused: {e}");
-        self.charge_failed_auth();
-        self.plain(StatusCode::UNAUTHORIZED, reason, &e.to_string())
+        self.audit.record(
+            "authentication.failed",
+            serde_json::json!({ "reason": reason, "remote": self.addr.0.to_string() }),
+        );
+        if *e != AuthError::Origin {
+            self.charge_failed_auth();
+        }
+        self.plain(e.status(), reason, &e.to_string())
+    }
+
+    fn audit_admitted(&self, tenant: &str, subject: &str, kind: &str, key_id: &str) {
+        self.audit.record(
+            "authentication.succeeded",
+            serde_json::json!({
+                "tenant": tenant, "subject": subject, "credential": kind, "key_id": key_id,
+                "remote": self.addr.0.to_string(),
+            }),
+        );
     }
 
     /// The edge's upgrade: authenticate, open the session's link to the tenant's node (so a
@@ -272,10 +290,11 @@ impl Conn {
         key: &str,
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
-        let who = match edge.authenticate(req.headers()) {
+        let who = match edge.authenticate(req.headers()).await {
             Ok(w) => w,
             Err(e) => return self.auth_refused(&e),
         };
+        self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
         let link = match edge.connect(&who, self.addr.0).await {
             Ok(link) => link,
             Err(crate::edge::LinkError::Refused {
@@ -307,10 +326,16 @@ impl Conn {
         let queue = self.client_queue;
         let shutdown = self.shutdown.clone();
         let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
+        let audit = self.audit.clone();
+        let remote = self.addr.0.to_string();
         self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
             tracing::info!("relaying the session to its node");
-            edge.relay(ws, link, &who.node, queue, shutdown).await;
+            edge.relay(ws, link, &who, queue, shutdown).await;
             tracing::info!("relay ended");
+            audit.record(
+                "session.ended",
+                serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": remote }),
+            );
         });
         switching_protocols(&accept)
     }
@@ -377,15 +402,22 @@ impl Conn {
             }
         };
         let tenants = self.tenants.current();
-        let tenant = match &self.upstream {
+        let (tenant, lease, subject) = match &self.upstream {
             Upstream::Nodes(edge) => return self.relay(edge.clone(), req, &key, started).await,
             Upstream::Link => {
                 let named = req
                     .headers()
                     .get(crate::edge::TENANT_HEADER)
                     .and_then(|v| v.to_str().ok());
-                match named.and_then(|id| tenants.iter().find(|t| t.id == id)) {
-                    Some(t) => Some(t.clone()),
+                let subject = req
+                    .headers()
+                    .get(crate::edge::SUBJECT_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                match named.and_then(|id| tenants.get(id)) {
+                    // The edge holds the session's lease and closes it when its credential ends.
+                    Some(t) => (Some(t.clone()), Lease::unbounded(), subject),
                     None => {
                         tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
                         return self.plain(
@@ -396,8 +428,12 @@ impl Conn {
                     }
                 }
             }
-            Upstream::Local => match tenants.tokens().authenticate(req.headers()) {
-                Ok(i) => tenants.get(i).cloned(),
+            Upstream::Local => match tenants.credentials().admit(req.headers()).await {
+                Ok(v) => {
+                    tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
+                    self.audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);
+                    (tenants.get(&v.tenant).cloned(), v.lease, v.subject)
+                }
                 Err(e) => return self.auth_refused(&e),
             },
         };
@@ -427,14 +463,24 @@ impl Conn {
             tenant_queue_bytes: self.tenant_queue_bytes,
             admission: self.admission.clone(),
             shutdown: self.shutdown.clone(),
+            lease,
+            subject: subject.clone(),
+            audit: self.audit.clone(),
         };
-        let span =
-            tracing::info_span!("session", tenant = %ctx.tenant.id, client.addr = %self.addr.0);
-        self.spawn_upgraded(on_upgrade, started, span, |ws| async move {
+        let audit = self.audit.clone();
+        let remote = self.addr.0.to_string();
+        let span = tracing::info_span!("session", tenant = %ctx.tenant.id, %subject, client.addr = %self.addr.0);
+        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
             let (sink, stream) = futures_util::StreamExt::split(ws);
             tracing::info!("session started");
+            let tenant = ctx.tenant.id.clone();
+            let who = ctx.subject.clone();
             let end = session::serve(sink, stream, ctx, guard).await;
             tracing::info!(?end, "session ended");
+            audit.record(
+                "session.ended",
+                serde_json::json!({ "tenant": tenant, "subject": who, "reason": end.label(), "remote": remote }),
+            );
         });
         switching_protocols(&accept)
     }

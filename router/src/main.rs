@@ -108,6 +108,8 @@ fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let local = cfg.localized();
     router::tenants::check_worker_programs(&local)?;
     router::identity::check_remembered_uids(&local)?;
+    // Token files, secrets and JWKS files are read now, so a bad one stops check-config too.
+    router::credentials::Credentials::build(&cfg, None)?;
     Ok(cfg)
 }
 

@@ -401,6 +401,9 @@ impl RouterMetrics {
         for reason in UPGRADE_REFUSALS {
             m.upgrades_refused.with_label_values(&[reason]);
         }
+        for refusal in crate::auth::AuthError::ALL {
+            m.upgrades_refused.with_label_values(&[refusal.reason()]);
+        }
         for end in crate::session::End::ALL {
             m.sessions_closed.with_label_values(&[end.label()]);
         }

@@ -27,6 +27,7 @@ mod routing;
 mod server_requests;
 mod turns;
 
+use serde_json::json;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -106,6 +107,12 @@ pub struct SessionCtx {
     pub admission: Arc<Admission>,
     /// Cancelled when codex-fleet shuts down.
     pub shutdown: CancellationToken,
+    /// Ends the session with the credential that admitted it (expiry, reload).
+    pub lease: crate::credentials::Lease,
+    /// Who the client is (for the audit log).
+    pub subject: String,
+    /// The audit log.
+    pub audit: crate::audit::Audit,
 }
 
 /// Why a session ended; decides the close frame.
@@ -124,17 +131,37 @@ pub enum End {
     /// Notifications or responses beyond the connection's frame rate (1008): they cannot be
     /// answered with `-32001` and are never dropped silently.
     Flooded,
+    /// The credential that admitted the session expired (1008, [`EXPIRED_REASON`]).
+    CredentialExpired,
+    /// A reload removed the session's token, key or tenant (1008, [`REVOKED_REASON`]).
+    CredentialRevoked,
+}
+
+/// Close reason of a session whose JWT expired.
+pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect with a new token";
+/// Close reason of a session whose credential or tenant a reload removed.
+pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
+
+impl From<crate::credentials::CredentialEnd> for End {
+    fn from(e: crate::credentials::CredentialEnd) -> End {
+        match e {
+            crate::credentials::CredentialEnd::Expired => End::CredentialExpired,
+            crate::credentials::CredentialEnd::Revoked => End::CredentialRevoked,
+        }
+    }
 }
 
 impl End {
     /// Every way a session ends, so each series exists (at zero) from the start.
-    pub const ALL: [End; 6] = [
+    pub const ALL: [End; 8] = [
         End::ClientGone,
         End::Shutdown,
         End::SlowClient,
         End::TooBig,
         End::ProtocolErrors,
         End::Flooded,
+        End::CredentialExpired,
+        End::CredentialRevoked,
     ];
 
     /// The `reason` of `codex_fleet_sessions_closed_total`.
@@ -146,6 +173,8 @@ impl End {
             End::TooBig => "too_big",
             End::ProtocolErrors => "protocol_errors",
             End::Flooded => "flooded",
+            End::CredentialExpired => "credential_expired",
+            End::CredentialRevoked => "credential_revoked",
         }
     }
 
@@ -158,6 +187,8 @@ impl End {
             End::TooBig => (CloseCode::Size, "message too big"),
             End::ProtocolErrors => (CloseCode::Policy, "too many protocol errors"),
             End::Flooded => (CloseCode::Policy, FLOOD_CLOSE_REASON),
+            End::CredentialExpired => (CloseCode::Policy, EXPIRED_REASON),
+            End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
         };
         Some(CloseFrame {
             code,
@@ -227,6 +258,54 @@ struct Session {
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
     fanouts: fanout::FanOuts,
+    /// Approval and user-input requests sent to the client, by the id it answers, for the
+    /// audit log (bounded by [`AUDITED_APPROVALS`]).
+    approvals: HashMap<i64, serde_json::Value>,
+}
+
+/// Approvals awaiting an answer that a session remembers for the audit log.
+const AUDITED_APPROVALS: usize = 1024;
+
+impl Session {
+    /// Records an audit event with the session's tenant and subject.
+    fn audit(&self, event: &str, mut fields: serde_json::Value) {
+        fields["tenant"] = json!(self.ctx.tenant.id);
+        fields["subject"] = json!(self.ctx.subject);
+        self.ctx.audit.record(event, fields);
+    }
+
+    /// An approval or user-input request from a worker: recorded, and remembered until the
+    /// client answers it.
+    fn audit_approval_request(
+        &mut self,
+        worker: WorkerId,
+        sid: i64,
+        method: &str,
+        params: Option<&serde_json::value::RawValue>,
+    ) {
+        let p = params
+            .and_then(|p| serde_json::from_str::<serde_json::Value>(p.get()).ok())
+            .unwrap_or_default();
+        let asked = json!({
+            "method": method,
+            "thread": p.get("threadId"),
+            "turn": p.get("turnId"),
+            "item": p.get("itemId"),
+            "command": crate::audit::summary(p.get("command")),
+            "cwd": p.get("cwd"),
+            "reason": crate::audit::summary(p.get("reason")),
+            "worker": worker.to_string(),
+        });
+        self.audit("approval.requested", asked.clone());
+        if self.approvals.len() < AUDITED_APPROVALS {
+            self.approvals.insert(sid, asked);
+        }
+    }
+}
+
+/// Worker requests that ask the client to approve something or to answer the user's question.
+fn is_approval(method: &str) -> bool {
+    method.ends_with("requestApproval") || method.ends_with("requestUserInput")
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -271,8 +350,12 @@ where
         leg_budgets,
         following: rehome::Following::default(),
         fanouts: fanout::FanOuts::default(),
+        approvals: HashMap::new(),
     };
     let shutdown = session.ctx.shutdown.clone();
+    let lease = session.ctx.lease.clone();
+    let credential_ended = lease.ended();
+    tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
     let mut relay = Some(session.ctx.tenant.subscribe());
     let mut slot: Option<SlotWait> = None;
@@ -292,6 +375,7 @@ where
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
+                e = &mut credential_ended => Err(End::from(e)),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
@@ -299,6 +383,7 @@ where
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
+                e = &mut credential_ended => Err(End::from(e)),
             },
         };
         let step = match step {
@@ -621,6 +706,10 @@ impl Session {
                     Decision::Deny(denial) => {
                         self.count_error(ClientError::HostAccessDenied);
                         tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
+                        self.audit(
+                            "access.denied",
+                            json!({ "method": method.as_str(), "policy": denial.class.as_str() }),
+                        );
                         return self.to_client(denial.to_error_response(&id));
                     }
                     Decision::Invalid(message) => {
@@ -675,6 +764,13 @@ impl Session {
         }
         let first_initialize = *method == Method::Initialize && self.init.is_none();
         if first_initialize {
+            let info = serde_json::from_str::<serde_json::Value>(text)
+                .map(|v| v["params"]["clientInfo"].clone())
+                .unwrap_or_default();
+            self.audit(
+                "session.initialized",
+                json!({ "client_name": info["name"], "client_version": info["version"] }),
+            );
             self.init = Some(Init {
                 id: id.clone(),
                 text: text.to_owned(),
@@ -830,6 +926,20 @@ impl Session {
             &original,
             result,
         );
+        if let Some(mut asked) = self.approvals.remove(&sid) {
+            // The decision is in the audit log before the worker acts on it.
+            let answer = serde_json::from_str::<serde_json::Value>(text).unwrap_or_default();
+            asked["decision"] = match answer.get("result") {
+                Some(r) => r.get("decision").cloned().unwrap_or_else(|| r.clone()),
+                None => json!({ "error": answer.get("error") }),
+            };
+            asked["tenant"] = json!(self.ctx.tenant.id);
+            asked["subject"] = json!(self.ctx.subject);
+            self.ctx
+                .audit
+                .record_written("approval.answered", asked)
+                .await;
+        }
         if let Some(text) = jsonrpc::with_id(text, &original) {
             self.send_to_leg(worker, text).await;
         }
@@ -873,6 +983,9 @@ impl Session {
                 let sid = self
                     .server_requests
                     .insert(worker, id, jsonrpc::thread_id(params));
+                if is_approval(method.as_str()) {
+                    self.audit_approval_request(worker, sid, method.as_str(), params);
+                }
                 match jsonrpc::with_id(text, &RequestId::Int(sid)) {
                     Some(t) => self.to_client(t),
                     None => Ok(()),
@@ -886,6 +999,12 @@ impl Session {
                     &method,
                     params,
                 );
+                if method == Method::ThreadClosed {
+                    self.audit(
+                        "thread.closed",
+                        json!({ "thread": jsonrpc::thread_id(params), "worker": worker.to_string() }),
+                    );
+                }
                 if self.follow_notification(worker, &method, params) {
                     return Ok(());
                 }
@@ -962,6 +1081,23 @@ impl Session {
             }
         }
         if let Some(f) = flight {
+            let event = match f.learn {
+                Learn::NewThread => Some("thread.created"),
+                Learn::Resume { .. } => Some("thread.resumed"),
+                _ => None,
+            };
+            if let (Some(event), Some(result)) = (event, answer.result) {
+                let result =
+                    serde_json::from_str::<serde_json::Value>(result.get()).unwrap_or_default();
+                self.audit(
+                    event,
+                    json!({
+                        "thread": result["thread"]["id"],
+                        "forked_from": result["thread"].get("forkedFromId"),
+                        "worker": worker.to_string(),
+                    }),
+                );
+            }
             if let Some(retried) = self.learn(worker, &id, f, &answer).await {
                 return retried;
             }

@@ -12,8 +12,8 @@ use tokio::task::JoinHandle;
 use worker::metrics::{ExitReason, WorkerMetrics};
 use worker::{FleetCap, Pool, PoolConfig, PoolEvent, Rlimits, Sizes, WorkerId, WorkerUser};
 
-use crate::auth::TokenTable;
 use crate::config::{self, Config};
+use crate::credentials::Credentials;
 use crate::fsutil::private_dir;
 use crate::policy::{HostAccessPolicy, TenantRoots};
 use crate::rehome::{self, Cause, Moves, Rehome, Subscribers};
@@ -285,20 +285,25 @@ impl TenantRegistry {
             .clone()
     }
 
-    /// Puts `tenants` in force; returns the previous set.
+    /// Puts `tenants` in force, and ends the sessions whose credential or tenant it no longer
+    /// has; returns the previous set.
     pub fn replace(&self, tenants: Arc<Tenants>) -> Arc<Tenants> {
-        let mut cur = self
-            .current
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        std::mem::replace(&mut *cur, tenants)
+        let previous = {
+            let mut cur = self
+                .current
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            std::mem::replace(&mut *cur, tenants.clone())
+        };
+        tenants.credentials.commit();
+        previous
     }
 }
 
-/// Every tenant, and the tokens that name them.
+/// Every tenant, and the credentials that name them.
 pub struct Tenants {
     list: Vec<Arc<Tenant>>,
-    tokens: TokenTable,
+    credentials: Credentials,
     fleet: FleetCap,
 }
 
@@ -370,15 +375,10 @@ impl Tenants {
             crate::identity::warn_about_foreign_processes(&uids);
         }
         let mut list = Vec::with_capacity(cfg.tenants.len());
-        let mut tokens = TokenTable::default();
+        let credentials = Credentials::build(cfg, old.map(|o| &o.credentials))?;
         let mut resizes = Vec::new();
         let mut adopted = Vec::new();
-        for (index, t) in cfg.tenants.iter().enumerate() {
-            for d in &t.token_sha256 {
-                if let Some(digest) = config::parse_digest(d) {
-                    tokens.insert(digest, index);
-                }
-            }
+        for t in &cfg.tenants {
             let settings = fingerprint(cfg, t);
             let running = old
                 .and_then(|o| o.iter().find(|e| e.id == t.id))
@@ -438,7 +438,7 @@ impl Tenants {
         Ok(Rebuilt {
             tenants: Tenants {
                 list,
-                tokens,
+                credentials,
                 fleet,
             },
             removed,
@@ -452,14 +452,14 @@ impl Tenants {
         self.list.iter().map(|t| t.pool.active_turns()).sum()
     }
 
-    /// The token table.
-    pub fn tokens(&self) -> &TokenTable {
-        &self.tokens
+    /// The credentials that authenticate clients as these tenants.
+    pub fn credentials(&self) -> &Credentials {
+        &self.credentials
     }
 
-    /// The tenant at a token-table index.
-    pub fn get(&self, index: usize) -> Option<&Arc<Tenant>> {
-        self.list.get(index)
+    /// The tenant named `id`.
+    pub fn get(&self, id: &str) -> Option<&Arc<Tenant>> {
+        self.list.iter().find(|t| t.id == id)
     }
 
     /// All tenants.
@@ -493,6 +493,9 @@ fn fingerprint(cfg: &Config, t: &config::Tenant) -> String {
     w.max_workers = 0;
     let mut t = t.clone();
     t.token_sha256.clear();
+    t.token_files.clear();
+    t.allowed_origins.clear();
+    t.close_on_expiry = true;
     t.min_workers = 0;
     t.max_workers = 0;
     format!("{w:?}|{t:?}")

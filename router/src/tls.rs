@@ -1,10 +1,16 @@
-//! TLS for the client listener: loads PEM files into a rustls server configuration.
+//! TLS for the client listener: loads PEM files into a rustls server configuration, and
+//! reloads them when they change ([`CertFiles`]: Kubernetes and cert-manager rotate them in
+//! place), without touching the connections already open.
 
 use std::io::BufReader;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
 
+use prometheus::{IntCounterVec, Opts, Registry};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
 use rustls::ServerConfig;
 
 /// Why TLS could not be set up.
@@ -37,17 +43,25 @@ pub fn install_crypto_provider() {
 
 /// Builds the server configuration: TLS 1.2 and 1.3, HTTP/1.1 only (WebSocket upgrades).
 pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsError> {
+    Ok(server_config_reloading(cert, key)?.0)
+}
+
+/// [`server_config`] whose certificate comes from `cert`/`key` as they are now: see
+/// [`CertFiles::check`].
+pub fn server_config_reloading(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Arc<ServerConfig>, Arc<CertFiles>), TlsError> {
     install_crypto_provider();
-    let certs = load_certs(cert)?;
-    let key = load_key(key)?;
+    let files = CertFiles::load(cert, key)?;
     let mut cfg = ServerConfig::builder_with_protocol_versions(&[
         &rustls::version::TLS13,
         &rustls::version::TLS12,
     ])
     .with_no_client_auth()
-    .with_single_cert(certs, key)?;
+    .with_cert_resolver(files.clone());
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(cfg))
+    Ok((Arc::new(cfg), files))
 }
 
 /// The node's side of the edge→node link: like [`server_config`], and every client must present a
@@ -56,17 +70,135 @@ pub fn server_config_mutual(
     cert: &Path,
     key: &Path,
     client_ca: &Path,
-) -> Result<Arc<ServerConfig>, TlsError> {
+) -> Result<(Arc<ServerConfig>, Arc<CertFiles>), TlsError> {
     install_crypto_provider();
     let roots = Arc::new(root_store(client_ca)?);
     let verifier = rustls::server::WebPkiClientVerifier::builder(roots)
         .build()
         .map_err(|e| TlsError::Rustls(rustls::Error::General(e.to_string())))?;
+    let files = CertFiles::load(cert, key)?;
     let mut cfg = ServerConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
         .with_client_cert_verifier(verifier)
-        .with_single_cert(load_certs(cert)?, load_key(key)?)?;
+        .with_cert_resolver(files.clone());
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Arc::new(cfg))
+    Ok((Arc::new(cfg), files))
+}
+
+/// How often the certificate files are compared with what is serving.
+pub const CERT_POLL: Duration = Duration::from_secs(2);
+
+/// `codex_fleet_tls_reloads_total{result}`: certificate reloads, `ok` or `invalid`.
+pub const TLS_RELOADS: &str = "codex_fleet_tls_reloads_total";
+
+/// The listener's certificate and key files, and the pair serving now. New handshakes get the
+/// pair in force when they start; open connections keep theirs.
+pub struct CertFiles {
+    cert: PathBuf,
+    key: PathBuf,
+    serving: RwLock<Arc<CertifiedKey>>,
+    /// The file contents last tried (served, or refused): a broken pair is reported once.
+    seen: Mutex<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for CertFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertFiles")
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResolvesServerCert for CertFiles {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(
+            self.serving
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        )
+    }
+}
+
+impl CertFiles {
+    /// Loads the pair; fails when it is unreadable or the key is not the certificate's.
+    pub fn load(cert: &Path, key: &Path) -> Result<Arc<CertFiles>, TlsError> {
+        let seen = (read(cert)?, read(key)?);
+        let pair = certified_key(cert, key, &seen)?;
+        Ok(Arc::new(CertFiles {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            serving: RwLock::new(Arc::new(pair)),
+            seen: Mutex::new(seen),
+        }))
+    }
+
+    /// Reads the files; when they differ from what was last tried, serves them if they make a
+    /// valid pair. `Ok(true)`: a new pair serves; `Ok(false)`: unchanged; `Err`: the new files
+    /// are refused and the previous pair keeps serving.
+    pub fn check(&self) -> Result<bool, TlsError> {
+        let now = (read(&self.cert)?, read(&self.key)?);
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if *seen == now {
+                return Ok(false);
+            }
+            seen.clone_from(&now);
+        }
+        let pair = certified_key(&self.cert, &self.key, &now)?;
+        *self.serving.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(pair);
+        Ok(true)
+    }
+
+    /// Checks the files every `every` until dropped; each reload is logged and counted in
+    /// [`TLS_RELOADS`] (registered on `registry`).
+    pub fn spawn_watch(
+        self: Arc<Self>,
+        every: Duration,
+        registry: &Registry,
+    ) -> Result<tokio_util::task::AbortOnDropHandle<()>, prometheus::Error> {
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                TLS_RELOADS,
+                "Listener certificate reloads after the files changed, by result (ok, invalid).",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(reloads.clone()))?;
+        for result in ["ok", "invalid"] {
+            reloads.with_label_values(&[result]);
+        }
+        Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+            async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    match self.check() {
+                        Ok(false) => {}
+                        Ok(true) => {
+                            reloads.with_label_values(&["ok"]).inc();
+                            tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded; new handshakes use it");
+                        }
+                        Err(e) => {
+                            reloads.with_label_values(&["invalid"]).inc();
+                            tracing::error!(error = %e, "TLS certificate files changed but are not a valid pair; the previous certificate keeps serving");
+                        }
+                    }
+                }
+            },
+        )))
+    }
+}
+
+/// The pair of PEM texts as rustls serves it; the key must be the certificate's.
+fn certified_key(
+    cert: &Path,
+    key: &Path,
+    pem: &(Vec<u8>, Vec<u8>),
+) -> Result<CertifiedKey, TlsError> {
+    let certs = parse_certs(cert, &pem.0)?;
+    let key = parse_key(key, &pem.1)?;
+    let provider = rustls::crypto::ring::default_provider();
+    Ok(CertifiedKey::from_der(certs, key, &provider)?)
 }
 
 /// The edge's side of the link: trusts only `ca` for nodes and presents `cert`.
@@ -100,8 +232,11 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 
 /// Loads every certificate of a PEM chain.
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let pem = read(path)?;
-    let certs: Vec<_> = rustls_pemfile::certs(&mut BufReader::new(&pem[..]))
+    parse_certs(path, &read(path)?)
+}
+
+fn parse_certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = rustls_pemfile::certs(&mut BufReader::new(pem))
         .collect::<Result<_, _>>()
         .map_err(|source| TlsError::Read {
             path: path.display().to_string(),
@@ -114,8 +249,11 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 }
 
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let pem = read(path)?;
-    rustls_pemfile::private_key(&mut BufReader::new(&pem[..]))
+    parse_key(path, &read(path)?)
+}
+
+fn parse_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    rustls_pemfile::private_key(&mut BufReader::new(pem))
         .map_err(|source| TlsError::Read {
             path: path.display().to_string(),
             source,

@@ -1329,3 +1329,29 @@ impl Split {
         Ok(serde_json::from_str(&body)?)
     }
 }
+
+/// Runs the real `codex exec --remote URL --remote-auth-token-env … PROMPT` with `token` in that
+/// variable, trusting the CA bundle `ca`, in a fresh CODEX_HOME; its output (within 90 s).
+pub async fn codex_exec_remote(
+    url: &str,
+    ca: &Path,
+    token: &str,
+    prompt: &str,
+) -> anyhow::Result<std::process::Output> {
+    let client_home = tempfile::tempdir()?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(codex_bin())
+            .args(["exec", "--skip-git-repo-check", "--remote", url])
+            .args(["--remote-auth-token-env", "CODEX_FLEET_TOKEN", prompt])
+            .env("SSL_CERT_FILE", ca)
+            .env("CODEX_FLEET_TOKEN", token)
+            .env("CODEX_HOME", client_home.path())
+            .current_dir(client_home.path())
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .context("codex exec did not finish within 90 s")??;
+    Ok(out)
+}

@@ -255,7 +255,7 @@ async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_re_added_while_an_old_session_is_open_adopts_its_running_pool(
+async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
 ) -> anyhow::Result<()> {
     let fleet = FleetBuilder::new()
         .tenant_pool("acme", 0, 1)
@@ -294,11 +294,12 @@ async fn a_tenant_re_added_while_an_old_session_is_open_adopts_its_running_pool(
         Arc::ptr_eq(&back.pool, &pool),
         "the re-added tenant must adopt the pool that still serves its old session"
     );
-    // The old session keeps working, and so do new ones.
-    old.start_turn(&thread, "old session after re-adding")
-        .await?;
-    let msgs = old.until_turn_completed(&thread).await?;
-    assert!(e2e::agent_text(&msgs).is_some(), "{msgs:?}");
+    // The removal closed the old session (its tenant and token were gone, issue 12); it
+    // held the pool until it had ended, so the re-added tenant took it back. New sessions work.
+    assert_eq!(
+        old.recv_close_frame(Duration::from_secs(30)).await?,
+        Some((1008, router::session::REVOKED_REASON.to_owned()))
+    );
     let mut new = fleet.client("back").await?;
     let thread2 = new.start_thread().await?;
     new.start_turn(&thread2, "new session after re-adding")
@@ -316,8 +317,7 @@ async fn a_tenant_re_added_while_an_old_session_is_open_adopts_its_running_pool(
             .all(|s| *s != worker::WorkerState::Quarantined),
         "{states:?}"
     );
-    // Closing the old session does not stop the adopted pool: the tenant is configured again.
-    old.close().await;
+    // The old session's end does not stop the adopted pool: the tenant is configured again.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(ready(&fleet), "{:?}", back.pool.workers());
     new.close().await;

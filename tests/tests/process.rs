@@ -134,27 +134,7 @@ async fn dev_serves_a_turn_with_the_printed_credentials() -> anyhow::Result<()> 
         .find(|w| w.starts_with("wss://"))
         .context("no url")?;
     assert!(exec_line.contains(&format!("SSL_CERT_FILE={}", state.join("ca.pem").display())));
-    let client_home = tempfile::tempdir()?;
-    let out = tokio::time::timeout(
-        Duration::from_secs(90),
-        Command::new(e2e::codex_bin())
-            .args([
-                "exec",
-                "--skip-git-repo-check",
-                "--remote",
-                url,
-                "--remote-auth-token-env",
-                "CODEX_FLEET_TOKEN",
-                "hello dev",
-            ])
-            .env("SSL_CERT_FILE", state.join("ca.pem"))
-            .env("CODEX_FLEET_TOKEN", &token)
-            .env("CODEX_HOME", client_home.path())
-            .current_dir(client_home.path())
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await??;
+    let out = e2e::codex_exec_remote(url, &state.join("ca.pem"), &token, "hello dev").await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(stdout.contains(&e2e::reply_text("hello dev")), "{stdout}");

@@ -1,6 +1,5 @@
 //! The first end-to-end slice: real wss clients through codex-fleet to real app-server workers.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use e2e::{agent_text, reply_text, Client, FleetBuilder};
@@ -103,28 +102,14 @@ async fn an_approval_round_trips_with_the_routers_id() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_exec_remote_runs_a_prompt() -> anyhow::Result<()> {
     let fleet = FleetBuilder::new().tenant("acme").start().await?;
-    let client_home = tempfile::tempdir()?;
     let prompt = "exec through the fleet";
-    let out = tokio::time::timeout(
-        Duration::from_secs(90),
-        tokio::process::Command::new(e2e::codex_bin())
-            .args([
-                "exec",
-                "--remote",
-                &fleet.url(),
-                "--remote-auth-token-env",
-                "FLEET_TOKEN",
-            ])
-            .arg("--skip-git-repo-check")
-            .arg(prompt)
-            .env("SSL_CERT_FILE", &fleet.files.ca)
-            .env("FLEET_TOKEN", fleet.files.token("acme"))
-            .env("CODEX_HOME", client_home.path())
-            .current_dir(client_home.path())
-            .stdin(Stdio::null())
-            .output(),
+    let out = e2e::codex_exec_remote(
+        &fleet.url(),
+        &fleet.files.ca,
+        &fleet.files.token("acme"),
+        prompt,
     )
-    .await??;
+    .await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -523,13 +523,18 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         Some(reply_text("beta is new"))
     );
     let mut c2 = proc.client(&files, &new_token).await?;
-    c2.start_thread().await?;
+    let t2 = c2.start_thread().await?;
     let old = Client::connect(&proc.url(), &files.ca, Some(&old_token)).await;
     assert!(old.is_err(), "the old token no longer authenticates");
-    // The session opened before the reload is untouched.
-    c.start_turn(&thread, "after the reload").await?;
+    // The session of the removed token was closed by the reload (issue 12); the new token's
+    // session serves.
     assert_eq!(
-        agent_text(&c.until_turn_completed(&thread).await?),
+        c.recv_close_frame(Duration::from_secs(30)).await?,
+        Some((1008, router::session::REVOKED_REASON.to_owned()))
+    );
+    c2.start_turn(&t2, "after the reload").await?;
+    assert_eq!(
+        agent_text(&c2.until_turn_completed(&t2).await?),
         Some(reply_text("after the reload"))
     );
     e2e::wait_until_async(Duration::from_secs(30), || async {
@@ -573,7 +578,7 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     let t3 = c3.start_thread().await?;
     c3.start_turn(&t3, "still serving").await?;
     c3.until_turn_completed(&t3).await?;
-    c.request("thread/read", json!({ "threadId": thread }))
+    c2.request("thread/read", json!({ "threadId": thread }))
         .await?;
 
     let sockets = socket_files(files.dir.path());
@@ -623,7 +628,7 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reload_runs_hooks_applies_new_limits_and_stops_a_removed_tenants_workers_after_its_sessions(
+async fn a_reload_runs_hooks_applies_new_limits_and_closes_a_removed_tenants_sessions_and_workers(
 ) -> anyhow::Result<()> {
     let fleet = FleetBuilder::new()
         .tenant_pool("acme", 0, 1)
@@ -696,11 +701,12 @@ async fn a_reload_runs_hooks_applies_new_limits_and_stops_a_removed_tenants_work
         e2e::Upgrade::Open(_) => panic!("the reloaded per-tenant cap of 1 was not applied"),
     }
     only.close().await;
-    // Its open session still works; its workers stop once the session ends.
-    let thread = session.start_thread().await?;
-    session.start_turn(&thread, "still here").await?;
-    session.until_turn_completed(&thread).await?;
-    session.close().await;
+    // Its open session was closed by the reload (its token and tenant are gone, issue 12); its
+    // workers stop once the session has ended.
+    assert_eq!(
+        session.recv_close_frame(Duration::from_secs(30)).await?,
+        Some((1008, router::session::REVOKED_REASON.to_owned()))
+    );
     let stopped = wait_until(Duration::from_secs(10), || {
         gone_pool.workers().iter().all(|w| w.pid.is_none())
     })

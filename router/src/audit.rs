@@ -1,0 +1,323 @@
+//! The audit log: who did what, as JSON lines to a file (rotated by size) or stdout.
+//!
+//! Events are queued on a bounded channel and written by their own thread, so the data path
+//! never waits on the sink: when the queue is full an event is dropped and counted in
+//! `codex_fleet_audit_dropped_total`, never silently. Approval decisions are the exception:
+//! the session waits until its decision is written (at most [`DECISION_WAIT`]) before it
+//! forwards the answer to the worker.
+//!
+//! Never a credential: events carry the tenant, the subject, the credential kind and key id.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus::{IntCounter, Registry};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::AuditConfig;
+
+/// Longest wait of a session for its approval decision to be written before it forwards it.
+pub const DECISION_WAIT: Duration = Duration::from_millis(500);
+
+/// Longest command or change summary written, in characters.
+const SUMMARY_CHARS: usize = 400;
+
+enum Entry {
+    Line(String),
+    /// Answered once every line queued before it is written and flushed.
+    Written(String, oneshot::Sender<()>),
+}
+
+/// A handle to the audit log; cheap to clone. The default handle records nothing.
+#[derive(Clone, Default)]
+pub struct Audit {
+    inner: Option<Arc<Inner>>,
+}
+
+struct Inner {
+    tx: mpsc::Sender<Entry>,
+    dropped: IntCounter,
+    /// Pools whose worker lifecycle is being recorded (by address, while alive).
+    watched: std::sync::Mutex<std::collections::HashSet<usize>>,
+}
+
+impl std::fmt::Debug for Audit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Audit")
+            .field("enabled", &self.inner.is_some())
+            .finish()
+    }
+}
+
+/// Where lines go.
+enum Sink {
+    Stdout,
+    File {
+        path: PathBuf,
+        file: std::fs::File,
+        size: u64,
+        max: u64,
+    },
+}
+
+impl Audit {
+    /// Starts the writer for `cfg` (nothing when `audit.path` is unset) and registers
+    /// `codex_fleet_audit_dropped_total` on `registry`.
+    pub fn start(cfg: &AuditConfig, registry: &Registry) -> anyhow::Result<Audit> {
+        let dropped = IntCounter::new(
+            "codex_fleet_audit_dropped_total",
+            "Audit events dropped because the audit queue was full (the sink is too slow).",
+        )?;
+        registry.register(Box::new(dropped.clone()))?;
+        let Some(path) = &cfg.path else {
+            return Ok(Audit::default());
+        };
+        let sink = if path.as_os_str() == "-" {
+            Sink::Stdout
+        } else {
+            let file = open_append(path)?;
+            let size = file.metadata()?.len();
+            Sink::File {
+                path: path.clone(),
+                file,
+                size,
+                max: cfg.max_file_bytes,
+            }
+        };
+        let (tx, rx) = mpsc::channel(cfg.queue.max(1));
+        std::thread::Builder::new()
+            .name("audit-writer".into())
+            .spawn(move || write_lines(sink, rx))?;
+        Ok(Audit {
+            inner: Some(Arc::new(Inner {
+                tx,
+                dropped,
+                watched: Default::default(),
+            })),
+        })
+    }
+
+    /// Queues an event; never waits. A full queue drops it (counted).
+    pub fn record(&self, event: &str, fields: Value) {
+        let Some(inner) = &self.inner else { return };
+        if inner.tx.try_send(Entry::Line(line(event, fields))).is_err() {
+            inner.dropped.inc();
+        }
+    }
+
+    /// Queues an event and waits until it is written, for at most [`DECISION_WAIT`]; a full
+    /// queue or a sink slower than that is counted as a drop and the caller goes on.
+    pub async fn record_written(&self, event: &str, fields: Value) {
+        let Some(inner) = &self.inner else { return };
+        let (done, written) = oneshot::channel();
+        if inner
+            .tx
+            .try_send(Entry::Written(line(event, fields), done))
+            .is_err()
+        {
+            inner.dropped.inc();
+            return;
+        }
+        if tokio::time::timeout(DECISION_WAIT, written).await.is_err() {
+            tracing::warn!(
+                "audit sink slow: an approval decision was forwarded before it was written"
+            );
+        }
+    }
+}
+
+impl Audit {
+    /// Records the worker lifecycle of every tenant in `tenants` (`worker.ready`,
+    /// `worker.exited`) until its pool is gone; a tenant already watched is skipped, so this is
+    /// called again after each reload.
+    pub fn watch_workers(&self, tenants: &crate::tenants::Tenants) {
+        let Some(inner) = &self.inner else { return };
+        for tenant in tenants.iter() {
+            let key = Arc::as_ptr(&tenant.pool) as usize;
+            if !inner
+                .watched
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key)
+            {
+                continue;
+            }
+            let mut events = tenant.pool.subscribe();
+            let id = tenant.id.clone();
+            let audit = self.clone();
+            tokio::spawn(async move {
+                use tokio::sync::broadcast::error::RecvError;
+                loop {
+                    match events.recv().await {
+                        Ok(worker::PoolEvent::WorkerReady { worker }) => audit.record(
+                            "worker.ready",
+                            json!({ "tenant": id, "worker": worker.to_string() }),
+                        ),
+                        Ok(worker::PoolEvent::WorkerExited {
+                            worker,
+                            status,
+                            reason,
+                        }) => audit.record(
+                            "worker.exited",
+                            json!({
+                                "tenant": id, "worker": worker.to_string(),
+                                "status": status, "reason": reason.as_str(),
+                            }),
+                        ),
+                        Ok(_) => {}
+                        Err(RecvError::Lagged(n)) => {
+                            if let Some(inner) = &audit.inner {
+                                inner.dropped.inc_by(n);
+                            }
+                        }
+                        Err(RecvError::Closed) => break,
+                    }
+                }
+                if let Some(inner) = &audit.inner {
+                    inner
+                        .watched
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .remove(&key);
+                }
+            });
+        }
+    }
+}
+
+/// One JSON line: `ts_ms` (Unix milliseconds), `event`, then the fields.
+fn line(event: &str, fields: Value) -> String {
+    let ts = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut v = json!({ "ts_ms": ts, "event": event });
+    if let (Some(obj), Value::Object(fields)) = (v.as_object_mut(), fields) {
+        obj.extend(fields);
+    }
+    v.to_string()
+}
+
+/// A command (string or argv array) or change summary, bounded.
+pub fn summary(v: Option<&Value>) -> Value {
+    let text = match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|p| p.as_str().map_or_else(|| p.to_string(), str::to_owned))
+            .collect::<Vec<_>>()
+            .join(" "),
+        Some(Value::Null) | None => return Value::Null,
+        Some(other) => other.to_string(),
+    };
+    Value::String(text.chars().take(SUMMARY_CHARS).collect())
+}
+
+fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+}
+
+fn write_lines(mut sink: Sink, mut rx: mpsc::Receiver<Entry>) {
+    while let Some(entry) = rx.blocking_recv() {
+        let (text, done) = match entry {
+            Entry::Line(t) => (t, None),
+            Entry::Written(t, d) => (t, Some(d)),
+        };
+        if let Err(e) = sink.write(&text) {
+            tracing::error!(error = %e, "audit log write failed; the event is lost");
+        }
+        if let Some(done) = done {
+            let _flushed = sink.flush();
+            let _answered = done.send(());
+        }
+    }
+    let _flushed = sink.flush();
+}
+
+impl Sink {
+    fn write(&mut self, text: &str) -> std::io::Result<()> {
+        match self {
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(text.as_bytes())?;
+                out.write_all(b"\n")?;
+                out.flush()
+            }
+            Sink::File {
+                path,
+                file,
+                size,
+                max,
+            } => {
+                let len = text.len() as u64 + 1;
+                if *size > 0 && *size + len > *max {
+                    // Rotate: the full file becomes `<path>.1` (replacing the previous one).
+                    let mut old = path.clone().into_os_string();
+                    old.push(".1");
+                    std::fs::rename(&*path, &old)?;
+                    *file = open_append(path)?;
+                    *size = 0;
+                }
+                file.write_all(format!("{text}\n").as_bytes())?;
+                *size += len;
+                Ok(())
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Sink::Stdout => std::io::stdout().flush(),
+            Sink::File { file, .. } => file.flush(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn lines_rotate_and_a_full_queue_counts_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let cfg = AuditConfig {
+            path: Some(path.clone()),
+            queue: 4,
+            max_file_bytes: 400,
+        };
+        let registry = Registry::new();
+        let audit = Audit::start(&cfg, &registry).unwrap();
+        for i in 0..3 {
+            audit
+                .record_written("test.event", json!({ "n": i, "pad": "x".repeat(100) }))
+                .await;
+        }
+        let current = std::fs::read_to_string(&path).unwrap();
+        let rotated = std::fs::read_to_string(dir.path().join("audit.jsonl.1")).unwrap();
+        assert_eq!(current.lines().count() + rotated.lines().count(), 3);
+        let first: Value = serde_json::from_str(rotated.lines().next().unwrap()).unwrap();
+        assert_eq!(
+            (first["event"].as_str(), first["n"].as_i64()),
+            (Some("test.event"), Some(0))
+        );
+        // Far more events than the queue holds, at once: some are dropped and counted.
+        for i in 0..10_000 {
+            audit.record("flood", json!({ "n": i }));
+        }
+        let dropped = registry
+            .gather()
+            .iter()
+            .find(|m| m.name() == "codex_fleet_audit_dropped_total")
+            .map(|m| m.get_metric()[0].get_counter().get_value())
+            .unwrap();
+        assert!(dropped > 0.0, "{dropped}");
+    }
+}
