@@ -21,6 +21,7 @@ pub mod route;
 pub mod session;
 pub mod tenants;
 pub mod tls;
+pub mod top;
 pub mod usage;
 
 use std::future::Future;

@@ -43,6 +43,24 @@ enum Command {
         #[arg(long, env = "CODEX_FLEET_CONFIG")]
         config: PathBuf,
     },
+    /// A terminal view of capacity from a running codex-fleet's admin endpoints: tenants,
+    /// sessions, workers and turns against their limits, memory, CPU, refusals, refreshing like
+    /// top (plain text when not a terminal).
+    Top {
+        /// The admin endpoint (plain HTTP).
+        #[arg(
+            long,
+            env = "CODEX_FLEET_ADMIN",
+            default_value = "http://127.0.0.1:9464"
+        )]
+        admin: String,
+        /// Seconds between refreshes (and between the two samples of `--once`).
+        #[arg(long, default_value_t = 2)]
+        interval: u64,
+        /// Print one report and exit.
+        #[arg(long)]
+        once: bool,
+    },
     /// Validate a configuration file and exit (non-zero with the reason when invalid).
     CheckConfig {
         /// The TOML configuration.
@@ -68,7 +86,10 @@ enum Command {
 fn main() -> ExitCode {
     init_tracing();
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::CheckConfig { .. }) {
+    if !matches!(
+        cli.command,
+        Command::CheckConfig { .. } | Command::Top { .. }
+    ) {
         raise_nofile_limit();
     }
     let node = matches!(cli.command, Command::Node { .. });
@@ -93,6 +114,15 @@ fn main() -> ExitCode {
             };
             run_async(serve(cfg, config))
         }
+        Command::Top {
+            admin,
+            interval,
+            once,
+        } => run_async(router::top::run(
+            &admin,
+            std::time::Duration::from_secs(interval.max(1)),
+            once,
+        )),
         Command::Dev {
             state_dir,
             port,

@@ -670,3 +670,61 @@ async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()
     b.close().await;
     fleet.stop().await
 }
+
+/// Issue 14: `codex-fleet top` answers the capacity questions from the admin endpoints, with
+/// the refusals and turns of the last interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_tenants_against_their_limits_and_who_is_refused() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 3)
+        .workers_toml("max_workers = 6")
+        .limits_toml("tenant_rps = 1\ntenant_burst = 12\nmax_active_turns_per_tenant = 4")
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    let top = tokio::process::Command::new(e2e::fleet_bin())
+        .args(["top", "--once", "--interval", "3", "--admin"])
+        .arg(format!("http://{}", fleet.admin_addr))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Between top's two samples: a turn, and requests beyond the tenant's rate.
+    c.start_turn(&thread, "seen by top").await?;
+    c.until_turn_completed(&thread).await?;
+    let mut refused = 0;
+    for _ in 0..20 {
+        let r = c.call("thread/loaded/list", serde_json::json!({})).await?;
+        refused += usize::from(r["error"]["data"]["reason"] == "tenantRateLimited");
+    }
+    assert!(refused > 0, "the burst was refused");
+    let out = tokio::time::timeout(Duration::from_secs(30), top.wait_with_output()).await??;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("workers 1/6"), "{text}");
+    let acme = text
+        .lines()
+        .find(|l| l.starts_with("acme"))
+        .with_context(|| format!("an acme row: {text}"))?;
+    assert!(
+        acme.contains("/3 ("),
+        "workers against the tenant's max_workers: {acme}"
+    );
+    assert!(
+        acme.contains("/4 ("),
+        "active turns against the limit: {acme}"
+    );
+    assert!(acme.contains("MiB"), "{acme}");
+    assert!(
+        acme.contains(&format!("tenantRateLimited {refused}")),
+        "the refusals of the interval, by reason: {acme}"
+    );
+    c.close().await;
+    fleet.stop().await
+}

@@ -275,6 +275,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let pid = child.id().context("fleet pid")?;
     let url = format!("wss://localhost:{}/", wss.port());
     let listening_at = t_spawn.elapsed();
+    println!("  admin: http://{admin}/ (watch it with: codex-fleet top --admin http://{admin})");
     let rss_listening = rss_kib(pid);
     wait_workers_ready(
         &mut child,
