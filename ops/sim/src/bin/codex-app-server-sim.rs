@@ -786,6 +786,7 @@ async fn run_turn(
     let sub = |st: &mut State, method: &str, params: Value| {
         to_subscribers(st, &thread, notification(method, params));
     };
+    let started = std::time::Instant::now();
     {
         let mut st = sim.lock();
         broadcast(
@@ -867,10 +868,19 @@ async fn run_turn(
     } else {
         "completed"
     };
+    // The turn's model usage, as app-server reports it (fixed: the simulator has no model).
+    let usage = json!({"totalTokens": 1050, "inputTokens": 1000, "cachedInputTokens": 400,
+        "outputTokens": 50, "reasoningOutputTokens": 10});
+    sub(
+        &mut st,
+        "thread/tokenUsage/updated",
+        json!({"threadId": thread, "turnId": turn, "tokenUsage": {"total": usage, "last": usage}}),
+    );
+    let duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     sub(
         &mut st,
         "turn/completed",
-        json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": status, "error": null}}),
+        json!({"threadId": thread, "turn": {"id": turn, "items": [], "status": status, "error": null, "durationMs": duration_ms}}),
     );
     st.running_turns = st.running_turns.saturating_sub(1);
     let mut orphan = None;
