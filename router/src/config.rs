@@ -18,7 +18,8 @@ pub struct Config {
     /// The admin listener (`/healthz`, `/readyz`, `/metrics`).
     #[serde(default)]
     pub admin: Admin,
-    /// How workers are started and supervised.
+    /// How workers are started and supervised (not used, and may be left out, on an edge).
+    #[serde(default = "defaults::workers")]
     pub workers: Workers,
     /// Limits that protect the service.
     #[serde(default)]
@@ -461,6 +462,10 @@ mod defaults {
     pub fn handshake_timeout_secs() -> u64 {
         10
     }
+    /// An absent `[workers]` table: every default, and no `state_dir` (only an edge may omit it).
+    pub fn workers() -> super::Workers {
+        toml::from_str("state_dir = \"\"").expect("every other [workers] key has a default")
+    }
     pub fn link_connect_timeout_ms() -> u64 {
         2000
     }
@@ -633,7 +638,10 @@ impl Config {
         if self.workers.command.is_empty() {
             return bad("workers.command must name a program".into());
         }
-        if !self.workers.state_dir.is_absolute() {
+        if self.workers.state_dir.as_os_str().is_empty() && self.nodes.is_none() {
+            return bad("workers.state_dir is required (a [workers] table); only an edge ([nodes]) runs without one".into());
+        }
+        if self.nodes.is_none() && !self.workers.state_dir.is_absolute() {
             return bad(format!(
                 "workers.state_dir must be an absolute path, got {}",
                 self.workers.state_dir.display()
@@ -1028,6 +1036,18 @@ node = "n2"
         assert_eq!(ids, ["beta"]);
         let edge = Config::parse(&two_nodes(NODES)).expect("valid");
         assert_eq!(edge.role(), Role::Edge);
+        let no_workers =
+            two_nodes(NODES).replace("[workers]\nstate_dir = \"/var/lib/codex-fleet\"\n", "");
+        assert!(
+            Config::parse(&no_workers).is_ok(),
+            "an edge needs no [workers]"
+        );
+        let e = Config::parse(
+            &minimal("").replace("[workers]\nstate_dir = \"/var/lib/codex-fleet\"\n", ""),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workers.state_dir is required"), "{e}");
         assert!(
             edge.localized().tenants.is_empty(),
             "an edge runs no worker"

@@ -366,7 +366,7 @@ impl Tenants {
             None => FleetCap::new(cfg.workers.max_workers),
         };
         let per_tenant_uid = per_tenant_uid(cfg);
-        let uids = if per_tenant_uid {
+        let uids = if per_tenant_uid && !cfg.tenants.is_empty() {
             crate::identity::tenant_uids(cfg)?
         } else {
             Default::default()
@@ -505,7 +505,12 @@ fn fingerprint(cfg: &Config, t: &config::Tenant) -> String {
 /// worker that cannot start at all is a configuration error, caught before anything starts).
 pub fn check_worker_programs(cfg: &Config) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let commands = std::iter::once((None, &cfg.workers.command)).chain(
+    // `workers.command` matters only when a tenant runs it (an edge runs none).
+    let global = cfg.tenants.iter().any(|t| t.command.is_none());
+    let commands = global
+        .then_some((None, &cfg.workers.command))
+        .into_iter()
+        .chain(
         cfg.tenants
             .iter()
             .filter_map(|t| t.command.as_ref().map(|c| (Some(t.id.as_str()), c))),

@@ -1286,7 +1286,12 @@ impl Split {
     }
 
     fn edge_config(&self) -> String {
-        let mut text = self.base.clone()
+        // An edge runs no worker: its file leaves `[workers]` out.
+        let base = match (self.base.find("[workers]\n"), self.base.find("[drain]\n")) {
+            (Some(w), Some(d)) if w < d => format!("{}{}", &self.base[..w], &self.base[d..]),
+            _ => self.base.clone(),
+        };
+        let mut text = base
             + &format!(
                 "\n[nodes]\nbackend = \"static\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
                  probe_interval_secs = 1\nconnect_timeout_ms = 1000\n",
