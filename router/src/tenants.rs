@@ -511,10 +511,10 @@ pub fn check_worker_programs(cfg: &Config) -> anyhow::Result<()> {
         .then_some((None, &cfg.workers.command))
         .into_iter()
         .chain(
-        cfg.tenants
-            .iter()
-            .filter_map(|t| t.command.as_ref().map(|c| (Some(t.id.as_str()), c))),
-    );
+            cfg.tenants
+                .iter()
+                .filter_map(|t| t.command.as_ref().map(|c| (Some(t.id.as_str()), c))),
+        );
     for (tenant, command) in commands {
         let whose = tenant.map_or("workers.command".to_owned(), |t| {
             format!("tenant {t:?}: command")
