@@ -1117,9 +1117,7 @@ impl Session {
         if let Some(order) = &r.rehome {
             return self.on_rehome(order).await;
         }
-        if self.init.as_ref().is_none_or(|i| !i.answered)
-            || self.holds_back_relayed(r.worker, &r.text)
-        {
+        if self.init.as_ref().is_none_or(|i| !i.answered) || self.holds_back_relayed(&r) {
             return Ok(());
         }
         if r.to_all || !self.live.contains(&r.worker) {

@@ -65,6 +65,10 @@ pub struct Relayed {
     /// An order about a thread of a worker that ended (no text to forward): each session acts
     /// on it for itself.
     pub rehome: Option<Arc<Rehome>>,
+    /// For `thread/status/changed` and `thread/goal/cleared`: the thread, and whether this is
+    /// what a move makes the new worker say (a restated idle, a cleared goal). Read once here,
+    /// so a session holds back a move's echoes without parsing the text again.
+    pub status_of: Option<(Arc<str>, bool)>,
 }
 
 impl Tenant {
@@ -162,6 +166,17 @@ impl Tenant {
                 None => {}
             }
         }
+        let status_of = match (&method, &event) {
+            (_, Some(Event::ThreadStatusChanged { thread, status })) => Some((
+                Arc::from(thread.as_ref()),
+                rehome::is_move_echo(method.as_str(), Some(status)),
+            )),
+            (Method::Other(name), _) if name == "thread/goal/cleared" => message["params"]
+                ["threadId"]
+                .as_str()
+                .map(|t| (Arc::from(t), true)),
+            _ => None,
+        };
         let turn_ended = event
             .filter(|e| e.turn() == Some(Turn::Ended))
             .map(|e| Arc::from(e.thread()));
@@ -171,6 +186,7 @@ impl Tenant {
             to_all: false,
             turn_ended,
             rehome: None,
+            status_of,
         });
     }
 
@@ -223,6 +239,7 @@ impl Tenant {
                     text: Arc::from(""),
                     to_all: true,
                     turn_ended: Some(thread.clone()),
+                    status_of: None,
                     rehome: Some(Arc::new(Rehome {
                         thread,
                         from: worker,
@@ -246,6 +263,7 @@ impl Tenant {
                 to_all: true,
                 turn_ended: Some(ended.clone()),
                 rehome: None,
+                status_of: None,
             });
         }
     }

@@ -176,16 +176,14 @@ impl Session {
             && self.ctx.tenant.moves.quiet(&thread)
     }
 
-    /// Whether a relayed broadcast (from `worker`'s control leg) is an echo of a move, held
-    /// back like the same frame on a leg.
-    pub(super) fn holds_back_relayed(&mut self, worker: WorkerId, text: &str) -> bool {
-        if !text.contains("thread/status/changed") && !text.contains("thread/goal/cleared") {
-            return false;
-        }
-        let Ok(jsonrpc::Message::Notification { method, params }) = jsonrpc::parse(text) else {
+    /// Whether a relayed broadcast is an echo of a move, held back like the same frame on a leg
+    /// (the tenant read its thread and kind once: [`crate::tenants::Relayed::status_of`]).
+    pub(super) fn holds_back_relayed(&self, relayed: &crate::tenants::Relayed) -> bool {
+        let Some((thread, echo)) = &relayed.status_of else {
             return false;
         };
-        self.is_move_echo(worker, &method, params)
+        self.following.moving_to(thread, Some(relayed.worker))
+            || (*echo && self.ctx.tenant.moves.quiet(thread))
     }
 
     /// The tenant's order about a thread of a worker that ended.
