@@ -123,6 +123,10 @@ pub struct TenantSpec {
     pub extra: String,
 }
 
+/// `[workers]` lines for fast fault detection: a ping every second, one second to answer,
+/// quick restarts.
+pub const FAST_FAULTS: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+
 /// Builds a fleet configuration for tests.
 pub struct FleetBuilder {
     tenants: Vec<TenantSpec>,

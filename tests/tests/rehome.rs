@@ -15,8 +15,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 use worker::WorkerId;
 
-/// Fast fault detection: ping every second, one second to answer, quick restarts.
-const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+use e2e::FAST_FAULTS as FAST;
 
 const REHOMES: &str = "codex_fleet_thread_rehomes_total";
 

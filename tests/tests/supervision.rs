@@ -18,8 +18,7 @@ use serde_json::{json, Value};
 use tokio::process::Command;
 use tokio::time::Instant;
 
-/// Fast fault detection for tests: ping every second, one second to answer, quick restarts.
-const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+use e2e::FAST_FAULTS as FAST;
 
 fn workers(fleet: &Fleet, tenant: &str) -> Vec<worker::WorkerInfo> {
     fleet.tenant(tenant).pool.workers()

@@ -8,8 +8,7 @@ use e2e::{wait_until, FleetBuilder, Tmux};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-/// Fast fault detection: ping every second, one second to answer, quick restarts.
-const FAST: &str = "health_interval_secs = 1\nhealth_timeout_secs = 1\nrestart_backoff_initial_ms = 50\nrestart_backoff_max_ms = 200";
+use e2e::FAST_FAULTS as FAST;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::Result<()> {
