@@ -2,12 +2,14 @@
 //! worker's loaded threads ([`Event::lifecycle`]) and for running turns ([`Event::turn`]).
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use serde::de::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::method::Method;
+use crate::rpc::{Frame, Message};
 
 /// `ThreadStatus.type` of a thread that is no longer loaded (facts §4).
 pub const STATUS_NOT_LOADED: &str = "notLoaded";
@@ -150,6 +152,30 @@ impl<'a> Event<'a> {
         })
     }
 
+    /// The same event, owning its strings.
+    pub fn into_owned(self) -> Event<'static> {
+        let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
+        match self {
+            Event::ThreadStarted { thread, status } => Event::ThreadStarted {
+                thread: own(thread),
+                status: status.map(own),
+            },
+            Event::ThreadStatusChanged { thread, status } => Event::ThreadStatusChanged {
+                thread: own(thread),
+                status: own(status),
+            },
+            Event::ThreadClosed { thread } => Event::ThreadClosed {
+                thread: own(thread),
+            },
+            Event::TurnStarted { thread } => Event::TurnStarted {
+                thread: own(thread),
+            },
+            Event::TurnCompleted { thread } => Event::TurnCompleted {
+                thread: own(thread),
+            },
+        }
+    }
+
     /// The thread the event is about.
     pub fn thread(&self) -> &str {
         match self {
@@ -193,6 +219,57 @@ impl<'a> Event<'a> {
     }
 }
 
+/// A notification from a worker, parsed once where it arrives: its text exactly as sent (to
+/// forward), its method, the lifecycle or turn event it carries and the thread it is about, so
+/// nothing downstream parses it again.
+#[derive(Debug, Clone)]
+pub struct Notice {
+    /// The notification as the worker sent it.
+    pub text: Arc<str>,
+    /// Its method.
+    pub method: Method<'static>,
+    /// The thread lifecycle or turn event, if it is one.
+    pub event: Option<Event<'static>>,
+    /// The thread it is about: the event's, or `params.threadId` of another thread-scoped
+    /// notification.
+    pub thread: Option<Arc<str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct ThreadIdOnly<'a> {
+    #[serde(rename = "threadId", borrow)]
+    thread_id: Option<Cow<'a, str>>,
+}
+
+impl Notice {
+    /// The notification `method` with `params`, whose whole frame is `text`.
+    pub fn new(text: &str, method: Method<'_>, params: Option<&RawValue>) -> Self {
+        let event = Event::parse(&method, params).map(Event::into_owned);
+        let thread = match &event {
+            Some(e) => Some(Arc::from(e.thread())),
+            None if method.is_thread_scoped() => params
+                .and_then(|p| serde_json::from_str::<ThreadIdOnly<'_>>(p.get()).ok())
+                .and_then(|p| p.thread_id)
+                .map(|t| Arc::from(t.as_ref())),
+            None => None,
+        };
+        Self {
+            text: Arc::from(text),
+            method: method.into_owned(),
+            event,
+            thread,
+        }
+    }
+
+    /// Parses a frame; `None` unless it is a notification.
+    pub fn parse(text: &str) -> Option<Self> {
+        match Frame::parse(text).ok()?.message {
+            Message::Notification { method, params } => Some(Self::new(text, method, params)),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +279,24 @@ mod tests {
         let raw: Box<RawValue> = serde_json::from_str(params).unwrap();
         let raw: &'static RawValue = Box::leak(raw);
         Event::parse(&Method::parse(method), Some(raw))
+    }
+
+    #[test]
+    fn a_notice_is_parsed_once_and_keeps_its_text() {
+        let text = r#"{"method":"thread/status/changed","params":{"threadId":"t1","status":{"type":"active","activeFlags":[]}}}"#;
+        let n = Notice::parse(text).unwrap();
+        assert_eq!(&*n.text, text);
+        assert_eq!(n.method, Method::ThreadStatusChanged);
+        assert_eq!(n.event.as_ref().and_then(Event::turn), Some(Turn::Started));
+        assert_eq!(n.thread.as_deref(), Some("t1"));
+        let goal = Notice::parse(r#"{"method":"thread/goal/cleared","params":{"threadId":"t2"}}"#)
+            .unwrap();
+        assert_eq!((goal.event, goal.thread.as_deref()), (None, Some("t2")));
+        let global =
+            Notice::parse(r#"{"method":"account/updated","params":{"threadId":"x"}}"#).unwrap();
+        assert_eq!(global.thread, None, "not thread-scoped");
+        assert!(Notice::parse(r#"{"id":1,"result":{}}"#).is_none());
+        assert!(Notice::parse("nope").is_none());
     }
 
     #[test]

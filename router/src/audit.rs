@@ -160,6 +160,7 @@ impl Audit {
                             worker,
                             status,
                             reason,
+                            ..
                         }) => audit.record(
                             "worker.exited",
                             json!({

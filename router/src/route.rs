@@ -1,124 +1,43 @@
 //! The tenant table: which worker owns each loaded thread of a tenant.
 //!
-//! Ownership is learned from results (`thread/start`, `thread/fork`, `thread/resume`), from the
-//! lifecycle broadcasts the control legs receive, and level-triggered from `thread/loaded/list`
-//! answers, so a missed event or a lost entry heals within one reconciliation period.
+//! The pool keeps the one record (`worker::Pool::owner`): it learns from the lifecycle broadcasts
+//! its control legs receive and, level-triggered, from their `thread/loaded/list` answers, so a
+//! missed event or a lost entry heals within one health period. Sessions add what answers to
+//! `thread/start`, `thread/fork` and `thread/resume` say, which can arrive before the broadcast.
+//! This is the router's handle on that record, nothing more.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Arc;
 
-use worker::WorkerId;
+use worker::{Pool, WorkerId};
 
-/// Entries kept per tenant at most; app-server's own limits are far below this.
-const MAX_ROUTES: usize = 100_000;
-
-/// Where one thread is loaded, and whether it was last seen `active` there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Route {
-    worker: WorkerId,
-    active: bool,
-}
-
-/// threadId → owning worker, for one tenant.
-#[derive(Default)]
+/// threadId → owning worker, for one tenant: a view of its pool's record.
+#[derive(Clone)]
 pub struct ThreadTable {
-    routes: Mutex<HashMap<String, Route>>,
+    pool: Arc<Pool>,
 }
 
 impl ThreadTable {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Route>> {
-        self.routes.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The table of `pool`'s threads.
+    pub fn new(pool: Arc<Pool>) -> Self {
+        Self { pool }
     }
 
-    /// The worker that has `thread` loaded, as far as the table knows.
+    /// The worker that has `thread` loaded, as far as the pool knows.
     pub fn owner(&self, thread: &str) -> Option<WorkerId> {
-        self.lock().get(thread).map(|r| r.worker)
+        self.pool.owner(thread)
     }
 
-    /// Records that `worker` has `thread` loaded.
+    /// Records that `worker` has `thread` loaded (an answer said so).
     pub fn learn(&self, thread: &str, worker: WorkerId) {
-        let mut routes = self.lock();
-        let full = routes.len() >= MAX_ROUTES;
-        match routes.get_mut(thread) {
-            Some(r) if r.worker == worker => {}
-            Some(r) => {
-                *r = Route {
-                    worker,
-                    active: false,
-                }
-            }
-            // reconciliation still finds it on a miss; the bound protects memory
-            None if full => {}
-            None => {
-                routes.insert(
-                    thread.to_owned(),
-                    Route {
-                        worker,
-                        active: false,
-                    },
-                );
-            }
-        }
+        self.pool.learn(thread, worker);
     }
 
-    /// Records that `worker` has `thread` loaded, running a turn (or waiting on the user) or not,
-    /// as its last `thread/status/changed` said.
-    pub fn learn_status(&self, thread: &str, worker: WorkerId, active: bool) {
-        self.learn(thread, worker);
-        if let Some(r) = self.lock().get_mut(thread).filter(|r| r.worker == worker) {
-            r.active = active;
-        }
-    }
-
-    /// Drops the route of `thread` if it still points at `worker`.
-    pub fn forget(&self, thread: &str, worker: WorkerId) {
-        let mut routes = self.lock();
-        if routes.get(thread).is_some_and(|r| r.worker == worker) {
-            routes.remove(thread);
-        }
-    }
-
-    /// Drops every route to `worker` (it exited); returns the threads it held, each with
-    /// whether it was active.
-    pub fn forget_worker(&self, worker: WorkerId) -> Vec<(String, bool)> {
-        let mut routes = self.lock();
-        let gone: Vec<(String, bool)> = routes
-            .iter()
-            .filter(|(_, r)| r.worker == worker)
-            .map(|(t, r)| (t.clone(), r.active))
-            .collect();
-        for (t, _) in &gone {
-            routes.remove(t);
-        }
-        gone
-    }
-
-    /// Level-triggered update from `thread/loaded/list` on `worker`: exactly `loaded` route there.
-    pub fn reconcile(&self, worker: WorkerId, loaded: &[String]) {
-        let mut routes = self.lock();
-        routes.retain(|t, r| r.worker != worker || loaded.contains(t));
-        for t in loaded {
-            if routes.len() < MAX_ROUTES || routes.contains_key(t) {
-                let r = routes.entry(t.clone()).or_insert(Route {
-                    worker,
-                    active: false,
-                });
-                if r.worker != worker {
-                    *r = Route {
-                        worker,
-                        active: false,
-                    };
-                }
-            }
-        }
-    }
-
-    /// Number of routes.
+    /// Number of threads with a known owner.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.pool.owned_threads()
     }
 
-    /// Whether the table is empty.
+    /// Whether no thread has a known owner.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -126,37 +45,6 @@ impl ThreadTable {
     /// Test-only hook: removes a route whatever it points at, to prove reconciliation heals it.
     #[doc(hidden)]
     pub fn remove_for_tests(&self, thread: &str) -> Option<WorkerId> {
-        self.lock().remove(thread).map(|r| r.worker)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reconciliation_is_level_triggered() {
-        let t = ThreadTable::default();
-        let w1 = WorkerId::new("t", 0, 1);
-        let w2 = WorkerId::new("t", 1, 1);
-        t.learn("a", w1);
-        t.learn("b", w1);
-        t.learn("c", w2);
-        t.reconcile(w1, &["b".into(), "d".into()]);
-        assert_eq!(t.owner("a"), None, "unloaded on w1");
-        assert_eq!(t.owner("b"), Some(w1));
-        assert_eq!(t.owner("d"), Some(w1), "learned from the list");
-        assert_eq!(t.owner("c"), Some(w2), "other workers untouched");
-        t.forget("c", w1);
-        assert_eq!(t.owner("c"), Some(w2), "forget only drops a matching route");
-        t.learn_status("b", w1, true);
-        assert_eq!(t.forget_worker(w2), vec![("c".to_owned(), false)]);
-        assert_eq!(t.len(), 2);
-        t.reconcile(w1, &["b".into()]);
-        assert_eq!(
-            t.forget_worker(w1),
-            vec![("b".to_owned(), true)],
-            "activity kept"
-        );
+        self.pool.forget_owner_for_tests(thread)
     }
 }

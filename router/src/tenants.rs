@@ -4,9 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use proto::event::{Event, Lifecycle, Turn};
+use proto::event::{Event, Notice, Turn};
 use proto::Method;
-use serde_json::Value;
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
 use worker::metrics::{ExitReason, WorkerMetrics};
@@ -82,11 +81,11 @@ impl Tenant {
         let (relay, _) = broadcast::channel(RELAY_CAPACITY);
         let tenant = Arc::new(Tenant {
             id,
+            table: ThreadTable::new(pool.clone()),
             pool,
             policy,
             roots,
             settings,
-            table: ThreadTable::default(),
             subscribers: Arc::default(),
             moves: Moves::default(),
             counted: crate::usage::Counted::default(),
@@ -116,73 +115,52 @@ impl Tenant {
         self.reconcile.notify_one();
     }
 
-    /// Reconciles now: asks every ready worker for its loaded threads and updates the table.
+    /// Reconciles now: asks every ready worker for its loaded threads (the pool's record of
+    /// where threads live is reset from the answers).
     pub async fn reconcile_now(&self) {
-        for (worker, threads) in self.pool.reconcile().await {
-            self.table.reconcile(worker, &threads);
-        }
+        self.pool.reconcile().await;
     }
 
-    /// The owner of `thread`: the table first, then the pool's own view of its control legs.
+    /// The owner of `thread`, from the pool's record.
     pub fn find_owner(&self, thread: &str) -> Option<WorkerId> {
-        if let Some(w) = self.table.owner(thread) {
-            return Some(w);
-        }
-        let found = self
-            .pool
-            .loaded_threads()
-            .into_iter()
-            .find(|(_, threads)| threads.iter().any(|t| t == thread))
-            .map(|(w, _)| w)?;
-        self.table.learn(thread, found);
-        Some(found)
+        self.table.owner(thread)
     }
 
     fn on_pool_event(self: &Arc<Self>, ev: PoolEvent) {
         match ev {
-            PoolEvent::Notification { worker, message } => self.on_notification(worker, &message),
-            PoolEvent::Loaded { worker, threads } => self.table.reconcile(worker, &threads),
-            PoolEvent::WorkerExited { worker, reason, .. } => {
-                self.on_worker_exited(worker, reason);
-            }
+            PoolEvent::Notification { worker, notice } => self.on_notification(worker, &notice),
+            PoolEvent::WorkerExited {
+                worker,
+                reason,
+                threads,
+                ..
+            } => self.on_worker_exited(worker, reason, &threads),
             _ => {}
         }
     }
 
-    fn on_notification(&self, worker: WorkerId, message: &Value) {
-        let Some(method) = message["method"].as_str().map(Method::parse) else {
-            return;
-        };
-        if !method.is_thread_scoped() {
+    fn on_notification(&self, worker: WorkerId, notice: &Notice) {
+        if !notice.method.is_thread_scoped() {
             return; // process-wide news reaches sessions through their own legs
         }
-        let event = Event::from_value(message);
-        if let Some(event) = &event {
-            match event.lifecycle() {
-                Some(Lifecycle::Loaded { active }) => {
-                    self.table.learn_status(event.thread(), worker, active);
-                }
-                Some(Lifecycle::Unloaded) => self.table.forget(event.thread(), worker),
-                None => {}
-            }
-        }
-        let status_of = match (&method, &event) {
-            (_, Some(Event::ThreadStatusChanged { thread, status })) => Some((
-                Arc::from(thread.as_ref()),
-                rehome::is_move_echo(method.as_str(), Some(status)),
+        let status_of = match (&notice.method, &notice.event, &notice.thread) {
+            (_, Some(Event::ThreadStatusChanged { status, .. }), Some(thread)) => Some((
+                thread.clone(),
+                rehome::is_move_echo(notice.method.as_str(), Some(status)),
             )),
-            (Method::Other(name), _) if name == "thread/goal/cleared" => message["params"]
-                ["threadId"]
-                .as_str()
-                .map(|t| (Arc::from(t), true)),
+            (Method::Other(name), _, Some(thread)) if name == "thread/goal/cleared" => {
+                Some((thread.clone(), true))
+            }
             _ => None,
         };
-        let turn_ended = event
+        let turn_ended = notice
+            .event
+            .as_ref()
             .filter(|e| e.turn() == Some(Turn::Ended))
-            .map(|e| Arc::from(e.thread()));
+            .and(notice.thread.clone());
         let _receivers = self.relay.send(Relayed {
             worker,
-            text: Arc::from(message.to_string()),
+            text: notice.text.clone(),
             to_all: false,
             turn_ended,
             rehome: None,
@@ -195,14 +173,19 @@ impl Tenant {
     /// (`session/rehome.rs`). The others close, as they would in app-server: `systemError` after a
     /// failure, `notLoaded` after a retirement, then `thread/closed`. When codex-fleet itself
     /// stops the worker, nothing moves.
-    fn on_worker_exited(self: &Arc<Self>, worker: WorkerId, reason: ExitReason) {
+    fn on_worker_exited(
+        self: &Arc<Self>,
+        worker: WorkerId,
+        reason: ExitReason,
+        threads: &[(String, bool)],
+    ) {
         let cause = Cause::of(reason);
         let status = match cause {
             Some(Cause::Retired) => "notLoaded",
             _ => "systemError",
         };
         let mut orphans = Vec::new();
-        for (thread, active) in self.table.forget_worker(worker) {
+        for (thread, active) in threads.iter().cloned() {
             match cause {
                 Some(cause) if self.subscribers.count(&thread) > 0 => {
                     self.moves.begin(&thread, self.subscribers.count(&thread));

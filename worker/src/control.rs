@@ -10,7 +10,6 @@ use proto::rpc::{Frame, Message as Rpc, RequestId};
 use proto::Method;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
-use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{interval_at, sleep_until, timeout_at, Duration, Instant, MissedTickBehavior};
 use tokio_tungstenite::tungstenite::Message;
@@ -64,8 +63,8 @@ pub enum ControlEnd {
 /// What the control leg learns, handed to its owner as it arrives.
 #[derive(Debug)]
 pub enum Observed {
-    /// A notification, as received.
-    Notification(Value),
+    /// A notification, parsed once (its text kept for forwarding).
+    Notification(proto::event::Notice),
     /// The answer to a `thread/loaded/list` probe: the worker's loaded threads.
     Loaded(Arc<Vec<String>>),
 }
@@ -229,12 +228,13 @@ impl ControlLeg {
             }
         };
         match frame.message {
-            Rpc::Notification { method, .. } => {
+            Rpc::Notification { method, params } => {
                 trace!(%method, "notification");
-                match serde_json::from_str(text.as_str()) {
-                    Ok(value) => observe(Observed::Notification(value)),
-                    Err(e) => warn!(error = %e, "ignoring invalid JSON on control leg"),
-                }
+                observe(Observed::Notification(proto::event::Notice::new(
+                    text.as_str(),
+                    method,
+                    params,
+                )));
             }
             Rpc::Response { id } => {
                 if let Some(error) = frame.error {
@@ -296,6 +296,7 @@ fn control_error(e: ClientError) -> ControlError {
 mod tests {
     use super::*;
     use futures_util::SinkExt;
+    use serde_json::Value;
     use tokio_tungstenite::tungstenite::protocol::Role;
     use tokio_tungstenite::WebSocketStream;
 
@@ -376,7 +377,7 @@ mod tests {
         );
         assert_eq!(seen.len(), 2, "{seen:?}");
         assert!(
-            matches!(&seen[0], Observed::Notification(v) if v["method"] == "thread/status/changed")
+            matches!(&seen[0], Observed::Notification(n) if n.method == proto::Method::ThreadStatusChanged)
         );
         assert!(matches!(&seen[1], Observed::Loaded(l) if **l == ["a", "b"]));
     }

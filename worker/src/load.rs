@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use proto::event::Event;
 use serde::Deserialize;
+
+use crate::worker::WorkerId;
+#[cfg(test)]
 use serde_json::Value;
 use tokio::time::Instant;
 use tracing::warn;
@@ -33,17 +36,23 @@ pub(crate) struct LoadedList {
 // === impl Lifecycle ===
 
 impl Lifecycle {
-    /// Parses a notification; `None` for other methods or unexpected shapes.
-    pub(crate) fn parse(message: &Value) -> Option<Self> {
-        let event = Event::from_value(message)?;
+    /// What a notification's event means for the worker's loaded threads; `None` for turn
+    /// events.
+    pub(crate) fn of(event: &Event<'_>) -> Option<Self> {
         let thread = event.thread().to_owned();
-        Some(match (&event, event.lifecycle()?) {
+        Some(match (event, event.lifecycle()?) {
             (_, proto::event::Lifecycle::Unloaded) => Lifecycle::Unloaded { thread },
             (Event::ThreadStarted { .. }, proto::event::Lifecycle::Loaded { active }) => {
                 Lifecycle::Started { thread, active }
             }
             (_, proto::event::Lifecycle::Loaded { active }) => Lifecycle::Status { thread, active },
         })
+    }
+
+    /// Parses a whole notification (tests).
+    #[cfg(test)]
+    pub(crate) fn parse(message: &Value) -> Option<Self> {
+        Self::of(&Event::from_value(message)?)
     }
 }
 
@@ -84,6 +93,28 @@ impl ThreadView {
             .collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// Whether `thread` is loaded here.
+    pub(crate) fn contains(&self, thread: &str) -> bool {
+        self.threads.contains_key(thread)
+    }
+
+    /// Every loaded thread with whether it is active.
+    pub(crate) fn entries(&self) -> Vec<(String, bool)> {
+        self.threads
+            .iter()
+            .map(|(id, (active, _))| (id.clone(), *active))
+            .collect()
+    }
+
+    /// Records that `thread` is loaded here (a request's answer said so before the control leg
+    /// did); what is known about it already stays.
+    pub(crate) fn learn(&mut self, thread: &str) {
+        if !self.threads.contains_key(thread) && self.threads.len() < MAX_TRACKED_THREADS {
+            self.threads
+                .insert(thread.to_owned(), (false, Instant::now()));
+        }
     }
 
     pub(crate) fn apply(&mut self, event: Lifecycle) {
@@ -153,6 +184,60 @@ impl ThreadView {
                 self.active += usize::from(active);
             }
         }
+    }
+}
+
+/// Where each of a tenant's loaded threads lives: the pool's one record, kept with the workers'
+/// views under the pool's lock and read by the router to route by thread id.
+#[derive(Debug, Default)]
+pub(crate) struct Owners {
+    map: HashMap<String, WorkerId>,
+}
+
+// === impl Owners ===
+
+impl Owners {
+    /// Entries kept per tenant at most; app-server's own limits are far below this.
+    const MAX: usize = 100_000;
+
+    pub(crate) fn get(&self, thread: &str) -> Option<WorkerId> {
+        self.map.get(thread).copied()
+    }
+
+    /// `worker` has `thread` loaded (the latest word wins).
+    pub(crate) fn set(&mut self, thread: &str, worker: WorkerId) {
+        if let Some(w) = self.map.get_mut(thread) {
+            *w = worker;
+        } else if self.map.len() < Self::MAX {
+            self.map.insert(thread.to_owned(), worker);
+        }
+    }
+
+    /// `worker` no longer has `thread` loaded.
+    pub(crate) fn release(&mut self, thread: &str, worker: WorkerId) {
+        if self.map.get(thread) == Some(&worker) {
+            self.map.remove(thread);
+        }
+    }
+
+    /// `worker`'s view was reset (a loaded list) or it ended: exactly `view`'s threads are its.
+    pub(crate) fn sync(&mut self, worker: WorkerId, view: Option<&ThreadView>) {
+        self.map
+            .retain(|t, w| *w != worker || view.is_some_and(|v| v.contains(t)));
+        if let Some(view) = view {
+            for t in view.threads.keys() {
+                self.set(t, worker);
+            }
+        }
+    }
+
+    /// Removes `thread` whatever it points at (tests prove the record heals).
+    pub(crate) fn remove(&mut self, thread: &str) -> Option<WorkerId> {
+        self.map.remove(thread)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
     }
 }
 
@@ -252,6 +337,45 @@ mod tests {
         tokio::time::advance(Duration::from_secs(3)).await;
         v.reset(&[], Duration::from_secs(2));
         assert_eq!(v.loaded(), 0, "a later list is believed");
+    }
+
+    #[test]
+    fn owners_follow_the_views_level_triggered() {
+        let (w1, w2) = (WorkerId::new("t", 0, 1), WorkerId::new("t", 1, 1));
+        let mut owners = Owners::default();
+        let mut v1 = ThreadView::default();
+        for t in ["a", "b"] {
+            v1.learn(t);
+            owners.set(t, w1);
+        }
+        owners.set("c", w2);
+        v1.reset(&["b".into(), "d".into()], Duration::ZERO);
+        owners.sync(w1, Some(&v1));
+        assert_eq!(owners.get("a"), None, "unloaded on w1");
+        assert_eq!(owners.get("b"), Some(w1));
+        assert_eq!(owners.get("d"), Some(w1), "learned from the list");
+        assert_eq!(owners.get("c"), Some(w2), "other workers untouched");
+        owners.release("c", w1);
+        assert_eq!(
+            owners.get("c"),
+            Some(w2),
+            "release only drops a matching owner"
+        );
+        v1.apply(Lifecycle::parse(&status("b", "active")).unwrap());
+        let mut gone = v1.entries();
+        gone.sort();
+        assert_eq!(gone, [("b".to_owned(), true), ("d".to_owned(), false)]);
+        owners.sync(w1, None);
+        assert_eq!(
+            (owners.get("b"), owners.get("d"), owners.len()),
+            (None, None, 1)
+        );
+        // What an answer taught is kept by the next list only if the worker still lists it.
+        assert_eq!(owners.remove("c"), Some(w2));
+        let mut v2 = ThreadView::default();
+        v2.learn("c");
+        v2.learn("c");
+        assert_eq!((v2.loaded(), v2.active()), (1, 0));
     }
 
     #[test]

@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use nix::sys::signal::Signal;
-use serde_json::Value;
 use tokio::sync::{broadcast, oneshot, watch};
 use tokio::time::{timeout, timeout_at, Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -321,12 +320,12 @@ pub struct WorkerInfo {
 #[derive(Debug, Clone)]
 pub enum PoolEvent {
     /// A notification the worker sent to the control leg (e.g. `thread/started`, `thread/closed`,
-    /// `thread/status/changed`), as received.
+    /// `thread/status/changed`), parsed once, with its text as received.
     Notification {
         /// The worker.
         worker: WorkerId,
-        /// The whole JSON-RPC message.
-        message: Arc<Value>,
+        /// The notification.
+        notice: Arc<proto::event::Notice>,
     },
     /// A worker answered `initialize` and takes work.
     WorkerReady {
@@ -350,6 +349,8 @@ pub enum PoolEvent {
         /// Why it ended, as counted in `codex_fleet_worker_exits_total` (`Stopped` when the pool
         /// itself is stopping).
         reason: crate::metrics::ExitReason,
+        /// The threads it had loaded, each with whether it was active: no longer anyone's.
+        threads: Arc<Vec<(String, bool)>>,
     },
 }
 
@@ -602,6 +603,30 @@ impl Pool {
     /// ready, or retiring for memory but not yet told to stop.
     pub fn get(&self, id: WorkerId) -> Option<WorkerHandle> {
         self.shared.lock().get(id, &self.shared.cfg)
+    }
+
+    /// The worker that has `thread` loaded: the pool's one record, from its workers' lifecycle
+    /// broadcasts, their loaded lists and what [`Pool::learn`] was told.
+    pub fn owner(&self, thread: &str) -> Option<WorkerId> {
+        self.shared.lock().owner(thread)
+    }
+
+    /// Records that worker `id` has `thread` loaded: an answer to `thread/start`, `thread/fork`
+    /// or `thread/resume` says so before the worker's control leg does. Ignored if `id` no longer
+    /// runs.
+    pub fn learn(&self, thread: &str, id: WorkerId) {
+        self.shared.lock().learn(thread, id);
+    }
+
+    /// Threads with a known owner.
+    pub fn owned_threads(&self) -> usize {
+        self.shared.lock().owners.len()
+    }
+
+    /// Test-only hook: forgets where `thread` lives, to prove the next loaded list restores it.
+    #[doc(hidden)]
+    pub fn forget_owner_for_tests(&self, thread: &str) -> Option<WorkerId> {
+        self.shared.lock().owners.remove(thread)
     }
 
     /// The current view of each live worker's loaded threads (sorted ids), from lifecycle

@@ -308,14 +308,14 @@ async fn supervise(
 fn observe(shared: &Shared, index: usize, process: &WorkerProcess, seen: Observed) {
     let id = process.id();
     match seen {
-        Observed::Notification(value) => {
-            if let Some(event) = Lifecycle::parse(&value) {
+        Observed::Notification(notice) => {
+            if let Some(event) = notice.event.as_ref().and_then(Lifecycle::of) {
                 let verdict = shared.lock().on_lifecycle(index, id, event);
                 act(verdict);
             }
             shared.publish(PoolEvent::Notification {
                 worker: id,
-                message: Arc::new(value),
+                notice: Arc::new(notice),
             });
         }
         Observed::Loaded(threads) => {
@@ -423,8 +423,9 @@ fn finish(
         return Some(retire_done(shared, index, ended, now));
     }
     let mut reason = ended.reason;
+    let mut threads = Vec::new();
     let next = shared.update(|state| {
-        state.slots[index].live = None;
+        threads = state.end_live(index);
         state.publish_load();
         if state.stopping {
             reason = ExitReason::Stopped;
@@ -457,6 +458,7 @@ fn finish(
             worker: ended.id,
             status,
             reason,
+            threads: Arc::new(threads),
         });
     }
     next.map(|(_, wait)| now + wait)
@@ -464,8 +466,9 @@ fn finish(
 
 /// Books a retired worker: not a failure, no restart unless the slot is still wanted.
 fn retire_done(shared: &Shared, index: usize, ended: Ended, now: Instant) -> Instant {
+    let mut threads = Vec::new();
     shared.update(|state| {
-        state.slots[index].live = None;
+        threads = state.end_live(index);
         state.slots[index].requested = false;
         state.publish_load();
         shared.metrics.exited(shared.tenant, ended.reason);
@@ -477,6 +480,7 @@ fn retire_done(shared: &Shared, index: usize, ended: Ended, now: Instant) -> Ins
             worker: ended.id,
             status,
             reason: ended.reason,
+            threads: Arc::new(threads),
         });
     }
     now

@@ -11,7 +11,7 @@ use crate::control::ControlCommand;
 use crate::error::PoolError;
 use crate::fleet::FleetPermit;
 use crate::leg::Peer;
-use crate::load::{Lifecycle, ThreadView};
+use crate::load::{Lifecycle, Owners, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
 use crate::worker::{ExitReport, ProcessGroup, WorkerId};
 
@@ -166,6 +166,10 @@ pub(super) struct PoolState {
     /// Pool sizes set by [`super::Pool::resize`]; `None`: the configuration's.
     pub sizes: Option<Sizes>,
     pub slots: Vec<Slot>,
+    /// threadId → the worker that has it loaded, kept in step with the workers' views: the one
+    /// record of where the tenant's threads live (the router reads it through
+    /// [`super::Pool::owner`]).
+    pub owners: Owners,
 }
 
 /// The settings of a pool that a reload may change in place.
@@ -204,6 +208,7 @@ impl PoolState {
             detached: false,
             sizes: None,
             slots: Vec::new(),
+            owners: Owners::default(),
         }
     }
 
@@ -364,6 +369,51 @@ impl PoolState {
         self.handle(index, cfg)
     }
 
+    /// Slot `index`'s worker ended: its record goes, and so do the threads it owned, which are
+    /// returned (each with whether it was active) so the router can decide their fate.
+    pub fn end_live(&mut self, index: usize) -> Vec<(String, bool)> {
+        let Some(live) = self.slots[index].live.take() else {
+            return Vec::new();
+        };
+        self.owners.sync(live.id, None);
+        live.threads.entries()
+    }
+
+    /// The worker that has `thread` loaded: the index, or on a miss the workers' own views (the
+    /// index is repaired from them).
+    pub fn owner(&mut self, thread: &str) -> Option<WorkerId> {
+        if let Some(w) = self.owners.get(thread) {
+            return Some(w);
+        }
+        let found = self
+            .slots
+            .iter()
+            .filter_map(|s| s.live.as_ref())
+            .find(|live| !live.has_exited() && live.threads.contains(thread))?
+            .id;
+        self.owners.set(thread, found);
+        Some(found)
+    }
+
+    /// `thread` is loaded on worker `id` (a request's answer said so before its control leg did).
+    pub fn learn(&mut self, thread: &str, id: WorkerId) {
+        let Ok(index) = usize::try_from(id.slot()) else {
+            return;
+        };
+        let Some(live) = self
+            .slots
+            .get_mut(index)
+            .and_then(|s| s.live.as_mut())
+            .filter(|l| l.id == id)
+        else {
+            return;
+        };
+        live.threads.learn(thread);
+        if live.threads.contains(thread) {
+            self.owners.set(thread, id);
+        }
+    }
+
     /// Each running worker's loaded threads.
     pub fn loaded_threads(&self) -> Vec<(WorkerId, Vec<String>)> {
         self.slots
@@ -435,9 +485,15 @@ impl PoolState {
 
     /// A lifecycle broadcast from worker `id`'s control leg.
     pub fn on_lifecycle(&mut self, index: usize, id: WorkerId, event: Lifecycle) -> Verdict {
-        let Some(live) = self.live_mut(index, id) else {
+        let Some(live) = self.slots[index].live.as_mut().filter(|l| l.id == id) else {
             return Verdict::Keep;
         };
+        match &event {
+            Lifecycle::Started { thread, .. } | Lifecycle::Status { thread, .. } => {
+                self.owners.set(thread, id);
+            }
+            Lifecycle::Unloaded { thread } => self.owners.release(thread, id),
+        }
         live.threads.apply(event);
         let verdict = Self::finish_retire(live);
         self.publish_load();
@@ -458,11 +514,12 @@ impl PoolState {
         let sizes = self.sizes(cfg);
         let protected = index < sizes.min_workers || self.stopping;
         let ready = self.slots[index].state == WorkerState::Ready;
-        let Some(live) = self.live_mut(index, id) else {
+        let Some(live) = self.slots[index].live.as_mut().filter(|l| l.id == id) else {
             return Verdict::Keep;
         };
         // Events newer than the request (at most one health timeout old) outrank the list.
         live.threads.reset(loaded, cfg.health_timeout);
+        self.owners.sync(id, Some(&live.threads));
         live.rss = rss.or(live.rss);
         let mut draining = false;
         if ready && live.retire.is_none() {
