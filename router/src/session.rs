@@ -20,12 +20,16 @@
 //! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
 //! request keeps its entry and its worker slot.
 
+mod audit;
 mod fanout;
+mod inbound;
 pub mod legs;
 mod rehome;
+mod relay;
 mod routing;
 mod server_requests;
 mod turns;
+mod writer;
 
 use serde_json::json;
 use std::borrow::Cow;
@@ -35,8 +39,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::{Sink, SinkExt, Stream, StreamExt};
-use tokio::sync::{broadcast, mpsc};
+use futures_util::{Sink, Stream, StreamExt};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -50,13 +54,15 @@ use crate::admission::{
 };
 use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::{ClientError, RouterMetrics};
-use crate::policy::{self, Decision};
-use crate::tenants::{Relayed, Tenant};
+use crate::tenants::Tenant;
+use audit::is_approval;
 pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
 use legs::{Leg, LegEvent};
+use relay::recv_relay;
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
+use writer::write_client;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
@@ -263,50 +269,7 @@ struct Session {
     approvals: HashMap<i64, serde_json::Value>,
 }
 
-/// Approvals awaiting an answer that a session remembers for the audit log.
-const AUDITED_APPROVALS: usize = 1024;
-
-impl Session {
-    /// Records an audit event with the session's tenant and subject.
-    fn audit(&self, event: &str, mut fields: serde_json::Value) {
-        fields["tenant"] = json!(self.ctx.tenant.id);
-        fields["subject"] = json!(self.ctx.subject);
-        self.ctx.audit.record(event, fields);
-    }
-
-    /// An approval or user-input request from a worker: recorded, and remembered until the
-    /// client answers it.
-    fn audit_approval_request(
-        &mut self,
-        worker: WorkerId,
-        sid: i64,
-        method: &str,
-        params: Option<&serde_json::value::RawValue>,
-    ) {
-        let p = params
-            .and_then(|p| serde_json::from_str::<serde_json::Value>(p.get()).ok())
-            .unwrap_or_default();
-        let asked = json!({
-            "method": method,
-            "thread": p.get("threadId"),
-            "turn": p.get("turnId"),
-            "item": p.get("itemId"),
-            "command": crate::audit::summary(p.get("command")),
-            "cwd": p.get("cwd"),
-            "reason": crate::audit::summary(p.get("reason")),
-            "worker": worker.to_string(),
-        });
-        self.audit("approval.requested", asked.clone());
-        if self.approvals.len() < AUDITED_APPROVALS {
-            self.approvals.insert(sid, asked);
-        }
-    }
-}
-
-/// Worker requests that ask the client to approve something or to answer the user's question.
-fn is_approval(method: &str) -> bool {
-    method.ends_with("requestApproval") || method.ends_with("requestUserInput")
-}
+impl Session {}
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
 /// can drive it through channels.
@@ -446,100 +409,6 @@ where
     end
 }
 
-async fn write_client<Si>(
-    mut sink: Si,
-    mut rx: mpsc::Receiver<Message>,
-    mut urgent: mpsc::Receiver<CloseFrame>,
-    queued_bytes: Arc<QueueBytes>,
-) where
-    Si: Sink<Message, Error = WsError> + Unpin,
-{
-    let mut urgent_open = true;
-    loop {
-        tokio::select! {
-            biased;
-            close = urgent.recv(), if urgent_open => match close {
-                Some(frame) => {
-                    let _sent = sink.send(Message::Close(Some(frame))).await;
-                    break;
-                }
-                None => urgent_open = false,
-            },
-            msg = rx.recv() => {
-                let Some(msg) = msg else { break };
-                queued_bytes.release(queued_len(&msg));
-                match write_batch(&mut sink, msg, &mut rx, &queued_bytes).await {
-                    Ok(false) => {}
-                    Ok(true) | Err(_) => break,
-                }
-            }
-        }
-    }
-    let _flushed = sink.close().await;
-}
-
-/// Frames written before one flush: a streaming turn queues many small deltas, and flushing
-/// each one alone costs a TLS record and a syscall apiece.
-const WRITE_BATCH: usize = 64;
-
-/// The bytes a queued frame counts against the queue's byte bounds.
-fn queued_len(msg: &Message) -> usize {
-    match msg {
-        Message::Text(t) => t.len(),
-        _ => 0,
-    }
-}
-
-/// Writes `first` and whatever else is already queued (up to [`WRITE_BATCH`]), then flushes
-/// once. `Ok(true)` when a close frame was written.
-async fn write_batch<Si>(
-    sink: &mut Si,
-    first: Message,
-    rx: &mut mpsc::Receiver<Message>,
-    queued_bytes: &QueueBytes,
-) -> Result<bool, WsError>
-where
-    Si: Sink<Message, Error = WsError> + Unpin,
-{
-    let mut next = Some(first);
-    let mut written = 0;
-    while let Some(msg) = next.take() {
-        let closing = matches!(msg, Message::Close(_));
-        sink.feed(msg).await?;
-        written += 1;
-        if closing {
-            sink.flush().await?;
-            return Ok(true);
-        }
-        if written < WRITE_BATCH {
-            next = rx.try_recv().ok();
-            if let Some(msg) = &next {
-                queued_bytes.release(queued_len(msg));
-            }
-        }
-    }
-    sink.flush().await?;
-    Ok(false)
-}
-
-/// The next relayed broadcast; pending forever once the relay is closed.
-async fn recv_relay(relay: &mut Option<broadcast::Receiver<Relayed>>) -> Option<Relayed> {
-    let Some(rx) = relay.as_mut() else {
-        return std::future::pending().await;
-    };
-    match rx.recv().await {
-        Ok(r) => Some(r),
-        Err(broadcast::error::RecvError::Lagged(n)) => {
-            tracing::warn!(missed = n, "session lagged behind the tenant's broadcasts");
-            None
-        }
-        Err(broadcast::error::RecvError::Closed) => {
-            *relay = None;
-            std::future::pending().await
-        }
-    }
-}
-
 // === impl Session ===
 
 impl Session {
@@ -553,397 +422,6 @@ impl Session {
             .client_errors
             .with_label_values(&[reason.as_str()])
             .inc();
-    }
-
-    /// Queues a frame for the client; a client whose queue is full (in frames, or in bytes for
-    /// the session or its tenant) is too slow and is closed.
-    fn to_client(&self, text: String) -> Result<(), End> {
-        let n = text.len();
-        if !self.queued_bytes.try_add(n) {
-            tracing::info!(
-                queued = self.queued_bytes.session(),
-                tenant_queued = self.ctx.admission.queued_bytes(self.tenant()),
-                "closing a client over its queue's byte bound"
-            );
-            return Err(End::SlowClient);
-        }
-        self.out.try_send(Message::text(text)).map_err(|_| {
-            self.queued_bytes.release(n);
-            End::SlowClient
-        })
-    }
-
-    /// Frames waiting for the client.
-    fn queued(&self) -> usize {
-        self.out.max_capacity() - self.out.capacity()
-    }
-
-    /// Answers a refused request with `-32001` and counts the refusal.
-    fn reject(&self, id: &RequestId, r: &Rejection) -> Result<(), End> {
-        self.ctx.metrics.rejected_for(self.tenant(), r);
-        self.to_client(r.to_error_response(id))
-    }
-
-    /// A cap-style refusal with the configured back-off.
-    fn cap(&self, scope: Scope, reason: Reason) -> Rejection {
-        let back_off = Duration::from_millis(self.ctx.admission.config().cap_retry_after_ms);
-        Rejection::cap(scope, reason, back_off)
-    }
-
-    /// At the active-turn cap, asks the workers' own view (their control legs see every
-    /// thread) before refusing, so a turn that ended while no session of the tenant was there
-    /// to see it does not hold a slot until `active_turn_ttl_secs`.
-    fn reconcile_turns(&self) {
-        let admission = &self.ctx.admission;
-        if admission.active_turns(self.tenant()) < admission.config().max_active_turns_per_tenant {
-            return;
-        }
-        let running = self
-            .ctx
-            .tenant
-            .pool
-            .workers()
-            .iter()
-            .map(|w| w.active_turns)
-            .sum();
-        admission.reconcile_turns(self.tenant(), running, TURN_COUNT_SETTLED);
-    }
-
-    /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
-    /// seen on a leg and relayed from the control leg counts once).
-    fn track_turns(&self, method: &Method<'_>, params: Option<&serde_json::value::RawValue>) {
-        if let Some((event, thread)) = turns::event_of(method, params) {
-            match event {
-                turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), &thread),
-                turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), &thread),
-            }
-        }
-    }
-
-    fn reply_error(
-        &self,
-        id: Option<&RequestId>,
-        code: i64,
-        message: &str,
-        data: Option<serde_json::Value>,
-    ) -> Result<(), End> {
-        self.to_client(jsonrpc::error_response(id, code, message, data))
-    }
-
-    async fn on_client_frame(
-        &mut self,
-        frame: Option<Result<Message, WsError>>,
-    ) -> Result<(), End> {
-        let text = match frame {
-            None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
-            Some(Ok(Message::Text(t))) => t,
-            Some(Ok(Message::Binary(_))) => {
-                self.check_unanswerable_frame()?;
-                self.count_error(ClientError::BinaryFrame);
-                self.reply_error(
-                    None,
-                    codes::INVALID_REQUEST,
-                    "Invalid request: binary frames are not supported; send JSON-RPC as text frames",
-                    None,
-                )?;
-                return self.protocol_error();
-            }
-            Some(Ok(_)) => {
-                // Ping and pong (answered by the WebSocket layer) cost a write each: they count
-                // against the frame rate like any frame that cannot get a `-32001`.
-                return self.check_unanswerable_frame();
-            }
-            Some(Err(WsError::Capacity(_))) => {
-                self.count_error(ClientError::TooBig);
-                return Err(End::TooBig);
-            }
-            Some(Err(e)) => {
-                tracing::debug!(error = %e, "client read error");
-                return Err(End::ClientGone);
-            }
-        };
-        self.ctx
-            .metrics
-            .client_frames
-            .with_label_values(&[self.tenant()])
-            .inc();
-        let msg = match jsonrpc::parse(&text) {
-            Ok(msg) => msg,
-            Err(e) => {
-                self.check_unanswerable_frame()?;
-                self.count_error(ClientError::InvalidMessage);
-                self.reply_error(None, e.code(), &e.to_string(), None)?;
-                return self.protocol_error();
-            }
-        };
-        self.protocol_errors = 0;
-        if !matches!(msg, Rpc::Request { .. }) {
-            self.check_unanswerable_frame()?;
-        }
-        match msg {
-            Rpc::Request { id, method, params } => {
-                let thread = jsonrpc::thread_id(params);
-                if method == Method::TurnStart {
-                    self.reconcile_turns();
-                }
-                let admitted = self.guard.check_frame().and_then(|()| {
-                    self.ctx.admission.check_request(
-                        self.tenant(),
-                        method.as_str(),
-                        thread.as_deref(),
-                    )
-                });
-                if let Err(r) = admitted {
-                    return self.reject(&id, &r);
-                }
-                let rewritten = match self.ctx.tenant.policy.check(
-                    method.as_str(),
-                    params,
-                    &self.ctx.tenant.roots,
-                ) {
-                    Decision::Allow => None,
-                    Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
-                    Decision::Deny(denial) => {
-                        self.count_error(ClientError::HostAccessDenied);
-                        tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
-                        self.audit(
-                            "access.denied",
-                            json!({ "method": method.as_str(), "policy": denial.class.as_str() }),
-                        );
-                        return self.to_client(denial.to_error_response(&id));
-                    }
-                    Decision::Invalid(message) => {
-                        // Malformed, as app-server would answer it: not a policy refusal.
-                        self.count_error(ClientError::InvalidMessage);
-                        return self.to_client(proto::error::invalid_request_response(
-                            Some(&id),
-                            &message,
-                        ));
-                    }
-                };
-                let text = rewritten.as_deref().unwrap_or(&text);
-                self.on_client_request(id, &method, thread, text).await
-            }
-            Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
-            Rpc::Response { id } => self.on_client_response(id, &text).await,
-        }
-    }
-
-    /// The frame rate for frames that cannot get a `-32001` (notifications, responses, bad
-    /// frames): over it, the connection is closed rather than the frame dropped silently.
-    fn check_unanswerable_frame(&self) -> Result<(), End> {
-        self.guard.check_frame().map_err(|r| {
-            self.ctx.metrics.rejected_for(self.tenant(), &r);
-            tracing::info!("closing a connection that floods notifications or responses");
-            End::Flooded
-        })
-    }
-
-    fn protocol_error(&mut self) -> Result<(), End> {
-        self.protocol_errors += 1;
-        if self.protocol_errors >= MAX_PROTOCOL_ERRORS {
-            return Err(End::ProtocolErrors);
-        }
-        Ok(())
-    }
-
-    async fn on_client_request(
-        &mut self,
-        id: RequestId,
-        method: &Method<'_>,
-        thread: Option<String>,
-        text: &str,
-    ) -> Result<(), End> {
-        if let Some(why) = self.unusable_id(&id) {
-            self.count_error(why);
-            let message = match why {
-                ClientError::DuplicateId => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
-                _ => "Invalid request: this request id is reserved by codex-fleet",
-            };
-            return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
-        }
-        let first_initialize = *method == Method::Initialize && self.init.is_none();
-        if first_initialize {
-            let info = serde_json::from_str::<serde_json::Value>(text)
-                .map(|v| v["params"]["clientInfo"].clone())
-                .unwrap_or_default();
-            self.audit(
-                "session.initialized",
-                json!({ "client_name": info["name"], "client_version": info["version"] }),
-            );
-            self.init = Some(Init {
-                id: id.clone(),
-                text: text.to_owned(),
-                answered: false,
-                initialized: false,
-            });
-        } else if self.init.is_none() {
-            self.count_error(ClientError::NotInitialized);
-            return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
-        }
-        if self.in_flight.len() >= self.ctx.admission.config().max_in_flight_per_connection {
-            let r = Rejection::cap(
-                Scope::Connection,
-                Reason::TooManyRequestsInFlight,
-                SESSION_IN_FLIGHT_RETRY,
-            );
-            return self.reject(&id, &r);
-        }
-        let target = self.target(method, thread.as_deref());
-        let worker = match self.leg_for(target, *method == Method::ThreadResume).await {
-            Ok(w) => w,
-            Err(reason) => {
-                if first_initialize {
-                    self.init = None;
-                }
-                self.count_error(ClientError::NoWorker);
-                let scope = match reason {
-                    Reason::FleetWorkerLimit => Scope::Fleet,
-                    _ => Scope::Worker,
-                };
-                return self.reject(&id, &self.cap(scope, reason));
-            }
-        };
-        let learn = match (method, thread) {
-            (Method::ThreadStart | Method::ThreadFork, _) => Learn::NewThread,
-            (Method::ThreadResume, Some(thread)) => Learn::Resume {
-                thread,
-                retry: Some(text.to_owned()),
-            },
-            (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe { thread },
-            (m, _) => fanout::Merge::of(m).map_or(Learn::Nothing, Learn::FanOut),
-        };
-        let parked = Parked {
-            id,
-            worker,
-            text: text.to_owned(),
-            learn,
-            first_initialize,
-        };
-        match self.ctx.admission.try_worker_slot(worker) {
-            Ok(slot) => self.dispatch(parked, slot).await,
-            Err(_) => {
-                self.parked = Some(parked);
-                Ok(())
-            }
-        }
-    }
-
-    /// Why a client request's id cannot be used, as a `client_errors` reason: it is still in
-    /// flight (its answer would be delivered to the wrong request, and a second entry would
-    /// free the first one's worker slot), or it is the router's own id on legs (its answer
-    /// would be swallowed and the request never answered).
-    fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
-        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID || s.starts_with(fanout::ID_PREFIX))
-            || rehome::Following::is_own(id)
-        {
-            Some(ClientError::ReservedId)
-        } else if self.in_flight.contains_key(id) {
-            Some(ClientError::DuplicateId)
-        } else {
-            None
-        }
-    }
-
-    /// The parked request got a worker slot, or waited as long as it may.
-    async fn unpark(&mut self, slot: Result<InFlightPermit, Rejection>) -> Result<(), End> {
-        let Some(parked) = self.parked.take() else {
-            return Ok(());
-        };
-        match slot {
-            Ok(slot) => self.dispatch(parked, slot).await,
-            Err(r) => {
-                if parked.first_initialize {
-                    self.init = None;
-                }
-                self.reject(&parked.id, &r)
-            }
-        }
-    }
-
-    /// Sends an admitted request to its worker, holding its slot until the answer.
-    async fn dispatch(&mut self, req: Parked, slot: InFlightPermit) -> Result<(), End> {
-        let Parked {
-            id,
-            worker,
-            text,
-            learn,
-            first_initialize,
-        } = req;
-        let fan_out = learn.fan_out();
-        self.in_flight.insert(
-            id.clone(),
-            InFlight {
-                worker,
-                since: Instant::now(),
-                learn,
-                _slot: Some(slot),
-            },
-        );
-        if let Some(merge) = fan_out {
-            return self.fan_out(&id, worker, merge, &text).await;
-        }
-        if !self.send_to_leg(worker, text).await {
-            self.in_flight.remove(&id);
-            if first_initialize {
-                self.init = None;
-            }
-            return self.worker_gone_reply(&id);
-        }
-        self.init_sent |= first_initialize;
-        Ok(())
-    }
-
-    async fn on_client_notification(&mut self, method: &Method<'_>, text: &str) -> Result<(), End> {
-        let Some(init) = self.init.as_mut() else {
-            // app-server ignores notifications before initialize; so do we.
-            return Ok(());
-        };
-        if *method == Method::Initialized {
-            init.initialized = true;
-        }
-        for leg in self.legs.values() {
-            leg.send(text.to_owned()).await;
-        }
-        Ok(())
-    }
-
-    async fn on_client_response(&mut self, id: RequestId, text: &str) -> Result<(), End> {
-        let RequestId::Int(sid) = id else {
-            self.count_error(ClientError::UnknownResponse);
-            return Ok(());
-        };
-        let Some((worker, original)) = self.server_requests.take(sid) else {
-            // Never sent, or already answered: app-server would ignore it; we count and drop it.
-            self.count_error(ClientError::UnknownResponse);
-            return Ok(());
-        };
-        let result = Frame::parse(text).ok().and_then(|f| f.result);
-        self.ctx.tenant.counted.answer(
-            &self.ctx.metrics.usage,
-            self.tenant(),
-            worker,
-            &original,
-            result,
-        );
-        if let Some(mut asked) = self.approvals.remove(&sid) {
-            // The decision is in the audit log before the worker acts on it.
-            let answer = serde_json::from_str::<serde_json::Value>(text).unwrap_or_default();
-            asked["decision"] = match answer.get("result") {
-                Some(r) => r.get("decision").cloned().unwrap_or_else(|| r.clone()),
-                None => json!({ "error": answer.get("error") }),
-            };
-            asked["tenant"] = json!(self.ctx.tenant.id);
-            asked["subject"] = json!(self.ctx.subject);
-            self.ctx
-                .audit
-                .record_written("approval.answered", asked)
-                .await;
-        }
-        if let Some(text) = jsonrpc::with_id(text, &original) {
-            self.send_to_leg(worker, text).await;
-        }
-        Ok(())
     }
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
@@ -1103,27 +581,6 @@ impl Session {
             }
         }
         self.to_client(text.to_owned())
-    }
-
-    /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
-    /// to that worker delivers it (so each broadcast arrives once).
-    async fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
-        let Some(r) = relayed else { return Ok(()) };
-        // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
-        // "active" after the leg's turn/completed would count a finished turn as running.
-        if let Some(thread) = &r.turn_ended {
-            self.ctx.admission.turn_ended(self.tenant(), thread);
-        }
-        if let Some(order) = &r.rehome {
-            return self.on_rehome(order).await;
-        }
-        if self.init.as_ref().is_none_or(|i| !i.answered) || self.holds_back_relayed(&r) {
-            return Ok(());
-        }
-        if r.to_all || !self.live.contains(&r.worker) {
-            return self.to_client(r.text.to_string());
-        }
-        Ok(())
     }
 
     fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {

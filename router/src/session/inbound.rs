@@ -1,0 +1,395 @@
+//! The inbound pipeline: a client frame is parsed once, passes one gate (the connection's frame
+//! rate, the tenant's admission, the host-access policy), is routed and dispatched to its
+//! worker's leg, or parks for a worker slot.
+
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+
+use super::routing::Learn;
+use super::{
+    fanout, rehome, turns, End, InFlight, Init, Parked, Session, MAX_PROTOCOL_ERRORS,
+    REPLAY_INIT_ID, SESSION_IN_FLIGHT_RETRY, TURN_COUNT_SETTLED,
+};
+use crate::admission::{InFlightPermit, Reason, Rejection, Scope};
+use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
+use crate::metrics::ClientError;
+use crate::policy::{self, Decision};
+
+// === impl Session ===
+
+impl Session {
+    /// Answers a refused request with `-32001` and counts the refusal.
+    pub(super) fn reject(&self, id: &RequestId, r: &Rejection) -> Result<(), End> {
+        self.ctx.metrics.rejected_for(self.tenant(), r);
+        self.to_client(r.to_error_response(id))
+    }
+
+    /// A cap-style refusal with the configured back-off.
+    pub(super) fn cap(&self, scope: Scope, reason: Reason) -> Rejection {
+        let back_off = Duration::from_millis(self.ctx.admission.config().cap_retry_after_ms);
+        Rejection::cap(scope, reason, back_off)
+    }
+
+    /// At the active-turn cap, asks the workers' own view (their control legs see every
+    /// thread) before refusing, so a turn that ended while no session of the tenant was there
+    /// to see it does not hold a slot until `active_turn_ttl_secs`.
+    pub(super) fn reconcile_turns(&self) {
+        let admission = &self.ctx.admission;
+        if admission.active_turns(self.tenant()) < admission.config().max_active_turns_per_tenant {
+            return;
+        }
+        let running = self
+            .ctx
+            .tenant
+            .pool
+            .workers()
+            .iter()
+            .map(|w| w.active_turns)
+            .sum();
+        admission.reconcile_turns(self.tenant(), running, TURN_COUNT_SETTLED);
+    }
+
+    /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
+    /// seen on a leg and relayed from the control leg counts once).
+    pub(super) fn track_turns(
+        &self,
+        method: &Method<'_>,
+        params: Option<&serde_json::value::RawValue>,
+    ) {
+        if let Some((event, thread)) = turns::event_of(method, params) {
+            match event {
+                turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), &thread),
+                turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), &thread),
+            }
+        }
+    }
+
+    pub(super) fn reply_error(
+        &self,
+        id: Option<&RequestId>,
+        code: i64,
+        message: &str,
+        data: Option<serde_json::Value>,
+    ) -> Result<(), End> {
+        self.to_client(jsonrpc::error_response(id, code, message, data))
+    }
+
+    pub(super) async fn on_client_frame(
+        &mut self,
+        frame: Option<Result<Message, WsError>>,
+    ) -> Result<(), End> {
+        let text = match frame {
+            None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
+            Some(Ok(Message::Text(t))) => t,
+            Some(Ok(Message::Binary(_))) => {
+                self.check_unanswerable_frame()?;
+                self.count_error(ClientError::BinaryFrame);
+                self.reply_error(
+                    None,
+                    codes::INVALID_REQUEST,
+                    "Invalid request: binary frames are not supported; send JSON-RPC as text frames",
+                    None,
+                )?;
+                return self.protocol_error();
+            }
+            Some(Ok(_)) => {
+                // Ping and pong (answered by the WebSocket layer) cost a write each: they count
+                // against the frame rate like any frame that cannot get a `-32001`.
+                return self.check_unanswerable_frame();
+            }
+            Some(Err(WsError::Capacity(_))) => {
+                self.count_error(ClientError::TooBig);
+                return Err(End::TooBig);
+            }
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "client read error");
+                return Err(End::ClientGone);
+            }
+        };
+        self.ctx
+            .metrics
+            .client_frames
+            .with_label_values(&[self.tenant()])
+            .inc();
+        let msg = match jsonrpc::parse(&text) {
+            Ok(msg) => msg,
+            Err(e) => {
+                self.check_unanswerable_frame()?;
+                self.count_error(ClientError::InvalidMessage);
+                self.reply_error(None, e.code(), &e.to_string(), None)?;
+                return self.protocol_error();
+            }
+        };
+        self.protocol_errors = 0;
+        if !matches!(msg, Rpc::Request { .. }) {
+            self.check_unanswerable_frame()?;
+        }
+        match msg {
+            Rpc::Request { id, method, params } => {
+                let thread = jsonrpc::thread_id(params);
+                if method == Method::TurnStart {
+                    self.reconcile_turns();
+                }
+                let admitted = self.guard.check_frame().and_then(|()| {
+                    self.ctx.admission.check_request(
+                        self.tenant(),
+                        method.as_str(),
+                        thread.as_deref(),
+                    )
+                });
+                if let Err(r) = admitted {
+                    return self.reject(&id, &r);
+                }
+                let rewritten = match self.ctx.tenant.policy.check(
+                    method.as_str(),
+                    params,
+                    &self.ctx.tenant.roots,
+                ) {
+                    Decision::Allow => None,
+                    Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
+                    Decision::Deny(denial) => {
+                        self.count_error(ClientError::HostAccessDenied);
+                        tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
+                        self.audit(
+                            "access.denied",
+                            json!({ "method": method.as_str(), "policy": denial.class.as_str() }),
+                        );
+                        return self.to_client(denial.to_error_response(&id));
+                    }
+                    Decision::Invalid(message) => {
+                        // Malformed, as app-server would answer it: not a policy refusal.
+                        self.count_error(ClientError::InvalidMessage);
+                        return self.to_client(proto::error::invalid_request_response(
+                            Some(&id),
+                            &message,
+                        ));
+                    }
+                };
+                let text = rewritten.as_deref().unwrap_or(&text);
+                self.on_client_request(id, &method, thread, text).await
+            }
+            Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
+            Rpc::Response { id } => self.on_client_response(id, &text).await,
+        }
+    }
+
+    /// The frame rate for frames that cannot get a `-32001` (notifications, responses, bad
+    /// frames): over it, the connection is closed rather than the frame dropped silently.
+    pub(super) fn check_unanswerable_frame(&self) -> Result<(), End> {
+        self.guard.check_frame().map_err(|r| {
+            self.ctx.metrics.rejected_for(self.tenant(), &r);
+            tracing::info!("closing a connection that floods notifications or responses");
+            End::Flooded
+        })
+    }
+
+    pub(super) fn protocol_error(&mut self) -> Result<(), End> {
+        self.protocol_errors += 1;
+        if self.protocol_errors >= MAX_PROTOCOL_ERRORS {
+            return Err(End::ProtocolErrors);
+        }
+        Ok(())
+    }
+
+    pub(super) async fn on_client_request(
+        &mut self,
+        id: RequestId,
+        method: &Method<'_>,
+        thread: Option<String>,
+        text: &str,
+    ) -> Result<(), End> {
+        if let Some(why) = self.unusable_id(&id) {
+            self.count_error(why);
+            let message = match why {
+                ClientError::DuplicateId => "Invalid request: duplicate request id; an earlier request with this id is still in flight",
+                _ => "Invalid request: this request id is reserved by codex-fleet",
+            };
+            return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
+        }
+        let first_initialize = *method == Method::Initialize && self.init.is_none();
+        if first_initialize {
+            let info = serde_json::from_str::<serde_json::Value>(text)
+                .map(|v| v["params"]["clientInfo"].clone())
+                .unwrap_or_default();
+            self.audit(
+                "session.initialized",
+                json!({ "client_name": info["name"], "client_version": info["version"] }),
+            );
+            self.init = Some(Init {
+                id: id.clone(),
+                text: text.to_owned(),
+                answered: false,
+                initialized: false,
+            });
+        } else if self.init.is_none() {
+            self.count_error(ClientError::NotInitialized);
+            return self.reply_error(Some(&id), codes::INVALID_REQUEST, "Not initialized", None);
+        }
+        if self.in_flight.len() >= self.ctx.admission.config().max_in_flight_per_connection {
+            let r = Rejection::cap(
+                Scope::Connection,
+                Reason::TooManyRequestsInFlight,
+                SESSION_IN_FLIGHT_RETRY,
+            );
+            return self.reject(&id, &r);
+        }
+        let target = self.target(method, thread.as_deref());
+        let worker = match self.leg_for(target, *method == Method::ThreadResume).await {
+            Ok(w) => w,
+            Err(reason) => {
+                if first_initialize {
+                    self.init = None;
+                }
+                self.count_error(ClientError::NoWorker);
+                let scope = match reason {
+                    Reason::FleetWorkerLimit => Scope::Fleet,
+                    _ => Scope::Worker,
+                };
+                return self.reject(&id, &self.cap(scope, reason));
+            }
+        };
+        let learn = match (method, thread) {
+            (Method::ThreadStart | Method::ThreadFork, _) => Learn::NewThread,
+            (Method::ThreadResume, Some(thread)) => Learn::Resume {
+                thread,
+                retry: Some(text.to_owned()),
+            },
+            (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe { thread },
+            (m, _) => fanout::Merge::of(m).map_or(Learn::Nothing, Learn::FanOut),
+        };
+        let parked = Parked {
+            id,
+            worker,
+            text: text.to_owned(),
+            learn,
+            first_initialize,
+        };
+        match self.ctx.admission.try_worker_slot(worker) {
+            Ok(slot) => self.dispatch(parked, slot).await,
+            Err(_) => {
+                self.parked = Some(parked);
+                Ok(())
+            }
+        }
+    }
+
+    /// Why a client request's id cannot be used, as a `client_errors` reason: it is still in
+    /// flight (its answer would be delivered to the wrong request, and a second entry would
+    /// free the first one's worker slot), or it is the router's own id on legs (its answer
+    /// would be swallowed and the request never answered).
+    pub(super) fn unusable_id(&self, id: &RequestId) -> Option<ClientError> {
+        if matches!(id, RequestId::Str(s) if s == REPLAY_INIT_ID || s.starts_with(fanout::ID_PREFIX))
+            || rehome::Following::is_own(id)
+        {
+            Some(ClientError::ReservedId)
+        } else if self.in_flight.contains_key(id) {
+            Some(ClientError::DuplicateId)
+        } else {
+            None
+        }
+    }
+
+    /// The parked request got a worker slot, or waited as long as it may.
+    pub(super) async fn unpark(
+        &mut self,
+        slot: Result<InFlightPermit, Rejection>,
+    ) -> Result<(), End> {
+        let Some(parked) = self.parked.take() else {
+            return Ok(());
+        };
+        match slot {
+            Ok(slot) => self.dispatch(parked, slot).await,
+            Err(r) => {
+                if parked.first_initialize {
+                    self.init = None;
+                }
+                self.reject(&parked.id, &r)
+            }
+        }
+    }
+
+    /// Sends an admitted request to its worker, holding its slot until the answer.
+    pub(super) async fn dispatch(&mut self, req: Parked, slot: InFlightPermit) -> Result<(), End> {
+        let Parked {
+            id,
+            worker,
+            text,
+            learn,
+            first_initialize,
+        } = req;
+        let fan_out = learn.fan_out();
+        self.in_flight.insert(
+            id.clone(),
+            InFlight {
+                worker,
+                since: Instant::now(),
+                learn,
+                _slot: Some(slot),
+            },
+        );
+        if let Some(merge) = fan_out {
+            return self.fan_out(&id, worker, merge, &text).await;
+        }
+        if !self.send_to_leg(worker, text).await {
+            self.in_flight.remove(&id);
+            if first_initialize {
+                self.init = None;
+            }
+            return self.worker_gone_reply(&id);
+        }
+        self.init_sent |= first_initialize;
+        Ok(())
+    }
+
+    pub(super) async fn on_client_notification(
+        &mut self,
+        method: &Method<'_>,
+        text: &str,
+    ) -> Result<(), End> {
+        let Some(init) = self.init.as_mut() else {
+            // app-server ignores notifications before initialize; so do we.
+            return Ok(());
+        };
+        if *method == Method::Initialized {
+            init.initialized = true;
+        }
+        for leg in self.legs.values() {
+            leg.send(text.to_owned()).await;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn on_client_response(
+        &mut self,
+        id: RequestId,
+        text: &str,
+    ) -> Result<(), End> {
+        let RequestId::Int(sid) = id else {
+            self.count_error(ClientError::UnknownResponse);
+            return Ok(());
+        };
+        let Some((worker, original)) = self.server_requests.take(sid) else {
+            // Never sent, or already answered: app-server would ignore it; we count and drop it.
+            self.count_error(ClientError::UnknownResponse);
+            return Ok(());
+        };
+        // Parsed once: the usage count and the audit log read the same result.
+        let frame = Frame::parse(text).ok();
+        let (result, error) = frame.as_ref().map_or((None, None), |f| (f.result, f.error));
+        self.ctx.tenant.counted.answer(
+            &self.ctx.metrics.usage,
+            self.tenant(),
+            worker,
+            &original,
+            result,
+        );
+        self.audit_approval_answer(sid, result, error).await;
+        if let Some(text) = jsonrpc::with_id(text, &original) {
+            self.send_to_leg(worker, text).await;
+        }
+        Ok(())
+    }
+}
