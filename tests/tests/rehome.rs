@@ -369,3 +369,101 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
     a.close().await;
     fleet.stop().await
 }
+
+/// A hostile neighbour: tenant beta keeps a session open while acme's thread moves, asks for
+/// acme's thread id before and after the move, and reads everything it is sent. The move stays
+/// within acme's pool: beta is told nothing, its worker takes nothing, and acme's id stays as
+/// unknown to it as a made-up one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenant_learns_nothing_of_a_move_and_cannot_take_the_thread() -> anyhow::Result<()>
+{
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        .tenant_pool("beta", 1, 1)
+        .workers_toml(FAST)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || e2e::ready_workers(
+            &fleet, "acme"
+        ) == 2
+            && e2e::ready_workers(&fleet, "beta") == 1)
+        .await,
+        "workers ready"
+    );
+    let (mut a, mut b, thread) = two_subscribers(&fleet).await?;
+    let mut z = fleet.client("beta").await?;
+    let own = z.start_thread().await?;
+    let beta_worker = fleet
+        .tenant("beta")
+        .table
+        .owner(&own)
+        .context("beta's owner")?;
+    let made_up = "019a0000-0000-7000-8000-00000000beef";
+    unknown_to(&mut z, &thread, made_up).await?;
+
+    a.start_turn(&thread, "SLOW30 acme's long turn").await?;
+    a.wait_for(|v| v["method"] == "turn/started").await?;
+    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    a.until_turn_completed(&thread).await?;
+    b.until_turn_completed(&thread).await?;
+    until_rehomed(&fleet, "crash", 2.0).await?;
+    let new_owner = fleet
+        .tenant("acme")
+        .table
+        .owner(&thread)
+        .context("re-homed")?;
+    assert_eq!(new_owner.tenant(), "acme", "moved within acme's pool");
+    assert_eq!(fleet.tenant("beta").table.owner(&thread), None);
+
+    // After the move, beta still cannot reach the thread, and its own thread is where it was.
+    unknown_to(&mut z, &thread, made_up).await?;
+    assert_eq!(fleet.tenant("beta").table.owner(&own), Some(beta_worker));
+    z.start_turn(&own, "beta carries on").await?;
+    let msgs = z.until_turn_completed(&own).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("beta carries on")));
+    // Nothing beta was sent names acme's thread: no order, no echo, no error.
+    let seen: Vec<&Value> = z.backlog.iter().chain(msgs.iter()).collect();
+    assert!(
+        !seen.iter().any(|m| m.to_string().contains(&thread)),
+        "beta was sent something about acme's thread: {seen:?}"
+    );
+    assert_eq!(
+        fleet
+            .metric(
+                REHOMES,
+                &[
+                    ("tenant", "beta"),
+                    ("cause", "crash"),
+                    ("outcome", "rehomed")
+                ]
+            )
+            .await?,
+        0.0
+    );
+    a.close().await;
+    b.close().await;
+    z.close().await;
+    fleet.stop().await
+}
+
+/// `thread` (another tenant's) gets from `z` exactly the answer a made-up id gets.
+async fn unknown_to(z: &mut Client, thread: &str, made_up: &str) -> anyhow::Result<()> {
+    let theirs = z
+        .call("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    let unknown = z
+        .call("thread/resume", json!({ "threadId": made_up }))
+        .await?;
+    anyhow::ensure!(
+        theirs.get("error").is_some(),
+        "resumed another tenant's thread: {theirs}"
+    );
+    anyhow::ensure!(
+        theirs["error"].to_string().replace(thread, "<id>")
+            == unknown["error"].to_string().replace(made_up, "<id>"),
+        "another tenant's thread must look unknown: {theirs} vs {unknown}"
+    );
+    Ok(())
+}
