@@ -275,9 +275,11 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
             docs_out = [d for d in yaml.safe_load_all(out.stdout) if d]
             if not any(d.get("kind") == "Pod" for d in docs_out):
                 fail(where, f"no Pod in its output: {out.stdout[:200]}")
+            before = len(failures)
             for d in docs_out:
                 validate(f"{where} {d.get('kind')}", d)
-            print(f"  ok   {where}: {', '.join(d.get('kind', '?') for d in docs_out)}")
+            if len(failures) == before:
+                print(f"  ok   {where}: {', '.join(d.get('kind', '?') for d in docs_out)}")
 
 
 # Values that must be refused, each with what the refusal must say: on top of a valid file.
