@@ -236,10 +236,12 @@ fn readme_config_keys() -> Vec<String> {
     keys
 }
 
-/// `top: {second: …}` keys of a YAML file, read by indentation (two spaces).
+/// `top: {second: …}` keys of a YAML file, read by indentation (two spaces); a third level is
+/// recorded as `second.third` (e.g. `nodes` → `kubernetes.link_port` for `[nodes.kubernetes]`).
 fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut top = None;
+    let mut second: Option<String> = None;
     for line in text.lines() {
         let t = line.trim_start();
         if t.is_empty() || t.starts_with('#') || t.starts_with('-') {
@@ -251,11 +253,20 @@ fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
         match indent(line) {
             0 => {
                 top = Some(key.to_owned());
+                second = None;
                 out.entry(key.to_owned()).or_default();
             }
             2 => {
                 if let Some(top) = &top {
                     out.entry(top.clone()).or_default().insert(key.to_owned());
+                }
+                second = Some(key.to_owned());
+            }
+            4 => {
+                if let (Some(top), Some(second)) = (&top, &second) {
+                    out.entry(top.clone())
+                        .or_default()
+                        .insert(format!("{second}.{key}"));
                 }
             }
             _ => {}
