@@ -7,7 +7,9 @@ unknown fields are errors). CRDs it has no schema for (cert-manager, prometheus-
 skipped by name only. The tenant pod template (pod.json) is validated as a Pod and checked against
 the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
 refused (values.schema.json, the chart's own checks) are. When the built binary has
-`render-tenant-pod`, the pod it would create is validated as a Pod too.
+`render-tenant-pod`, the pod it would create is validated as a Pod too, and every rendered
+config.toml must pass the built binary's `check-config` (the edge's only once the binary has the
+kubernetes backend).
 """
 
 from __future__ import annotations
@@ -244,14 +246,55 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     return pod
 
 
+def fleet_binary() -> str | None:
+    binary = os.environ.get("CODEX_FLEET_BIN") or str(ROOT / "target" / "debug" / "codex-fleet")
+    return binary if Path(binary).exists() else None
+
+
+def has_kubernetes_backend(binary: str) -> bool:
+    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    return "render-tenant-pod" in help_text
+
+
+def check_config(name: str, docs: list[dict]) -> None:
+    """Every rendered config.toml passes the built binary's `codex-fleet check-config`."""
+    binary = fleet_binary()
+    codex = os.environ.get("CODEX_BIN")
+    if not binary or not codex:
+        print("  skip check-config: needs the built codex-fleet and CODEX_BIN (ops/test.sh has both)")
+        return
+    full = f"{RELEASE}-codex-fleet"
+    with tempfile.TemporaryDirectory() as tmp:
+        for doc in docs:
+            if doc.get("kind") != "ConfigMap" or "config.toml" not in doc.get("data", {}):
+                continue
+            cm = doc["metadata"]["name"]
+            text = doc["data"]["config.toml"]
+            if 'backend = "kubernetes"' in text:
+                if not has_kubernetes_backend(binary):
+                    print(f"  skip check-config {cm}: {binary} has no kubernetes backend yet")
+                    continue
+                pod_json = Path(tmp) / "pod.json"
+                pod_json.write_text(find(docs, "ConfigMap", f"{full}-tenant-pod")["data"]["pod.json"])
+                text = text.replace("/etc/codex-fleet/tenant-pod/pod.json", str(pod_json))
+            # The image's codex is not on this machine: the pinned one stands in for it.
+            text = text.replace('"/opt/codex/bin/codex"', json.dumps(codex))
+            path = Path(tmp) / f"{cm}.toml"
+            path.write_text(text)
+            out = subprocess.run([binary, "check-config", str(path)], capture_output=True, text=True)
+            if out.returncode != 0:
+                fail(f"{name} check-config {cm}", (out.stderr or out.stdout).strip())
+            else:
+                print(f"  ok   codex-fleet check-config {cm}")
+
+
 def render_tenant_pod(values: dict, docs: list[dict]) -> None:
     """The pod the edge would create (codex-fleet render-tenant-pod), validated as a Pod."""
-    binary = os.environ.get("CODEX_FLEET_BIN") or str(ROOT / "target" / "debug" / "codex-fleet")
-    if not Path(binary).exists():
-        print(f"  skip render-tenant-pod: no binary at {binary} (cargo build --bins)")
+    binary = fleet_binary()
+    if not binary:
+        print("  skip render-tenant-pod: no built codex-fleet (cargo build --bins)")
         return
-    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
-    if "render-tenant-pod" not in help_text:
+    if not has_kubernetes_backend(binary):
         print(f"  skip render-tenant-pod: {binary} has no such subcommand yet")
         return
     full = f"{RELEASE}-codex-fleet"
@@ -335,6 +378,7 @@ def main() -> int:
             kinds[kind] = kinds.get(kind, 0) + 1
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+        check_config(name, docs)
         if mode == "kubernetes":
             check_kubernetes_contract(name, values, docs)
             render_tenant_pod(values, docs)
