@@ -21,9 +21,16 @@ echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo build --locked --bins
+# The Helm chart, offline: helm lint and a real Helm render of both modes with every values file
+# of charts/codex-fleet/ci/, each object validated against the Kubernetes OpenAPI schema, values
+# that must be refused, and the tenant pod the built binary renders (ops/chart-check.py).
+bash ops/chart-check.sh
 # Every benchmark at a tiny size on the debug build just made: each must run and print its numbers.
 bash ops/bench/smoke.sh
 cargo test --locked --workspace --exclude e2e
 # End-to-end tests one at a time: several of them measure latency or timing against a baseline
 # taken in the same test, which other tests' real workers running at once would distort.
 cargo test --locked -p e2e -- --test-threads=1
+# The opt-in real-cluster test: with KUBECONFIG set it installs the chart and runs a turn through
+# it (README, "Kubernetes: a node per tenant"); without, it says it skips.
+bash ops/k8s-smoke.sh

@@ -236,10 +236,12 @@ fn readme_config_keys() -> Vec<String> {
     keys
 }
 
-/// `top: {second: …}` keys of a YAML file, read by indentation (two spaces).
+/// `top: {second: …}` keys of a YAML file, read by indentation (two spaces); a third level is
+/// recorded as `second.third` (e.g. `nodes` → `kubernetes.link_port` for `[nodes.kubernetes]`).
 fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut top = None;
+    let mut second: Option<String> = None;
     for line in text.lines() {
         let t = line.trim_start();
         if t.is_empty() || t.starts_with('#') || t.starts_with('-') {
@@ -251,11 +253,20 @@ fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
         match indent(line) {
             0 => {
                 top = Some(key.to_owned());
+                second = None;
                 out.entry(key.to_owned()).or_default();
             }
             2 => {
                 if let Some(top) = &top {
                     out.entry(top.clone()).or_default().insert(key.to_owned());
+                }
+                second = Some(key.to_owned());
+            }
+            4 => {
+                if let (Some(top), Some(second)) = (&top, &second) {
+                    out.entry(top.clone())
+                        .or_default()
+                        .insert(format!("{second}.{key}"));
                 }
             }
             _ => {}
@@ -481,6 +492,20 @@ fn instant_query(expr: &str) -> String {
     re_end.to_owned()
 }
 
+/// Metric name prefixes only an edge with the kubernetes nodes backend exports (issue 13's
+/// contract). Until this test scrapes such an edge, the dashboard's cluster row and the kubernetes
+/// alerts must still parse, but may have no data; once any scraped target exports
+/// `codex_fleet_tenant_pods`, they must return data like every other expression.
+const KUBERNETES_BACKEND_METRICS: [&str; 3] = [
+    "codex_fleet_tenant_pods",
+    "codex_fleet_tenant_pod_",
+    "codex_fleet_node_start_",
+];
+
+fn uses_kubernetes_backend_metrics(expr: &str) -> bool {
+    KUBERNETES_BACKEND_METRICS.iter().any(|m| expr.contains(m))
+}
+
 /// Every dashboard and alert expression, evaluated by a real Prometheus that scraped a fleet, an
 /// edge and a node after real traffic, parses and returns data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -557,20 +582,32 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
 
     // Every expression returns data once the series have been scraped a few times.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let query = |q: String| async move {
+        let path = format!("/api/v1/query?query={}", percent_encode(&q));
+        match e2e::http_get(prometheus, &path).await {
+            Ok((_, body)) => serde_json::from_str::<Value>(&body).unwrap_or(Value::Null),
+            Err(e) => Value::String(e.to_string()),
+        }
+    };
+    let mut exempt = Vec::new();
     let problems = loop {
         let mut problems = Vec::new();
+        exempt.clear();
+        let kube_exported = query("codex_fleet_tenant_pods".to_owned()).await["data"]["result"]
+            .as_array()
+            .is_some_and(|r| !r.is_empty());
         for (origin, expr) in &exprs {
             let q = instant_query(expr);
-            let path = format!("/api/v1/query?query={}", percent_encode(&q));
-            let answer = match e2e::http_get(prometheus, &path).await {
-                Ok((_, body)) => serde_json::from_str::<Value>(&body).unwrap_or(Value::Null),
-                Err(e) => Value::String(e.to_string()),
-            };
-            let ok = answer["status"] == "success"
-                && answer["data"]["result"]
-                    .as_array()
-                    .is_some_and(|r| !r.is_empty());
-            if !ok {
+            let answer = query(q.clone()).await;
+            let parsed = answer["status"] == "success";
+            let has_data = answer["data"]["result"]
+                .as_array()
+                .is_some_and(|r| !r.is_empty());
+            if parsed && !has_data && !kube_exported && uses_kubernetes_backend_metrics(expr) {
+                exempt.push(origin.clone());
+                continue;
+            }
+            if !(parsed && has_data) {
                 problems.push(format!("{origin}: {q}\n    -> {answer}"));
             }
         }
@@ -582,6 +619,12 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     through_edge.close().await;
     c.close().await;
     fleet.stop().await?;
+    if !exempt.is_empty() {
+        eprintln!(
+            "parsed, no data (no scraped edge has the kubernetes backend): {}",
+            exempt.join(", ")
+        );
+    }
     assert!(
         problems.is_empty(),
         "expressions a real Prometheus cannot answer with data:\n{}",

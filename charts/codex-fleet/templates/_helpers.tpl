@@ -91,3 +91,95 @@ values are not printed in float notation.
 {{- .Values.terminationGracePeriodSeconds | int64 }}
 {{- end }}
 {{- end }}
+
+{{/* mode: kubernetes. */}}
+
+{{/* The pods a Service, budget or policy means: the one pod (single), the edges (kubernetes). */}}
+{{- define "codex-fleet.podSelectorLabels" -}}
+{{ include "codex-fleet.selectorLabels" . }}
+{{- if eq .Values.mode "kubernetes" }}
+app.kubernetes.io/component: edge
+{{- end }}
+{{- end }}
+
+{{/* Tenant node pods (the edge adds codex-fleet.io/tenant to each). */}}
+{{- define "codex-fleet.tenantSelectorLabels" -}}
+{{ include "codex-fleet.selectorLabels" . }}
+app.kubernetes.io/component: tenant-node
+{{- end }}
+
+{{/* nodes.kubernetes.name_prefix: pod <prefix>-node-<tenant>, PVC <prefix>-home-<tenant>. */}}
+{{- define "codex-fleet.namePrefix" -}}
+{{- .Values.nodes.kubernetes.name_prefix | default (include "codex-fleet.fullname" .) }}
+{{- end }}
+
+{{- define "codex-fleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{- define "codex-fleet.tenantImage" -}}
+{{- $repo := .Values.tenantPod.image.repository | default .Values.image.repository }}
+{{- $tag := .Values.tenantPod.image.tag | default .Values.image.tag | default .Chart.AppVersion }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/* The link's Secrets: cert-manager's, or the ones provided. Each holds tls.crt, tls.key, ca.crt. */}}
+{{- define "codex-fleet.linkEdgeSecret" -}}
+{{- if .Values.link.certManager.enabled }}
+{{- printf "%s-link-edge" (include "codex-fleet.fullname" .) }}
+{{- else if .Values.link.edgeSecret }}
+{{- .Values.link.edgeSecret }}
+{{- else }}
+{{- fail "link.edgeSecret is required when link.certManager.enabled is false (a Secret with tls.crt, tls.key, ca.crt: the edges' link client certificate)" }}
+{{- end }}
+{{- end }}
+
+{{- define "codex-fleet.linkNodeSecret" -}}
+{{- if .Values.link.certManager.enabled }}
+{{- printf "%s-link-node" (include "codex-fleet.fullname" .) }}
+{{- else if .Values.link.nodeSecret }}
+{{- .Values.link.nodeSecret }}
+{{- else }}
+{{- fail "link.nodeSecret is required when link.certManager.enabled is false (a Secret with tls.crt, tls.key, ca.crt: the tenant nodes' link server certificate)" }}
+{{- end }}
+{{- end }}
+
+{{/* The tenant nodes' config.toml (ConfigMap <fullname>-node-config): one tenant per pod, given by
+`codex-fleet node --tenant <id>`; no [[tenants]]. */}}
+{{- define "codex-fleet.nodeConfig" -}}
+# Rendered by the codex-fleet chart: the config of every tenant node pod. The edge starts each
+# pod with `node --config <this> --tenant <id> --exit-when-idle`.
+[node]
+name = "tenant-node"
+edge_ca = "/etc/codex-fleet/link/ca.crt"
+
+[listen]
+addr = {{ printf "0.0.0.0:%d" (.Values.nodes.kubernetes.link_port | int) | toJson }}
+tls_cert = "/etc/codex-fleet/link/tls.crt"
+tls_key = "/etc/codex-fleet/link/tls.key"
+{{- include "codex-fleet.toml.int" (dict "k" "handshake_timeout_secs" "v" .Values.listen.handshake_timeout_secs) }}
+
+[admin]
+addr = "0.0.0.0:9464"
+
+{{ include "codex-fleet.config.workers" . }}
+
+{{ include "codex-fleet.config.limits" . }}
+
+[drain]
+{{- include "codex-fleet.toml.int" (dict "k" "settle_secs" "v" .Values.drain.settle_secs) }}
+{{- include "codex-fleet.toml.int" (dict "k" "timeout_secs" "v" .Values.drain.timeout_secs) }}
+{{- end }}
+
+{{/* The edge's read-only mounts: wss TLS, the link's client certificate, the tenant pod template. */}}
+{{- define "codex-fleet.edgeMounts" -}}
+- name: tls
+  mountPath: /etc/codex-fleet/tls
+  readOnly: true
+- name: link
+  mountPath: /etc/codex-fleet/link
+  readOnly: true
+- name: tenant-pod
+  mountPath: /etc/codex-fleet/tenant-pod
+  readOnly: true
+{{- end }}

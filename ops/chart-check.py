@@ -1,0 +1,413 @@
+"""Offline checks of the Helm chart (run by ops/chart-check.sh, which installs what this needs).
+
+For every values file in charts/codex-fleet/ci/: `helm lint --strict` and a real Helm render
+(the Helm v4 Go SDK embedded in helm-python-sdk, the same engine as `helm template`), then every
+rendered object is validated against the Kubernetes OpenAPI schema (kubernetes-validate, strict:
+unknown fields are errors). CRDs it has no schema for (cert-manager, prometheus-operator) are
+skipped by name only. The tenant pod template (pod.json) is validated as a Pod and checked against
+the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
+refused (values.schema.json, the chart's own checks) are. When the built binary has
+`render-tenant-pod`, the pod it would create is validated as a Pod too, and every rendered
+config.toml must pass the built binary's `check-config` (the edge's only once the binary has the
+kubernetes backend).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "codex-fleet"
+RELEASE, NAMESPACE = "fleet", "codex"
+# The newest schema kubernetes-validate ships and the oldest Kubernetes the chart supports
+# (autoscaling/v2, policy/v1, seccompProfile, fsGroupChangePolicy are all older than 1.29).
+KUBE_VERSIONS = [kubernetes_validate.latest_version(), "1.29.0"]
+# Custom resources kubernetes-validate has no schema for: skipped by (apiVersion group, kind).
+CRDS = {
+    ("cert-manager.io", "Certificate"),
+    ("cert-manager.io", "Issuer"),
+    ("monitoring.coreos.com", "ServiceMonitor"),
+    ("monitoring.coreos.com", "PodMonitor"),
+    ("monitoring.coreos.com", "PrometheusRule"),
+}
+# The edge's Role, exactly as the contract (issue 13) gives it.
+ROLE_RULES = {
+    "pods": {"get", "list", "watch", "create", "delete"},
+    "persistentvolumeclaims": {"get", "list", "watch", "create"},
+    "events": {"create", "patch"},
+}
+
+failures: list[str] = []
+
+
+def fail(where: str, msg: str) -> None:
+    failures.append(f"{where}: {msg}")
+    print(f"  FAIL {where}: {msg}")
+
+
+def merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    try:
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    finally:
+        chart.close()
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("__source", path)
+                docs.append(doc)
+    return docs
+
+
+def validate(where: str, obj: dict) -> None:
+    obj = {k: v for k, v in obj.items() if k != "__source"}
+    for version in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            fail(where, f"Kubernetes {version}: {path}: {e.message}")
+            return
+
+
+def group(api_version: str) -> str:
+    return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict | None:
+    for d in docs:
+        if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name):
+            return d
+    return None
+
+
+def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dict:
+    """mode: kubernetes: the objects and shapes the issue 13 contract fixes. Returns pod.json."""
+    full = f"{RELEASE}-codex-fleet"
+    pod_cm = find(docs, "ConfigMap", f"{full}-tenant-pod")
+    node_cm = find(docs, "ConfigMap", f"{full}-node-config")
+    edge_cm = find(docs, "ConfigMap", full)
+    if not (pod_cm and node_cm and edge_cm):
+        fail(where, "ConfigMaps <fullname>, <fullname>-tenant-pod and <fullname>-node-config")
+        return {}
+    pod = json.loads(pod_cm["data"]["pod.json"])
+    validate(f"{where} pod.json", pod)
+    spec = pod["spec"]
+    labels = pod["metadata"]["labels"]
+    want_labels = {
+        "app.kubernetes.io/name": "codex-fleet",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "tenant-node",
+    }
+    for k, v in want_labels.items():
+        if labels.get(k) != v:
+            fail(where, f"pod.json label {k}={labels.get(k)!r}, want {v!r}")
+    containers = spec["containers"]
+    if [c["name"] for c in containers] != ["node"]:
+        fail(where, f"pod.json must have exactly one container named node: {containers}")
+    c = containers[0]
+    sc = c.get("securityContext", {})
+    psc = spec.get("securityContext", {})
+    checks = {
+        "restartPolicy Never": spec.get("restartPolicy") == "Never",
+        "automountServiceAccountToken false": spec.get("automountServiceAccountToken") is False,
+        "seccomp RuntimeDefault": psc.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+        "runAsNonRoot": psc.get("runAsNonRoot") is True or sc.get("runAsNonRoot") is True,
+        "readOnlyRootFilesystem": sc.get("readOnlyRootFilesystem") is True,
+        "allowPrivilegeEscalation false": sc.get("allowPrivilegeEscalation") is False,
+        "capabilities drop ALL": sc.get("capabilities", {}).get("drop") == ["ALL"],
+        "uid distinct from the edge's": psc.get("runAsUser") not in (None, 0)
+        and psc.get("runAsUser") != values.get("podSecurityContext", {}).get("runAsUser", 10001),
+        "readiness GET /readyz on 9464": c.get("readinessProbe", {}).get("httpGet")
+        == {"path": "/readyz", "port": 9464},
+        "command set, args left to the edge": bool(c.get("command")) and "args" not in c,
+        "resources": bool(c.get("resources", {}).get("requests")),
+        "no home volume (the edge adds it)": all(v["name"] != "home" for v in spec["volumes"]),
+    }
+    for what, ok in checks.items():
+        if not ok:
+            fail(where, f"pod.json: {what}")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    want_mounts = {
+        "link-tls": "/etc/codex-fleet/link",
+        "node-config": "/etc/codex-fleet/node",
+        "tmp": "/tmp",
+    }
+    if mounts != want_mounts or set(volumes) != set(want_mounts):
+        fail(where, f"pod.json volumes {sorted(volumes)} / mounts {mounts}, want {want_mounts}")
+    if volumes.get("node-config", {}).get("configMap", {}).get("name") != f"{full}-node-config":
+        fail(where, "pod.json node-config volume is not ConfigMap <fullname>-node-config")
+    keys = {i["key"] for i in volumes.get("link-tls", {}).get("secret", {}).get("items", [])}
+    if keys != {"tls.crt", "tls.key", "ca.crt"}:
+        fail(where, f"pod.json link-tls items {keys}")
+    tp = values.get("tenantPod", {})
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        if tp.get(field) and spec.get(field) != tp[field]:
+            fail(where, f"pod.json {field} is not tenantPod.{field}")
+
+    edge = tomllib.loads(edge_cm["data"]["config.toml"])
+    node = tomllib.loads(node_cm["data"]["config.toml"])
+    nodes = edge.get("nodes", {})
+    kube = nodes.get("kubernetes", {})
+    if nodes.get("backend") != "kubernetes" or "workers" in edge:
+        fail(where, "edge config.toml: [nodes] backend = kubernetes and no [workers]")
+    if kube.get("pod_template") != "/etc/codex-fleet/tenant-pod/pod.json":
+        fail(where, f"edge config.toml pod_template {kube.get('pod_template')}")
+    link_port = kube.get("link_port")
+    if node.get("listen", {}).get("addr") != f"0.0.0.0:{link_port}":
+        fail(where, f"node config listens on {node.get('listen')}, edge dials {link_port}")
+    if [p["containerPort"] for p in c["ports"] if p["name"] == "link"] != [link_port]:
+        fail(where, "pod.json link port differs from nodes.kubernetes.link_port")
+    if "tenants" in node or node.get("admin", {}).get("addr") != "0.0.0.0:9464":
+        fail(where, "node config.toml: no [[tenants]], admin on 0.0.0.0:9464")
+    if node.get("workers", {}).get("state_dir") != "/var/lib/codex-fleet":
+        fail(where, "node config.toml: workers.state_dir must be the home mount")
+    for t in values.get("tenants", []):
+        res = t.get("kubernetes", {}).get("resources")
+        got = next((x for x in edge.get("tenants", []) if x["id"] == t["id"]), {})
+        if res and got.get("kubernetes", {}).get("resources") != {
+            k: {r: str(a) for r, a in v.items()} for k, v in res.items()
+        }:
+            fail(where, f"tenant {t['id']}: kubernetes.resources not rendered")
+
+    role = find(docs, "Role")
+    rules = {}
+    for r in (role or {}).get("rules", []):
+        for res in r["resources"]:
+            rules.setdefault(res, set()).update(r["verbs"])
+    if rules != ROLE_RULES:
+        fail(where, f"Role rules {rules}, want exactly {ROLE_RULES}")
+    binding = find(docs, "RoleBinding")
+    sa = find(docs, "ServiceAccount")
+    if not binding or not sa or binding["subjects"][0]["name"] != sa["metadata"]["name"]:
+        fail(where, "RoleBinding binds the edges' ServiceAccount")
+    deploy = find(docs, "Deployment")
+    if not deploy:
+        fail(where, "no edge Deployment")
+    else:
+        pspec = deploy["spec"]["template"]["spec"]
+        if pspec.get("serviceAccountName") != sa["metadata"]["name"]:
+            fail(where, "edge Deployment runs as another ServiceAccount")
+        if not pspec.get("topologySpreadConstraints"):
+            fail(where, "edge Deployment has no topologySpreadConstraints")
+        edge_labels = deploy["spec"]["selector"]["matchLabels"]
+        for svc in (d for d in docs if d["kind"] == "Service"):
+            if svc["spec"]["selector"] != edge_labels:
+                fail(where, f"Service {svc['metadata']['name']} does not select exactly the edges")
+    if not find(docs, "PodDisruptionBudget"):
+        fail(where, "no PodDisruptionBudget for the edges")
+    nps = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    if values.get("networkPolicy", {}).get("enabled", True):
+        tenant_np = next(
+            (n for n in nps if n["spec"]["podSelector"]["matchLabels"].get(
+                "app.kubernetes.io/component") == "tenant-node"),
+            None,
+        )
+        if not tenant_np:
+            fail(where, "no NetworkPolicy for tenant pods")
+        else:
+            if set(tenant_np["spec"]["policyTypes"]) != {"Ingress", "Egress"}:
+                fail(where, "tenant NetworkPolicy must restrict ingress and egress")
+            first = tenant_np["spec"]["ingress"][0]
+            if first["ports"] != [{"port": link_port, "protocol": "TCP"}] or first["from"] != [
+                {"podSelector": {"matchLabels": edge_labels}}
+            ]:
+                fail(where, f"tenant pods' ingress: edges on the link port only: {first}")
+            for rule in tenant_np["spec"]["egress"]:
+                for peer in rule["to"]:
+                    if "podSelector" in peer and "namespaceSelector" not in peer:
+                        fail(where, f"tenant egress to pods of this namespace: {peer}")
+    return pod
+
+
+def fleet_binary() -> str | None:
+    binary = os.environ.get("CODEX_FLEET_BIN") or str(ROOT / "target" / "debug" / "codex-fleet")
+    return binary if Path(binary).exists() else None
+
+
+def has_kubernetes_backend(binary: str) -> bool:
+    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    return "render-tenant-pod" in help_text
+
+
+def check_config(name: str, docs: list[dict]) -> None:
+    """Every rendered config.toml passes the built binary's `codex-fleet check-config`."""
+    binary = fleet_binary()
+    codex = os.environ.get("CODEX_BIN")
+    if not binary or not codex:
+        print("  skip check-config: needs the built codex-fleet and CODEX_BIN (ops/test.sh has both)")
+        return
+    full = f"{RELEASE}-codex-fleet"
+    with tempfile.TemporaryDirectory() as tmp:
+        for doc in docs:
+            if doc.get("kind") != "ConfigMap" or "config.toml" not in doc.get("data", {}):
+                continue
+            cm = doc["metadata"]["name"]
+            text = doc["data"]["config.toml"]
+            if 'backend = "kubernetes"' in text:
+                if not has_kubernetes_backend(binary):
+                    print(f"  skip check-config {cm}: {binary} has no kubernetes backend yet")
+                    continue
+                pod_json = Path(tmp) / "pod.json"
+                pod_json.write_text(find(docs, "ConfigMap", f"{full}-tenant-pod")["data"]["pod.json"])
+                text = text.replace("/etc/codex-fleet/tenant-pod/pod.json", str(pod_json))
+            # The image's codex is not on this machine: the pinned one stands in for it.
+            text = text.replace('"/opt/codex/bin/codex"', json.dumps(codex))
+            path = Path(tmp) / f"{cm}.toml"
+            path.write_text(text)
+            out = subprocess.run([binary, "check-config", str(path)], capture_output=True, text=True)
+            if out.returncode != 0:
+                fail(f"{name} check-config {cm}", (out.stderr or out.stdout).strip())
+            else:
+                print(f"  ok   codex-fleet check-config {cm}")
+
+
+def render_tenant_pod(values: dict, docs: list[dict]) -> None:
+    """The pod the edge would create (codex-fleet render-tenant-pod), validated as a Pod."""
+    binary = fleet_binary()
+    if not binary:
+        print("  skip render-tenant-pod: no built codex-fleet (cargo build --bins)")
+        return
+    if not has_kubernetes_backend(binary):
+        print(f"  skip render-tenant-pod: {binary} has no such subcommand yet")
+        return
+    full = f"{RELEASE}-codex-fleet"
+    with tempfile.TemporaryDirectory() as tmp:
+        pod_json = Path(tmp) / "pod.json"
+        pod_json.write_text(find(docs, "ConfigMap", f"{full}-tenant-pod")["data"]["pod.json"])
+        edge = find(docs, "ConfigMap", full)["data"]["config.toml"]
+        edge = edge.replace("/etc/codex-fleet/tenant-pod/pod.json", str(pod_json))
+        config = Path(tmp) / "config.toml"
+        config.write_text(edge)
+        for t in values.get("tenants", []):
+            out = subprocess.run(
+                [binary, "render-tenant-pod", "--config", str(config), "--tenant", t["id"]],
+                capture_output=True,
+                text=True,
+            )
+            where = f"render-tenant-pod --tenant {t['id']}"
+            if out.returncode != 0:
+                fail(where, f"exit {out.returncode}: {out.stderr.strip()}")
+                continue
+            docs_out = [d for d in yaml.safe_load_all(out.stdout) if d]
+            if not any(d.get("kind") == "Pod" for d in docs_out):
+                fail(where, f"no Pod in its output: {out.stdout[:200]}")
+            before = len(failures)
+            for d in docs_out:
+                validate(f"{where} {d.get('kind')}", d)
+            if len(failures) == before:
+                print(f"  ok   {where}: {', '.join(d.get('kind', '?') for d in docs_out)}")
+
+
+# Values that must be refused, each with what the refusal must say: on top of a valid file.
+INVALID = [
+    ("kubernetes-defaults", {"mode": "bogus"}, "value must be one of 'single', 'kubernetes'"),
+    ("single-defaults", {"image": {"repository": ""}}, "/image/repository"),
+    ("kubernetes-defaults", {"edge": {"replicas": "two"}}, "/edge/replicas"),
+    ("kubernetes-defaults", {"networkPolicy": {"tenantEgress": {"mode": "closed"}}}, "/networkPolicy/tenantEgress/mode"),
+    ("kubernetes-defaults", {"tenantPod": {"securityContext": {"readOnlyRootFilesystem": False}}}, "readOnlyRootFilesystem"),
+    ("kubernetes-defaults", {"tenantPod": {"podSecurityContext": {"runAsUser": 10001}}}, "must differ from the edge's"),
+    ("kubernetes-defaults", {"link": {"certManager": {"enabled": False}}}, "is required when link.certManager.enabled is false"),
+    ("kubernetes-defaults", {"workers": {"state_dir": "/data"}}, "workers.state_dir must be /var/lib/codex-fleet"),
+    ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
+    ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
+]
+
+
+def main() -> int:
+    started = time.monotonic()
+    ci = sorted((CHART / "ci").glob("*-values.yaml"))
+    if not ci:
+        print(f"no values files in {CHART / 'ci'}")
+        return 1
+    by_name = {}
+    modes = set()
+    for path in ci:
+        values = yaml.safe_load(path.read_text()) or {}
+        name = path.name.removesuffix("-values.yaml")
+        by_name[name] = values
+        mode = values.get("mode", "single")
+        modes.add(mode)
+        print(f"{path.relative_to(ROOT)} (mode: {mode})")
+        report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + [
+            {"error": e} for e in report["errors"]
+        ]
+        for p in problems:
+            fail(f"{name} helm lint", f"{p.get('path', '')} {p['error']}")
+        try:
+            docs = render(values)
+        except helm.HelmError as e:
+            fail(f"{name} render", str(e))
+            continue
+        kinds = {}
+        for doc in docs:
+            kind = doc.get("kind", "?")
+            where = f"{name} {kind}/{doc.get('metadata', {}).get('name')}"
+            if (group(doc.get("apiVersion", "")), kind) in CRDS:
+                kinds[f"{kind} (CRD, not validated)"] = kinds.get(f"{kind} (CRD, not validated)", 0) + 1
+                if not doc.get("metadata", {}).get("name") or "spec" not in doc:
+                    fail(where, "custom resource without metadata.name or spec")
+                continue
+            kinds[kind] = kinds.get(kind, 0) + 1
+            validate(where, doc)
+        print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+        check_config(name, docs)
+        if mode == "kubernetes":
+            check_kubernetes_contract(name, values, docs)
+            render_tenant_pod(values, docs)
+        elif find(docs, "StatefulSet") is None:
+            fail(name, "mode: single renders no StatefulSet")
+    if modes != {"single", "kubernetes"}:
+        fail("ci", f"values files cover modes {modes}, want both")
+
+    print("values that must be refused")
+    for base, override, expect in INVALID:
+        values = merge(by_name[base], override)
+        where = f"{base} + {json.dumps(override)}"
+        try:
+            render(values)
+        except helm.HelmError as e:
+            if expect in str(e):
+                print(f"  ok   refused: {where}")
+            else:
+                fail(where, f"refused, but not for {expect!r}: {e}")
+            continue
+        fail(where, "rendered; it must be refused")
+
+    took = time.monotonic() - started
+    if failures:
+        print(f"chart-check: {len(failures)} failures ({took:.1f} s)")
+        return 1
+    print(f"chart-check: ok, {len(ci)} values files, {len(INVALID)} refusals ({took:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
