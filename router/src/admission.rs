@@ -246,9 +246,6 @@ struct Counts {
     tenants: HashMap<String, TenantState>,
 }
 
-/// A tenant's byte budgets of its sessions' legs: towards its workers, and back.
-type TenantLegBytes = (Arc<tokio::sync::Semaphore>, Arc<tokio::sync::Semaphore>);
-
 /// Admission state shared by every session; see the module docs.
 pub struct Admission {
     cfg: RwLock<Arc<AdmissionConfig>>,
@@ -257,8 +254,8 @@ pub struct Admission {
     workers: Mutex<HashMap<WorkerId, Arc<Semaphore>>>,
     /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
-    /// Per tenant: bytes on its sessions' legs, towards its workers and back.
-    leg_bytes: Mutex<HashMap<String, TenantLegBytes>>,
+    /// Per tenant: bytes on its sessions' legs towards its workers.
+    leg_bytes: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -501,29 +498,24 @@ impl Admission {
         QueueBytes::new(total, session_bound, tenant_bound)
     }
 
-    /// The byte budgets of one session's legs, one per direction (towards the workers, and
-    /// from them to the session), each bounded per session and against the tenant's total.
-    pub fn leg_budgets(
+    /// The byte budget of one session's legs towards the workers, bounded per session and
+    /// against the tenant's total.
+    pub fn leg_budget(
         &self,
         tenant: &str,
         session_bound: usize,
         tenant_bound: usize,
-    ) -> crate::session::legs::LegBudgets {
+    ) -> crate::session::legs::LegBudget {
         use crate::session::legs::LegBudget;
-        let (up, down) = lock(&self.leg_bytes)
+        let up = lock(&self.leg_bytes)
             .entry(tenant.to_owned())
             .or_insert_with(|| {
-                let permits = LegBudget::permits(tenant_bound);
-                (
-                    Arc::new(tokio::sync::Semaphore::new(permits)),
-                    Arc::new(tokio::sync::Semaphore::new(permits)),
-                )
+                Arc::new(tokio::sync::Semaphore::new(LegBudget::permits(
+                    tenant_bound,
+                )))
             })
             .clone();
-        crate::session::legs::LegBudgets {
-            up: LegBudget::new(session_bound, up, tenant_bound),
-            down: LegBudget::new(session_bound, down, tenant_bound),
-        }
+        LegBudget::new(session_bound, up, tenant_bound)
     }
 
     /// Bytes queued towards `tenant`'s clients, over all its sessions.

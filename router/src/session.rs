@@ -70,8 +70,6 @@ const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
 const MAX_PROTOCOL_ERRORS: u32 = 32;
 /// Server requests remembered per session (oldest forgotten first).
 const MAX_SERVER_REQUESTS: usize = 4096;
-/// Frames from legs buffered before legs wait.
-const LEG_EVENTS: usize = 1024;
 /// After a 1009 close, how long the socket stays open (unread) before it is dropped.
 const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
 /// How long the closing frame may take to reach the client.
@@ -240,7 +238,9 @@ struct Session {
     init: Option<Init>,
     in_flight: HashMap<RequestId, InFlight>,
     server_requests: ServerRequests,
-    events_tx: mpsc::Sender<LegEvent>,
+    /// Legs opened since the session loop last looked: their frames join the ones it reads.
+    /// (In a mutex only so that the session stays `Sync`; never contended.)
+    new_legs: std::sync::Mutex<Vec<legs::LegFrames>>,
     protocol_errors: u32,
     /// Legs whose initialize was answered: they receive the worker's broadcasts themselves.
     live: HashSet<WorkerId>,
@@ -258,8 +258,8 @@ struct Session {
     soft_mark: usize,
     /// Bytes queued towards the client, against the session's and the tenant's bounds.
     queued_bytes: Arc<QueueBytes>,
-    /// Bytes on the legs, per direction, per session and per tenant.
-    leg_budgets: legs::LegBudgets,
+    /// Bytes on the legs towards the workers, per session and per tenant.
+    leg_budget: legs::LegBudget,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
@@ -289,10 +289,11 @@ where
     // The close frame of a client that is too slow skips its full queue.
     let (urgent, urgent_rx) = mpsc::channel(1);
     let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx, queued_bytes.clone()));
-    let (events_tx, mut events_rx) = mpsc::channel(LEG_EVENTS);
-    let leg_budgets =
+    let leg_budget =
         ctx.admission
-            .leg_budgets(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
+            .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
+    // Every leg's frames, read by this task itself (no reader task, no queue in between).
+    let mut from_workers = futures_util::stream::SelectAll::<legs::LegFrames>::new();
     let mut session = Session {
         ctx,
         out,
@@ -301,7 +302,7 @@ where
         init: None,
         in_flight: HashMap::new(),
         server_requests: ServerRequests::default(),
-        events_tx,
+        new_legs: std::sync::Mutex::default(),
         protocol_errors: 0,
         live: HashSet::new(),
         replayed: HashSet::new(),
@@ -310,7 +311,7 @@ where
         parked: None,
         soft_mark: crate::config::soft_mark(ctx_client_queue),
         queued_bytes,
-        leg_budgets,
+        leg_budget,
         following: rehome::Following::default(),
         fanouts: fanout::FanOuts::default(),
         approvals: HashMap::new(),
@@ -323,6 +324,13 @@ where
     let mut relay = Some(session.ctx.tenant.subscribe());
     let mut slot: Option<SlotWait> = None;
     let end = loop {
+        let new_legs = session
+            .new_legs
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for frames in new_legs.drain(..) {
+            from_workers.push(frames);
+        }
         if slot.is_none() {
             if let Some(worker) = session.parked.as_ref().map(|p| p.worker) {
                 let admission = admission.clone();
@@ -334,7 +342,7 @@ where
         let step = match slot.as_mut() {
             Some(wait) => tokio::select! {
                 permit = wait => Ok(Some(permit)),
-                Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
+                Some(ev) = from_workers.next() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
@@ -342,7 +350,7 @@ where
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
-                Some(ev) = events_rx.recv() => session.on_leg_event(ev).await.map(|()| None),
+                Some(ev) = from_workers.next() => session.on_leg_event(ev).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
@@ -427,7 +435,7 @@ impl Session {
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
         match ev {
             // The frame's room in the leg budget is given back when this arm ends.
-            LegEvent::Frame(worker, text, _bytes) => self.on_worker_frame(worker, &text).await,
+            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
         }
     }

@@ -1,18 +1,21 @@
 //! A session's legs: its own WebSocket connections to the workers it talks to.
 //!
-//! Each leg has a reader and a writer task owned by the [`Leg`]; dropping the leg stops both.
-//! Frames from every leg arrive on the session's one bounded event channel, so a session
-//! that stops reading backpressures its workers instead of buffering without bound.
+//! Towards the worker, each leg has a writer task owned by the [`Leg`] (dropping the leg stops
+//! it); its queue is bounded in bytes as well as in frames ([`LegBudget`]): a frame waits for room
+//! in its session's budget and its tenant's, so a client that floods a worker that does not read
+//! pins no more than the bounds.
 //!
-//! Both queues are bounded in bytes as well as in frames ([`LegBudgets`]): a frame waits for room
-//! in its session's budget and its tenant's, so neither a client that floods its workers nor
-//! workers that answer faster than the session can deliver pin more than the bounds.
+//! From the worker, nothing sits between the socket and the session: the session task polls
+//! every leg's socket itself ([`LegFrames`]), so a worker frame costs no task switch and no
+//! queue, and a session that stops reading backpressures its workers through their sockets.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::{SinkExt, StreamExt};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use futures_util::{SinkExt, Stream, StreamExt};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use worker::{WorkerHandle, WorkerId};
@@ -25,12 +28,15 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What a leg reports to its session.
 #[derive(Debug)]
 pub enum LegEvent {
-    /// A text frame from the worker, with the room it holds in the session's budget (given
-    /// back when the event is dropped).
-    Frame(WorkerId, Utf8Bytes, LegBytes),
+    /// A text frame from the worker.
+    Frame(WorkerId, Utf8Bytes),
     /// The leg is gone (worker exited, closed the connection, or sent something unusable).
     Closed(WorkerId, String),
 }
+
+/// One leg's frames from its worker, read by the session task itself: every frame, then
+/// [`LegEvent::Closed`] if the worker goes; nothing more once the [`Leg`] is dropped.
+pub type LegFrames = Pin<Box<dyn Stream<Item = LegEvent> + Send>>;
 
 /// Why a leg could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -109,15 +115,6 @@ impl LegBudget {
     }
 }
 
-/// A session's two leg budgets.
-#[derive(Debug, Clone)]
-pub struct LegBudgets {
-    /// Client frames queued towards the workers.
-    pub up: LegBudget,
-    /// Worker frames on their way to the session.
-    pub down: LegBudget,
-}
-
 /// One open leg.
 pub struct Leg {
     worker: WorkerId,
@@ -125,18 +122,19 @@ pub struct Leg {
     _handle: WorkerHandle,
     tx: mpsc::Sender<(Message, LegBytes)>,
     up: LegBudget,
-    reader: JoinHandle<()>,
     writer: JoinHandle<()>,
+    /// Dropped with the leg: its [`LegFrames`] end without a word.
+    _frames_end: oneshot::Sender<()>,
 }
 
 impl Leg {
-    /// Connects to the worker and starts the leg's tasks.
+    /// Connects to the worker and starts the leg's writer; the session reads the returned
+    /// frames.
     pub async fn open(
         handle: WorkerHandle,
         max_message_bytes: usize,
-        events: mpsc::Sender<LegEvent>,
-        budgets: LegBudgets,
-    ) -> Result<Leg, LegError> {
+        up: LegBudget,
+    ) -> Result<(Leg, LegFrames), LegError> {
         let worker = handle.id;
         // Checks the listener is the worker itself; a mismatch is reported to the pool, which
         // replaces the worker. The session only sees this request fail.
@@ -156,7 +154,7 @@ impl Leg {
                 })
             }
         };
-        let (mut sink, mut stream) = stream.split();
+        let (mut sink, stream) = stream.split();
         let (tx, mut rx) = mpsc::channel::<(Message, LegBytes)>(LEG_QUEUE);
         let writer = tokio::spawn(async move {
             // The frame's room is given back once the worker's socket has it.
@@ -169,24 +167,23 @@ impl Leg {
             // Best effort: the worker treats a vanished connection like a close.
             let _closed = sink.close().await;
         });
+        let (frames_end, dropped) = oneshot::channel();
         let exited = handle.clone();
-        let down = budgets.down;
-        let reader = tokio::spawn(async move {
-            let reason = tokio::select! {
-                r = read_frames(worker, &mut stream, &events, &down) => r,
-                () = exited.exited() => "worker exited".to_owned(),
-            };
-            // The session may be gone already; then nobody needs to hear it.
-            let _sent = events.send(LegEvent::Closed(worker, reason)).await;
-        });
-        Ok(Leg {
+        let frames = read_frames(
+            worker,
+            stream,
+            Box::pin(async move { exited.exited().await }),
+            dropped,
+        );
+        let leg = Leg {
             worker,
             _handle: handle,
             tx,
-            up: budgets.up,
-            reader,
+            up,
             writer,
-        })
+            _frames_end: frames_end,
+        };
+        Ok((leg, frames))
     }
 
     /// The worker at the other end.
@@ -204,40 +201,55 @@ impl Leg {
     }
 }
 
-async fn read_frames(
+/// What [`read_frames`] carries from one frame to the next.
+struct Reading {
+    stream: futures_util::stream::SplitStream<worker::LegStream>,
+    exited: Pin<Box<dyn Future<Output = ()> + Send>>,
+    dropped: oneshot::Receiver<()>,
+}
+
+/// A leg's frames: text frames as they come, then `Closed` with the reason the worker went (its
+/// process exited, it closed the connection, a read failed); nothing once `dropped` fires.
+fn read_frames(
     worker: WorkerId,
-    stream: &mut futures_util::stream::SplitStream<worker::LegStream>,
-    events: &mpsc::Sender<LegEvent>,
-    budget: &LegBudget,
-) -> String {
-    while let Some(frame) = stream.next().await {
-        match frame {
-            Ok(Message::Text(text)) => {
-                // Waiting here stops reading the worker's socket: backpressure, not memory.
-                let Some(bytes) = budget.reserve(text.len()).await else {
-                    return "session ended".into();
-                };
-                if events
-                    .send(LegEvent::Frame(worker, text, bytes))
-                    .await
-                    .is_err()
-                {
-                    return "session ended".into();
+    stream: futures_util::stream::SplitStream<worker::LegStream>,
+    exited: Pin<Box<dyn Future<Output = ()> + Send>>,
+    dropped: oneshot::Receiver<()>,
+) -> LegFrames {
+    let start = Reading {
+        stream,
+        exited,
+        dropped,
+    };
+    Box::pin(futures_util::stream::unfold(
+        Some(start),
+        move |reading| async move {
+            let mut r = reading?;
+            let reason = loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut r.dropped => return None,
+                    frame = r.stream.next() => match frame {
+                        Some(Ok(Message::Text(text))) => {
+                            return Some((LegEvent::Frame(worker, text), Some(r)));
+                        }
+                        Some(Ok(Message::Close(frame))) => {
+                            break format!("worker closed the connection ({frame:?})");
+                        }
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => break format!("read error: {e}"),
+                        None => break "connection ended".to_owned(),
+                    },
+                    () = &mut r.exited => break "worker exited".to_owned(),
                 }
-            }
-            Ok(Message::Close(frame)) => {
-                return format!("worker closed the connection ({frame:?})");
-            }
-            Ok(_) => {}
-            Err(e) => return format!("read error: {e}"),
-        }
-    }
-    "connection ended".into()
+            };
+            Some((LegEvent::Closed(worker, reason), None))
+        },
+    ))
 }
 
 impl Drop for Leg {
     fn drop(&mut self) {
-        self.reader.abort();
         self.writer.abort();
     }
 }

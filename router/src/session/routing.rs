@@ -215,17 +215,12 @@ impl Session {
         &mut self,
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
-        let leg = Leg::open(
-            handle,
-            self.ctx.max_message_bytes,
-            self.events_tx.clone(),
-            self.leg_budgets.clone(),
-        )
-        .await
-        .map_err(|e| {
-            tracing::warn!(error = %e, "cannot open leg");
-            Reason::WorkerUnreachable
-        })?;
+        let (leg, frames) = Leg::open(handle, self.ctx.max_message_bytes, self.leg_budget.clone())
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "cannot open leg");
+                Reason::WorkerUnreachable
+            })?;
         self.ctx
             .metrics
             .legs_opened
@@ -237,6 +232,10 @@ impl Session {
             self.replayed.insert(worker);
         }
         self.legs.insert(worker, leg);
+        self.new_legs
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(frames);
         Ok(worker)
     }
 
