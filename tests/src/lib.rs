@@ -67,6 +67,14 @@ pub fn ready_workers(fleet: &Fleet, tenant: &str) -> usize {
         .count()
 }
 
+/// Waits (up to 30 s) until each `(tenant, n)` of `pools` has `n` ready workers.
+pub async fn pools_ready(fleet: &Fleet, pools: &[(&str, usize)]) -> bool {
+    wait_until(Duration::from_secs(30), || {
+        pools.iter().all(|(t, n)| ready_workers(fleet, t) == *n)
+    })
+    .await
+}
+
 /// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
 pub fn codex_bin() -> PathBuf {
     match std::env::var_os("CODEX_BIN") {

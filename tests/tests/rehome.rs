@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, wait_until, wait_until_async, Client, Fleet, FleetBuilder};
+use e2e::{agent_text, reply_text, wait_until_async, Client, Fleet, FleetBuilder};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
@@ -42,10 +42,7 @@ async fn two_ready_workers_with(extra: &str) -> anyhow::Result<Fleet> {
         .start()
         .await?;
     assert!(
-        wait_until(Duration::from_secs(30), || e2e::ready_workers(
-            &fleet, "acme"
-        ) == 2)
-        .await,
+        e2e::pools_ready(&fleet, &[("acme", 2)]).await,
         "two ready workers"
     );
     Ok(fleet)
@@ -326,12 +323,7 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
         .workers_toml(FAST)
         .start()
         .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || e2e::ready_workers(
-            &fleet, "acme"
-        ) == 1)
-        .await
-    );
+    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
@@ -384,11 +376,7 @@ async fn another_tenant_learns_nothing_of_a_move_and_cannot_take_the_thread() ->
         .start()
         .await?;
     assert!(
-        wait_until(Duration::from_secs(30), || e2e::ready_workers(
-            &fleet, "acme"
-        ) == 2
-            && e2e::ready_workers(&fleet, "beta") == 1)
-        .await,
+        e2e::pools_ready(&fleet, &[("acme", 2), ("beta", 1)]).await,
         "workers ready"
     );
     let (mut a, mut b, thread) = two_subscribers(&fleet).await?;

@@ -17,12 +17,7 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
         .workers_toml(FAST)
         .start()
         .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || e2e::ready_workers(
-            &fleet, "acme"
-        ) == 2)
-        .await
-    );
+    assert!(e2e::pools_ready(&fleet, &[("acme", 2)]).await);
     let mut tmux = Tmux::new("tui");
     tmux.start_tui(&fleet.url(), &fleet.files.ca, &fleet.files.token("acme"))
         .await?;
