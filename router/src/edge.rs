@@ -478,8 +478,16 @@ impl Edge {
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
             loop {
                 let Some(e) = edge.upgrade() else { return };
-                let Backend::Static(nodes) = &e.backend else {
-                    return;
+                let nodes = match &e.backend {
+                    Backend::Static(nodes) => nodes,
+                    Backend::Kubernetes(kube) => {
+                        let kube = kube.clone();
+                        drop(e);
+                        kube.probe().await;
+                        drop(kube);
+                        tokio::time::sleep(every).await;
+                        continue;
+                    }
                 };
                 for (name, target) in nodes {
                     let outcome = tokio::time::timeout(e.connect_timeout, e.tls_to(target)).await;

@@ -335,6 +335,8 @@ impl FakeKube {
         {
             let mut s = self.inner.store();
             s.compacted = s.rv;
+            // Lists from now on are newer than anything forgotten.
+            s.rv += 1;
         }
         let mut w = self
             .inner
@@ -559,7 +561,7 @@ fn watch(
     let mut live = inner.events.subscribe();
     let (backlog, gone, last) = {
         let s = inner.store();
-        if from < s.compacted || from > s.rv {
+        if from <= s.compacted && s.compacted > 0 || from > s.rv {
             (Vec::new(), true, s.rv)
         } else {
             let backlog: Vec<WatchEvent> = s

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use ::kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use ::kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use ::kube::runtime::watcher::{self, Event};
 use ::kube::runtime::WatchStreamExt;
 use futures_util::StreamExt;
@@ -226,7 +226,10 @@ pub struct KubeNodes {
     tenants: RwLock<HashMap<String, Tenant>>,
     state: Mutex<State>,
     changes: tokio::sync::watch::Sender<u64>,
+    /// The watch has listed every tenant pod at least once.
     synced: AtomicBool,
+    /// The last look at the API server (the prober's) got an answer.
+    reachable: AtomicBool,
     last_error: Mutex<Option<String>>,
     metrics: KubeMetrics,
 }
@@ -271,6 +274,7 @@ impl KubeNodes {
             state: Mutex::new(State::default()),
             changes,
             synced: AtomicBool::new(false),
+            reachable: AtomicBool::new(true),
             last_error: Mutex::new(None),
             metrics,
         };
@@ -571,7 +575,9 @@ impl KubeNodes {
         let api = self.pods.clone();
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
             let cfg = watcher::Config::default().labels(TENANT_LABEL);
-            let mut events = watcher::watcher(api, cfg).default_backoff().boxed();
+            let mut events = watcher::watcher(api, cfg)
+                .backoff(WatchBackoff::default())
+                .boxed();
             while let Some(ev) = events.next().await {
                 let Some(nodes) = this.upgrade() else { return };
                 match ev {
@@ -584,7 +590,8 @@ impl KubeNodes {
                     Err(e) => {
                         tracing::warn!(error = %e, "tenant pod watch: API error; retrying");
                         nodes.note_error(format!("watch: {e}"));
-                        if !matches!(e, watcher::Error::WatchError(ref s) if s.code == 410) {
+                        if matches!(e, watcher::Error::WatchError(ref s) if s.code == 410) {
+                            // Its history is gone: not synced until it has listed again.
                             nodes.synced.store(false, Ordering::Release);
                         }
                     }
@@ -593,9 +600,23 @@ impl KubeNodes {
         }))
     }
 
-    /// `/readyz` detail; ready once the watch has listed the pods and is not failing.
+    /// Asks the API server for one tenant pod, for `/readyz`: whether it answers.
+    pub async fn probe(&self) {
+        let lp = ListParams::default().labels(TENANT_LABEL).limit(1);
+        match self.pods.list(&lp).await {
+            Ok(_) => self.reachable.store(true, Ordering::Release),
+            Err(e) => {
+                self.reachable.store(false, Ordering::Release);
+                self.note_error(format!("probe: {e}"));
+            }
+        }
+    }
+
+    /// `/readyz` detail; ready once the watch has listed the tenant pods and while the API
+    /// server answers.
     pub fn readiness(&self) -> (bool, serde_json::Value) {
         let synced = self.synced.load(Ordering::Acquire);
+        let reachable = self.reachable.load(Ordering::Acquire);
         let error = lock(&self.last_error).clone();
         let s = lock(&self.state);
         let pods: serde_json::Map<String, serde_json::Value> = s
@@ -609,16 +630,50 @@ impl KubeNodes {
             })
             .collect();
         (
-            synced,
+            synced && reachable,
             json!({
                 "backend": "kubernetes",
                 "apiServer": self.api_url,
                 "namespace": self.namespace,
                 "watchSynced": synced,
+                "apiReachable": reachable,
                 "lastError": error,
                 "tenantPods": pods,
             }),
         )
+    }
+}
+
+/// The watch's back-off on API errors: 200 ms doubling to 5 s, reset by every event. Shorter
+/// than kube's default (up to 30 s), so an edge is ready again soon after its API server is.
+struct WatchBackoff {
+    next: Duration,
+}
+
+impl WatchBackoff {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let now = self.next;
+        self.next = (now * 2).min(Self::MAX);
+        Some(now)
+    }
+}
+
+impl ::kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
     }
 }
 
