@@ -594,6 +594,9 @@ fn watch(
         }
         loop {
             tokio::select! {
+                biased;
+                () = ended.cancelled() => return,
+                () = stop.cancelled() => return,
                 e = live.recv() => match e {
                     Ok(e) if e.rv > last && e.kind == kind && selects(selector.as_ref(), &e.object) => {
                         if tx.send(line(e.ty, &e.object)).await.is_err() {
@@ -603,8 +606,6 @@ fn watch(
                     Ok(_) => {}
                     Err(_) => return,
                 },
-                () = ended.cancelled() => return,
-                () = stop.cancelled() => return,
             }
         }
     });

@@ -37,6 +37,8 @@ struct Cluster {
     fake: FakeKube,
     edges: Vec<FleetProcess>,
     edge_config: PathBuf,
+    /// Every pod's link port (on its own address).
+    link_port: u16,
 }
 
 struct Options {
@@ -163,6 +165,7 @@ impl Cluster {
             fake,
             edges: Vec::new(),
             edge_config,
+            link_port,
         };
         for _ in 0..o.edges {
             c.add_edge().await?;
@@ -368,6 +371,19 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
     assert_eq!(c.fake.pod_names(), vec!["codex-fleet-node-acme".to_owned()]);
     assert_eq!(c.fake.pvc_creates(), 1);
     eprintln!("measured: {posts} pod creations tried by 2 racing edges, 1 created");
+    // The loser's 409 AlreadyExists is success, not an API failure.
+    for edge in 0..2 {
+        let m = c.metrics(edge).await?;
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_node_start_failures_total",
+                &[("reason", "api")]
+            ),
+            0.0,
+            "{m}"
+        );
+    }
     // Both are relayed to the same node: a thread started through one edge resumes through
     // the other.
     let thread = a.start_thread().await?;
@@ -658,6 +674,7 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
 async fn a_tenants_session_never_reaches_another_tenants_pod() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
         tenants: vec!["acme", "beta"],
+        start_timeout_secs: 4,
         ..Options::default()
     })
     .await?;
@@ -670,32 +687,68 @@ async fn a_tenants_session_never_reaches_another_tenants_pod() -> anyhow::Result
         .as_str()
         .context("podIP")?
         .parse()?;
-    // A confused (or hostile) cluster reports beta's address for acme's pod: the edge dials it
-    // for acme, and beta's node, which serves only beta, refuses the link.
+    // A confused (or hostile) cluster reports beta's address for acme's pod: the edge does not
+    // dial it for acme; acme's session waits and is refused when the start timeout passes.
     c.fake.override_ip("codex-fleet-node-acme", beta_ip);
     let mut a =
         Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token("acme"))).await?;
+    a.send(&json!({ "id": "i", "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
+        .await?;
     a.send(&json!({ "id": 1, "method": "thread/read", "params": { "threadId": b_thread } }))
         .await?;
-    let answer = a.wait_for(|v| v["id"] == 1).await?;
-    assert_eq!(answer["error"]["code"], -32001, "{answer}");
-    assert_eq!(
-        answer["error"]["data"]["reason"], "nodeUnavailable",
-        "{answer}"
-    );
-    assert!(!answer.to_string().contains("beta's secret"), "{answer}");
-    let close = a.recv_close_frame(Duration::from_secs(5)).await?;
-    assert!(close.is_some());
+    for id in [json!("i"), json!(1)] {
+        let answer = a.wait_for(|v| v["id"] == id).await?;
+        assert_eq!(answer["error"]["code"], -32001, "{answer}");
+        assert_eq!(
+            answer["error"]["data"]["reason"], "nodeStarting",
+            "{answer}"
+        );
+        assert!(!answer.to_string().contains("secret"), "{answer}");
+    }
     let m = c.metrics(0).await?;
     assert!(
-        metric(
-            &m,
-            "codex_fleet_link_errors_total",
-            &[("node", "codex-fleet-node-acme"), ("reason", "refused")]
-        ) >= 1.0,
-        "{m}"
+        !m.contains("node=\"codex-fleet-node-acme\""),
+        "a link was opened for acme: {m}"
+    );
+    // And beta's node itself refuses a link for a tenant it does not serve, even from an edge
+    // with the right certificate.
+    let link = c.files.dir.path().join("link");
+    let refused = link_to(SocketAddr::from((beta_ip, c.link_port)), &link, "acme").await?;
+    assert_eq!(refused, Some(404), "beta's node took a link for acme");
+    assert_eq!(
+        link_to(SocketAddr::from((beta_ip, c.link_port)), &link, "beta").await?,
+        None
     );
     // beta is untouched.
     turn(&mut b, &b_thread, "beta carries on").await?;
     Ok(())
+}
+
+/// Opens a link as an edge would (its client certificate, SNI the node name, the tenant
+/// header); `None` when upgraded, else the HTTP status of the refusal.
+async fn link_to(addr: SocketAddr, link: &Path, tenant: &str) -> anyhow::Result<Option<u16>> {
+    router::tls::install_crypto_provider();
+    let config = router::tls::client_config_mutual(
+        &link.join("ca.pem"),
+        &link.join("edge.crt"),
+        &link.join("edge.key"),
+    )?;
+    let mut req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+        format!("wss://{SERVER_NAME}:{}/", addr.port()),
+    )?;
+    req.headers_mut()
+        .insert(router::edge::TENANT_HEADER, tenant.parse()?);
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    match tokio_tungstenite::client_async_tls_with_config(
+        req,
+        tcp,
+        None,
+        Some(tokio_tungstenite::Connector::Rustls(config)),
+    )
+    .await
+    {
+        Ok(_) => Ok(None),
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Some(resp.status().as_u16())),
+        Err(e) => Err(e.into()),
+    }
 }

@@ -339,8 +339,21 @@ impl KubeNodes {
         let mut changes = self.changes.subscribe();
         let mut created_here = false;
         loop {
-            let view = lock(&self.state).pods.get(tenant).cloned();
+            let (view, shared) = {
+                let s = lock(&self.state);
+                let view = s.pods.get(tenant).cloned();
+                // Another tenant's live pod at the same address: never dial it for this one.
+                let shared = view.as_ref().and_then(|v| v.ip).is_some_and(|ip| {
+                    s.pods
+                        .iter()
+                        .any(|(t, o)| t != tenant && !o.ended() && o.ip == Some(ip))
+                });
+                (view, shared)
+            };
             match view {
+                Some(v) if shared => {
+                    tracing::error!(tenant, ip = ?v.ip, "the tenant's pod reports another tenant's pod address; not dialling it");
+                }
                 Some(v) if v.ready && v.phase == "Running" && !v.deleting => {
                     if let Some(ip) = v.ip {
                         return Ok(PodTarget {
