@@ -1484,6 +1484,14 @@ node = "n2"
                 "tenants[].node",
                 t.node.clone().unwrap_or_else(|| "unset".to_owned()),
             ),
+            (
+                "tenants[].kubernetes.resources",
+                if t.kubernetes.is_none() {
+                    "unset".to_owned()
+                } else {
+                    "set".to_owned()
+                },
+            ),
             ("limits.conn_burst", a.conn_burst.to_string()),
             ("limits.tenant_rps", a.tenant_rps.to_string()),
             ("limits.tenant_burst", a.tenant_burst.to_string()),

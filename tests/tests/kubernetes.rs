@@ -752,3 +752,38 @@ async fn link_to(addr: SocketAddr, link: &Path, tenant: &str) -> anyhow::Result<
         Err(e) => Err(e.into()),
     }
 }
+
+/// The closing note's number: an edge's resident memory with 1,000 tenants known in its
+/// configuration (and its watch synced against the fake API server), against one with one
+/// tenant. `cargo test -p e2e --test kubernetes -- --ignored --nocapture edge_memory`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, not a check: run it by name"]
+async fn edge_memory_with_1000_tenants_known() -> anyhow::Result<()> {
+    let mut rss = Vec::new();
+    for n in [1usize, 1000] {
+        let tenants: Vec<&'static str> = (0..n)
+            .map(|i| &*Box::leak(format!("t{i}").into_boxed_str()))
+            .collect();
+        let c = Cluster::start(Options {
+            tenants,
+            ..Options::default()
+        })
+        .await?;
+        assert!(c.synced(0).await);
+        // One session, so the edge has done its work once (TLS, a pod, a link).
+        let _client = c.client(0, "t0").await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let pid = c.edges[0].pid().context("edge pid")?;
+        let kib = e2e::rss_kib(pid).context("rss")?;
+        let series = c
+            .metrics(0)
+            .await?
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .count();
+        eprintln!("measured: edge RSS with {n} tenants known: {kib} KiB ({series} metric series)");
+        rss.push(kib);
+    }
+    assert!(rss[1] > 0 && rss[0] > 0);
+    Ok(())
+}
