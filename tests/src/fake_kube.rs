@@ -347,7 +347,7 @@ impl FakeKube {
         *w = CancellationToken::new();
     }
 
-    /// New pods stay Pending with no process while held (a full cluster).
+    /// New pods stay Pending and unschedulable, with no process, while held (a full cluster).
     pub fn hold_pods(&self, hold: bool) {
         self.inner.store().hold = hold;
     }
@@ -498,7 +498,12 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                 .as_str()
                 .unwrap_or("")
                 .to_owned();
-            if !s.hold {
+            if s.hold {
+                object["status"]["conditions"][0] = json!({
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient cpu.",
+                });
+            } else {
                 info = Some(PodInfo {
                     name: name.clone(),
                     tenant,

@@ -328,6 +328,34 @@ async fn the_first_session_creates_the_volume_and_the_pod_and_runs_a_turn() -> a
         c.phase("codex-fleet-node-acme"),
         Some(("Running".into(), true))
     );
+    // `render-tenant-pod` prints what the backend created (one builder for both).
+    let out = std::process::Command::new(fleet_bin())
+        .args(["render-tenant-pod", "--config"])
+        .arg(&c.edge_config)
+        .args(["--tenant", "acme"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(list["apiVersion"], "v1");
+    assert_eq!(list["kind"], "List");
+    assert_eq!(list["items"][0]["kind"], "PersistentVolumeClaim");
+    assert_eq!(
+        list["items"][0]["metadata"]["name"],
+        "codex-fleet-home-acme"
+    );
+    assert_eq!(list["items"][1]["kind"], "Pod");
+    assert_eq!(
+        list["items"][1]["spec"], pod["spec"],
+        "rendered and created pods differ"
+    );
+    assert_eq!(
+        list["items"][1]["metadata"]["labels"],
+        pod["metadata"]["labels"]
+    );
     let m = c.metrics(0).await?;
     assert_eq!(
         metric(&m, "codex_fleet_tenant_pods", &[("phase", "Running")]),
@@ -654,6 +682,11 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
     );
     assert_eq!(
         metric(&m, "codex_fleet_tenant_pods_starting", &[]),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "codex_fleet_tenant_pods_unschedulable", &[]),
         1.0,
         "{m}"
     );
