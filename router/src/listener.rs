@@ -316,15 +316,6 @@ impl Conn {
                 }
                 return r;
             }
-            Err(crate::edge::LinkError::Starting { node, retry_after }) => {
-                tracing::warn!(tenant = %who.tenant, %node, "upgrade refused: the tenant's node is still starting");
-                let r = Rejection::cap(
-                    crate::admission::Scope::Worker,
-                    crate::admission::Reason::NodeStarting,
-                    retry_after,
-                );
-                return self.overloaded(&r, "node_starting");
-            }
             Err(e) => {
                 tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: node unavailable");
                 let r = Rejection::cap(

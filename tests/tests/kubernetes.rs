@@ -820,3 +820,73 @@ async fn edge_memory_with_1000_tenants_known() -> anyhow::Result<()> {
     assert!(rss[1] > 0 && rss[0] > 0);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_tenant_serves_exactly_that_tenant_with_its_entry_or_defaults() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("acme", 0, 3)
+        .tenant_pool("beta", 0, 1)
+        .prepare()
+        .await?;
+    let dir = files.dir.path();
+    let pki = router::dev::generate_link_pki(&[SERVER_NAME])?;
+    router::fsutil::write_private(&dir.join("ca.pem.link"), &pki.ca_pem)?;
+    let node = std::fs::read_to_string(&files.config)?
+        + &format!(
+            "\n[node]\nname = \"tenant-node\"\nedge_ca = {}\n",
+            q(&dir.join("ca.pem.link"))
+        );
+    let config = dir.join("node.toml");
+    std::fs::write(&config, node)?;
+    let readyz_tenants = |p: &FleetProcess| {
+        let admin = p.admin;
+        async move {
+            let (_, body) = http_get(admin, "/readyz").await?;
+            let v: Value = serde_json::from_str(&body)?;
+            let ids: Vec<String> = v["tenants"]
+                .as_array()
+                .context("tenants")?
+                .iter()
+                .filter_map(|t| t["id"].as_str().map(str::to_owned))
+                .collect();
+            anyhow::Ok(ids)
+        }
+    };
+    // An entry of that id: only it, with its limits.
+    let p = FleetProcess::spawn_role(&fleet_bin(), "node", &config, |c| {
+        c.args(["--tenant", "acme"]);
+    })
+    .await?;
+    assert_eq!(readyz_tenants(&p).await?, vec!["acme".to_owned()]);
+    let m = http_get(p.admin, "/metrics").await?.1;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_limit",
+            &[("tenant", "acme"), ("limit", "max_workers")]
+        ),
+        3.0,
+        "{m}"
+    );
+    drop(p);
+    // No entry: that tenant, default limits.
+    let p = FleetProcess::spawn_role(&fleet_bin(), "node", &config, |c| {
+        c.args(["--tenant", "gamma"]);
+    })
+    .await?;
+    assert_eq!(readyz_tenants(&p).await?, vec!["gamma".to_owned()]);
+    drop(p);
+    // Not a tenant id: refused as a configuration error.
+    let out = std::process::Command::new(fleet_bin())
+        .args(["node", "--config"])
+        .arg(&config)
+        .args(["--tenant", "../etc"])
+        .output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(78),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

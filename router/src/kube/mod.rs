@@ -260,6 +260,8 @@ impl KubeNodes {
         let namespace = spec::namespace(&k).unwrap_or_else(|| kcfg.default_namespace.clone());
         kcfg.default_namespace = namespace.clone();
         let api_url = kcfg.cluster_url.to_string();
+        // kube builds its TLS client with the process-wide provider: ring, as everywhere here.
+        crate::tls::install_crypto_provider();
         let client = ::kube::Client::try_from(kcfg)?;
         let metrics = KubeMetrics::register(registry)?;
         let (changes, _) = tokio::sync::watch::channel(0);
