@@ -167,6 +167,15 @@ impl Server {
         self
     }
 
+    /// `codex-fleet node --tenant ID`: reloads keep serving only that tenant. Call before
+    /// [`Server::reloader`].
+    pub fn with_only_tenant(mut self, tenant: Option<String>) -> Server {
+        if let Some(r) = Arc::get_mut(&mut self.reloader) {
+            r.set_only_tenant(tenant);
+        }
+        self
+    }
+
     /// Reloads the configuration file on demand (main wires SIGHUP to it).
     pub fn reloader(&self) -> Arc<Reloader> {
         self.reloader.clone()

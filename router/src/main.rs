@@ -139,7 +139,7 @@ fn main() -> ExitCode {
         }
         Command::Serve { config } => match load_checked(&config).and_then(|c| check_role(c, false))
         {
-            Ok(cfg) => run_async(serve(cfg, config, false)),
+            Ok(cfg) => run_async(serve(cfg, config, false, None)),
             Err(e) => {
                 eprintln!("invalid configuration: {e:#}");
                 ExitCode::from(EX_CONFIG)
@@ -153,11 +153,11 @@ fn main() -> ExitCode {
             let cfg = load_checked(&config)
                 .and_then(|c| check_role(c, node))
                 .and_then(|c| match &tenant {
-                    Some(t) => serve_only(c, t),
+                    Some(t) => router::kube::node::serve_only(c, t),
                     None => Ok(c),
                 });
             match cfg {
-                Ok(cfg) => run_async(serve(cfg, config, exit_when_idle)),
+                Ok(cfg) => run_async(serve(cfg, config, exit_when_idle, tenant)),
                 Err(e) => {
                     eprintln!("invalid configuration: {e:#}");
                     ExitCode::from(EX_CONFIG)
@@ -200,34 +200,6 @@ fn check_role(cfg: Config, node: bool) -> anyhow::Result<Config> {
         (false, true) => anyhow::bail!("a [node] configuration runs with codex-fleet node"),
         _ => Ok(cfg),
     }
-}
-
-/// `codex-fleet node --tenant ID`: the node serves exactly that tenant, with the file's
-/// `[[tenants]]` entry of that id (assigned to this node) or default limits.
-fn serve_only(mut cfg: Config, tenant: &str) -> anyhow::Result<Config> {
-    let name = cfg
-        .node
-        .as_ref()
-        .map(|n| n.name.clone())
-        .ok_or_else(|| anyhow::anyhow!("--tenant needs a [node] section"))?;
-    cfg.tenants.retain(|t| t.id == tenant);
-    match cfg.tenants.first_mut() {
-        Some(t) => t.node = Some(name),
-        None => {
-            // Tenant ids are validated by parsing them as a file would give them.
-            let text = format!("id = {}\nnode = {}\n", toml_str(tenant), toml_str(&name));
-            let t: router::config::Tenant = toml::from_str(&text)?;
-            cfg.tenants.push(t);
-        }
-    }
-    if !router::config::valid_tenant_id(tenant) {
-        anyhow::bail!("--tenant {tenant:?} is not [a-z0-9_-]{{1,32}}");
-    }
-    Ok(cfg)
-}
-
-fn toml_str(s: &str) -> String {
-    serde_json::to_string(s).unwrap_or_default()
 }
 
 /// Raises the soft limit on open files to the hard limit: every session holds a TLS socket
@@ -298,14 +270,21 @@ fn warn_if_readable(paths: &[&std::path::Path]) {
     }
 }
 
-async fn serve(cfg: Config, path: PathBuf, exit_when_idle: bool) -> anyhow::Result<()> {
+async fn serve(
+    cfg: Config,
+    path: PathBuf,
+    exit_when_idle: bool,
+    only_tenant: Option<String>,
+) -> anyhow::Result<()> {
     warn_if_readable(&[&path, &cfg.listen.tls_key]);
     let listener = TcpListener::bind(cfg.listen.addr).await?;
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
     let cfg_idle_secs = cfg.workers.worker_idle_secs;
-    let server = Server::build(cfg, Registry::new())?.with_config_path(path);
+    let server = Server::build(cfg, Registry::new())?
+        .with_config_path(path)
+        .with_only_tenant(only_tenant);
     let _reload_on_hup = reload_on_sighup(&server)?;
     // One machine-readable line on stdout: tools and tests read the bound ports from it.
     println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");

@@ -868,6 +868,16 @@ async fn node_tenant_serves_exactly_that_tenant_with_its_entry_or_defaults() -> 
         3.0,
         "{m}"
     );
+    // A reload (SIGHUP) keeps serving exactly that tenant.
+    p.signal(nix::sys::signal::Signal::SIGHUP)?;
+    let reloaded = wait_until_async(Duration::from_secs(10), || async {
+        http_get(p.admin, "/metrics").await.is_ok_and(|(_, m)| {
+            metric(&m, "codex_fleet_config_reloads_total", &[("result", "ok")]) == 1.0
+        })
+    })
+    .await;
+    assert!(reloaded, "no reload: {}", p.stderr());
+    assert_eq!(readyz_tenants(&p).await?, vec!["acme".to_owned()]);
     drop(p);
     // No entry: that tenant, default limits.
     let p = FleetProcess::spawn_role(&fleet_bin(), "node", &config, |c| {

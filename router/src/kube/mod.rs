@@ -12,6 +12,7 @@
 //! nothing but the API server.
 
 pub mod idle;
+pub mod node;
 pub mod quantity;
 pub mod spec;
 
