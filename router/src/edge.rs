@@ -286,7 +286,6 @@ impl Edge {
             }
             Backend::Kubernetes(kube) => {
                 // Each tenant's node is its own pod.
-                kube.reload(cfg)?;
                 for t in &cfg.tenants {
                     tenants.insert(t.id.clone(), kube.pod_name(&t.id));
                 }
@@ -296,6 +295,9 @@ impl Edge {
             let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
             Arc::new(Credentials::build(cfg, Some(&table.credentials))?)
         };
+        if let Backend::Kubernetes(kube) = &self.backend {
+            kube.reload(cfg)?;
+        }
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
         *table = Table {
             credentials,
