@@ -46,6 +46,8 @@ struct Options {
     edges: usize,
     start_timeout_secs: u64,
     worker_idle_secs: u64,
+    /// The first this many pods crash at start (exit 3) instead of running a node.
+    crashing_pods: usize,
 }
 
 impl Default for Options {
@@ -56,6 +58,7 @@ impl Default for Options {
             start_timeout_secs: 40,
             // Long enough that no node exits while a test still uses it.
             worker_idle_secs: 300,
+            crashing_pods: 0,
         }
     }
 }
@@ -105,7 +108,20 @@ impl Cluster {
         std::fs::create_dir(&pods_dir)?;
         std::fs::create_dir(&volumes)?;
         let state_dir_line = q(&dir.join("s"));
+        let crashes = std::sync::atomic::AtomicUsize::new(o.crashing_pods);
         let kubelet: Kubelet = Arc::new(move |pod: &PodInfo| {
+            let crash = crashes
+                .fetch_update(
+                    std::sync::atomic::Ordering::AcqRel,
+                    std::sync::atomic::Ordering::Acquire,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok();
+            if crash {
+                let mut cmd = tokio::process::Command::new("sh");
+                cmd.args(["-c", "sleep 0.3; exit 3"]);
+                return Ok((cmd, SocketAddr::from((pod.ip, admin_port))));
+            }
             let home = volumes.join(&pod.claim);
             std::fs::create_dir_all(&home)?;
             std::fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
@@ -550,6 +566,45 @@ async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_with_1012_and_i
         metric(&m, "codex_fleet_tenant_pod_culls_total", &[]),
         0.0,
         "a failed pod is no cull: {m}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        crashing_pods: 1,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "second pod lucky").await?;
+    assert_eq!(c.fake.pod_creates(), 2, "the failed pod was replaced once");
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "failed")]
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "failed")]
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "codex_fleet_tenant_pods", &[("phase", "Failed")]),
+        0.0,
+        "{m}"
     );
     Ok(())
 }
