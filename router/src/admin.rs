@@ -144,7 +144,7 @@ impl Admin {
             let (reachable, detail) = edge.readiness();
             if !reachable {
                 ready = false;
-                reasons.push("no node reachable (see edge.nodes)".to_owned());
+                reasons.push("no node reachable, or (kubernetes backend) the API server not answering or the pod watch not synced (see edge)".to_owned());
             }
             body["ready"] = json!(ready);
             body["reasons"] = json!(reasons);

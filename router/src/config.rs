@@ -159,6 +159,64 @@ pub struct Nodes {
     /// The nodes (`static` backend).
     #[serde(default, rename = "static")]
     pub static_nodes: Vec<StaticNode>,
+    /// `[nodes.kubernetes]` (`kubernetes` backend): a pod and a volume per tenant, started on
+    /// demand.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesNodes>,
+}
+
+/// `[nodes.kubernetes]`: how the edge finds, starts and reaches each tenant's pod.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesNodes {
+    /// Namespace of the tenant pods; default: the service account's namespace.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// The API server; default: the in-cluster configuration.
+    #[serde(default)]
+    pub api_url: Option<String>,
+    /// A complete Pod manifest in JSON; the edge fills in each tenant's parts.
+    pub pod_template: PathBuf,
+    /// Pods are `<prefix>-node-<tenant>`, volumes `<prefix>-home-<tenant>`, model Secrets
+    /// `<prefix>-model-<tenant>`.
+    #[serde(default = "defaults::name_prefix")]
+    pub name_prefix: String,
+    /// The node container's link port.
+    #[serde(default = "defaults::link_port")]
+    pub link_port: u16,
+    /// The name in every tenant node's link certificate (the SNI the edge dials with).
+    #[serde(default = "defaults::node_server_name")]
+    pub server_name: String,
+    /// Creation to ready; past it a waiting session is refused with `nodeStarting`.
+    #[serde(default = "defaults::start_timeout_secs")]
+    pub start_timeout_secs: u64,
+    /// The tenant volume's request.
+    #[serde(default = "defaults::storage_size")]
+    pub storage_size: String,
+    /// The tenant volume's storage class; absent: the cluster's default.
+    #[serde(default)]
+    pub storage_class: Option<String>,
+}
+
+/// `[tenants.kubernetes]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantKubernetes {
+    /// Overrides the template's container resources.
+    #[serde(default)]
+    pub resources: Option<PodResources>,
+}
+
+/// `[tenants.kubernetes.resources]`: Kubernetes quantities, e.g. `cpu = "500m"`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodResources {
+    /// `requests`
+    #[serde(default)]
+    pub requests: BTreeMap<String, String>,
+    /// `limits`
+    #[serde(default)]
+    pub limits: BTreeMap<String, String>,
 }
 
 /// `nodes.backend`
@@ -167,6 +225,8 @@ pub struct Nodes {
 pub enum NodesBackend {
     /// Nodes listed in `[[nodes.static]]`; each tenant names its node.
     Static,
+    /// A pod per tenant on Kubernetes (`[nodes.kubernetes]`), created on demand.
+    Kubernetes,
 }
 
 /// `[[nodes.static]]`
@@ -432,6 +492,9 @@ pub struct Tenant {
     /// disk, so the assignment is explicit).
     #[serde(default)]
     pub node: Option<String>,
+    /// This tenant's pod (edge, `kubernetes` backend).
+    #[serde(default)]
+    pub kubernetes: Option<TenantKubernetes>,
 }
 
 mod defaults {
@@ -468,6 +531,21 @@ mod defaults {
     }
     pub fn link_connect_timeout_ms() -> u64 {
         2000
+    }
+    pub fn name_prefix() -> String {
+        "codex-fleet".into()
+    }
+    pub fn link_port() -> u16 {
+        7443
+    }
+    pub fn node_server_name() -> String {
+        "node.codex-fleet.internal".into()
+    }
+    pub fn start_timeout_secs() -> u64 {
+        120
+    }
+    pub fn storage_size() -> String {
+        "10Gi".into()
     }
     pub fn probe_interval_secs() -> u64 {
         2
@@ -834,7 +912,28 @@ impl Config {
         if self.node.is_some() && self.nodes.is_some() {
             return bad("[node] and [nodes] describe different roles; a file has one".into());
         }
+        let kube_backend = self
+            .nodes
+            .as_ref()
+            .is_some_and(|n| n.backend == NodesBackend::Kubernetes);
+        if !kube_backend {
+            if let Some(t) = self.tenants.iter().find(|t| t.kubernetes.is_some()) {
+                return bad(format!(
+                    "tenant {:?}: [tenants.kubernetes] needs nodes.backend = \"kubernetes\"",
+                    t.id
+                ));
+            }
+        }
+        if let Some(nodes) = self.nodes.as_ref().filter(|_| kube_backend) {
+            return self.validate_kubernetes(nodes);
+        }
         if let Some(nodes) = &self.nodes {
+            if nodes.kubernetes.is_some() {
+                return bad(
+                    "[nodes.kubernetes] is for nodes.backend = \"kubernetes\" (backend is \"static\")"
+                        .into(),
+                );
+            }
             let mut names = HashSet::new();
             for n in &nodes.static_nodes {
                 if !valid_tenant_id(&n.name) {
@@ -886,6 +985,104 @@ impl Config {
                     "node.name {:?} is not [a-z0-9_-]{{1,32}}",
                     node.name
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `[nodes]` with `backend = "kubernetes"`: no static nodes, no `tenants[].node`, names that
+    /// make valid pod and volume names, quantities Kubernetes accepts.
+    fn validate_kubernetes(&self, nodes: &Nodes) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let Some(k) = &nodes.kubernetes else {
+            return bad("nodes.backend = \"kubernetes\" needs a [nodes.kubernetes] table".into());
+        };
+        if !nodes.static_nodes.is_empty() {
+            return bad("[[nodes.static]] is for nodes.backend = \"static\"; the kubernetes backend starts a pod per tenant".into());
+        }
+        if nodes.connect_timeout_ms == 0 || nodes.probe_interval_secs == 0 {
+            return bad(
+                "nodes.connect_timeout_ms and nodes.probe_interval_secs must be positive".into(),
+            );
+        }
+        if !dns_label(&k.name_prefix) {
+            return bad(format!(
+                "nodes.kubernetes.name_prefix {:?} must be lowercase letters, digits and '-' (a DNS label)",
+                k.name_prefix
+            ));
+        }
+        if let Some(ns) = &k.namespace {
+            if !dns_label(ns) {
+                return bad(format!(
+                    "nodes.kubernetes.namespace {ns:?} is not a valid namespace name"
+                ));
+            }
+        }
+        if k.link_port == 0 || k.start_timeout_secs == 0 {
+            return bad(
+                "nodes.kubernetes.link_port and nodes.kubernetes.start_timeout_secs must be positive"
+                    .into(),
+            );
+        }
+        if rustls::pki_types::ServerName::try_from(k.server_name.as_str()).is_err() {
+            return bad(format!(
+                "nodes.kubernetes.server_name {:?} is not a DNS name",
+                k.server_name
+            ));
+        }
+        if let Some(url) = &k.api_url {
+            if url
+                .parse::<http::Uri>()
+                .map_or(true, |u| u.host().is_none())
+            {
+                return bad(format!(
+                    "nodes.kubernetes.api_url {url:?} is not a URL like https://host:6443"
+                ));
+            }
+        }
+        if crate::kube::quantity::bytes(&k.storage_size).is_none() {
+            return bad(format!(
+                "nodes.kubernetes.storage_size {:?} is not a quantity like 10Gi",
+                k.storage_size
+            ));
+        }
+        for t in &self.tenants {
+            if t.node.is_some() {
+                return bad(format!(
+                    "tenant {:?}: tenants[].node is for the static backend; the kubernetes backend gives each tenant its own pod",
+                    t.id
+                ));
+            }
+            // `<prefix>-node-<tenant>` is a pod name: a DNS label of at most 63 characters.
+            let pod = format!("{}-node-{}", k.name_prefix, t.id);
+            if !dns_label(&pod) {
+                return bad(format!(
+                    "tenant {:?}: its pod name {pod:?} is not a DNS label (lowercase letters, digits, '-', at most 63 characters); the kubernetes backend needs tenant ids without '_' and a shorter name_prefix",
+                    t.id
+                ));
+            }
+            let Some(r) = t.kubernetes.as_ref().and_then(|k| k.resources.as_ref()) else {
+                continue;
+            };
+            for (what, map) in [("requests", &r.requests), ("limits", &r.limits)] {
+                for (resource, q) in map {
+                    let ok = match resource.as_str() {
+                        "cpu" => crate::kube::quantity::cores(q).is_some(),
+                        "memory" | "ephemeral-storage" => crate::kube::quantity::bytes(q).is_some(),
+                        _ => {
+                            return bad(format!(
+                                "tenant {:?}: kubernetes.resources.{what}: unknown resource {resource:?} (cpu, memory, ephemeral-storage)",
+                                t.id
+                            ))
+                        }
+                    };
+                    if !ok {
+                        return bad(format!(
+                            "tenant {:?}: kubernetes.resources.{what}.{resource} = {q:?} is not a Kubernetes quantity",
+                            t.id
+                        ));
+                    }
+                }
             }
         }
         Ok(())
@@ -953,8 +1150,19 @@ fn check_tenant_boundaries(tenants: &[Tenant]) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn valid_tenant_id(id: &str) -> bool {
+/// Whether `id` is a valid tenant id: `[a-z0-9_-]{1,32}`.
+pub fn valid_tenant_id(id: &str) -> bool {
     proto::names::valid_config_tenant_id(id)
+}
+
+/// A DNS label (RFC 1123): 1 to 63 of `a-z`, `0-9`, `-`, not starting or ending with `-`.
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
 }
 
 /// Parses 64 hex digits into a digest.
@@ -1275,6 +1483,14 @@ node = "n2"
             (
                 "tenants[].node",
                 t.node.clone().unwrap_or_else(|| "unset".to_owned()),
+            ),
+            (
+                "tenants[].kubernetes.resources",
+                if t.kubernetes.is_none() {
+                    "unset".to_owned()
+                } else {
+                    "set".to_owned()
+                },
             ),
             ("limits.conn_burst", a.conn_burst.to_string()),
             ("limits.tenant_rps", a.tenant_rps.to_string()),

@@ -9,8 +9,10 @@
 //! frames pass through unchanged, and a node that goes away mid-session closes its clients with
 //! [`NODE_LOST_CODE`].
 //!
-//! The edge holds no tenant state: its tokens and the tenant→node map come from the
-//! configuration, so any number of edges can run behind one load balancer.
+//! The edge holds no tenant state: its tokens come from the configuration, and where a tenant's
+//! node is comes from its nodes backend ([`Backend`]): a static tenant→node map, or on
+//! Kubernetes the tenant's own pod, started on demand ([`crate::kube`]). Any number of edges
+//! can run behind one load balancer.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -49,6 +51,13 @@ pub const CLIENT_ADDR_HEADER: &str = "x-codex-fleet-client-addr";
 pub const NODE_LOST_CODE: u16 = 1012;
 /// Its reason.
 pub const NODE_LOST_REASON: &str = "codex-fleet: the tenant's node went away; reconnect and resume";
+/// Messages a client may send while its tenant's node starts, before it is closed (1008).
+const MAX_PENDING: usize = 256;
+/// Close code for a session whose tenant's node did not start in time (1013, try again later).
+pub const NODE_STARTING_CODE: u16 = 1013;
+/// Its reason.
+pub const NODE_STARTING_REASON: &str =
+    "codex-fleet: the tenant's node is still starting; retry after retryAfterMs";
 /// How long a draining edge waits for a session's requests in flight before closing it.
 const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 
@@ -58,7 +67,7 @@ type Link = WebSocketStream<TlsStream<TcpStream>>;
 /// The edge: who is who, where each tenant lives, and how to reach it.
 pub struct Edge {
     table: RwLock<Table>,
-    nodes: HashMap<String, Target>,
+    backend: Backend,
     tls: TlsConnector,
     connect_timeout: Duration,
     max_message_bytes: usize,
@@ -76,6 +85,14 @@ struct Table {
 struct Target {
     addr: String,
     server_name: ServerName<'static>,
+}
+
+/// Where tenants' nodes are: "where is this tenant's node (start it if needed)".
+enum Backend {
+    /// Nodes named in the configuration, each tenant assigned to one (`tenants[].node`).
+    Static(HashMap<String, Target>),
+    /// A pod per tenant, created on demand (`[nodes.kubernetes]`).
+    Kubernetes(Arc<crate::kube::KubeNodes>),
 }
 
 /// A client the edge admitted: its tenant, its node and who it is.
@@ -119,6 +136,14 @@ pub enum LinkError {
         retry_after: Option<HeaderValue>,
         /// Its body.
         body: String,
+    },
+    /// The tenant's node is not ready within the backend's start timeout.
+    #[error("node {node} still starting")]
+    Starting {
+        /// The node (pod).
+        node: String,
+        /// When to try again.
+        retry_after: Duration,
     },
 }
 
@@ -185,6 +210,11 @@ impl Edge {
             &nodes_cfg.client_cert,
             &nodes_cfg.client_key,
         )?;
+        let metrics = LinkMetrics::register(registry)?;
+        if nodes_cfg.backend == crate::config::NodesBackend::Kubernetes {
+            let kube = crate::kube::KubeNodes::build(cfg, registry)?;
+            return Edge::finish(cfg, Backend::Kubernetes(kube), tls, metrics);
+        }
         let mut nodes = HashMap::new();
         for n in &nodes_cfg.static_nodes {
             let host = n
@@ -201,7 +231,6 @@ impl Edge {
                 },
             );
         }
-        let metrics = LinkMetrics::register(registry)?;
         for name in nodes.keys() {
             metrics.sessions.with_label_values(&[name]);
             metrics.connect_seconds.with_label_values(&[name]);
@@ -209,12 +238,25 @@ impl Edge {
                 metrics.errors.with_label_values(&[name, reason]);
             }
         }
+        Edge::finish(cfg, Backend::Static(nodes), tls, metrics)
+    }
+
+    fn finish(
+        cfg: &Config,
+        backend: Backend,
+        tls: Arc<rustls::ClientConfig>,
+        metrics: LinkMetrics,
+    ) -> anyhow::Result<Arc<Edge>> {
+        let nodes_cfg = cfg
+            .nodes
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
         let edge = Edge {
             table: RwLock::new(Table {
                 credentials: Arc::new(Credentials::build(cfg, None)?),
                 tenants: HashMap::new(),
             }),
-            nodes,
+            backend,
             tls: TlsConnector::from(tls),
             connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
             max_message_bytes: cfg.limits.max_message_bytes,
@@ -229,20 +271,33 @@ impl Edge {
     /// fixed for the process's life).
     pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
         let mut tenants = HashMap::new();
-        for t in &cfg.tenants {
-            let node = t.node.clone().unwrap_or_default();
-            if !self.nodes.contains_key(&node) {
-                anyhow::bail!(
-                    "tenant {:?}: node {node:?} is not one this edge started with",
-                    t.id
-                );
+        match &self.backend {
+            Backend::Static(nodes) => {
+                for t in &cfg.tenants {
+                    let node = t.node.clone().unwrap_or_default();
+                    if !nodes.contains_key(&node) {
+                        anyhow::bail!(
+                            "tenant {:?}: node {node:?} is not one this edge started with",
+                            t.id
+                        );
+                    }
+                    tenants.insert(t.id.clone(), node);
+                }
             }
-            tenants.insert(t.id.clone(), node);
+            Backend::Kubernetes(kube) => {
+                // Each tenant's node is its own pod.
+                for t in &cfg.tenants {
+                    tenants.insert(t.id.clone(), kube.pod_name(&t.id));
+                }
+            }
         }
         let credentials = {
             let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
             Arc::new(Credentials::build(cfg, Some(&table.credentials))?)
         };
+        if let Backend::Kubernetes(kube) = &self.backend {
+            kube.reload(cfg)?;
+        }
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
         *table = Table {
             credentials,
@@ -280,10 +335,47 @@ impl Edge {
         })
     }
 
+    /// Where the tenant's node is; on Kubernetes its pod, started if needed (the session
+    /// waits, up to the backend's start timeout).
+    async fn target(&self, who: &Admitted) -> Result<Target, LinkError> {
+        match &self.backend {
+            Backend::Static(nodes) => nodes
+                .get(&who.node)
+                .map(|t| Target {
+                    addr: t.addr.clone(),
+                    server_name: t.server_name.clone(),
+                })
+                .ok_or_else(|| LinkError::Unreachable {
+                    node: who.node.clone(),
+                    reason: "unknown node".into(),
+                }),
+            Backend::Kubernetes(kube) => {
+                let server_name =
+                    ServerName::try_from(kube.server_name().to_owned()).map_err(|e| {
+                        LinkError::Unreachable {
+                            node: who.node.clone(),
+                            reason: format!("server name: {e}"),
+                        }
+                    })?;
+                match kube.locate(&who.tenant).await {
+                    Ok(pod) => Ok(Target {
+                        addr: pod.addr.to_string(),
+                        server_name,
+                    }),
+                    Err(crate::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
+                        node: who.node.clone(),
+                        retry_after: kube.retry_after(),
+                    }),
+                }
+            }
+        }
+    }
+
     /// Opens a session's link to its tenant's node.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        let target = self.target(who).await?;
         let started = tokio::time::Instant::now();
-        let result = tokio::time::timeout(self.connect_timeout, self.open(who, client))
+        let result = tokio::time::timeout(self.connect_timeout, self.open(who, &target, client))
             .await
             .unwrap_or_else(|_| {
                 Err(LinkError::Unreachable {
@@ -299,7 +391,7 @@ impl Edge {
                 .observe(started.elapsed().as_secs_f64()),
             Err(e) => {
                 let reason = match e {
-                    LinkError::Unreachable { .. } => "unreachable",
+                    LinkError::Unreachable { .. } | LinkError::Starting { .. } => "unreachable",
                     LinkError::Refused { .. } => "refused",
                 };
                 self.metrics
@@ -314,16 +406,17 @@ impl Edge {
         result
     }
 
-    async fn open(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+    async fn open(
+        &self,
+        who: &Admitted,
+        target: &Target,
+        client: SocketAddr,
+    ) -> Result<Link, LinkError> {
         let node = &who.node;
         let unreachable = |reason: String| LinkError::Unreachable {
             node: node.clone(),
             reason,
         };
-        let target = self
-            .nodes
-            .get(node)
-            .ok_or_else(|| unreachable("unknown node".into()))?;
         let tls = self.tls_to(target).await.map_err(unreachable)?;
         let mut request = format!("wss://{}/", target.addr)
             .into_client_request()
@@ -387,7 +480,18 @@ impl Edge {
         tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
             loop {
                 let Some(e) = edge.upgrade() else { return };
-                for (name, target) in &e.nodes {
+                let nodes = match &e.backend {
+                    Backend::Static(nodes) => nodes,
+                    Backend::Kubernetes(kube) => {
+                        let kube = kube.clone();
+                        drop(e);
+                        kube.probe().await;
+                        drop(kube);
+                        tokio::time::sleep(every).await;
+                        continue;
+                    }
+                };
+                for (name, target) in nodes {
                     let outcome = tokio::time::timeout(e.connect_timeout, e.tls_to(target)).await;
                     let error = match outcome {
                         Ok(Ok(_tls)) => None,
@@ -405,8 +509,12 @@ impl Edge {
     /// `/readyz` detail: each node and whether it was reachable at the last look, and the
     /// tenants whose node is not. Ready while any node is reachable (or none was probed yet).
     pub fn readiness(&self) -> (bool, serde_json::Value) {
+        let nodes = match &self.backend {
+            Backend::Static(nodes) => nodes,
+            Backend::Kubernetes(kube) => return kube.readiness(),
+        };
         let reach = self.reach.read().unwrap_or_else(PoisonError::into_inner);
-        let mut names: Vec<&String> = self.nodes.keys().collect();
+        let mut names: Vec<&String> = nodes.keys().collect();
         names.sort();
         let nodes: Vec<_> = names
             .iter()
@@ -414,7 +522,7 @@ impl Edge {
                 let error = reach.get(*n).cloned().flatten();
                 json!({
                     "name": n,
-                    "addr": self.nodes[*n].addr,
+                    "addr": nodes[*n].addr,
                     "reachable": error.is_none(),
                     "lastError": error,
                 })
@@ -432,11 +540,110 @@ impl Edge {
             .filter(|(_, node)| down.contains(node.as_str()))
             .map(|(t, _)| t.as_str())
             .collect();
-        let ready = self.nodes.is_empty() || down.len() < self.nodes.len();
+        let ready = nodes.is_empty() || down.len() < nodes.len();
         (
             ready,
             json!({ "nodes": nodes, "unreachableTenants": unreachable }),
         )
+    }
+
+    /// Watches the tenant pods (kubernetes backend) while the returned handle lives.
+    pub fn spawn_watch(&self) -> Option<tokio_util::task::AbortOnDropHandle<()>> {
+        match &self.backend {
+            Backend::Static(_) => None,
+            Backend::Kubernetes(kube) => Some(kube.spawn_watch()),
+        }
+    }
+
+    /// Whether sessions wait for their tenant's node after the upgrade (the kubernetes
+    /// backend starts nodes on demand; a static node is there or not).
+    pub fn starts_nodes(&self) -> bool {
+        matches!(self.backend, Backend::Kubernetes(_))
+    }
+
+    /// The session of an upgraded client whose node may still be starting: its messages are
+    /// held while the backend starts the node (up to its start timeout), then sent on, in
+    /// order. A node that does not start in time answers every held request with `-32001`
+    /// (scope `worker`, reason `nodeStarting`, `retryAfterMs`) and closes with
+    /// [`NODE_STARTING_CODE`]; a node that cannot be reached, with reason `nodeUnavailable`.
+    pub async fn wait_and_relay<C>(
+        &self,
+        mut client: WebSocketStream<C>,
+        who: &Admitted,
+        addr: SocketAddr,
+        client_queue: usize,
+        shutdown: CancellationToken,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut pending: Vec<Message> = Vec::new();
+        let connect = self.connect(who, addr);
+        tokio::pin!(connect);
+        let close = |code: u16, reason: &str| {
+            Message::Close(Some(CloseFrame {
+                code: CloseCode::from(code),
+                reason: reason.to_owned().into(),
+            }))
+        };
+        let link = loop {
+            tokio::select! {
+                r = &mut connect => break r,
+                m = client.next() => match m {
+                    Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => {
+                        if pending.len() >= MAX_PENDING {
+                            let _sent = client.send(close(1008, "too many messages while the tenant's node starts")).await;
+                            return;
+                        }
+                        pending.push(m);
+                    }
+                    Some(Ok(Message::Close(_)) | Err(_)) | None => return,
+                    Some(Ok(_)) => {}
+                },
+                () = shutdown.cancelled() => {
+                    let _sent = client.send(close(1001, "codex-fleet is shutting down")).await;
+                    return;
+                }
+            }
+        };
+        let link = match link {
+            Ok(link) => link,
+            Err(e) => {
+                let (reason, retry_after, code, text) = match &e {
+                    LinkError::Starting { retry_after, .. } => (
+                        crate::admission::Reason::NodeStarting,
+                        *retry_after,
+                        NODE_STARTING_CODE,
+                        NODE_STARTING_REASON,
+                    ),
+                    _ => (
+                        crate::admission::Reason::NodeUnavailable,
+                        Duration::from_secs(2),
+                        NODE_LOST_CODE,
+                        NODE_LOST_REASON,
+                    ),
+                };
+                tracing::warn!(tenant = %who.tenant, error = %e, "session refused: no node");
+                let r = crate::admission::Rejection::cap(
+                    crate::admission::Scope::Worker,
+                    reason,
+                    retry_after,
+                );
+                for m in &pending {
+                    if let Message::Text(text) = m {
+                        if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
+                            let answer = Message::Text(r.to_error_response(&id).into());
+                            if client.send(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                let _sent = client.send(close(code, text)).await;
+                return;
+            }
+        };
+        self.relay_pending(client, link, who, client_queue, shutdown, pending)
+            .await;
     }
 
     /// Relays one session between its client and its link until either ends (see the module
@@ -451,10 +658,25 @@ impl Edge {
     ) where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        self.relay_pending(client, link, who, client_queue, shutdown, Vec::new())
+            .await;
+    }
+
+    async fn relay_pending<C>(
+        &self,
+        client: WebSocketStream<C>,
+        link: Link,
+        who: &Admitted,
+        client_queue: usize,
+        shutdown: CancellationToken,
+        pending: Vec<Message>,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let node = who.node.as_str();
         let sessions = self.metrics.sessions.with_label_values(&[node]);
         sessions.inc();
-        let lost = relay(client, link, client_queue, shutdown, &who.lease).await;
+        let lost = relay(client, link, client_queue, shutdown, &who.lease, pending).await;
         sessions.dec();
         if lost {
             self.metrics.errors.with_label_values(&[node, "lost"]).inc();
@@ -476,12 +698,31 @@ async fn relay<C>(
     client_queue: usize,
     shutdown: CancellationToken,
     lease: &Lease,
+    pending: Vec<Message>,
 ) -> bool
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (mut client_tx, mut client_rx) = client.split();
     let (mut link_tx, mut link_rx) = link.split();
+    let mut in_flight: HashSet<RequestId> = HashSet::new();
+    // What the client sent while its node was starting goes first, in order.
+    for m in pending {
+        if let Message::Text(text) = &m {
+            if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
+                in_flight.insert(id);
+            }
+        }
+        if link_tx.send(m).await.is_err() {
+            let _sent = client_tx
+                .send(Message::Close(Some(CloseFrame {
+                    code: CloseCode::from(NODE_LOST_CODE),
+                    reason: NODE_LOST_REASON.into(),
+                })))
+                .await;
+            return true;
+        }
+    }
     // The client is written by its own task through a bounded queue, so a slow client never
     // stops the link from being read; a full queue means the client is too slow (1008).
     let (out, mut out_rx) = mpsc::channel::<Message>(client_queue.max(1));
@@ -494,7 +735,6 @@ where
         }
         let _closed = client_tx.close().await;
     });
-    let mut in_flight: HashSet<RequestId> = HashSet::new();
     let mut draining: Option<tokio::time::Instant> = None;
     let close = |code: CloseCode, reason: &str| {
         Message::Close(Some(CloseFrame {

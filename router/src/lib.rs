@@ -12,6 +12,7 @@ pub mod edge;
 pub mod fsutil;
 pub mod identity;
 pub mod jsonrpc;
+pub mod kube;
 pub mod listener;
 pub mod metrics;
 pub mod policy;
@@ -166,6 +167,15 @@ impl Server {
         self
     }
 
+    /// `codex-fleet node --tenant ID`: reloads keep serving only that tenant. Call before
+    /// [`Server::reloader`].
+    pub fn with_only_tenant(mut self, tenant: Option<String>) -> Server {
+        if let Some(r) = Arc::get_mut(&mut self.reloader) {
+            r.set_only_tenant(tenant);
+        }
+        self
+    }
+
     /// Reloads the configuration file on demand (main wires SIGHUP to it).
     pub fn reloader(&self) -> Arc<Reloader> {
         self.reloader.clone()
@@ -243,6 +253,7 @@ impl Server {
             let every = self.cfg.nodes.as_ref().map_or(2, |n| n.probe_interval_secs);
             edge.spawn_prober(Duration::from_secs(every))
         });
+        let _pod_watch = self.edge().and_then(|edge| edge.spawn_watch());
         let grace = Duration::from_secs(self.cfg.workers.stop_grace_secs);
         let retire = {
             let reloader = self.reloader.clone();

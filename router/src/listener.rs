@@ -295,6 +295,11 @@ impl Conn {
             Err(e) => return self.auth_refused(&e),
         };
         self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
+        if edge.starts_nodes() {
+            // The tenant's node may have to start first (a pod on Kubernetes): the client is
+            // upgraded now and its session waits, longer than a handshake may take.
+            return self.relay_when_started(edge, req, key, started, who);
+        }
         let link = match edge.connect(&who, self.addr.0).await {
             Ok(link) => link,
             Err(crate::edge::LinkError::Refused {
@@ -335,6 +340,34 @@ impl Conn {
             audit.record(
                 "session.ended",
                 serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": remote }),
+            );
+        });
+        switching_protocols(&accept)
+    }
+
+    /// The kubernetes backend's upgrade: 101 at once, then the session waits for its node
+    /// ([`crate::edge::Edge::wait_and_relay`]).
+    fn relay_when_started(
+        self: &Arc<Self>,
+        edge: Arc<crate::edge::Edge>,
+        mut req: Request<Incoming>,
+        key: &str,
+        started: tokio::time::Instant,
+        who: crate::edge::Admitted,
+    ) -> Response<Full<Bytes>> {
+        let accept = derive_accept_key(key.as_bytes());
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        let queue = self.client_queue;
+        let shutdown = self.shutdown.clone();
+        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
+        let audit = self.audit.clone();
+        let client = self.addr.0;
+        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
+            edge.wait_and_relay(ws, &who, client, queue, shutdown).await;
+            tracing::info!("relay ended");
+            audit.record(
+                "session.ended",
+                serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": client.to_string() }),
             );
         });
         switching_protocols(&accept)

@@ -42,6 +42,24 @@ enum Command {
         /// The TOML configuration (with a `[node]` section).
         #[arg(long, env = "CODEX_FLEET_CONFIG")]
         config: PathBuf,
+        /// Serve exactly this tenant (a tenant pod on Kubernetes): the file's `[[tenants]]`
+        /// entry of that id if it has one, else default limits.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Exit 0 once there has been no session, no running turn and no loaded thread for
+        /// `workers.worker_idle_secs`.
+        #[arg(long)]
+        exit_when_idle: bool,
+    },
+    /// Print the volume claim and pod the kubernetes backend would create for a tenant, as a
+    /// JSON `v1/List` (for offline validation of the pod spec).
+    RenderTenantPod {
+        /// The edge's TOML configuration (`[nodes.kubernetes]`).
+        #[arg(long, env = "CODEX_FLEET_CONFIG")]
+        config: PathBuf,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
     },
     /// A terminal view of capacity from a running codex-fleet's admin endpoints: tenants,
     /// sessions, workers and turns against their limits, memory, CPU, refusals, refreshing like
@@ -88,7 +106,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if !matches!(
         cli.command,
-        Command::CheckConfig { .. } | Command::Top { .. }
+        Command::CheckConfig { .. } | Command::Top { .. } | Command::RenderTenantPod { .. }
     ) {
         raise_nofile_limit();
     }
@@ -104,15 +122,47 @@ fn main() -> ExitCode {
                 ExitCode::from(EX_CONFIG)
             }
         },
-        Command::Serve { config } | Command::Node { config } => {
-            let cfg = match load_checked(&config).and_then(|c| check_role(c, node)) {
-                Ok(c) => c,
+        Command::RenderTenantPod { config, tenant } => {
+            let list = Config::load(&config)
+                .map_err(anyhow::Error::from)
+                .and_then(|cfg| router::kube::spec::render(&cfg, &tenant));
+            match list.and_then(|l| Ok(serde_json::to_string_pretty(&l)?)) {
+                Ok(text) => {
+                    println!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("render-tenant-pod: {e:#}");
+                    ExitCode::from(EX_CONFIG)
+                }
+            }
+        }
+        Command::Serve { config } => match load_checked(&config).and_then(|c| check_role(c, false))
+        {
+            Ok(cfg) => run_async(serve(cfg, config, false, None)),
+            Err(e) => {
+                eprintln!("invalid configuration: {e:#}");
+                ExitCode::from(EX_CONFIG)
+            }
+        },
+        Command::Node {
+            config,
+            tenant,
+            exit_when_idle,
+        } => {
+            let cfg = load_checked(&config)
+                .and_then(|c| check_role(c, node))
+                .and_then(|c| match &tenant {
+                    Some(t) => router::kube::node::serve_only(c, t),
+                    None => Ok(c),
+                });
+            match cfg {
+                Ok(cfg) => run_async(serve(cfg, config, exit_when_idle, tenant)),
                 Err(e) => {
                     eprintln!("invalid configuration: {e:#}");
-                    return ExitCode::from(EX_CONFIG);
+                    ExitCode::from(EX_CONFIG)
                 }
-            };
-            run_async(serve(cfg, config))
+            }
         }
         Command::Top {
             admin,
@@ -220,16 +270,38 @@ fn warn_if_readable(paths: &[&std::path::Path]) {
     }
 }
 
-async fn serve(cfg: Config, path: PathBuf) -> anyhow::Result<()> {
+async fn serve(
+    cfg: Config,
+    path: PathBuf,
+    exit_when_idle: bool,
+    only_tenant: Option<String>,
+) -> anyhow::Result<()> {
     warn_if_readable(&[&path, &cfg.listen.tls_key]);
     let listener = TcpListener::bind(cfg.listen.addr).await?;
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
-    let server = Server::build(cfg, Registry::new())?.with_config_path(path);
+    let cfg_idle_secs = cfg.workers.worker_idle_secs;
+    let server = Server::build(cfg, Registry::new())?
+        .with_config_path(path)
+        .with_only_tenant(only_tenant);
     let _reload_on_hup = reload_on_sighup(&server)?;
     // One machine-readable line on stdout: tools and tests read the bound ports from it.
     println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");
+    if exit_when_idle {
+        let idle = router::kube::idle::until_idle(
+            server.tenants().clone(),
+            server.admission().clone(),
+            std::time::Duration::from_secs(cfg_idle_secs),
+        );
+        let stop = async move {
+            tokio::select! {
+                () = shutdown_signal() => {}
+                () = idle => {}
+            }
+        };
+        return server.run(listener, admin, stop).await;
+    }
     server.run(listener, admin, shutdown_signal()).await
 }
 

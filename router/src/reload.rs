@@ -33,6 +33,8 @@ pub struct ReloadSummary {
 /// Re-reads the configuration file and puts it in force.
 pub struct Reloader {
     path: Option<PathBuf>,
+    /// `codex-fleet node --tenant ID`: every reload serves only this tenant too.
+    only_tenant: Option<String>,
     tenants: Arc<TenantRegistry>,
     worker_metrics: WorkerMetrics,
     reloads: IntCounterVec,
@@ -67,6 +69,7 @@ impl Reloader {
         }
         Ok(Reloader {
             path: None,
+            only_tenant: None,
             tenants,
             worker_metrics,
             reloads,
@@ -79,6 +82,10 @@ impl Reloader {
 
     pub(crate) fn set_path(&mut self, path: PathBuf) {
         self.path = Some(path);
+    }
+
+    pub(crate) fn set_only_tenant(&mut self, tenant: Option<String>) {
+        self.only_tenant = tenant;
     }
 
     /// Adds a hook called with every configuration a reload puts in force.
@@ -120,6 +127,10 @@ impl Reloader {
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("no configuration file to reload"))?;
         let cfg = Config::load(path)?;
+        let cfg = match &self.only_tenant {
+            Some(t) => crate::kube::node::serve_only(cfg, t)?,
+            None => cfg,
+        };
         let mut warnings = restart_only_changes(
             &self.current.lock().unwrap_or_else(PoisonError::into_inner),
             &cfg,

@@ -1,6 +1,8 @@
 //! End-to-end fixtures: a codex-fleet with real TLS, real `codex app-server` workers and the
 //! offline mock model, and a wss JSON-RPC client that speaks the protocol as a real client does.
 
+pub mod fake_kube;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -61,6 +61,8 @@ pub enum Reason {
     FleetWorkerLimit,
     /// The edge cannot reach the node that holds the tenant.
     NodeUnavailable,
+    /// The tenant's node (its pod, on Kubernetes) is still starting.
+    NodeStarting,
 }
 
 impl Scope {
@@ -77,7 +79,7 @@ impl Scope {
 
 impl Reason {
     /// Every reason, so each series exists (at zero) from the start.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 14] = [
         Reason::HandshakeRateLimited,
         Reason::ConnectionRateLimited,
         Reason::TenantRateLimited,
@@ -91,6 +93,7 @@ impl Reason {
         Reason::WorkerUnreachable,
         Reason::FleetWorkerLimit,
         Reason::NodeUnavailable,
+        Reason::NodeStarting,
     ];
 
     /// The wire spelling, e.g. `"tenantRateLimited"`.
@@ -109,6 +112,7 @@ impl Reason {
             Reason::WorkerUnreachable => "workerUnreachable",
             Reason::FleetWorkerLimit => "fleetWorkerLimit",
             Reason::NodeUnavailable => "nodeUnavailable",
+            Reason::NodeStarting => "nodeStarting",
         }
     }
 }

@@ -1,0 +1,698 @@
+//! The `kubernetes` nodes backend (issue 13): each tenant's node is a pod of its own, with a
+//! volume of its own, created by the edge when the tenant first connects.
+//!
+//! Names are derived from the tenant id ([`spec::Names`]), so the API server's name uniqueness
+//! is what guarantees a tenant at most one node: two edges racing both create the same pod, and
+//! the loser's `409 AlreadyExists` is success. One watch (list, then watch from its
+//! `resourceVersion`, relisted on `410 Gone`, backed off on errors) keeps this edge's view of
+//! every tenant pod; a session waits on that view until its tenant's pod is ready (bounded by
+//! `start_timeout_secs`). Pods that end (the node's idle exit, eviction, deletion) are seen
+//! there; completed ones are deleted by whichever edge sees them first (uid precondition, so
+//! never a newer pod), and the next session creates a new one on the same volume. Edges share
+//! nothing but the API server.
+
+pub mod idle;
+pub mod node;
+pub mod quantity;
+pub mod spec;
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use ::kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use ::kube::runtime::watcher::{self, Event};
+use ::kube::runtime::WatchStreamExt;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::config::{Config, KubernetesNodes, Tenant};
+use spec::{Names, Template, TENANT_LABEL};
+
+/// Pod phases, each a series of `codex_fleet_tenant_pods` from the start.
+pub const PHASES: [&str; 5] = ["Pending", "Running", "Succeeded", "Failed", "Unknown"];
+/// Why a node did not start.
+pub const START_FAILURES: [&str; 3] = ["timeout", "failed", "api"];
+/// Why a tenant's previous pod ended, when a new one is created for it.
+pub const RECREATIONS: [&str; 4] = ["idle", "evicted", "failed", "deleted"];
+/// How long a waiting session sleeps between looks when the watch says nothing (a missed
+/// event, an API error being retried).
+const RECHECK: Duration = Duration::from_millis(500);
+/// Back-off between failed creates while a session waits.
+const CREATE_BACKOFF: Duration = Duration::from_millis(500);
+
+/// Where a tenant's node is, for the link.
+#[derive(Debug, Clone)]
+pub struct PodTarget {
+    /// The pod's name.
+    pub pod: String,
+    /// `podIP:link_port`.
+    pub addr: SocketAddr,
+}
+
+/// Why no pod could be offered.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The pod was not ready within `start_timeout_secs`.
+    #[error("the tenant's node is still starting after {0:?}")]
+    Timeout(Duration),
+}
+
+/// The backend's metrics (names fixed by the chart's alerts and dashboard).
+#[derive(Clone)]
+pub struct KubeMetrics {
+    pods: IntGaugeVec,
+    unschedulable: IntGauge,
+    starting: IntGauge,
+    start_seconds: Histogram,
+    start_failures: IntCounterVec,
+    culls: IntCounter,
+    recreations: IntCounterVec,
+    requests: GaugeVec,
+}
+
+impl KubeMetrics {
+    fn register(registry: &Registry) -> Result<KubeMetrics, prometheus::Error> {
+        let m = KubeMetrics {
+            pods: IntGaugeVec::new(
+                Opts::new(
+                    "codex_fleet_tenant_pods",
+                    "Tenant pods this edge sees, by phase (every edge sees every pod: aggregate with max).",
+                ),
+                &["phase"],
+            )?,
+            unschedulable: IntGauge::new(
+                "codex_fleet_tenant_pods_unschedulable",
+                "Tenant pods the scheduler cannot place (PodScheduled=False, Unschedulable).",
+            )?,
+            starting: IntGauge::new(
+                "codex_fleet_tenant_pods_starting",
+                "Tenant pods created and not yet ready.",
+            )?,
+            start_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "codex_fleet_node_start_seconds",
+                    "Tenant pod creation to ready, as seen by the edge that created it.",
+                )
+                .buckets(vec![
+                    0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                ]),
+            )?,
+            start_failures: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_node_start_failures_total",
+                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api.",
+                ),
+                &["reason"],
+            )?,
+            culls: IntCounter::new(
+                "codex_fleet_tenant_pod_culls_total",
+                "Completed (idle-exited) tenant pods this edge deleted.",
+            )?,
+            recreations: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_tenant_pod_recreations_total",
+                    "Pods created for a tenant whose previous pod ended, by why it ended.",
+                ),
+                &["reason"],
+            )?,
+            requests: GaugeVec::new(
+                Opts::new(
+                    "codex_fleet_tenant_pod_requests",
+                    "A tenant pod's resource requests: cpu in cores, memory in bytes.",
+                ),
+                &["tenant", "resource"],
+            )?,
+        };
+        registry.register(Box::new(m.pods.clone()))?;
+        registry.register(Box::new(m.unschedulable.clone()))?;
+        registry.register(Box::new(m.starting.clone()))?;
+        registry.register(Box::new(m.start_seconds.clone()))?;
+        registry.register(Box::new(m.start_failures.clone()))?;
+        registry.register(Box::new(m.culls.clone()))?;
+        registry.register(Box::new(m.recreations.clone()))?;
+        registry.register(Box::new(m.requests.clone()))?;
+        for p in PHASES {
+            m.pods.with_label_values(&[p]);
+        }
+        for r in START_FAILURES {
+            m.start_failures.with_label_values(&[r]);
+        }
+        for r in RECREATIONS {
+            m.recreations.with_label_values(&[r]);
+        }
+        Ok(m)
+    }
+}
+
+/// What this edge knows of one tenant pod, from the watch.
+#[derive(Debug, Clone)]
+struct PodView {
+    uid: String,
+    phase: String,
+    ready: bool,
+    ip: Option<IpAddr>,
+    deleting: bool,
+    unschedulable: bool,
+    evicted: bool,
+}
+
+impl PodView {
+    fn of(pod: &Pod) -> PodView {
+        let status = pod.status.as_ref();
+        let conditions = status.and_then(|s| s.conditions.as_deref()).unwrap_or(&[]);
+        let condition = |t: &str| conditions.iter().find(|c| c.type_ == t);
+        PodView {
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            phase: status
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "Pending".into()),
+            ready: condition("Ready").is_some_and(|c| c.status == "True"),
+            ip: status
+                .and_then(|s| s.pod_ip.as_deref())
+                .and_then(|ip| ip.parse().ok()),
+            deleting: pod.metadata.deletion_timestamp.is_some(),
+            unschedulable: condition("PodScheduled").is_some_and(|c| {
+                c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
+            }),
+            evicted: status.and_then(|s| s.reason.as_deref()) == Some("Evicted"),
+        }
+    }
+
+    fn ended(&self) -> bool {
+        self.phase == "Succeeded" || self.phase == "Failed"
+    }
+
+    /// Why a pod in this state went away, for the recreation counter.
+    fn end_reason(&self) -> &'static str {
+        match self.phase.as_str() {
+            "Succeeded" => "idle",
+            "Failed" if self.evicted => "evicted",
+            "Failed" => "failed",
+            _ => "deleted",
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// Tenant → its pod, as the watch last said.
+    pods: HashMap<String, PodView>,
+    /// Pods listed since the watch (re)started, replacing `pods` when the list is complete.
+    relist: Option<HashMap<String, PodView>>,
+    /// Tenants whose pod this edge created and has not seen ready: since when.
+    created: HashMap<String, Instant>,
+    /// Why each tenant's last pod went away (taken by the next creation).
+    ended: HashMap<String, &'static str>,
+    /// Pods (uid) this edge is deleting.
+    deleting: HashSet<String>,
+}
+
+/// The backend.
+pub struct KubeNodes {
+    pods: Api<Pod>,
+    pvcs: Api<PersistentVolumeClaim>,
+    settings: KubernetesNodes,
+    namespace: String,
+    api_url: String,
+    template: Template,
+    tenants: RwLock<HashMap<String, Tenant>>,
+    state: Mutex<State>,
+    changes: tokio::sync::watch::Sender<u64>,
+    /// The watch has listed every tenant pod at least once.
+    synced: AtomicBool,
+    /// The last look at the API server (the prober's) got an answer.
+    reachable: AtomicBool,
+    last_error: Mutex<Option<String>>,
+    metrics: KubeMetrics,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl KubeNodes {
+    /// Connects to the API server (`api_url`, else in-cluster) and registers the metrics; the
+    /// watch starts with [`KubeNodes::spawn_watch`].
+    pub fn build(cfg: &Config, registry: &Registry) -> anyhow::Result<Arc<KubeNodes>> {
+        let k = cfg
+            .nodes
+            .as_ref()
+            .and_then(|n| n.kubernetes.clone())
+            .ok_or_else(|| anyhow::anyhow!("the kubernetes backend needs [nodes.kubernetes]"))?;
+        let template = Template::load(&k.pod_template)?;
+        let mut kcfg = match &k.api_url {
+            Some(url) => ::kube::Config::new(
+                url.parse()
+                    .map_err(|e| anyhow::anyhow!("nodes.kubernetes.api_url {url:?}: {e}"))?,
+            ),
+            None => ::kube::Config::incluster().map_err(|e| {
+                anyhow::anyhow!("no nodes.kubernetes.api_url and not in a cluster: {e}")
+            })?,
+        };
+        let namespace = spec::namespace(&k).unwrap_or_else(|| kcfg.default_namespace.clone());
+        kcfg.default_namespace = namespace.clone();
+        let api_url = kcfg.cluster_url.to_string();
+        // kube builds its TLS client with the process-wide provider: ring, as everywhere here.
+        crate::tls::install_crypto_provider();
+        let client = ::kube::Client::try_from(kcfg)?;
+        let metrics = KubeMetrics::register(registry)?;
+        let (changes, _) = tokio::sync::watch::channel(0);
+        let nodes = KubeNodes {
+            pods: Api::namespaced(client.clone(), &namespace),
+            pvcs: Api::namespaced(client, &namespace),
+            settings: k,
+            namespace,
+            api_url,
+            template,
+            tenants: RwLock::new(HashMap::new()),
+            state: Mutex::new(State::default()),
+            changes,
+            synced: AtomicBool::new(false),
+            reachable: AtomicBool::new(true),
+            last_error: Mutex::new(None),
+            metrics,
+        };
+        nodes.reload(cfg)?;
+        Ok(Arc::new(nodes))
+    }
+
+    /// Puts a configuration's tenants in force (their pod specs and requests gauges).
+    pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
+        let mut tenants = HashMap::new();
+        for t in &cfg.tenants {
+            let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, t)?;
+            for (resource, v) in spec::requests(&pod) {
+                self.metrics
+                    .requests
+                    .with_label_values(&[&t.id, resource])
+                    .set(v);
+            }
+            tenants.insert(t.id.clone(), t.clone());
+        }
+        let old = std::mem::replace(
+            &mut *self.tenants.write().unwrap_or_else(PoisonError::into_inner),
+            tenants,
+        );
+        let current = self.tenants.read().unwrap_or_else(PoisonError::into_inner);
+        for id in old.keys().filter(|id| !current.contains_key(*id)) {
+            for resource in ["cpu", "memory"] {
+                let _gone = self.metrics.requests.remove_label_values(&[id, resource]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The pod name of `tenant`.
+    pub fn pod_name(&self, tenant: &str) -> String {
+        Names::of(&self.settings.name_prefix, tenant).pod
+    }
+
+    /// The name every tenant node's certificate carries.
+    pub fn server_name(&self) -> &str {
+        &self.settings.server_name
+    }
+
+    /// Whether `tenant` is one this edge serves.
+    pub fn knows(&self, tenant: &str) -> bool {
+        self.tenants
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(tenant)
+    }
+
+    /// How long a refused session should wait before trying again.
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    /// The tenant's node: its ready pod, created (volume first) when there is none, waited
+    /// for up to `start_timeout_secs`.
+    pub async fn locate(&self, tenant: &str) -> Result<PodTarget, StartError> {
+        let timeout = Duration::from_secs(self.settings.start_timeout_secs);
+        let deadline = Instant::now() + timeout;
+        let mut changes = self.changes.subscribe();
+        let mut created_here = false;
+        loop {
+            let (view, shared) = {
+                let s = lock(&self.state);
+                let view = s.pods.get(tenant).cloned();
+                // Another tenant's live pod at the same address: never dial it for this one.
+                let shared = view.as_ref().and_then(|v| v.ip).is_some_and(|ip| {
+                    s.pods
+                        .iter()
+                        .any(|(t, o)| t != tenant && !o.ended() && o.ip == Some(ip))
+                });
+                (view, shared)
+            };
+            match view {
+                Some(v) if shared => {
+                    tracing::error!(tenant, ip = ?v.ip, "the tenant's pod reports another tenant's pod address; not dialling it");
+                }
+                Some(v) if v.ready && v.phase == "Running" && !v.deleting => {
+                    if let Some(ip) = v.ip {
+                        return Ok(PodTarget {
+                            pod: self.pod_name(tenant),
+                            addr: SocketAddr::new(ip, self.settings.link_port),
+                        });
+                    }
+                }
+                Some(v) if v.ended() && !v.deleting => self.delete_ended(tenant, &v).await,
+                Some(_) => {} // starting, or going away: the watch will tell
+                None => {
+                    if let Err(e) = self.create(tenant).await {
+                        self.metrics
+                            .start_failures
+                            .with_label_values(&["api"])
+                            .inc();
+                        tracing::warn!(tenant, error = %e, "cannot create the tenant's pod; retrying");
+                        self.note_error(format!("create: {e}"));
+                        tokio::time::sleep(CREATE_BACKOFF).await;
+                    } else {
+                        created_here = true;
+                    }
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.metrics
+                    .start_failures
+                    .with_label_values(&["timeout"])
+                    .inc();
+                tracing::warn!(
+                    tenant,
+                    created_here,
+                    ?timeout,
+                    "the tenant's node is not ready in time"
+                );
+                return Err(StartError::Timeout(timeout));
+            }
+            let wait = (deadline - now).min(RECHECK);
+            let _changed = tokio::time::timeout(wait, changes.changed()).await;
+        }
+    }
+
+    /// Creates the tenant's volume claim (once) and pod; `AlreadyExists` is success for both
+    /// (another edge, or an earlier session, created them).
+    async fn create(&self, tenant: &str) -> Result<(), ::kube::Error> {
+        let t = self
+            .tenants
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(tenant)
+            .cloned();
+        let Some(t) = t else {
+            return Ok(());
+        };
+        let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
+            .map_err(|e| ::kube::Error::Service(e.into()))?;
+        match self.pvcs.create(&PostParams::default(), &pvc).await {
+            Ok(_) => tracing::info!(tenant, "created the tenant's volume claim"),
+            Err(e) if already_exists(&e) => {}
+            Err(e) => return Err(e),
+        }
+        let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, &t)
+            .map_err(|e| ::kube::Error::Service(e.into()))?;
+        match self.pods.create(&PostParams::default(), &pod).await {
+            Ok(created) => {
+                tracing::info!(tenant, pod = %self.pod_name(tenant), "created the tenant's pod");
+                let mut s = lock(&self.state);
+                s.created.insert(tenant.to_owned(), Instant::now());
+                if let Some(reason) = s.ended.remove(tenant) {
+                    self.metrics.recreations.with_label_values(&[reason]).inc();
+                }
+                // Until the watch reports it, the answer stands for it (no second create).
+                s.pods
+                    .entry(tenant.to_owned())
+                    .or_insert_with(|| PodView::of(&created));
+                self.publish(&s);
+            }
+            Err(e) if already_exists(&e) => {
+                tracing::info!(
+                    tenant,
+                    "the tenant's pod exists already (another edge created it)"
+                );
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// Deletes a completed or failed pod so a new one can be created (only that pod: a uid
+    /// precondition keeps a newer pod of the same name safe).
+    async fn delete_ended(&self, tenant: &str, v: &PodView) {
+        if !lock(&self.state).deleting.insert(v.uid.clone()) {
+            return;
+        }
+        let name = self.pod_name(tenant);
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(v.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.pods.delete(&name, &dp).await {
+            Ok(_) => {
+                tracing::info!(tenant, pod = %name, phase = %v.phase, "deleted the tenant's ended pod");
+                if v.phase == "Succeeded" {
+                    self.metrics.culls.inc();
+                }
+            }
+            Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => {
+                tracing::warn!(tenant, pod = %name, error = %e, "cannot delete the ended pod");
+                self.note_error(format!("delete: {e}"));
+                lock(&self.state).deleting.remove(&v.uid);
+            }
+        }
+    }
+
+    fn note_error(&self, e: String) {
+        *lock(&self.last_error) = Some(e);
+    }
+
+    /// Recomputes the gauges from the view and wakes waiting sessions.
+    fn publish(&self, s: &State) {
+        let mut by_phase: HashMap<&str, i64> = PHASES.iter().map(|p| (*p, 0)).collect();
+        let (mut unschedulable, mut starting) = (0, 0);
+        for v in s.pods.values() {
+            let phase = if PHASES.contains(&v.phase.as_str()) {
+                v.phase.as_str()
+            } else {
+                "Unknown"
+            };
+            *by_phase.entry(phase).or_default() += 1;
+            unschedulable += i64::from(v.unschedulable);
+            starting += i64::from(!v.ended() && !v.ready);
+        }
+        for (p, n) in by_phase {
+            self.metrics.pods.with_label_values(&[p]).set(n);
+        }
+        self.metrics.unschedulable.set(unschedulable);
+        self.metrics.starting.set(starting);
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// The tenant of a pod, when it is one of ours: labelled with a tenant this edge serves
+    /// and named as that tenant's pod.
+    fn tenant_of(&self, pod: &Pod) -> Option<String> {
+        let tenant = pod.metadata.labels.as_ref()?.get(TENANT_LABEL)?;
+        (pod.metadata.name.as_deref() == Some(self.pod_name(tenant).as_str()))
+            .then(|| tenant.clone())
+    }
+
+    /// One pod's new state, from the watch.
+    fn apply(&self, s: &mut State, pod: &Pod) {
+        let Some(tenant) = self.tenant_of(pod) else {
+            return;
+        };
+        let v = PodView::of(pod);
+        if v.ready {
+            if let Some(at) = s.created.remove(&tenant) {
+                self.metrics
+                    .start_seconds
+                    .observe(at.elapsed().as_secs_f64());
+            }
+        } else if v.phase == "Failed" && s.created.remove(&tenant).is_some() {
+            self.metrics
+                .start_failures
+                .with_label_values(&["failed"])
+                .inc();
+        }
+        s.pods.insert(tenant, v);
+    }
+
+    /// A pod is gone: remember why, for the next creation.
+    fn gone(&self, s: &mut State, tenant: &str) {
+        if let Some(v) = s.pods.remove(tenant) {
+            tracing::info!(tenant, phase = %v.phase, "the tenant's pod is gone");
+            s.ended.insert(tenant.to_owned(), v.end_reason());
+            s.deleting.remove(&v.uid);
+            s.created.remove(tenant);
+        }
+    }
+
+    /// Handles one watch event; returns completed pods to cull.
+    fn on_event(&self, ev: Event<Pod>) -> Vec<(String, PodView)> {
+        let mut s = lock(&self.state);
+        match ev {
+            Event::Apply(pod) => self.apply(&mut s, &pod),
+            Event::Delete(pod) => {
+                if let Some(t) = self.tenant_of(&pod) {
+                    self.gone(&mut s, &t);
+                }
+            }
+            Event::Init => s.relist = Some(HashMap::new()),
+            Event::InitApply(pod) => {
+                if let Some(t) = self.tenant_of(&pod) {
+                    let v = PodView::of(&pod);
+                    if let Some(r) = s.relist.as_mut() {
+                        r.insert(t.clone(), v);
+                    }
+                    self.apply(&mut s, &pod);
+                }
+            }
+            Event::InitDone => {
+                let listed = s.relist.take().unwrap_or_default();
+                let missing: Vec<String> = s
+                    .pods
+                    .keys()
+                    .filter(|t| !listed.contains_key(*t))
+                    .cloned()
+                    .collect();
+                for t in missing {
+                    self.gone(&mut s, &t);
+                }
+                self.synced.store(true, Ordering::Release);
+                *lock(&self.last_error) = None;
+            }
+        }
+        self.publish(&s);
+        s.pods
+            .iter()
+            .filter(|(_, v)| v.phase == "Succeeded" && !v.deleting && !s.deleting.contains(&v.uid))
+            .map(|(t, v)| (t.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Watches the tenant pods for as long as the returned handle lives: keeps the view, wakes
+    /// waiting sessions, deletes completed pods.
+    pub fn spawn_watch(self: &Arc<Self>) -> tokio_util::task::AbortOnDropHandle<()> {
+        let this = Arc::downgrade(self);
+        let api = self.pods.clone();
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            let cfg = watcher::Config::default().labels(TENANT_LABEL);
+            let mut events = watcher::watcher(api, cfg)
+                .backoff(WatchBackoff::default())
+                .boxed();
+            while let Some(ev) = events.next().await {
+                let Some(nodes) = this.upgrade() else { return };
+                match ev {
+                    Ok(ev) => {
+                        for (tenant, v) in nodes.on_event(ev) {
+                            let n = nodes.clone();
+                            tokio::spawn(async move { n.delete_ended(&tenant, &v).await });
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "tenant pod watch: API error; retrying");
+                        nodes.note_error(format!("watch: {e}"));
+                        if matches!(e, watcher::Error::WatchError(ref s) if s.code == 410) {
+                            // Its history is gone: not synced until it has listed again.
+                            nodes.synced.store(false, Ordering::Release);
+                        }
+                    }
+                }
+            }
+        }))
+    }
+
+    /// Asks the API server for one tenant pod, for `/readyz`: whether it answers.
+    pub async fn probe(&self) {
+        let lp = ListParams::default().labels(TENANT_LABEL).limit(1);
+        match self.pods.list(&lp).await {
+            Ok(_) => self.reachable.store(true, Ordering::Release),
+            Err(e) => {
+                self.reachable.store(false, Ordering::Release);
+                self.note_error(format!("probe: {e}"));
+            }
+        }
+    }
+
+    /// `/readyz` detail; ready once the watch has listed the tenant pods and while the API
+    /// server answers.
+    pub fn readiness(&self) -> (bool, serde_json::Value) {
+        let synced = self.synced.load(Ordering::Acquire);
+        let reachable = self.reachable.load(Ordering::Acquire);
+        let error = lock(&self.last_error).clone();
+        let s = lock(&self.state);
+        let pods: serde_json::Map<String, serde_json::Value> = s
+            .pods
+            .iter()
+            .map(|(t, v)| {
+                (
+                    t.clone(),
+                    json!({ "phase": v.phase, "ready": v.ready, "podIP": v.ip.map(|i| i.to_string()) }),
+                )
+            })
+            .collect();
+        (
+            synced && reachable,
+            json!({
+                "backend": "kubernetes",
+                "apiServer": self.api_url,
+                "namespace": self.namespace,
+                "watchSynced": synced,
+                "apiReachable": reachable,
+                "lastError": error,
+                "tenantPods": pods,
+            }),
+        )
+    }
+}
+
+/// The watch's back-off on API errors: 200 ms doubling to 5 s, reset by every event. Shorter
+/// than kube's default (up to 30 s), so an edge is ready again soon after its API server is.
+struct WatchBackoff {
+    next: Duration,
+}
+
+impl WatchBackoff {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let now = self.next;
+        self.next = (now * 2).min(Self::MAX);
+        Some(now)
+    }
+}
+
+impl ::kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+fn already_exists(e: &::kube::Error) -> bool {
+    matches!(e, ::kube::Error::Api(s) if s.code == 409)
+}
