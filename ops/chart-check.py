@@ -8,7 +8,7 @@ skipped by name only. The tenant pod template (pod.json) is validated as a Pod a
 the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
 refused (values.schema.json, the chart's own checks) are. When the built binary has
 `render-tenant-pod`, the pod it would create is validated as a Pod too, and every rendered
-config.toml must pass the built binary's `check-config` (the edge's only once the binary has the
+config.toml must pass the built binary's `check-config` (the edge's too: the binary has the
 kubernetes backend).
 """
 
@@ -261,7 +261,7 @@ def check_config(name: str, docs: list[dict]) -> None:
     binary = fleet_binary()
     codex = os.environ.get("CODEX_BIN")
     if not binary or not codex:
-        print("  skip check-config: needs the built codex-fleet and CODEX_BIN (ops/test.sh has both)")
+        fail(f"{name} check-config", "needs the built codex-fleet (cargo build --bins) and CODEX_BIN (ops/test.sh has both)")
         return
     full = f"{RELEASE}-codex-fleet"
     with tempfile.TemporaryDirectory() as tmp:
@@ -272,7 +272,7 @@ def check_config(name: str, docs: list[dict]) -> None:
             text = doc["data"]["config.toml"]
             if 'backend = "kubernetes"' in text:
                 if not has_kubernetes_backend(binary):
-                    print(f"  skip check-config {cm}: {binary} has no kubernetes backend yet")
+                    fail(f"{name} check-config {cm}", f"{binary} has no kubernetes backend")
                     continue
                 pod_json = Path(tmp) / "pod.json"
                 pod_json.write_text(find(docs, "ConfigMap", f"{full}-tenant-pod")["data"]["pod.json"])
@@ -292,10 +292,10 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
     """The pod the edge would create (codex-fleet render-tenant-pod), validated as a Pod."""
     binary = fleet_binary()
     if not binary:
-        print("  skip render-tenant-pod: no built codex-fleet (cargo build --bins)")
+        fail("render-tenant-pod", "no built codex-fleet (cargo build --bins)")
         return
     if not has_kubernetes_backend(binary):
-        print(f"  skip render-tenant-pod: {binary} has no such subcommand yet")
+        fail("render-tenant-pod", f"{binary} has no such subcommand")
         return
     full = f"{RELEASE}-codex-fleet"
     with tempfile.TemporaryDirectory() as tmp:
@@ -315,7 +315,13 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
             if out.returncode != 0:
                 fail(where, f"exit {out.returncode}: {out.stderr.strip()}")
                 continue
-            docs_out = [d for d in yaml.safe_load_all(out.stdout) if d]
+            # A v1 List of the volume claim and the pod, as the issue 13 contract says.
+            docs_out = []
+            for d in yaml.safe_load_all(out.stdout):
+                if d and d.get("kind") == "List":
+                    docs_out.extend(d.get("items", []))
+                elif d:
+                    docs_out.append(d)
             if not any(d.get("kind") == "Pod" for d in docs_out):
                 fail(where, f"no Pod in its output: {out.stdout[:200]}")
             before = len(failures)
