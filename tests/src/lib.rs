@@ -2,6 +2,7 @@
 //! offline mock model, and a wss JSON-RPC client that speaks the protocol as a real client does.
 
 pub mod fake_kube;
+pub mod kube_cluster;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -492,22 +492,9 @@ fn instant_query(expr: &str) -> String {
     re_end.to_owned()
 }
 
-/// Metric name prefixes only an edge with the kubernetes nodes backend exports (issue 13's
-/// contract). Until this test scrapes such an edge, the dashboard's cluster row and the kubernetes
-/// alerts must still parse, but may have no data; once any scraped target exports
-/// `codex_fleet_tenant_pods`, they must return data like every other expression.
-const KUBERNETES_BACKEND_METRICS: [&str; 3] = [
-    "codex_fleet_tenant_pods",
-    "codex_fleet_tenant_pod_",
-    "codex_fleet_node_start_",
-];
-
-fn uses_kubernetes_backend_metrics(expr: &str) -> bool {
-    KUBERNETES_BACKEND_METRICS.iter().any(|m| expr.contains(m))
-}
-
 /// Every dashboard and alert expression, evaluated by a real Prometheus that scraped a fleet, an
-/// edge and a node after real traffic, parses and returns data.
+/// edge and a node, and an edge on the kubernetes backend (the fake API server, issue 13), after
+/// real traffic, parses and returns data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheus(
 ) -> anyhow::Result<()> {
@@ -520,6 +507,7 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
         .start()
         .await?;
     let split = e2e::Split::start(&[("acme", "n1")], 1, "").await?;
+    let kube = e2e::kube_cluster::Cluster::start(e2e::kube_cluster::Options::default()).await?;
 
     let dir = tempfile::tempdir()?;
     let port = e2e::free_port()?;
@@ -527,6 +515,7 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
         fleet.admin_addr,
         split.edges[0].admin,
         split.nodes[0].process.as_ref().context("n1")?.admin,
+        kube.edges[0].admin,
     ]
     .iter()
     .map(|a| format!("'{a}'"))
@@ -576,6 +565,13 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     kill(Pid::from_raw(pid), Signal::SIGKILL)?;
     let mut through_edge = split.client(0, "acme").await?;
     through_edge.start_thread().await?;
+    // A tenant pod started on demand by the kubernetes edge, and a turn through it.
+    let mut through_pod = kube.client(0, "acme").await?;
+    let pod_thread = through_pod.start_thread().await?;
+    through_pod
+        .start_turn(&pod_thread, "through a tenant pod")
+        .await?;
+    through_pod.until_turn_completed(&pod_thread).await?;
     if let Some(n2) = &split.nodes[1].process {
         n2.signal(Signal::SIGKILL)?;
     }
@@ -589,13 +585,8 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
             Err(e) => Value::String(e.to_string()),
         }
     };
-    let mut exempt = Vec::new();
     let problems = loop {
         let mut problems = Vec::new();
-        exempt.clear();
-        let kube_exported = query("codex_fleet_tenant_pods".to_owned()).await["data"]["result"]
-            .as_array()
-            .is_some_and(|r| !r.is_empty());
         for (origin, expr) in &exprs {
             let q = instant_query(expr);
             let answer = query(q.clone()).await;
@@ -603,10 +594,6 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
             let has_data = answer["data"]["result"]
                 .as_array()
                 .is_some_and(|r| !r.is_empty());
-            if parsed && !has_data && !kube_exported && uses_kubernetes_backend_metrics(expr) {
-                exempt.push(origin.clone());
-                continue;
-            }
             if !(parsed && has_data) {
                 problems.push(format!("{origin}: {q}\n    -> {answer}"));
             }
@@ -617,14 +604,9 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
         tokio::time::sleep(Duration::from_secs(2)).await;
     };
     through_edge.close().await;
+    through_pod.close().await;
     c.close().await;
     fleet.stop().await?;
-    if !exempt.is_empty() {
-        eprintln!(
-            "parsed, no data (no scraped edge has the kubernetes backend): {}",
-            exempt.join(", ")
-        );
-    }
     assert!(
         problems.is_empty(),
         "expressions a real Prometheus cannot answer with data:\n{}",
