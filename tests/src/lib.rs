@@ -78,6 +78,25 @@ pub async fn pools_ready(fleet: &Fleet, pools: &[(&str, usize)]) -> bool {
     .await
 }
 
+/// Sends SIGSTOP to `pid` and waits (up to 5 s) until the kernel reports it stopped: the signal
+/// is delivered asynchronously, and a process may still answer a request or two after `kill`
+/// returns.
+pub async fn stop_process(pid: i32) -> anyhow::Result<()> {
+    use nix::sys::signal::{kill, Signal};
+    kill(nix::unistd::Pid::from_raw(pid), Signal::SIGSTOP)?;
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+            .unwrap_or(false)
+    };
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(5), stopped).await,
+        "process {pid} never showed as stopped"
+    );
+    Ok(())
+}
+
 /// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
 pub fn codex_bin() -> PathBuf {
     match std::env::var_os("CODEX_BIN") {

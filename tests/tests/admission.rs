@@ -724,7 +724,8 @@ async fn a_connection_at_its_in_flight_cap_is_refused_until_answers_come() -> an
     let workers = e2e::workers_under(&fleet.home("acme"));
     anyhow::ensure!(workers.len() == 1, "{workers:?}");
     let worker = nix::unistd::Pid::from_raw(workers[0]);
-    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGSTOP)?;
+    // Stopped for sure before the requests go out, or one may still be answered in between.
+    e2e::stop_process(workers[0]).await?;
     let mut ids = Vec::new();
     for _ in 0..3 {
         ids.push(c.send_request("thread/loaded/list", json!({})).await?);
