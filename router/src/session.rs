@@ -40,7 +40,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Sink, Stream, StreamExt};
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -62,7 +61,6 @@ use relay::recv_relay;
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
-use writer::write_client;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
@@ -232,7 +230,7 @@ type SlotWait = Pin<Box<dyn Future<Output = Result<InFlightPermit, Rejection>> +
 
 struct Session {
     ctx: SessionCtx,
-    out: mpsc::Sender<Message>,
+    out: Arc<writer::Out>,
     legs: HashMap<WorkerId, Leg>,
     home: Option<WorkerId>,
     init: Option<Init>,
@@ -282,13 +280,11 @@ where
     let metrics = ctx.metrics.clone();
     metrics.sessions.with_label_values(&[&tenant]).inc();
     let ctx_client_queue = ctx.client_queue;
-    let (out, out_rx) = mpsc::channel(ctx.client_queue);
+    let mut sink = sink;
     let queued_bytes =
         ctx.admission
             .client_queue_bytes(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
-    // The close frame of a client that is too slow skips its full queue.
-    let (urgent, urgent_rx) = mpsc::channel(1);
-    let writer = tokio::spawn(write_client(sink, out_rx, urgent_rx, queued_bytes.clone()));
+    let out = Arc::new(writer::Out::new(ctx.client_queue, queued_bytes.clone()));
     let leg_budget =
         ctx.admission
             .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
@@ -338,6 +334,8 @@ where
             }
         }
         let fanout_deadline = fanout::sleep_until(session.fanouts.next_deadline());
+        // What this session queued for its client is written by this task, as the socket takes it.
+        let writing = session.out.busy();
         // While a request is parked the client is not read; worker output still flows.
         let step = match slot.as_mut() {
             Some(wait) => tokio::select! {
@@ -347,6 +345,7 @@ where
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
                 e = &mut credential_ended => Err(End::from(e)),
+                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
@@ -355,6 +354,7 @@ where
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
                 e = &mut credential_ended => Err(End::from(e)),
+                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
             },
         };
         let step = match step {
@@ -373,30 +373,26 @@ where
     if let Some(frame) = end.close_frame() {
         // Normally the close frame follows what is queued (e.g. the errors that led to it); a
         // slow client's queue is dropped instead, and it gets the close frame next.
-        let queued = end != End::SlowClient
-            && session
-                .out
-                .try_send(Message::Close(Some(frame.clone())))
-                .is_ok();
-        if !queued {
-            let _sent = urgent.try_send(frame);
-        }
+        session.out.lock().close(frame, end == End::SlowClient);
     }
+    // Everything else the session holds (legs, requests in flight and their worker slots, its
+    // relay) goes now; only what is queued for the client stays, to be written.
+    let out = session.out.clone();
     drop(session);
-    drop(urgent);
     // Until the close frame is out, and then until the client answers it, what the client
     // still sends is read and discarded: closing a socket with unread input resets it, and the
     // reset would destroy the close frame (and whatever preceded it) on its way to the client.
-    let mut writer = writer;
     let closing = async {
+        let writer = out.finish(&mut sink);
+        tokio::pin!(writer);
         let drain = async { while let Some(Ok(_)) = stream.next().await {} };
         tokio::pin!(drain);
         let drained = tokio::select! {
-            _written = &mut writer => false,
+            () = &mut writer => false,
             () = &mut drain => true,
         };
         if drained {
-            let _written = (&mut writer).await;
+            writer.await;
             if end == End::TooBig {
                 // The rest of the oversized message is still unread and cannot be parsed away:
                 // give the client a moment to read the 1009 before our close resets the socket.
@@ -406,9 +402,7 @@ where
             drain.await;
         }
     };
-    if tokio::time::timeout(CLOSE_GRACE, closing).await.is_err() {
-        writer.abort();
-    }
+    let _in_time = tokio::time::timeout(CLOSE_GRACE, closing).await;
     metrics.sessions.with_label_values(&[&tenant]).dec();
     metrics
         .sessions_closed
