@@ -70,6 +70,8 @@ const MAX_PROTOCOL_ERRORS: u32 = 32;
 const MAX_SERVER_REQUESTS: usize = 4096;
 /// After a 1009 close, how long the socket stays open (unread) before it is dropped.
 const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
+/// Leg frames handled in one go when they are ready together (one write and flush for all).
+const LEG_BURST: usize = 64;
 /// How long the closing frame may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long after a turn was seen to start the workers' own count must include it.
@@ -340,7 +342,7 @@ where
         let step = match slot.as_mut() {
             Some(wait) => tokio::select! {
                 permit = wait => Ok(Some(permit)),
-                Some(ev) = from_workers.next() => session.on_leg_event(ev).await.map(|()| None),
+                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
@@ -349,7 +351,7 @@ where
             },
             None => tokio::select! {
                 frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
-                Some(ev) = from_workers.next() => session.on_leg_event(ev).await.map(|()| None),
+                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
                 r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
                 () = fanout_deadline => session.fanouts_expired().map(|()| None),
                 () = shutdown.cancelled() => Err(End::Shutdown),
@@ -424,6 +426,23 @@ impl Session {
             .client_errors
             .with_label_values(&[reason.as_str()])
             .inc();
+    }
+
+    /// A frame from a leg, and then whatever else the legs have ready (up to [`LEG_BURST`]), so
+    /// that what they make the session queue for its client goes out in one batch and one flush.
+    async fn on_leg_events(
+        &mut self,
+        first: LegEvent,
+        legs: &mut futures_util::stream::SelectAll<legs::LegFrames>,
+    ) -> Result<(), End> {
+        self.on_leg_event(first).await?;
+        for _ in 1..LEG_BURST {
+            match futures_util::FutureExt::now_or_never(legs.next()) {
+                Some(Some(ev)) => self.on_leg_event(ev).await?,
+                _ => break,
+            }
+        }
+        Ok(())
     }
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
