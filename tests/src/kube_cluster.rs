@@ -78,18 +78,7 @@ impl Cluster {
         let files = b.prepare().await?;
         let dir = files.dir.path().to_owned();
         let base = std::fs::read_to_string(&files.config)?;
-        let link = dir.join("link");
-        std::fs::create_dir(&link)?;
-        let pki = router::dev::generate_link_pki(&[SERVER_NAME])?;
-        for (name, pem) in [
-            ("ca.pem", &pki.ca_pem),
-            ("node.crt", &pki.node_cert_pem),
-            ("node.key", &pki.node_key_pem),
-            ("edge.crt", &pki.edge_cert_pem),
-            ("edge.key", &pki.edge_key_pem),
-        ] {
-            router::fsutil::write_private(&link.join(name), pem)?;
-        }
+        let link = crate::write_link_pki(&dir, &[SERVER_NAME])?;
         // The node config the chart mounts in every tenant pod: no tenants (`--tenant` names
         // the one it serves), its link and admin on the pod's own address.
         let tenants_at = base.find("[[tenants]]").unwrap_or(base.len());

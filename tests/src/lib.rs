@@ -97,6 +97,25 @@ pub async fn stop_process(pid: i32) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes the link's mutual-TLS material (a CA, a node certificate for `node_names`, an edge
+/// client certificate) in `<dir>/link`: `ca.pem`, `node.crt`, `node.key`, `edge.crt`,
+/// `edge.key`. Returns that directory.
+pub fn write_link_pki(dir: &Path, node_names: &[&str]) -> anyhow::Result<PathBuf> {
+    let link = dir.join("link");
+    std::fs::create_dir(&link)?;
+    let pki = router::dev::generate_link_pki(node_names)?;
+    for (name, pem) in [
+        ("ca.pem", &pki.ca_pem),
+        ("node.crt", &pki.node_cert_pem),
+        ("node.key", &pki.node_key_pem),
+        ("edge.crt", &pki.edge_cert_pem),
+        ("edge.key", &pki.edge_key_pem),
+    ] {
+        router::fsutil::write_private(&link.join(name), pem)?;
+    }
+    Ok(link)
+}
+
 /// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
 pub fn codex_bin() -> PathBuf {
     match std::env::var_os("CODEX_BIN") {
@@ -1249,18 +1268,7 @@ impl Split {
         }
         let files = b.prepare().await?;
         let base = std::fs::read_to_string(&files.config)?;
-        let link = files.dir.path().join("link");
-        std::fs::create_dir(&link)?;
-        let pki = router::dev::generate_link_pki(&["localhost", "127.0.0.1"])?;
-        for (name, pem) in [
-            ("ca.pem", &pki.ca_pem),
-            ("node.crt", &pki.node_cert_pem),
-            ("node.key", &pki.node_key_pem),
-            ("edge.crt", &pki.edge_cert_pem),
-            ("edge.key", &pki.edge_key_pem),
-        ] {
-            router::fsutil::write_private(&link.join(name), pem)?;
-        }
+        let link = write_link_pki(files.dir.path(), &["localhost", "127.0.0.1"])?;
         let mut split = Split {
             files,
             base,

@@ -246,3 +246,156 @@ fn server_request_ids_match_a_model_under_random_operations() {
         assert_eq!(s.by_worker.len(), model.len());
     }
 }
+
+/// `serve` over in-memory streams with paused time: the inbound pipeline's defined answers for
+/// a client that never reaches a worker, without a socket or a worker process (the tenant's pool
+/// has `min_workers = 0` and nothing here asks it for one).
+mod in_memory {
+    use super::*;
+    use serde_json::Value;
+    use tokio::sync::mpsc as chan;
+
+    struct Harness {
+        to_session: chan::UnboundedSender<Result<Message, WsError>>,
+        from_session: chan::UnboundedReceiver<Message>,
+        session: tokio::task::JoinHandle<End>,
+        _dir: tempfile::TempDir,
+    }
+
+    async fn start(limits: &str) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = crate::config::tests::minimal(&format!(
+            "command = [\"/bin/true\"]\n[limits]\n{limits}\n"
+        ))
+        .replace("/var/lib/codex-fleet", &dir.path().display().to_string())
+            + "min_workers = 0\n";
+        let cfg = crate::config::Config::parse(&toml).unwrap();
+        let registry = prometheus::Registry::new();
+        let worker_metrics = worker::metrics::WorkerMetrics::register(&registry).unwrap();
+        let tenants = crate::tenants::Tenants::build(&cfg, &worker_metrics).unwrap();
+        let tenant = tenants.get("acme").unwrap().clone();
+        let admission = Admission::new(cfg.limits.admission.clone()).unwrap();
+        let guard = admission.open_connection("acme").unwrap();
+        let ctx = SessionCtx {
+            tenant,
+            metrics: RouterMetrics::register(&registry).unwrap(),
+            max_message_bytes: cfg.limits.max_message_bytes,
+            client_queue: cfg.limits.client_queue,
+            client_queue_bytes: cfg.limits.client_queue_bytes,
+            tenant_queue_bytes: cfg.limits.tenant_queue_bytes,
+            admission,
+            shutdown: CancellationToken::new(),
+            lease: crate::credentials::Lease::unbounded(),
+            subject: "test".into(),
+            audit: crate::audit::Audit::start(&cfg.audit, &registry).unwrap(),
+        };
+        let (to_session, stream) = chan::unbounded_channel();
+        let (sink, from_session) = chan::unbounded_channel();
+        let stream = Box::pin(futures_util::stream::unfold(stream, |mut rx| async move {
+            rx.recv().await.map(|m| (m, rx))
+        }));
+        let sink = Box::pin(futures_util::sink::unfold(
+            sink,
+            |tx: chan::UnboundedSender<Message>, msg: Message| async move {
+                tx.send(msg).map_err(|_| WsError::ConnectionClosed)?;
+                Ok::<_, WsError>(tx)
+            },
+        ));
+        let session = tokio::spawn(serve(sink, stream, ctx, guard));
+        Harness {
+            to_session,
+            from_session,
+            session,
+            _dir: dir,
+        }
+    }
+
+    impl Harness {
+        fn send(&self, msg: Message) {
+            self.to_session.send(Ok(msg)).unwrap();
+        }
+
+        /// The next frame the session sends, as JSON (a close frame as `{"close": code}`).
+        async fn next(&mut self) -> Value {
+            let msg = tokio::time::timeout(Duration::from_secs(5), self.from_session.recv())
+                .await
+                .expect("an answer")
+                .expect("the session is still writing");
+            match msg {
+                Message::Text(t) => serde_json::from_str(t.as_str()).unwrap(),
+                Message::Close(f) => json!({ "close": f.map(|f| u16::from(f.code)) }),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bad_frames_get_their_defined_answers_and_a_run_of_them_ends_the_session() {
+        let mut h = start("").await;
+        h.send(Message::text("{not json"));
+        assert_eq!(h.next().await["error"]["code"], codes::PARSE_ERROR);
+        h.send(Message::binary(vec![1u8, 2, 3]));
+        let binary = h.next().await;
+        assert_eq!(binary["error"]["code"], codes::INVALID_REQUEST, "{binary}");
+        h.send(Message::text(
+            r#"{"id":7,"method":"thread/list","params":{}}"#,
+        ));
+        let early = h.next().await;
+        assert_eq!(early["id"], 7);
+        assert_eq!(early["error"]["message"], "Not initialized", "{early}");
+        // A notification before initialize is ignored, as app-server ignores it.
+        h.send(Message::text(r#"{"method":"initialized"}"#));
+        h.send(Message::text(r#"[1,2]"#));
+        assert_eq!(
+            h.next().await["error"]["code"],
+            codes::INVALID_REQUEST,
+            "a batch is refused (and nothing came for the notification before it)"
+        );
+        // MAX_PROTOCOL_ERRORS in a row: the session ends with 1002.
+        for _ in 0..MAX_PROTOCOL_ERRORS {
+            h.send(Message::text("nope"));
+        }
+        let mut last = Value::Null;
+        for _ in 0..MAX_PROTOCOL_ERRORS {
+            last = h.next().await;
+            if last.get("close").is_some() {
+                break;
+            }
+        }
+        assert!(last.get("close").is_some(), "closed: {last}");
+        assert_eq!(h.session.await.unwrap(), End::ProtocolErrors);
+    }
+
+    /// Lets the session task handle what was sent (one thread, paused time).
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_frame_flood_is_closed_and_the_rate_refills_with_time() {
+        let mut h = start("conn_fps = 10\nconn_burst = 5").await;
+        // Five frames of burst (notifications before initialize: ignored, but counted).
+        for _ in 0..5 {
+            h.send(Message::text(r#"{"method":"x/ping"}"#));
+        }
+        settle().await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // A second later the bucket is full again: five more are fine.
+        for _ in 0..5 {
+            h.send(Message::text(r#"{"method":"x/ping"}"#));
+        }
+        settle().await;
+        assert!(
+            h.from_session.try_recv().is_err(),
+            "within the rate nothing is refused and nothing closes"
+        );
+        for _ in 0..10 {
+            h.send(Message::text(r#"{"method":"x/ping"}"#));
+        }
+        let closed = h.next().await;
+        assert!(closed.get("close").is_some(), "{closed}");
+        assert_eq!(h.session.await.unwrap(), End::Flooded);
+    }
+}
