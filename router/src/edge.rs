@@ -62,7 +62,7 @@ pub const NODE_STARTING_REASON: &str =
 const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 
 /// The link to one node.
-type Link = WebSocketStream<TlsStream<TcpStream>>;
+pub(crate) type Link = WebSocketStream<TlsStream<TcpStream>>;
 
 /// The edge: who is who, where each tenant lives, and how to reach it.
 pub struct Edge {

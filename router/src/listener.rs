@@ -286,7 +286,7 @@ impl Conn {
     async fn relay(
         self: &Arc<Self>,
         edge: Arc<crate::edge::Edge>,
-        mut req: Request<Incoming>,
+        req: Request<Incoming>,
         key: &str,
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
@@ -298,7 +298,7 @@ impl Conn {
         if edge.starts_nodes() {
             // The tenant's node may have to start first (a pod on Kubernetes): the client is
             // upgraded now and its session waits, longer than a handshake may take.
-            return self.relay_when_started(edge, req, key, started, who);
+            return self.spawn_relay(edge, req, key, started, who, None);
         }
         let link = match edge.connect(&who, self.addr.0).await {
             Ok(link) => link,
@@ -326,34 +326,19 @@ impl Conn {
                 return self.overloaded(&r, "node_unavailable");
             }
         };
-        let accept = derive_accept_key(key.as_bytes());
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        let queue = self.client_queue;
-        let shutdown = self.shutdown.clone();
-        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
-        let audit = self.audit.clone();
-        let remote = self.addr.0.to_string();
-        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
-            tracing::info!("relaying the session to its node");
-            edge.relay(ws, link, &who, queue, shutdown).await;
-            tracing::info!("relay ended");
-            audit.record(
-                "session.ended",
-                serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": remote }),
-            );
-        });
-        switching_protocols(&accept)
+        self.spawn_relay(edge, req, key, started, who, Some(link))
     }
 
-    /// The kubernetes backend's upgrade: 101 at once, then the session waits for its node
-    /// ([`crate::edge::Edge::wait_and_relay`]).
-    fn relay_when_started(
+    /// Answers 101 and relays the session: over `link`, or, with none, once the tenant's node
+    /// has started ([`crate::edge::Edge::wait_and_relay`], the kubernetes backend).
+    fn spawn_relay(
         self: &Arc<Self>,
         edge: Arc<crate::edge::Edge>,
         mut req: Request<Incoming>,
         key: &str,
         started: tokio::time::Instant,
         who: crate::edge::Admitted,
+        link: Option<crate::edge::Link>,
     ) -> Response<Full<Bytes>> {
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
@@ -363,7 +348,13 @@ impl Conn {
         let audit = self.audit.clone();
         let client = self.addr.0;
         self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
-            edge.wait_and_relay(ws, &who, client, queue, shutdown).await;
+            match link {
+                Some(link) => {
+                    tracing::info!("relaying the session to its node");
+                    edge.relay(ws, link, &who, queue, shutdown).await;
+                }
+                None => edge.wait_and_relay(ws, &who, client, queue, shutdown).await,
+            }
             tracing::info!("relay ended");
             audit.record(
                 "session.ended",
