@@ -767,12 +767,12 @@ async fn scenario(
         .call("thread/resume", json!({ "threadId": a }))
         .await?;
     run.start_turn(&a, "shared RUNSHELL").await?;
+    // Through the end of the turn: what follows the answer (the command's output, the model's
+    // reply) belongs to this step however long the command takes, so no quiet window decides
+    // where the step ends.
     let asked = second
         .wire
-        .until(
-            |v| v["method"] == "item/commandExecution/requestApproval",
-            |_| Some(json!({ "decision": "accept" })),
-        )
+        .until(completed(&a), |_| Some(json!({ "decision": "accept" })))
         .await?;
     second.record("second session answers the approval", asked);
     let msgs = run.wire.until(completed(&a), no_answer).await?;
