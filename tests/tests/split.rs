@@ -250,6 +250,7 @@ async fn a_tenant_s_request_rate_is_exact_across_edges() -> anyhow::Result<()> {
     let mut c0 = s.client(0, "acme").await?;
     let mut c1 = s.client(1, "acme").await?;
     let (mut ok, mut limited) = (0, 0);
+    let began = Instant::now();
     for i in 0..16 {
         let c = if i % 2 == 0 { &mut c0 } else { &mut c1 };
         let r = c.call("thread/loaded/list", json!({})).await?;
@@ -261,8 +262,13 @@ async fn a_tenant_s_request_rate_is_exact_across_edges() -> anyhow::Result<()> {
         }
     }
     // The burst less the two clients' `initialize`, plus at most what the rate refilled
-    // meanwhile: one tenant-wide limit, not one per edge (that would admit all 16).
-    assert!((8..=9).contains(&ok), "{ok} admitted, {limited} limited");
+    // meanwhile (1 a second, however slow this machine is today): one tenant-wide limit, not
+    // one per edge (that would admit all 16).
+    let refilled = began.elapsed().as_secs() as usize + 1;
+    assert!(
+        (8..=8 + refilled).contains(&ok) && ok < 16,
+        "{ok} admitted, {limited} limited, {refilled} refilled"
+    );
     assert_eq!(ok + limited, 16);
     Ok(())
 }
