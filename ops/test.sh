@@ -5,6 +5,10 @@
 # fail when not root, unless CODEX_FLEET_SKIP_ROOT_TESTS=1 skips them knowingly.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The fast lane first: a formatting slip or a lint fails here, in the first minutes, before
+# anything is installed or any worker starts.
+cargo fmt --all -- --check
+cargo clippy --locked --workspace --all-targets -- -D warnings
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
 # tests/tests/ops.rs checks the alert rules with promtool (Debian's prometheus package ships it).
@@ -18,8 +22,6 @@ if ! command -v tmux >/dev/null; then
   apt-get install -y tmux >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y tmux >/dev/null; }
 fi
 echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
-cargo fmt --all -- --check
-cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo build --locked --bins
 # The Helm chart, offline: helm lint and a real Helm render of both modes with every values file
 # of charts/codex-fleet/ci/, each object validated against the Kubernetes OpenAPI schema, values

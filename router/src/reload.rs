@@ -172,7 +172,7 @@ impl Reloader {
     /// Stops the pools of removed tenants that no session uses any more. Holds off reloads
     /// meanwhile: a tenant re-added while its old pool stops would get a second pool on the same
     /// sockets.
-    pub(crate) async fn stop_unused(&self, grace: Duration) {
+    pub async fn stop_unused(&self, grace: Duration) {
         let _one = self.running.lock().await;
         let unused: Vec<Arc<Tenant>> = {
             let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);

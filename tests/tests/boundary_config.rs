@@ -1,6 +1,7 @@
 //! The tenant boundary as configured: methods no rule classifies are refused, app-server's
-//! remote control stays off unless a tenant's policy allows it, re-adding a removed tenant keeps
-//! its old sessions working, and uid and workspace-root mistakes are refused at start-up.
+//! remote control stays off unless a tenant's policy allows it, a removed tenant's sessions are
+//! closed while a tenant re-added before they ended adopts its running pool, and uid and
+//! workspace-root mistakes are refused at start-up.
 
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -219,8 +220,7 @@ async fn a_uid_another_tenant_remembers_is_refused_at_start_up() -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: per-tenant uids need root");
+    if !e2e::root_or_explicit_skip("allocating per-tenant uids") {
         return Ok(());
     }
     // Another instance's worker (or any process) already runs as the first uid of the range.
@@ -300,6 +300,22 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
         old.recv_close_frame(Duration::from_secs(30)).await?,
         Some((1008, router::session::REVOKED_REASON.to_owned()))
     );
+    // The old session's end does not stop the adopted pool (the tenant is configured again):
+    // once the session is gone, the pass that stops removed tenants' unused pools finds nothing
+    // of "back" to stop, and its worker is the same process, still ready.
+    let before: Vec<_> = back.pool.workers().iter().map(|w| w.pid).collect();
+    let gone = e2e::wait_until_async(Duration::from_secs(10), || async {
+        fleet
+            .metric("codex_fleet_sessions", &[("tenant", "back")])
+            .await
+            .is_ok_and(|n| n == 0.0)
+    })
+    .await;
+    assert!(gone, "the old session ended");
+    fleet.reloader.stop_unused(Duration::from_secs(5)).await;
+    assert!(ready(&fleet), "{:?}", back.pool.workers());
+    let after: Vec<_> = back.pool.workers().iter().map(|w| w.pid).collect();
+    assert_eq!(before, after, "the adopted pool's worker was not restarted");
     let mut new = fleet.client("back").await?;
     let thread2 = new.start_thread().await?;
     new.start_turn(&thread2, "new session after re-adding")
@@ -317,9 +333,6 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
             .all(|s| *s != worker::WorkerState::Quarantined),
         "{states:?}"
     );
-    // The old session's end does not stop the adopted pool: the tenant is configured again.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(ready(&fleet), "{:?}", back.pool.workers());
     new.close().await;
     drop((back, pool));
     fleet.stop().await

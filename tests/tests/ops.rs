@@ -469,27 +469,63 @@ fn percent_encode(s: &str) -> String {
         .collect()
 }
 
-/// What a dashboard or alert expression becomes for an instant query: Grafana's variables
+/// What a dashboard or alert expression becomes for instant queries: Grafana's variables
 /// filled in, and a final threshold dropped (an alert that does not fire still has data below
-/// its threshold; the threshold itself is promtool's to test).
-fn instant_query(expr: &str) -> String {
+/// its threshold; the threshold itself is promtool's to test). `a unless on (l) b` is empty
+/// while the alert is quiet, so each side is a query of its own: both must return data.
+fn instant_queries(expr: &str) -> Vec<String> {
     let q = expr
         .replace("$__rate_interval", "1m")
         .replace("$tenant", ".*");
-    // `a unless b` is empty while the alert is quiet; its data is in `a`.
-    let q = match q.split_once("unless") {
-        Some((a, _)) => a.trim().to_owned(),
-        None => q,
+    let sides: Vec<String> = match q.split_once("unless") {
+        Some((a, b)) => {
+            let b = b.trim_start();
+            // The right-hand side's vector-matching modifier belongs to `unless`, not to it.
+            let b = ["on", "ignoring"]
+                .iter()
+                .find_map(|m| {
+                    b.strip_prefix(m)
+                        .map(str::trim_start)
+                        .filter(|r| r.starts_with('('))
+                        .and_then(|r| r.find(')').map(|i| &r[i + 1..]))
+                })
+                .unwrap_or(b);
+            vec![a.to_owned(), b.to_owned()]
+        }
+        None => vec![q],
     };
-    let trimmed = q.trim_end();
-    let re_end = trimmed
+    sides.iter().map(|s| without_threshold(s.trim())).collect()
+}
+
+/// `expr` without a final comparison against a number (`> 0`, `>= 0.9`).
+fn without_threshold(expr: &str) -> String {
+    let trimmed = expr.trim_end();
+    trimmed
         .rfind(['>', '<'])
         .filter(|&i| {
             let tail = trimmed[i + 1..].trim_start_matches('=').trim();
             !tail.is_empty() && tail.parse::<f64>().is_ok()
         })
-        .map_or(trimmed, |i| trimmed[..i].trim_end());
-    re_end.to_owned()
+        .map_or(trimmed, |i| trimmed[..i].trim_end())
+        .to_owned()
+}
+
+#[test]
+fn both_sides_of_unless_are_queried() {
+    let q = instant_queries(
+        "(sum by (tenant) (a) > 0 or sum by (tenant) (b) > 0)\n unless on (tenant)\n  sum by (tenant) (c{state=\"ready\"}) > 0",
+    );
+    assert_eq!(
+        q,
+        [
+            "(sum by (tenant) (a) > 0 or sum by (tenant) (b) > 0)",
+            "sum by (tenant) (c{state=\"ready\"})"
+        ]
+    );
+    assert_eq!(
+        instant_queries("rate(x[$__rate_interval]) > 5"),
+        ["rate(x[1m])"]
+    );
 }
 
 /// Every dashboard and alert expression, evaluated by a real Prometheus that scraped a fleet, an
@@ -588,14 +624,15 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     let problems = loop {
         let mut problems = Vec::new();
         for (origin, expr) in &exprs {
-            let q = instant_query(expr);
-            let answer = query(q.clone()).await;
-            let parsed = answer["status"] == "success";
-            let has_data = answer["data"]["result"]
-                .as_array()
-                .is_some_and(|r| !r.is_empty());
-            if !(parsed && has_data) {
-                problems.push(format!("{origin}: {q}\n    -> {answer}"));
+            for q in instant_queries(expr) {
+                let answer = query(q.clone()).await;
+                let parsed = answer["status"] == "success";
+                let has_data = answer["data"]["result"]
+                    .as_array()
+                    .is_some_and(|r| !r.is_empty());
+                if !(parsed && has_data) {
+                    problems.push(format!("{origin}: {q}\n    -> {answer}"));
+                }
             }
         }
         if problems.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -640,8 +677,14 @@ async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()
     let fork = a
         .request("thread/fork", serde_json::json!({ "threadId": thread }))
         .await?;
-    assert!(fork["thread"]["id"].is_string(), "{fork}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let fork_id = fork["thread"]["id"].as_str().context("fork id")?.to_owned();
+    // The fork restates the thread's usage to its caller: once that restatement has reached the
+    // client, the session has seen it, and counted it if it were going to.
+    a.wait_for(|v| {
+        v["method"] == "thread/tokenUsage/updated" && v["params"]["threadId"] == fork_id.as_str()
+    })
+    .await
+    .context("the fork's restated usage")?;
     let acme = ("tenant", "acme");
     let m = |name: &'static str, labels: Vec<(&'static str, &'static str)>| {
         let fleet = &fleet;

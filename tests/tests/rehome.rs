@@ -192,6 +192,14 @@ async fn two_subscribers_keep_their_thread_when_its_worker_is_killed_mid_turn() 
          (histogram) mean {:.1} ms over {count}",
         sum / count * 1000.0
     );
+    // The histogram saw both re-homes, each timed from the worker's end (after the SIGKILL) to
+    // the subscription served again (before the poll above saw the counter reach 2).
+    assert!(count >= 2.0, "re-home durations observed: {count}");
+    assert!(
+        sum > 0.0 && sum / count <= served.as_secs_f64(),
+        "mean re-home {:.1} ms against {served:?} from the kill to both re-homed",
+        sum / count * 1000.0
+    );
     // The next turn, started by the session that did not start the first, reaches both.
     both_follow_the_next_turn(&fleet, &mut b, &mut a, &thread, owner, "after the crash").await?;
     // thread/read shows the killed turn as app-server itself does after a resume.

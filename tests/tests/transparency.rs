@@ -915,13 +915,19 @@ fn mask_digits_after(s: &str, marker: &str) -> String {
     out
 }
 
-/// A step's messages, normalized. Notifications from two workers reach a fleet client in the
-/// order the two processes sent them, which no single process reproduces: within a step,
-/// notifications are compared as a sorted list beside the ordered answers and server requests
-/// (README "One app-server per tenant").
+/// A step's messages, normalized, in three parts:
+/// - `ordered`: answers and server requests, in the order they came;
+/// - `threads`: per thread (by its normalized id), every message about it — notifications,
+///   answers whose result names it, server requests — in the order they came, duplicates kept,
+///   and beside it the thread's status changes in their own order. One thread lives on one
+///   worker, so one app-server's order within a thread, and against its answers, must survive
+///   the pool (README "One app-server per tenant");
+/// - `unthreaded`: notifications that name no thread, as a sorted list: two workers send them
+///   in an order no single process reproduces.
 fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
     let mut ordered = Vec::new();
-    let mut notifications = Vec::new();
+    let mut threads: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    let mut unthreaded = Vec::new();
     for m in msgs {
         let mut v = n.value("", m);
         // Server-request ids are the server's to choose and a client only echoes them: app-server
@@ -936,18 +942,55 @@ fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
                 m["params"]["requestId"]
             )));
         }
-        if m.get("id").is_none() {
-            notifications.push(v.to_string());
-        } else {
+        let thread = [
+            &v["params"]["threadId"],
+            &v["params"]["thread"]["id"],
+            &v["result"]["thread"]["id"],
+        ]
+        .into_iter()
+        .find_map(|t| t.as_str())
+        .map(str::to_owned);
+        match thread {
+            // app-server reports a thread's status from a task of its own: its changes interleave
+            // with a turn's items in an order that varies run to run on one app-server (seen
+            // direct against direct), so the two streams are compared each in its own order.
+            Some(t) if m["method"] == "thread/status/changed" => threads
+                .entry(format!("{t} status"))
+                .or_default()
+                .push(v.clone()),
+            Some(t) => threads.entry(t).or_default().push(v.clone()),
+            None if m.get("id").is_none() => unthreaded.push(v.to_string()),
+            None => {}
+        }
+        if m.get("id").is_some() {
             ordered.push(v);
         }
     }
-    notifications.sort();
-    // app-server itself restates a status some runs and not others (archiving a loaded thread
-    // sends `notLoaded` once or twice, direct against direct): a restatement carries nothing,
-    // so identical notifications within a step count once.
-    notifications.dedup();
-    json!({ "ordered": ordered, "notifications": notifications })
+    unthreaded.sort();
+    json!({ "ordered": ordered, "threads": threads, "unthreaded": unthreaded })
+}
+
+/// Each message of a step and how often it came (for the duplicates a pool could add).
+fn counts(step: &Value) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    let all = step["threads"]
+        .as_object()
+        .into_iter()
+        .flat_map(|t| t.values())
+        .filter_map(Value::as_array)
+        .flatten()
+        .map(Value::to_string)
+        .chain(
+            step["unthreaded"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str().map(str::to_owned)),
+        );
+    for m in all {
+        *out.entry(m).or_default() += 1;
+    }
+    out
 }
 
 fn normalize_run(steps: &[(String, Vec<Value>)], dir: &Path) -> Vec<(String, Value)> {
@@ -1037,24 +1080,61 @@ fn diff(at: &str, want: &Value, got: &Value) {
     }
 }
 
-/// Compares two runs step by step; prints the differing steps and the count.
-fn compare(what: &str, want: &[(String, Value)], got: &[(String, Value)]) -> usize {
+/// Compares a run with the runs it may equal, step by step: a step is the same when it equals the
+/// step of any of `want` (app-server itself varies some steps run to run: the set of its orders,
+/// not a sorted list). Prints the differing steps, each message that came more often than in any
+/// of `want` (a duplicate), and returns (steps the same, duplicates).
+fn compare(what: &str, want: &[&[(String, Value)]], got: &[(String, Value)]) -> (usize, usize) {
     let mut same = 0;
-    for (i, ((name, w), (_, g))) in want.iter().zip(got).enumerate() {
-        if w == g {
+    let mut duplicates = 0;
+    for (i, (name, g)) in got.iter().enumerate() {
+        let variants: Vec<&Value> = want
+            .iter()
+            .filter_map(|w| w.get(i))
+            .map(|(_, w)| w)
+            .collect();
+        if variants.iter().any(|w| *w == g) {
             same += 1;
-        } else {
-            eprintln!("{what}: step {i} differs: {name}");
+            continue;
+        }
+        eprintln!("{what}: step {i} differs: {name}");
+        if let Some(w) = variants.first() {
             diff("", w, g);
         }
+        let most: BTreeMap<String, usize> =
+            variants
+                .iter()
+                .map(|w| counts(w))
+                .fold(BTreeMap::new(), |mut acc, c| {
+                    for (m, k) in c {
+                        let e = acc.entry(m).or_insert(0);
+                        *e = (*e).max(k);
+                    }
+                    acc
+                });
+        for (m, k) in counts(g) {
+            let allowed = most.get(&m).copied().unwrap_or(0);
+            if allowed > 0 && k > allowed {
+                duplicates += k - allowed;
+                let cut: String = m.chars().take(300).collect();
+                eprintln!("  duplicate: {k} times (app-server: {allowed}): {cut}");
+            }
+        }
     }
-    eprintln!("{what}: {same}/{} identical", want.len().max(got.len()));
-    same
+    let all = want
+        .iter()
+        .map(|w| w.len())
+        .chain([got.len()])
+        .max()
+        .unwrap_or(0);
+    eprintln!("{what}: {same}/{all} identical, {duplicates} duplicates");
+    (same, duplicates)
 }
 
-/// Issue 15, Tests: the scenario run straight against one worker, twice, is the same every time
-/// (after normalizing ids, timestamps and paths), and through codex-fleet against a tenant of two
-/// workers, with the threads on both, it is the same step by step.
+/// The scenario run straight against one worker, twice, is the same (after normalizing ids,
+/// timestamps and paths) but for a step or two app-server itself varies; through codex-fleet
+/// against a tenant of two workers, with the threads on both, every step is one of app-server's:
+/// within each thread the same messages in the same order, answers included, and nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scenario_through_the_pool_is_the_scenario_against_one_app_server() -> anyhow::Result<()>
 {
@@ -1063,22 +1143,28 @@ async fn the_scenario_through_the_pool_is_the_scenario_against_one_app_server() 
     let again = direct_run().await?;
     let (fleet, workers) = fleet_run().await?;
     eprintln!("three runs in {:?}", started.elapsed());
-    let stable = compare("direct vs direct", &direct, &again);
-    let same = compare("fleet vs direct", &direct, &fleet);
+    // Steps app-server itself varies are compared against both of its runs.
+    let (stable, _) = compare("direct vs direct", &[&direct], &again);
+    let (same, duplicates) = compare("fleet vs direct", &[&direct, &again], &fleet);
     assert_eq!(
         workers, 2,
         "the scenario's threads should live on both workers"
     );
     assert!(direct.len() >= 50, "{} steps", direct.len());
-    assert_eq!(
-        stable,
-        direct.len(),
-        "direct against direct must be identical"
+    assert!(
+        direct.len() - stable <= 2,
+        "direct against direct varies in {} steps: the scenario is not a stable reference",
+        direct.len() - stable
     );
     assert_eq!(
-        same,
-        direct.len(),
-        "through codex-fleet every step must be identical"
+        duplicates, 0,
+        "codex-fleet delivered a message more often than app-server"
+    );
+    assert_eq!(
+        (same, fleet.len()),
+        (direct.len(), direct.len()),
+        "through codex-fleet every step must be one app-server's: per thread the same order of \
+         notifications and answers, no duplicates"
     );
     Ok(())
 }
