@@ -345,7 +345,8 @@ async fn forge(format: &str) -> anyhow::Result<()> {
     // takes at most 16 MiB).
     c.send(&json!({ "id": 99, "method": "m".repeat(8 << 20), "params": {} }))
         .await?;
-    c.close().await;
+    // Open until the refusal is logged: closing at once may reset the connection before the
+    // node has read the whole message.
     assert!(
         e2e::wait_until(STEP, || fleet.stderr().matches("request denied").count()
             >= 2)
@@ -353,6 +354,7 @@ async fn forge(format: &str) -> anyhow::Result<()> {
         "the refusals were logged: {}",
         fleet.stderr().chars().take(4000).collect::<String>()
     );
+    c.close().await;
     let log = fleet.stderr();
     for line in log.lines() {
         assert!(
@@ -380,6 +382,16 @@ async fn forge(format: &str) -> anyhow::Result<()> {
             ),
         }
     }
+    let longest = log
+        .lines()
+        .filter(|l| l.contains("request denied"))
+        .map(str::len)
+        .max()
+        .unwrap_or(0);
+    eprintln!(
+        "measured ({format}): an 8 MiB method name: longest refusal log line {longest} B, whole log {} B",
+        log.len()
+    );
     // The forged text is in the log, escaped, as one field of one line.
     assert!(
         log.contains("approval.answered"),
@@ -387,6 +399,14 @@ async fn forge(format: &str) -> anyhow::Result<()> {
     );
 
     // The audit log: every line is a record of codex-fleet's, none forged, the method cut.
+    // Written by the audit thread, a moment after the log line.
+    let denied = || {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .matches("\"event\":\"access.denied\"")
+            .count()
+    };
+    assert!(e2e::wait_until(STEP, || denied() >= 2).await);
     let text = std::fs::read_to_string(&audit)?;
     let records: Vec<Value> = text
         .lines()
@@ -406,6 +426,10 @@ async fn forge(format: &str) -> anyhow::Result<()> {
             method.len()
         );
     }
+    eprintln!(
+        "measured ({format}): the audit log after both refusals: {} B",
+        text.len()
+    );
     assert!(
         text.len() < 64 << 10,
         "the audit log holds {} bytes",
