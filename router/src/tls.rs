@@ -335,3 +335,29 @@ fn parse_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError
         })?
         .ok_or_else(|| TlsError::NoKey(path.display().to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose as Eku, KeyPair};
+
+    fn der(eku: Vec<Eku>) -> Vec<u8> {
+        let mut params = CertificateParams::new(vec!["edge".to_owned()]).unwrap();
+        params.extended_key_usages = eku;
+        let key = KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn only_a_client_auth_certificate_has_the_client_auth_eku() {
+        assert!(has_client_auth_eku(&der(vec![Eku::ClientAuth])));
+        assert!(has_client_auth_eku(&der(vec![
+            Eku::ServerAuth,
+            Eku::ClientAuth
+        ])));
+        assert!(!has_client_auth_eku(&der(vec![])));
+        assert!(!has_client_auth_eku(&der(vec![Eku::ServerAuth])));
+        assert!(!has_client_auth_eku(&der(vec![Eku::Any])));
+        assert!(!has_client_auth_eku(b"not a certificate"));
+    }
+}
