@@ -81,7 +81,7 @@ pub struct LinkIdentity {
 }
 
 /// Reads a link request's identity headers; `edge` is the link's peer address. `Err` for a
-/// subject that is not a valid encoding (not from a codex-fleet edge).
+/// subject that is not UTF-8 once decoded, or longer than any edge sends.
 pub fn read(headers: &HeaderMap, edge: SocketAddr) -> Result<LinkIdentity, HeaderError> {
     let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let subject = match headers.get(SUBJECT_HEADER) {
@@ -91,14 +91,18 @@ pub fn read(headers: &HeaderMap, edge: SocketAddr) -> Result<LinkIdentity, Heade
                 header: SUBJECT_HEADER,
                 reason: reason.to_owned(),
             };
-            let v = v.to_str().map_err(|_| bad("not visible ASCII"))?;
             if v.len() > MAX_SUBJECT_HEADER {
                 return Err(bad("too long"));
             }
-            percent_decode_str(v)
-                .decode_utf8()
-                .map_err(|_| bad("not UTF-8 once decoded"))?
-                .into_owned()
+            match v.to_str() {
+                Ok(encoded) => percent_decode_str(encoded)
+                    .decode_utf8()
+                    .map_err(|_| bad("not UTF-8 once decoded"))?
+                    .into_owned(),
+                // An edge from before the encoding sent UTF-8 as it is (during a rolling
+                // upgrade): taken as it is.
+                Err(_) => String::from_utf8(v.as_bytes().to_vec()).map_err(|_| bad("not UTF-8"))?,
+            }
         }
     };
     let client = text(CLIENT_ADDR_HEADER)
@@ -153,6 +157,14 @@ mod tests {
         // A subject that does not decode to UTF-8 is refused.
         h.insert(SUBJECT_HEADER, HeaderValue::from_static("%ff"));
         assert!(read(&h, edge).is_err());
+        h.insert(SUBJECT_HEADER, HeaderValue::from_bytes(b"\xff").unwrap());
+        assert!(read(&h, edge).is_err());
+        // An older edge's raw UTF-8 is read as it is.
+        h.insert(
+            SUBJECT_HEADER,
+            HeaderValue::from_bytes("José".as_bytes()).unwrap(),
+        );
+        assert_eq!(read(&h, edge).unwrap().subject, "José");
         // An over-long subject is the session's error.
         assert!(build("acme", &"x".repeat(MAX_SUBJECT_HEADER + 1), client).is_err());
     }
