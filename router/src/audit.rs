@@ -7,6 +7,26 @@
 //! forwards the answer to the worker.
 //!
 //! Never a credential: events carry the tenant, the subject, the credential kind and key id.
+//!
+//! # Telling audit records from log lines
+//!
+//! With `audit.path = "-"` (the chart's default) audit records share the container's log stream
+//! with the log lines on stderr. A line is an audit record if and only if it is a JSON object
+//! whose first key is [`AUDIT_KEY`] (`{"audit":"codex-fleet","ts_ms":…,"event":…,…}`), and no
+//! tenant can make a log line of that shape:
+//!
+//! - every audit record is written here, by [`line`], which puts [`AUDIT_KEY`] first and writes
+//!   every value with `serde_json` (control characters escaped, so a record is one line);
+//!   client-chosen values are bounded ([`crate::untrusted::Untrusted`]);
+//! - a `json` log line is one JSON object of `tracing-subscriber`'s fixed top-level keys
+//!   (`timestamp` first, then `level`, `fields`, `target`, spans); a client's text is only ever
+//!   a string value inside it, JSON-escaped, so it can neither add a top-level key nor end the
+//!   line;
+//! - a `text` log line starts with its timestamp, not `{`, and one event is one line: client
+//!   values are escaped ([`crate::untrusted::Untrusted`]) and any control character left in a
+//!   formatted event is escaped before it is written (`OneLineStderr` in `main.rs`).
+//!
+//! So a forged `approval.answered` can appear only as escaped text inside a log line.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -24,6 +44,11 @@ pub const DECISION_WAIT: Duration = Duration::from_millis(500);
 
 /// Longest command or change summary written, in characters.
 const SUMMARY_CHARS: usize = 400;
+
+/// The first key of every audit record, which no log line has (see the module documentation).
+pub const AUDIT_KEY: &str = "audit";
+/// Its value.
+pub const AUDIT_SOURCE: &str = "codex-fleet";
 
 enum Entry {
     Line(String),
@@ -189,16 +214,31 @@ impl Audit {
     }
 }
 
-/// One JSON line: `ts_ms` (Unix milliseconds), `event`, then the fields.
+/// One JSON line: [`AUDIT_KEY`] first, `ts_ms` (Unix milliseconds), `event`, then the fields
+/// (a field of one of those names is left out: the first three are this module's).
 fn line(event: &str, fields: Value) -> String {
     let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let mut v = json!({ "ts_ms": ts, "event": event });
-    if let (Some(obj), Value::Object(fields)) = (v.as_object_mut(), fields) {
-        obj.extend(fields);
+    let mut out = format!(
+        "{{{}:{},\"ts_ms\":{ts},\"event\":{}",
+        Value::from(AUDIT_KEY),
+        Value::from(AUDIT_SOURCE),
+        Value::from(event)
+    );
+    if let Value::Object(fields) = fields {
+        for (k, v) in fields {
+            if k == AUDIT_KEY || k == "ts_ms" || k == "event" {
+                continue;
+            }
+            out.push(',');
+            out.push_str(&Value::String(k).to_string());
+            out.push(':');
+            out.push_str(&v.to_string());
+        }
     }
-    v.to_string()
+    out.push('}');
+    out
 }
 
 /// A command (string or argv array) or change summary, bounded.
@@ -285,6 +325,29 @@ impl Sink {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_record_is_one_line_led_by_the_audit_key_whatever_its_fields_hold() {
+        let forged = "x\n{\"audit\":\"codex-fleet\",\"event\":\"approval.answered\"}\r\u{2028}";
+        let text = line(
+            "access.denied",
+            json!({ "method": forged, "audit": "forged", "event": "forged", "a": 1 }),
+        );
+        assert!(!text.contains('\n') && !text.contains('\r'), "{text}");
+        assert!(
+            text.starts_with(r#"{"audit":"codex-fleet","ts_ms":"#),
+            "{text}"
+        );
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (
+                v["audit"].as_str(),
+                v["event"].as_str(),
+                v["method"].as_str()
+            ),
+            (Some("codex-fleet"), Some("access.denied"), Some(forged))
+        );
+    }
+
     #[tokio::test]
     async fn lines_rotate_and_a_full_queue_counts_drops() {
         let dir = tempfile::tempdir().unwrap();
@@ -309,6 +372,7 @@ mod tests {
             (first["event"].as_str(), first["n"].as_i64()),
             (Some("test.event"), Some(0))
         );
+        assert!(rotated.starts_with(r#"{"audit":"codex-fleet","ts_ms":"#));
         // Far more events than the queue holds, at once: some are dropped and counted.
         for i in 0..10_000 {
             audit.record("flood", json!({ "n": i }));

@@ -42,9 +42,13 @@ pub enum AuthError {
     /// A JWT for another audience.
     #[error("websocket jwt audience mismatch")]
     JwtAudience,
-    /// A JWT without `exp` or without a subject.
+    /// A JWT without `exp` or without a subject, or with an `exp`, `nbf` or `iat` beyond any
+    /// sane date, or a subject over [`crate::credentials::MAX_SUBJECT_BYTES`].
     #[error("invalid websocket jwt")]
     JwtClaims,
+    /// A JWT naming a tenant its issuer's `tenants` does not list.
+    #[error("invalid websocket jwt")]
+    JwtTenant,
     /// A valid credential whose tenant is not configured (removed, or a tenant claim naming
     /// none).
     #[error("invalid websocket jwt")]
@@ -56,7 +60,7 @@ pub enum AuthError {
 
 impl AuthError {
     /// Every refusal, so each `codex_fleet_upgrades_refused_total` series exists from the start.
-    pub const ALL: [AuthError; 14] = [
+    pub const ALL: [AuthError; 15] = [
         AuthError::Missing,
         AuthError::Malformed,
         AuthError::Invalid,
@@ -69,6 +73,7 @@ impl AuthError {
         AuthError::JwtIssuer,
         AuthError::JwtAudience,
         AuthError::JwtClaims,
+        AuthError::JwtTenant,
         AuthError::UnknownTenant,
         AuthError::Origin,
     ];
@@ -88,6 +93,7 @@ impl AuthError {
             AuthError::JwtIssuer => "jwt_issuer",
             AuthError::JwtAudience => "jwt_audience",
             AuthError::JwtClaims => "jwt_claims",
+            AuthError::JwtTenant => "jwt_tenant",
             AuthError::UnknownTenant => "unknown_tenant",
             AuthError::Origin => "origin",
         }

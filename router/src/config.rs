@@ -123,6 +123,10 @@ pub struct JwtIssuer {
     /// Or: the claim that names the tenant.
     #[serde(default)]
     pub tenant_claim: Option<String>,
+    /// With `tenant_claim`: the only tenants its tokens may name (a token naming another is
+    /// refused, `jwt_tenant`). Unset: any configured tenant, static-token tenants included.
+    #[serde(default)]
+    pub tenants: Option<Vec<String>>,
     /// The claim that names the person (the subject).
     #[serde(default = "defaults::subject_claim")]
     pub subject_claim: String,
@@ -902,6 +906,21 @@ impl Config {
                     "auth.jwt {:?}: set exactly one of tenant and tenant_claim",
                     j.name
                 ));
+            }
+            match &j.tenants {
+                Some(_) if j.tenant_claim.is_none() => {
+                    return bad(format!(
+                        "auth.jwt {:?}: tenants lists what tenant_claim may name; with a fixed tenant leave it out",
+                        j.name
+                    ));
+                }
+                Some(list) if list.is_empty() => {
+                    return bad(format!(
+                        "auth.jwt {:?}: tenants = [] admits no token; list tenants or leave it out",
+                        j.name
+                    ));
+                }
+                _ => {}
             }
         }
         Ok(())

@@ -29,6 +29,15 @@ use crate::config::{parse_digest, Config, JwtIssuer};
 
 mod jwks;
 
+/// Longest subject admitted, in bytes (OpenID Connect's bound for `sub`, 255 ASCII
+/// characters): a longer one is refused (`jwt_claims`), so every log line, audit record and link
+/// header holds a subject exactly as the token named it.
+pub const MAX_SUBJECT_BYTES: usize = 255;
+
+/// Latest `exp` admitted, Unix seconds (9999-12-31T23:59:59Z): a later one is refused
+/// (`jwt_claims`) rather than overflowing the clock arithmetic of the session's lease.
+pub const MAX_EXP_SECS: u64 = 253_402_300_799;
+
 /// The smallest HS256 secret accepted, in bytes (as app-server's `signed-bearer-token`).
 pub const MIN_SECRET_BYTES: usize = 32;
 
@@ -144,6 +153,9 @@ pub(crate) struct Key {
     pub(crate) key: DecodingKey,
 }
 
+/// What a lease deadline beyond the clock's range becomes (a hundred years).
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Who a credential names, before the tenant's rules apply.
 struct Named {
     tenant: String,
@@ -166,6 +178,8 @@ struct Issuer {
     validation: Validation,
     tenant: Option<String>,
     tenant_claim: Option<String>,
+    /// The tenants `tenant_claim` may name; `None`: any.
+    tenants: Option<HashSet<String>>,
     subject_claim: String,
 }
 
@@ -337,7 +351,10 @@ impl Credentials {
             let left = exp
                 .duration_since(SystemTime::now())
                 .unwrap_or(Duration::ZERO);
-            tokio::time::Instant::now() + left + self.grace
+            let now = tokio::time::Instant::now();
+            // `exp` is at most MAX_EXP_SECS, but the grace is configured: never overflow.
+            now.checked_add(left.saturating_add(self.grace))
+                .unwrap_or_else(|| now + FAR_FUTURE)
         });
         let lease = Lease {
             credential: self.leases.token(&lease_key),
@@ -527,6 +544,7 @@ impl Issuer {
             validation,
             tenant: c.tenant.clone(),
             tenant_claim: c.tenant_claim.clone(),
+            tenants: c.tenants.as_ref().map(|t| t.iter().cloned().collect()),
             subject_claim: c.subject_claim.clone(),
         })
     }
@@ -557,13 +575,18 @@ impl Issuer {
             (None, Some(claim)) => text(claim).ok_or(AuthError::UnknownTenant)?,
             (None, None) => return Err(AuthError::UnknownTenant),
         };
+        if self.tenants.as_ref().is_some_and(|t| !t.contains(&tenant)) {
+            return Err(AuthError::JwtTenant);
+        }
         let subject = text(&self.subject_claim)
-            .filter(|s| !s.is_empty())
+            .filter(|s| !s.is_empty() && s.len() <= MAX_SUBJECT_BYTES)
             .ok_or(AuthError::JwtClaims)?;
-        let exp = claims
-            .get("exp")
-            .and_then(serde_json::Value::as_u64)
-            .map(|s| UNIX_EPOCH + Duration::from_secs(s));
+        // `exp` is required and a u64 (jsonwebtoken checked both); `nbf` and `iat` are only
+        // compared, never added to a clock.
+        let exp = match claims.get("exp").and_then(serde_json::Value::as_u64) {
+            Some(s) if s <= MAX_EXP_SECS => Some(UNIX_EPOCH + Duration::from_secs(s)),
+            _ => return Err(AuthError::JwtClaims),
+        };
         let key_id = format!("jwt:{}:{}", self.name, key.id);
         let lease_key = match self.url {
             // Keys come and go with the identity provider's rotation; the issuer is what a
@@ -842,6 +865,41 @@ subject_claim = "email"
             refusal(&c, &rs("rsa-a", "rsa-a.pem", claims)),
             AuthError::UnknownTenant
         );
+    }
+
+    #[test]
+    fn absurd_claims_are_refused_and_an_issuer_names_only_its_tenants() {
+        let mut s = setup();
+        let c = Credentials::build(&s.cfg, None).unwrap();
+        // An `exp` past the clock's range is a refusal, not a panic.
+        for exp in [json!(1u64 << 63), json!(u64::MAX), json!(MAX_EXP_SECS + 1)] {
+            let mut claims = good_hs();
+            claims["exp"] = exp;
+            assert_eq!(refusal(&c, &hs(claims)), AuthError::JwtClaims);
+        }
+        let mut claims = good_hs();
+        claims["exp"] = json!(MAX_EXP_SECS);
+        assert!(c.admit_now(&bearer(&hs(claims))).is_ok());
+        // A subject over the bound; one at it is admitted as it is.
+        let mut claims = good_hs();
+        claims["sub"] = json!("é".repeat(128));
+        assert_eq!(refusal(&c, &hs(claims)), AuthError::JwtClaims);
+        let mut claims = good_hs();
+        claims["sub"] = json!(format!("a\nb{}", "é".repeat(126)));
+        let v = c.admit_now(&bearer(&hs(claims.clone()))).unwrap();
+        assert_eq!(v.subject, claims["sub"].as_str().unwrap());
+        // `tenants`: the `org` claim may name beta only.
+        s.cfg.auth.jwt[1].tenants = Some(vec!["beta".into()]);
+        let c = Credentials::build(&s.cfg, None).unwrap();
+        let named = |org: &str| {
+            rs(
+                "rsa-a",
+                "rsa-a.pem",
+                json!({"email": "m@x", "org": org, "exp": now() + 60}),
+            )
+        };
+        assert_eq!(refusal(&c, &named("acme")), AuthError::JwtTenant);
+        assert_eq!(c.admit_now(&bearer(&named("beta"))).unwrap().tenant, "beta");
     }
 
     #[test]

@@ -40,9 +40,12 @@ use crate::config::Config;
 use crate::credentials::{CredentialEnd, Credentials, Lease};
 use crate::jsonrpc::{self, RequestId};
 
+pub mod headers;
+
 /// Link upgrade header: the tenant the client authenticated as.
 pub const TENANT_HEADER: &str = "x-codex-fleet-tenant";
-/// Link upgrade header: who the client is (the credential that authenticated it).
+/// Link upgrade header: who the client is (the credential that authenticated it),
+/// percent-encoded ([`headers`]).
 pub const SUBJECT_HEADER: &str = "x-codex-fleet-subject";
 /// Link upgrade header: the client's address as the edge saw it.
 pub const CLIENT_ADDR_HEADER: &str = "x-codex-fleet-client-addr";
@@ -136,6 +139,15 @@ pub enum LinkError {
         retry_after: Option<HeaderValue>,
         /// Its body.
         body: String,
+    },
+    /// The session's identity cannot be carried on the link ([`headers::HeaderError`]): the
+    /// session's error, not the node's (no link error is counted, readiness is untouched).
+    #[error("node {node}: {source}")]
+    Session {
+        /// The node.
+        node: String,
+        /// What cannot be carried.
+        source: headers::HeaderError,
     },
     /// The tenant's node is not ready within the backend's start timeout.
     #[error("node {node} still starting")]
@@ -324,7 +336,7 @@ impl Edge {
             .get(&v.tenant)
             .cloned()
             .ok_or(AuthError::UnknownTenant)?;
-        tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
+        tracing::info!(tenant = %v.tenant, subject = %crate::untrusted::Untrusted::text(&v.subject), kind = v.kind, key = %v.key_id, "authenticated");
         Ok(Admitted {
             tenant: v.tenant,
             node,
@@ -389,10 +401,12 @@ impl Edge {
                 .connect_seconds
                 .with_label_values(&[&who.node])
                 .observe(started.elapsed().as_secs_f64()),
+            // Not the node's failure: neither counted against it nor its readiness.
+            Err(LinkError::Session { .. }) => {}
             Err(e) => {
                 let reason = match e {
                     LinkError::Unreachable { .. } | LinkError::Starting { .. } => "unreachable",
-                    LinkError::Refused { .. } => "refused",
+                    LinkError::Refused { .. } | LinkError::Session { .. } => "refused",
                 };
                 self.metrics
                     .errors
@@ -417,17 +431,19 @@ impl Edge {
             node: node.clone(),
             reason,
         };
+        // Before any connection: a session whose identity cannot travel is its own error.
+        let identity = headers::build(&who.tenant, &who.subject, client).map_err(|source| {
+            LinkError::Session {
+                node: node.clone(),
+                source,
+            }
+        })?;
         let tls = self.tls_to(target).await.map_err(unreachable)?;
         let mut request = format!("wss://{}/", target.addr)
             .into_client_request()
             .map_err(|e| unreachable(e.to_string()))?;
         let h = request.headers_mut();
-        for (name, value) in [
-            (TENANT_HEADER, who.tenant.as_str()),
-            (SUBJECT_HEADER, who.subject.as_str()),
-            (CLIENT_ADDR_HEADER, &client.to_string()),
-        ] {
-            let value = HeaderValue::from_str(value).map_err(|e| unreachable(e.to_string()))?;
+        for (name, value) in identity {
             h.insert(name, value);
         }
         let config = crate::listener::ws_config(self.max_message_bytes);

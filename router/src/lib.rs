@@ -23,6 +23,7 @@ pub mod session;
 pub mod tenants;
 pub mod tls;
 pub mod top;
+pub mod untrusted;
 pub mod usage;
 
 use std::future::Future;

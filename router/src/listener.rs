@@ -42,6 +42,7 @@ use crate::credentials::Lease;
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
+use crate::untrusted::Untrusted;
 
 /// Where a listener's sessions run, and how its clients prove who they are.
 #[derive(Clone)]
@@ -426,23 +427,33 @@ impl Conn {
             }
         };
         let tenants = self.tenants.current();
+        // The client's address: on a node, the one its edge saw (the link names it).
+        let mut remote = self.addr.0;
         let (tenant, lease, subject) = match &self.upstream {
             Upstream::Nodes(edge) => return self.relay(edge.clone(), req, &key, started).await,
             Upstream::Link => {
-                let named = req
-                    .headers()
-                    .get(crate::edge::TENANT_HEADER)
-                    .and_then(|v| v.to_str().ok());
-                let subject = req
-                    .headers()
-                    .get(crate::edge::SUBJECT_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default()
-                    .to_owned();
-                match named.and_then(|id| tenants.get(id)) {
+                let who = match crate::edge::headers::read(req.headers(), self.addr.0) {
+                    Ok(who) => who,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "link refused: a malformed identity header");
+                        return self.plain(StatusCode::BAD_REQUEST, "link_header", &e.to_string());
+                    }
+                };
+                remote = who.client;
+                match who.tenant.as_deref().and_then(|id| tenants.get(id)) {
                     // The edge holds the session's lease and closes it when its credential ends.
-                    Some(t) => (Some(t.clone()), Lease::unbounded(), subject),
+                    Some(t) => {
+                        self.audit.record(
+                            "link.admitted",
+                            serde_json::json!({
+                                "tenant": t.id, "subject": who.subject,
+                                "remote": remote.to_string(), "edge": self.addr.0.to_string(),
+                            }),
+                        );
+                        (Some(t.clone()), Lease::unbounded(), who.subject)
+                    }
                     None => {
+                        let named = who.tenant.as_deref().map(Untrusted::text);
                         tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
                         return self.plain(
                             StatusCode::NOT_FOUND,
@@ -454,7 +465,7 @@ impl Conn {
             }
             Upstream::Local => match tenants.credentials().admit(req.headers()).await {
                 Ok(v) => {
-                    tracing::info!(tenant = %v.tenant, subject = %v.subject, kind = v.kind, key = %v.key_id, "authenticated");
+                    tracing::info!(tenant = %v.tenant, subject = %Untrusted::text(&v.subject), kind = v.kind, key = %v.key_id, "authenticated");
                     self.audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);
                     (tenants.get(&v.tenant).cloned(), v.lease, v.subject)
                 }
@@ -492,8 +503,8 @@ impl Conn {
             audit: self.audit.clone(),
         };
         let audit = self.audit.clone();
-        let remote = self.addr.0.to_string();
-        let span = tracing::info_span!("session", tenant = %ctx.tenant.id, %subject, client.addr = %self.addr.0);
+        let span = tracing::info_span!("session", tenant = %ctx.tenant.id, subject = %Untrusted::text(&subject), client.addr = %remote);
+        let remote = remote.to_string();
         self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
             let (sink, stream) = futures_util::StreamExt::split(ws);
             tracing::info!("session started");

@@ -23,8 +23,27 @@ const EX_CONFIG: u8 = 78;
     about = "Multi-tenant supervisor and router for codex app-server"
 )]
 struct Cli {
+    /// How log lines are written to stderr: `text` (one line per event, control characters
+    /// escaped) or `json` (one JSON object per line; the Helm chart's default).
+    #[arg(
+        long,
+        global = true,
+        env = "CODEX_FLEET_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The format of log lines (`--log-format`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable, one line per event.
+    Text,
+    /// One JSON object per line (`tracing-subscriber`'s json layer).
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -102,8 +121,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    init_tracing();
     let cli = Cli::parse();
+    init_tracing(cli.log_format);
     if !matches!(
         cli.command,
         Command::CheckConfig { .. } | Command::Top { .. } | Command::RenderTenantPod { .. }
@@ -224,13 +243,53 @@ fn raise_nofile_limit() {
     }
 }
 
-fn init_tracing() {
+/// Logs go to stderr, one event per line in either format, so that no client-chosen text can
+/// start a line of its own (see [`router::audit`] for how audit records stay apart from them):
+/// `json` escapes every value; `text` writes client-chosen values through
+/// [`router::untrusted::Untrusted`] and, as a backstop, escapes any control character left in a
+/// formatted event ([`OneLineStderr`]). Colours only on a terminal.
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("CODEX_FLEET_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().with_writer(std::io::stderr).init(),
+        LogFormat::Text => {
+            let ansi = std::io::stderr().is_terminal();
+            builder
+                .with_ansi(ansi)
+                .with_writer(OneLineStderr { ansi })
+                .init();
+        }
+    }
+}
+
+/// stderr for the `text` format: each formatted event (the formatter writes one event per
+/// `write`) with its control characters escaped by [`router::untrusted::one_line`].
+struct OneLineStderr {
+    ansi: bool,
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for OneLineStderr {
+    type Writer = OneLineStderr;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        OneLineStderr { ansi: self.ansi }
+    }
+}
+
+impl std::io::Write for OneLineStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(buf);
+        let line = router::untrusted::one_line(&text, self.ansi);
+        std::io::stderr().lock().write_all(line.as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }
 
 fn run_async(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {

@@ -65,7 +65,8 @@ pub fn server_config_reloading(
 }
 
 /// The node's side of the edge→node link: like [`server_config`], and every client must present a
-/// certificate chaining to `client_ca` (mutual TLS); others fail the handshake.
+/// certificate chaining to `client_ca` (mutual TLS) whose extended key usage names clientAuth
+/// ([`ClientAuthOnly`]); others fail the handshake.
 pub fn server_config_mutual(
     cert: &Path,
     key: &Path,
@@ -73,15 +74,89 @@ pub fn server_config_mutual(
 ) -> Result<(Arc<ServerConfig>, Arc<CertFiles>), TlsError> {
     install_crypto_provider();
     let roots = Arc::new(root_store(client_ca)?);
-    let verifier = rustls::server::WebPkiClientVerifier::builder(roots)
+    let chain = rustls::server::WebPkiClientVerifier::builder(roots)
         .build()
         .map_err(|e| TlsError::Rustls(rustls::Error::General(e.to_string())))?;
+    let verifier = Arc::new(ClientAuthOnly { chain });
     let files = CertFiles::load(cert, key)?;
     let mut cfg = ServerConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
         .with_client_cert_verifier(verifier)
         .with_cert_resolver(files.clone());
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok((Arc::new(cfg), files))
+}
+
+/// A client certificate verifier that also requires the clientAuth extended key usage of the
+/// end-entity certificate. WebPki accepts a certificate without any extended key usage for
+/// every purpose, so a server (or any other) certificate the link CA signed would open a node's
+/// port; only certificates issued to edges (clientAuth) do here.
+#[derive(Debug)]
+pub struct ClientAuthOnly {
+    /// Checks the chain to the CA, validity and the handshake signatures.
+    chain: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+}
+
+/// Whether the certificate (DER) names clientAuth in its extended key usage.
+pub fn has_client_auth_eku(cert: &[u8]) -> bool {
+    x509_parser::parse_x509_certificate(cert).is_ok_and(
+        |(_, cert)| matches!(cert.extended_key_usage(), Ok(Some(eku)) if eku.value.client_auth),
+    )
+}
+
+impl rustls::server::danger::ClientCertVerifier for ClientAuthOnly {
+    fn offer_client_auth(&self) -> bool {
+        self.chain.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.chain.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.chain.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let verified = self
+            .chain
+            .verify_client_cert(end_entity, intermediates, now)?;
+        if !has_client_auth_eku(end_entity) {
+            tracing::warn!(
+                "link refused: the client certificate has no clientAuth extended key usage"
+            );
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::InvalidPurpose,
+            ));
+        }
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.chain.supported_verify_schemes()
+    }
 }
 
 /// How often the certificate files are compared with what is serving.
@@ -259,4 +334,30 @@ fn parse_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError
             source,
         })?
         .ok_or_else(|| TlsError::NoKey(path.display().to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{CertificateParams, ExtendedKeyUsagePurpose as Eku, KeyPair};
+
+    fn der(eku: Vec<Eku>) -> Vec<u8> {
+        let mut params = CertificateParams::new(vec!["edge".to_owned()]).unwrap();
+        params.extended_key_usages = eku;
+        let key = KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn only_a_client_auth_certificate_has_the_client_auth_eku() {
+        assert!(has_client_auth_eku(&der(vec![Eku::ClientAuth])));
+        assert!(has_client_auth_eku(&der(vec![
+            Eku::ServerAuth,
+            Eku::ClientAuth
+        ])));
+        assert!(!has_client_auth_eku(&der(vec![])));
+        assert!(!has_client_auth_eku(&der(vec![Eku::ServerAuth])));
+        assert!(!has_client_auth_eku(&der(vec![Eku::Any])));
+        assert!(!has_client_auth_eku(b"not a certificate"));
+    }
 }

@@ -462,6 +462,72 @@ async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> any
     fleet.stop().await
 }
 
+/// Issue 22: an issuer with `tenants` names only those tenants: a token naming another (acme, a
+/// tenant of static tokens and of another issuer) is 401 `jwt_tenant`, one naming beta is
+/// admitted.
+#[tokio::test]
+async fn an_issuer_names_only_its_tenants() -> anyhow::Result<()> {
+    let files = tempfile::tempdir()?;
+    let scoped = files.path().join("scoped.jwks");
+    std::fs::write(&scoped, jwks(&["rsa-b"]))?;
+    let fleet = fleet_with(&format!(
+        "[[auth.jwt]]\nname = \"scoped\"\nalgorithm = \"RS256\"\njwks_file = {scoped:?}\n\
+         issuer = \"https://scoped.test\"\ntenant_claim = \"org\"\ntenants = [\"beta\"]\n"
+    ))
+    .await?;
+    let naming = |org: &str| {
+        signed(
+            Algorithm::RS256,
+            "rsa-b",
+            "rsa-b.pem",
+            &json!({"sub": "m", "org": org, "iss": "https://scoped.test", "exp": now() + 600}),
+        )
+    };
+    // acme is a tenant (of static tokens and of another issuer), but not this issuer's.
+    let u = upgrade(&fleet, Some(&naming("acme")), None).await?;
+    assert_eq!(status(&u), 401);
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_upgrades_refused_total",
+                &[("reason", "jwt_tenant")]
+            )
+            .await?,
+        1.0
+    );
+    let mut c = Client::connect(&fleet.url(), &fleet.files.ca, Some(&naming("beta"))).await?;
+    c.initialize("scoped").await?;
+    c.close().await;
+    fleet.stop().await
+}
+
+/// Issue 22: an `exp` past any sane date (2^63, u64::MAX) is 401 `jwt_claims`, not a panic of
+/// the connection, and the server goes on serving.
+#[tokio::test]
+async fn an_absurd_exp_is_refused_and_the_server_goes_on() -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    for exp in [json!(1u64 << 63), json!(u64::MAX)] {
+        let claims =
+            json!({"sub": "ada", "exp": exp, "iss": "https://issuer.test", "aud": "codex-fleet"});
+        let u = upgrade(&fleet, Some(&hs256(&claims)), None).await?;
+        assert_eq!(status(&u), 401, "exp {exp}");
+    }
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_upgrades_refused_total",
+                &[("reason", "jwt_claims")]
+            )
+            .await?,
+        2.0
+    );
+    // And the next client is served.
+    let mut c = Client::connect(&fleet.url(), &fleet.files.ca, Some(&acme_jwt("ada", 600))).await?;
+    c.initialize("after").await?;
+    c.close().await;
+    fleet.stop().await
+}
+
 /// The config text without the `[[tenants]]` table of `id`.
 fn remove_tenant(toml: &str, id: &str) -> String {
     remove_table(toml, "[[tenants]]", &format!("id = \"{id}\""))

@@ -67,10 +67,12 @@ impl Session {
         let value = |raw: Option<&RawValue>| {
             raw.and_then(|r| serde_json::from_str::<serde_json::Value>(r.get()).ok())
         };
-        asked["decision"] = match value(result) {
+        // The client's answer: bounded, whatever it holds.
+        let decision = match value(result) {
             Some(r) => r.get("decision").cloned().unwrap_or(r),
             None => json!({ "error": value(error) }),
         };
+        asked["decision"] = crate::untrusted::Untrusted::value(&decision);
         asked["tenant"] = json!(self.ctx.tenant.id);
         asked["subject"] = json!(self.ctx.subject);
         self.ctx

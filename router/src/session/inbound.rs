@@ -17,6 +17,7 @@ use crate::admission::{InFlightPermit, Reason, Rejection, Scope};
 use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::ClientError;
 use crate::policy::{self, Decision};
+use crate::untrusted::Untrusted;
 
 // === impl Session ===
 
@@ -152,10 +153,11 @@ impl Session {
                     Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
                     Decision::Deny(denial) => {
                         self.count_error(ClientError::HostAccessDenied);
-                        tracing::info!(method = %method, policy = denial.class.as_str(), "request denied by host-access policy");
+                        let shown = Untrusted::method(method.as_str());
+                        tracing::info!(method = %shown, policy = denial.class.as_str(), "request denied by host-access policy");
                         self.audit(
                             "access.denied",
-                            json!({ "method": method.as_str(), "policy": denial.class.as_str() }),
+                            json!({ "method": shown.json(), "policy": denial.class.as_str() }),
                         );
                         return self.to_client(denial.to_error_response(&id));
                     }
@@ -216,7 +218,10 @@ impl Session {
                 .unwrap_or_default();
             self.audit(
                 "session.initialized",
-                json!({ "client_name": info["name"], "client_version": info["version"] }),
+                json!({
+                    "client_name": Untrusted::value(&info["name"]),
+                    "client_version": Untrusted::value(&info["version"]),
+                }),
             );
             self.init = Some(Init {
                 id: id.clone(),

@@ -223,7 +223,7 @@ impl Session {
         match self.send_resume(order, to).await {
             Ok(()) => Ok(()),
             Err(why) => {
-                tracing::warn!(tenant = %self.ctx.tenant.id, thread = %order.thread, worker = %to, why,
+                tracing::warn!(tenant = %self.ctx.tenant.id, thread = %crate::untrusted::Untrusted::text(&order.thread), worker = %to, why,
                     "cannot resume the thread of a worker that ended; closing it for this client");
                 self.moved(&order.thread, order.cause, Outcome::ResumeFailed, None);
                 self.unfollow(&order.thread);
@@ -290,11 +290,11 @@ impl Session {
                 Outcome::Rehomed,
                 Some(moving.since),
             );
-            tracing::info!(tenant = %self.ctx.tenant.id, thread = %moving.thread, %worker,
+            tracing::info!(tenant = %self.ctx.tenant.id, thread = %crate::untrusted::Untrusted::text(&moving.thread), %worker,
                 cause = moving.cause.as_str(), "thread re-homed after its worker ended");
             return Ok(());
         }
-        tracing::warn!(tenant = %self.ctx.tenant.id, thread = %moving.thread, %worker, response = text,
+        tracing::warn!(tenant = %self.ctx.tenant.id, thread = %crate::untrusted::Untrusted::text(&moving.thread), %worker, response = text,
             "resume of the thread of a worker that ended failed; closing it for this client");
         self.moved(&moving.thread, moving.cause, Outcome::ResumeFailed, None);
         self.unfollow(&moving.thread);
