@@ -343,6 +343,11 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_thread_rehomes_total{cause=\"crash\",outcome=\"rehomed\",tenant=\"acme\"}",
         "codex_fleet_thread_rehomes_total{cause=\"retired\",outcome=\"no_worker\",tenant=\"acme\"}",
         "codex_fleet_thread_rehome_duration_seconds_count{tenant=\"acme\"}",
+        // The refusals panel (issue 22): every scope and reason a refusal is counted under.
+        "codex_fleet_admission_rejections_total{reason=\"tenantRateLimited\",scope=\"tenant\"}",
+        "codex_fleet_admission_rejections_total{reason=\"tooManyConnections\",scope=\"fleet\"}",
+        "codex_fleet_admission_rejections_total{reason=\"connectionRateLimited\",scope=\"connection\"}",
+        "codex_fleet_admission_rejections_total{reason=\"workerBusy\",scope=\"worker\"}",
     ] {
         assert!(zero(series), "{series} missing:\n{text}");
     }
