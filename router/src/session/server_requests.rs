@@ -2,11 +2,13 @@
 //! asked and the worker's own id (app-server numbers them per process, facts §5), with what an
 //! approval asked, kept for the audit record of its decision.
 //!
-//! A request is forgotten when it is resolved (`serverRequest/resolved`, which app-server also
-//! sends when a turn transition aborts it), when its thread's turn ends on its worker, and when
-//! its worker's leg closes: so the table holds the live prompts only. Approvals still awaiting
-//! the client's answer are never forgotten to make room: at [`MAX_APPROVALS`] of them the next one
-//! is refused ([`Full`]) and the session ends, so no decision passes unaudited.
+//! A request is forgotten when it is resolved (`serverRequest/resolved`) and when its worker's
+//! leg closes. When its thread's turn ends on its worker it is withdrawn: no answer to it is
+//! forwarded any more and its approval record goes, but its id stays mapped, since app-server
+//! 0.171 sends the `serverRequest/resolved` of a prompt aborted by `turn/interrupt` only after
+//! `turn/completed`. Withdrawn and answered requests are the first to make room; approvals still
+//! awaiting the client's answer never are: at [`MAX_APPROVALS`] of them the next one is refused
+//! ([`Full`]) and the session ends, so no decision passes unaudited.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,7 +26,7 @@ pub(super) const MAX_APPROVALS: usize = 1024;
 pub(super) struct Pending {
     pub(super) worker: WorkerId,
     pub(super) id: RequestId,
-    /// The client has answered it.
+    /// The client has answered it, or it was withdrawn: no answer is forwarded any more.
     pub(super) answered: bool,
     /// The thread it is about, when it names one.
     pub(super) thread: Option<String>,
@@ -77,13 +79,15 @@ impl ServerRequests {
             return Err(Full);
         }
         if self.by_session.len() >= MAX_SERVER_REQUESTS {
-            // Never an approval awaiting its answer (at most MAX_APPROVALS of the entries).
-            let old = self
-                .by_session
-                .iter()
-                .find(|(_, p)| p.approval.is_none())
-                .map(|(sid, _)| *sid);
-            if let Some(old) = old {
+            // The oldest answered or withdrawn one, else the oldest that is no approval awaiting
+            // its answer (at most MAX_APPROVALS of the entries are).
+            let oldest = |dead: bool| {
+                self.by_session
+                    .iter()
+                    .find(|(_, p)| p.approval.is_none() && (p.answered || !dead))
+                    .map(|(sid, _)| *sid)
+            };
+            if let Some(old) = oldest(true).or_else(|| oldest(false)) {
                 self.remove(old);
             }
         }
@@ -131,10 +135,25 @@ impl ServerRequests {
         Some((sid, p.approval))
     }
 
-    /// A turn of `thread` on `worker` ended (app-server aborts its prompts): forgets the
-    /// thread's requests there.
+    /// A turn of `thread` on `worker` ended (app-server aborts its prompts): withdraws the
+    /// thread's requests there that await an answer; their ids stay mapped for the
+    /// `serverRequest/resolved` that may follow.
     pub(super) fn turn_ended(&mut self, worker: WorkerId, thread: &str) -> Vec<Withdrawn> {
-        self.forget(|p| p.worker == worker && p.thread.as_deref() == Some(thread))
+        let mut withdrawn = Vec::new();
+        for (sid, p) in &mut self.by_session {
+            if p.worker != worker || p.thread.as_deref() != Some(thread) || p.answered {
+                continue;
+            }
+            p.answered = true;
+            let approval = p.approval.take();
+            self.approvals -= usize::from(approval.is_some());
+            withdrawn.push(Withdrawn {
+                sid: *sid,
+                thread: p.thread.clone(),
+                approval,
+            });
+        }
+        withdrawn
     }
 
     /// Forgets `worker`'s requests (its leg closed or it exited).

@@ -618,7 +618,7 @@ mod approvals {
     }
 
     #[test]
-    fn the_table_forgets_a_thread_s_prompts_at_its_turn_end_and_keeps_unanswered_approvals() {
+    fn the_table_withdraws_a_thread_s_prompts_at_its_turn_end_and_keeps_unanswered_approvals() {
         let mut s = ServerRequests::default();
         let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
         let asked = || Some(json!({"method": "item/commandExecution/requestApproval"}));
@@ -640,20 +640,46 @@ mod approvals {
             }]
         );
         assert_eq!(s.approvals(), 1);
+        assert_eq!(
+            s.take(a),
+            None,
+            "no answer to a withdrawn prompt is forwarded"
+        );
+        assert_eq!(
+            s.resolved(w1, RequestId::Int(0)),
+            Some((a, None)),
+            "a resolution after the turn's end still carries the session's id"
+        );
         assert!(s.take(other_worker).is_some_and(|t| t.2.is_some()));
         assert_eq!(s.approvals(), 0, "an answered approval no longer counts");
         assert_eq!(
             s.resolved(w1, RequestId::Int(1)),
             Some((other_thread, None))
         );
-        // Full of other requests, the oldest that is no unanswered approval makes room.
+        // Full of other requests: answered or withdrawn ones make room first, then the oldest
+        // that is no unanswered approval.
         let mut s = ServerRequests::default();
         let first = s.insert(w1, RequestId::Int(-1), None, asked()).unwrap();
-        for n in 0..MAX_SERVER_REQUESTS as i64 {
+        let live = s.insert(w1, RequestId::Int(-2), None, None).unwrap();
+        let answered = s.insert(w1, RequestId::Int(-3), None, None).unwrap();
+        s.take(answered);
+        for n in 0..(MAX_SERVER_REQUESTS as i64 - 3) {
             s.insert(w1, RequestId::Int(n), None, None).unwrap();
         }
         assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
+        s.insert(w1, RequestId::Int(100_000), None, None).unwrap();
+        assert!(
+            !s.by_session.contains_key(&answered),
+            "the answered one made room"
+        );
+        assert!(s.by_session.contains_key(&live));
+        s.insert(w1, RequestId::Int(100_001), None, None).unwrap();
+        assert!(
+            !s.by_session.contains_key(&live),
+            "then the oldest live non-approval"
+        );
         assert!(s.by_session.contains_key(&first), "the approval stays");
+        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
         assert_eq!(s.approvals(), 1);
     }
 }
