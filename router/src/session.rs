@@ -690,6 +690,9 @@ impl Session {
         method: &Method<'_>,
         params: Option<&serde_json::value::RawValue>,
     ) {
+        if self.server_requests.by_session.is_empty() {
+            return; // the common case, deltas included: nothing to look up
+        }
         let Some((turns::Event::Ended, thread)) = turns::event_of(method, params) else {
             return;
         };
