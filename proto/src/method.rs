@@ -4,6 +4,9 @@
 use std::borrow::Cow;
 use std::fmt;
 
+mod known;
+pub use known::{is_app_server_method, unknown_method_message, APP_SERVER_METHODS};
+
 macro_rules! methods {
     ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
         /// A JSON-RPC method name: the ones the router, the worker supervisor or the tools act on,

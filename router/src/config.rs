@@ -9,6 +9,9 @@ use serde::Deserialize;
 
 use crate::admission::AdmissionConfig;
 
+/// Smallest `max_processes` accepted (other than 0): app-server alone runs about 20 threads.
+pub const MIN_PROCESSES: u64 = 64;
+
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -331,6 +334,11 @@ pub struct Workers {
     /// RLIMIT_CPU (seconds) of each worker; unset: unlimited.
     #[serde(default)]
     pub rlimit_cpu_secs: Option<u64>,
+    /// RLIMIT_NPROC of each worker, unless its tenant sets its own: processes and threads of the
+    /// worker's real uid, at most (a per-tenant wall under per-tenant uids; under a shared uid
+    /// it counts everything of codex-fleet's uid). 0: inherited.
+    #[serde(default = "defaults::max_processes")]
+    pub max_processes: u64,
     /// Resident memory above which a worker takes no new threads and is replaced once idle.
     #[serde(default)]
     pub max_worker_rss_bytes: Option<u64>,
@@ -476,6 +484,9 @@ pub struct Tenant {
     /// Most workers this tenant may run.
     #[serde(default = "defaults::max_workers")]
     pub max_workers: usize,
+    /// RLIMIT_NPROC of this tenant's workers; unset: `workers.max_processes`.
+    #[serde(default)]
+    pub max_processes: Option<u64>,
     /// `-c key=value` overrides for this tenant's workers (after `[workers].config_overrides`).
     #[serde(default)]
     pub config_overrides: Vec<String>,
@@ -604,6 +615,9 @@ mod defaults {
     }
     pub fn rlimit_nofile() -> Option<u64> {
         Some(65_536)
+    }
+    pub fn max_processes() -> u64 {
+        4096
     }
     pub fn load_mark() -> usize {
         4
@@ -859,6 +873,14 @@ impl Config {
             }
             if t.max_workers == 0 {
                 return bad(format!("tenant {:?}: max_workers must be at least 1", t.id));
+            }
+            let processes = t.max_processes.unwrap_or(self.workers.max_processes);
+            if processes != 0 && processes < MIN_PROCESSES {
+                return bad(format!(
+                    "tenant {:?}: max_processes must be 0 (inherited) or at least {MIN_PROCESSES} \
+                     (app-server alone runs about 20 threads)",
+                    t.id
+                ));
             }
             if t.min_workers > t.max_workers {
                 return bad(format!(
@@ -1323,6 +1345,19 @@ node = "n2"
     }
 
     #[test]
+    fn max_processes_is_inherited_or_large_enough_for_app_server() {
+        let tenant = |line: &str| format!("{}{line}\n", minimal(""));
+        let cfg = Config::parse(&tenant("max_processes = 200")).expect("valid");
+        assert_eq!(cfg.tenants[0].max_processes, Some(200));
+        assert_eq!(cfg.workers.max_processes, 4096);
+        let err = Config::parse(&tenant("max_processes = 10")).unwrap_err();
+        assert!(err.to_string().contains("max_processes"), "{err}");
+        let err = Config::parse(&minimal("max_processes = 63\n")).unwrap_err();
+        assert!(err.to_string().contains("at least 64"), "{err}");
+        assert!(Config::parse(&minimal("max_processes = 0\n")).is_ok());
+    }
+
+    #[test]
     fn unknown_keys_are_refused_by_name() {
         let err = Config::parse(&minimal("bogus_key = 1\n")).unwrap_err();
         assert!(err.to_string().contains("bogus_key"), "{err}");
@@ -1464,6 +1499,8 @@ node = "n2"
             ("workers.rlimit_nofile", opt(w.rlimit_nofile)),
             ("workers.rlimit_as_bytes", opt(w.rlimit_as_bytes)),
             ("workers.rlimit_cpu_secs", opt(w.rlimit_cpu_secs)),
+            ("workers.max_processes", w.max_processes.to_string()),
+            ("tenants[].max_processes", opt(t.max_processes)),
             ("workers.max_worker_rss_bytes", opt(w.max_worker_rss_bytes)),
             (
                 "workers.restart_backoff_initial_ms",

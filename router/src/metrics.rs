@@ -407,6 +407,12 @@ impl RouterMetrics {
         for end in crate::session::End::ALL {
             m.sessions_closed.with_label_values(&[end.label()]);
         }
+        for reason in crate::admission::Reason::ALL {
+            for scope in refusal_scopes(reason) {
+                m.admission_rejections
+                    .with_label_values(&[scope.as_str(), reason.as_str()]);
+            }
+        }
         for method in crate::session::PER_CONNECTION {
             m.replayed_notifications_dropped
                 .with_label_values(&[method]);
@@ -433,5 +439,68 @@ impl RouterMetrics {
         self.admission_rejections
             .with_label_values(&[r.scope.as_str(), r.reason.as_str()])
             .inc();
+    }
+}
+
+/// The scopes an admission refusal of `reason` is counted under, so each pair a dashboard shows
+/// exists from the start.
+fn refusal_scopes(reason: crate::admission::Reason) -> &'static [crate::admission::Scope] {
+    use crate::admission::{Reason, Scope};
+    match reason {
+        Reason::HandshakeRateLimited
+        | Reason::ConnectionRateLimited
+        | Reason::TooManyRequestsInFlight => &[Scope::Connection],
+        Reason::TenantRateLimited | Reason::TurnRateLimited | Reason::ActiveTurnLimit => {
+            &[Scope::Tenant]
+        }
+        Reason::TooManyConnections => &[Scope::Tenant, Scope::Fleet],
+        Reason::FleetWorkerLimit => &[Scope::Fleet],
+        Reason::WorkerBusy
+        | Reason::WorkerOverloaded
+        | Reason::NoWorkerAvailable
+        | Reason::WorkerUnreachable
+        | Reason::NodeUnavailable
+        | Reason::NodeStarting => &[Scope::Worker],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 22 (6): the refusals panel reads 0, not "no data", before the first refusal.
+    #[test]
+    fn admission_refusals_exist_at_zero_before_the_first() {
+        let registry = Registry::new();
+        RouterMetrics::register(&registry).unwrap();
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap();
+        for (scope, reason) in [
+            ("connection", "handshakeRateLimited"),
+            ("connection", "connectionRateLimited"),
+            ("connection", "tooManyRequestsInFlight"),
+            ("tenant", "tenantRateLimited"),
+            ("tenant", "turnRateLimited"),
+            ("tenant", "activeTurnLimit"),
+            ("tenant", "tooManyConnections"),
+            ("fleet", "tooManyConnections"),
+            ("fleet", "fleetWorkerLimit"),
+            ("worker", "workerBusy"),
+            ("worker", "workerOverloaded"),
+            ("worker", "noWorkerAvailable"),
+            ("worker", "workerUnreachable"),
+            ("worker", "nodeUnavailable"),
+            ("worker", "nodeStarting"),
+        ] {
+            let series = format!(
+                "{}{{reason=\"{reason}\",scope=\"{scope}\"}} 0",
+                names::ADMISSION_REJECTIONS
+            );
+            assert!(
+                text.lines().any(|l| l == series),
+                "{series} missing:\n{text}"
+            );
+        }
     }
 }

@@ -5,8 +5,10 @@
 //! barrier when tenants share a uid. The session asks [`HostAccessPolicy::check`] for every
 //! client request before routing it. Every method of the pinned app-server has a row in the
 //! table (see `policy/rules.rs`): open methods pass without their params being parsed, host
-//! methods take their class's mode, and a method with no row is refused (policy
-//! `"unclassified"`).
+//! methods take their class's mode, and a method with no row is never forwarded: it gets
+//! app-server's own answer to a method it does not know (`-32600 "Invalid request: unknown
+//! variant …"`), and the few methods app-server knows but codex-fleet does not serve are refused
+//! (policy `"unclassified"`).
 //!
 //! A refusal is a JSON-RPC error with code [`HOST_ACCESS_DENIED`] (`-32003`), message
 //! `"Host access denied by policy: <method> <detail>"` and
@@ -459,13 +461,8 @@ impl HostAccessPolicy {
                     "is not served by codex-fleet",
                 ))
             }
-            None => {
-                return Decision::Deny(Denial::new(
-                    Class::Unclassified,
-                    method,
-                    "is not a method codex-fleet knows",
-                ))
-            }
+            // Unknown to app-server as well: its own answer, and nothing forwarded.
+            None => return Decision::Invalid(proto::method::unknown_method_message(method)),
         };
         match self.mode(rule.class) {
             Mode::Allow => Decision::Allow,

@@ -66,8 +66,6 @@ use server_requests::ServerRequests;
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
 /// Protocol errors in a row that end a session.
 const MAX_PROTOCOL_ERRORS: u32 = 32;
-/// Server requests remembered per session (oldest forgotten first).
-const MAX_SERVER_REQUESTS: usize = 4096;
 /// After a 1009 close, how long the socket stays open (unread) before it is dropped.
 const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
 /// Leg frames handled in one go when they are ready together (one write and flush for all).
@@ -139,12 +137,17 @@ pub enum End {
     CredentialExpired,
     /// A reload removed the session's token, key or tenant (1008, [`REVOKED_REASON`]).
     CredentialRevoked,
+    /// The workers asked more approvals than the session may hold unanswered (1008,
+    /// [`TOO_MANY_PROMPTS_REASON`]): forgetting one would let its decision pass unaudited.
+    TooManyPrompts,
 }
 
 /// Close reason of a session whose JWT expired.
 pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect with a new token";
 /// Close reason of a session whose credential or tenant a reload removed.
 pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
+/// Close reason of a session holding too many unanswered approvals.
+pub const TOO_MANY_PROMPTS_REASON: &str = "codex-fleet: too many approvals awaiting an answer";
 
 impl From<crate::credentials::CredentialEnd> for End {
     fn from(e: crate::credentials::CredentialEnd) -> End {
@@ -157,7 +160,7 @@ impl From<crate::credentials::CredentialEnd> for End {
 
 impl End {
     /// Every way a session ends, so each series exists (at zero) from the start.
-    pub const ALL: [End; 8] = [
+    pub const ALL: [End; 9] = [
         End::ClientGone,
         End::Shutdown,
         End::SlowClient,
@@ -166,6 +169,7 @@ impl End {
         End::Flooded,
         End::CredentialExpired,
         End::CredentialRevoked,
+        End::TooManyPrompts,
     ];
 
     /// The `reason` of `codex_fleet_sessions_closed_total`.
@@ -179,6 +183,7 @@ impl End {
             End::Flooded => "flooded",
             End::CredentialExpired => "credential_expired",
             End::CredentialRevoked => "credential_revoked",
+            End::TooManyPrompts => "too_many_prompts",
         }
     }
 
@@ -193,6 +198,7 @@ impl End {
             End::Flooded => (CloseCode::Policy, FLOOD_CLOSE_REASON),
             End::CredentialExpired => (CloseCode::Policy, EXPIRED_REASON),
             End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
+            End::TooManyPrompts => (CloseCode::Policy, TOO_MANY_PROMPTS_REASON),
         };
         Some(CloseFrame {
             code,
@@ -264,56 +270,71 @@ struct Session {
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
     fanouts: fanout::FanOuts,
-    /// Approval and user-input requests sent to the client, by the id it answers, for the
-    /// audit log (bounded by [`AUDITED_APPROVALS`]).
-    approvals: HashMap<i64, serde_json::Value>,
 }
 
 impl Session {}
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
 /// can drive it through channels.
-pub async fn serve<Si, St>(sink: Si, mut stream: St, ctx: SessionCtx, guard: ConnectionGuard) -> End
+pub async fn serve<Si, St>(sink: Si, stream: St, ctx: SessionCtx, guard: ConnectionGuard) -> End
 where
     Si: Sink<Message, Error = WsError> + Send + Unpin + 'static,
     St: Stream<Item = Result<Message, WsError>> + Unpin,
 {
-    let tenant = ctx.tenant.id.clone();
-    let metrics = ctx.metrics.clone();
+    run(Session::new(ctx, guard), sink, stream).await
+}
+
+// === impl Session ===
+
+impl Session {
+    fn new(ctx: SessionCtx, guard: ConnectionGuard) -> Session {
+        let tenant = ctx.tenant.id.clone();
+        let queued_bytes = ctx.admission.client_queue_bytes(
+            &tenant,
+            ctx.client_queue_bytes,
+            ctx.tenant_queue_bytes,
+        );
+        let out = Arc::new(writer::Out::new(ctx.client_queue, queued_bytes.clone()));
+        let leg_budget =
+            ctx.admission
+                .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
+        let soft_mark = crate::config::soft_mark(ctx.client_queue);
+        Session {
+            ctx,
+            out,
+            legs: HashMap::new(),
+            home: None,
+            init: None,
+            in_flight: HashMap::new(),
+            server_requests: ServerRequests::default(),
+            new_legs: std::sync::Mutex::default(),
+            protocol_errors: 0,
+            live: HashSet::new(),
+            replayed: HashSet::new(),
+            init_sent: false,
+            guard,
+            parked: None,
+            soft_mark,
+            queued_bytes,
+            leg_budget,
+            following: rehome::Following::default(),
+            fanouts: fanout::FanOuts::default(),
+        }
+    }
+}
+
+/// Runs a session until it ends, then closes its client connection.
+async fn run<Si, St>(mut session: Session, sink: Si, mut stream: St) -> End
+where
+    Si: Sink<Message, Error = WsError> + Send + Unpin + 'static,
+    St: Stream<Item = Result<Message, WsError>> + Unpin,
+{
+    let tenant = session.ctx.tenant.id.clone();
+    let metrics = session.ctx.metrics.clone();
     metrics.sessions.with_label_values(&[&tenant]).inc();
-    let ctx_client_queue = ctx.client_queue;
     let mut sink = sink;
-    let queued_bytes =
-        ctx.admission
-            .client_queue_bytes(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
-    let out = Arc::new(writer::Out::new(ctx.client_queue, queued_bytes.clone()));
-    let leg_budget =
-        ctx.admission
-            .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
     // Every leg's frames, read by this task itself (no reader task, no queue in between).
     let mut from_workers = futures_util::stream::SelectAll::<legs::LegFrames>::new();
-    let mut session = Session {
-        ctx,
-        out,
-        legs: HashMap::new(),
-        home: None,
-        init: None,
-        in_flight: HashMap::new(),
-        server_requests: ServerRequests::default(),
-        new_legs: std::sync::Mutex::default(),
-        protocol_errors: 0,
-        live: HashSet::new(),
-        replayed: HashSet::new(),
-        init_sent: false,
-        guard,
-        parked: None,
-        soft_mark: crate::config::soft_mark(ctx_client_queue),
-        queued_bytes,
-        leg_budget,
-        following: rehome::Following::default(),
-        fanouts: fanout::FanOuts::default(),
-        approvals: HashMap::new(),
-    };
     let shutdown = session.ctx.shutdown.clone();
     let lease = session.ctx.lease.clone();
     let credential_ended = lease.ended();
@@ -479,12 +500,29 @@ impl Session {
                     &id,
                     &method,
                 );
-                let sid = self
-                    .server_requests
-                    .insert(worker, id, jsonrpc::thread_id(params));
-                if is_approval(method.as_str()) {
-                    self.audit_approval_request(worker, sid, method.as_str(), params);
-                }
+                let approval = is_approval(method.as_str())
+                    .then(|| self.audit_approval_request(worker, method.as_str(), params));
+                let sid = match self.server_requests.insert(
+                    worker,
+                    id,
+                    jsonrpc::thread_id(params),
+                    approval.clone(),
+                ) {
+                    Ok(sid) => sid,
+                    Err(server_requests::Full) => {
+                        // Forgetting a prompt would let its decision pass unaudited: the
+                        // session ends instead, and the prompt stays for its other subscribers.
+                        tracing::warn!(
+                            %worker,
+                            pending = self.server_requests.approvals(),
+                            "closing a session with too many approvals awaiting an answer"
+                        );
+                        if let Some(asked) = approval {
+                            self.audit_approval_withdrawn(asked, "too_many_pending");
+                        }
+                        return Err(End::TooManyPrompts);
+                    }
+                };
                 match jsonrpc::with_id(text, &RequestId::Int(sid)) {
                     Some(t) => self.to_client(t),
                     None => Ok(()),
@@ -492,6 +530,7 @@ impl Session {
             }
             Rpc::Notification { method, params } => {
                 self.track_turns(&method, params);
+                self.forget_ended_turn(worker, &method, params);
                 self.ctx.tenant.counted.notification(
                     &self.ctx.metrics.usage,
                     self.tenant(),
@@ -515,9 +554,12 @@ impl Session {
                     return Ok(());
                 }
                 if method == Method::ServerRequestResolved {
-                    if let Some(sid) = jsonrpc::params_request_id(params)
+                    if let Some((sid, unanswered)) = jsonrpc::params_request_id(params)
                         .and_then(|rid| self.server_requests.resolved(worker, rid))
                     {
+                        if let Some(asked) = unanswered {
+                            self.audit_approval_withdrawn(asked, "resolved");
+                        }
                         if let Some(t) = jsonrpc::with_params_request_id(text, &RequestId::Int(sid))
                         {
                             return self.to_client(t);
@@ -614,8 +656,13 @@ impl Session {
             self.home = None;
         }
         // The worker's prompts can no longer be answered through this session.
-        for (sid, thread) in self.server_requests.forget_worker(worker) {
-            self.to_client(crate::rehome::request_resolved_frame(&thread, sid))?;
+        for w in self.server_requests.forget_worker(worker) {
+            if let Some(asked) = w.approval {
+                self.audit_approval_withdrawn(asked, "worker_lost");
+            }
+            if let Some(thread) = w.thread {
+                self.to_client(crate::rehome::request_resolved_frame(&thread, w.sid))?;
+            }
         }
         self.moves_lost(worker)?;
         self.fanout_leg_closed(worker)?;
@@ -633,6 +680,27 @@ impl Session {
             self.init = None;
         }
         Ok(())
+    }
+
+    /// A turn of a thread on `worker` ended (app-server aborts its pending requests, and says so
+    /// with `serverRequest/resolved` first): whatever of them is still remembered is forgotten.
+    fn forget_ended_turn(
+        &mut self,
+        worker: WorkerId,
+        method: &Method<'_>,
+        params: Option<&serde_json::value::RawValue>,
+    ) {
+        if self.server_requests.by_session.is_empty() {
+            return; // the common case, deltas included: nothing to look up
+        }
+        let Some((turns::Event::Ended, thread)) = turns::event_of(method, params) else {
+            return;
+        };
+        for w in self.server_requests.turn_ended(worker, &thread) {
+            if let Some(asked) = w.approval {
+                self.audit_approval_withdrawn(asked, "turn_ended");
+            }
+        }
     }
 
     fn worker_gone_reply(&self, id: &RequestId) -> Result<(), End> {

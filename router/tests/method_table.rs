@@ -96,13 +96,38 @@ fn a_method_without_a_rule_is_refused_under_every_policy() {
         HostAccessPolicy::defaults(true),
         allow_all.resolve(false).unwrap(),
     ] {
-        for method in ["thread/notAMethodYet", "mock/experimentalMethod"] {
+        for method in ["mock/experimentalMethod", "getAuthStatus"] {
             let Decision::Deny(d) = policy.check(method, None, &roots) else {
                 panic!("{method} passed");
             };
             assert_eq!(d.class, Class::Unclassified);
             assert_eq!(d.to_error_data()["policy"], "unclassified");
         }
+        // Unknown to app-server too: its own answer, never forwarded.
+        assert_eq!(
+            policy.check("thread/notAMethodYet", None, &roots),
+            Decision::Invalid(proto::method::unknown_method_message(
+                "thread/notAMethodYet"
+            ))
+        );
+    }
+}
+
+/// The methods app-server lists when it refuses an unknown one are its schema's, in order, and
+/// three legacy ones; each has a row, so only a method app-server does not know gets its
+/// unknown-method answer from codex-fleet.
+#[test]
+fn the_unknown_method_answer_names_the_pinned_app_servers_methods() {
+    let schema = methods(&generated_schema("ClientRequest.json"));
+    let legacy = ["getConversationSummary", "gitDiffToRemote", "getAuthStatus"];
+    let listed: Vec<&str> = proto::method::APP_SERVER_METHODS
+        .iter()
+        .copied()
+        .filter(|m| !legacy.contains(m))
+        .collect();
+    assert_eq!(listed, schema);
+    for m in proto::method::APP_SERVER_METHODS {
+        assert!(Class::is_classified(m), "{m} has no row");
     }
 }
 

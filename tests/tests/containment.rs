@@ -386,3 +386,75 @@ async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
     assert!(denied_by_policy(&r), "{r}");
     fleet.stop().await
 }
+
+/// Issue 22 item 5: RLIMIT_NPROC per tenant uid. A fork loop in tenant a's worker stops at a's
+/// `max_processes`, while tenant b's worker, under its own uid, still spawns as many as it likes;
+/// each worker shows its configured "Max processes".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_loop_stops_at_its_tenants_process_limit_and_the_neighbour_still_spawns(
+) -> anyhow::Result<()> {
+    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+        return Ok(());
+    }
+    let (fleet, mut a, mut b) = two_tenants(
+        FleetBuilder::new()
+            .tenant("a")
+            .tenant_toml("max_processes = 128")
+            .tenant("b"),
+    )
+    .await?;
+    // Each fork is a `sleep` that stays for a while, printing how many it started; dash stops
+    // ("Cannot fork") at the first refusal.
+    let forks = |n: usize| {
+        json!({
+            "command": ["sh", "-c", format!(
+                "i=0; while [ $i -lt {n} ]; do sleep 15 & i=$((i+1)); echo $i; done"
+            )],
+            "timeoutMs": 30_000,
+        })
+    };
+    let started = |r: &Value| r["stdout"].as_str().unwrap_or_default().lines().count();
+    let ra = a.request("command/exec", forks(400)).await?;
+    let in_a = started(&ra);
+    eprintln!(
+        "tenant a (max_processes 128): {in_a} forks, exit {}, stderr {}",
+        ra["exitCode"], ra["stderr"]
+    );
+    assert!(
+        in_a > 0 && in_a < 128,
+        "a's fork loop must stop at its limit: {ra}"
+    );
+    assert_ne!(ra["exitCode"], 0, "{ra}");
+    // While a's processes still hold its uid at the limit, b spawns all it asks for.
+    let rb = b.request("command/exec", forks(400)).await?;
+    eprintln!(
+        "tenant b (default 4096): {} forks, exit {}",
+        started(&rb),
+        rb["exitCode"]
+    );
+    assert_eq!(started(&rb), 400, "b is not walled by a's limit: {rb}");
+    assert_eq!(rb["exitCode"], 0, "{rb}");
+    // The limits, as the kernel shows them for each tenant's worker.
+    for (tenant, want) in [("a", "128"), ("b", "4096")] {
+        let home = format!("/tenants/{tenant}");
+        let limits: Vec<String> = e2e::workers_under(fleet.files.dir.path())
+            .into_iter()
+            .filter(|pid| {
+                environ(*pid)
+                    .iter()
+                    .any(|kv| kv.starts_with("CODEX_HOME=") && kv.ends_with(&home))
+            })
+            .map(|pid| std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap_or_default())
+            .collect();
+        assert!(!limits.is_empty(), "a worker of {tenant} runs");
+        for l in limits {
+            let line = l
+                .lines()
+                .find(|l| l.starts_with("Max processes"))
+                .unwrap_or_default();
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(words.get(2..4), Some(&[want, want][..]), "{tenant}: {line}");
+        }
+    }
+    fleet.stop().await
+}

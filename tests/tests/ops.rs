@@ -343,6 +343,11 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_thread_rehomes_total{cause=\"crash\",outcome=\"rehomed\",tenant=\"acme\"}",
         "codex_fleet_thread_rehomes_total{cause=\"retired\",outcome=\"no_worker\",tenant=\"acme\"}",
         "codex_fleet_thread_rehome_duration_seconds_count{tenant=\"acme\"}",
+        // The refusals panel (issue 22): every scope and reason a refusal is counted under.
+        "codex_fleet_admission_rejections_total{reason=\"tenantRateLimited\",scope=\"tenant\"}",
+        "codex_fleet_admission_rejections_total{reason=\"tooManyConnections\",scope=\"fleet\"}",
+        "codex_fleet_admission_rejections_total{reason=\"connectionRateLimited\",scope=\"connection\"}",
+        "codex_fleet_admission_rejections_total{reason=\"workerBusy\",scope=\"worker\"}",
     ] {
         assert!(zero(series), "{series} missing:\n{text}");
     }
@@ -794,5 +799,92 @@ async fn top_shows_tenants_against_their_limits_and_who_is_refused() -> anyhow::
         "the refusals of the interval, by reason: {acme}"
     );
     c.close().await;
+    fleet.stop().await
+}
+
+/// Issue 22 item 4, against the real app-server: an approval aborted by `turn/interrupt` is
+/// withdrawn at the turn's end and audited so (a late answer to it is not a decision), and the
+/// `serverRequest/resolved` app-server sends after `turn/completed` still carries the session's
+/// id; the next approval, answered, is audited with its decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_approval_is_audited_as_withdrawn_and_the_next_one_as_answered(
+) -> anyhow::Result<()> {
+    let files = FleetBuilder::new().tenant("acme").prepare().await?;
+    let audit = files.dir.path().join("audit.jsonl");
+    let mut toml = std::fs::read_to_string(&files.config)?;
+    toml.push_str(&format!("\n[audit]\npath = \"{}\"\n", audit.display()));
+    router::fsutil::write_private(&files.config, &toml)?;
+    let fleet = files.start().await?;
+    // Another session takes the worker's server-request id 0, so this session's ids (from 0)
+    // and the worker's differ.
+    let mut warm = fleet.client("acme").await?;
+    let warm_thread = warm.start_thread().await?;
+    warm.start_turn(&warm_thread, "please RUNSHELL").await?;
+    let warm_ask = warm
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    warm.send(&serde_json::json!({ "id": warm_ask["id"], "result": { "decision": "accept" } }))
+        .await?;
+    warm.until_turn_completed(&warm_thread).await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = c.start_thread().await?;
+    c.start_turn(&thread, "please RUNSHELL").await?;
+    let ask = c
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    assert_eq!(ask["id"], 0, "the session's own first id");
+    c.request(
+        "turn/interrupt",
+        serde_json::json!({ "threadId": thread, "turnId": ask["params"]["turnId"] }),
+    )
+    .await?;
+    c.until_turn_completed(&thread).await?;
+    // app-server 0.171 resolves the aborted prompt after turn/completed: in the session's id.
+    let resolved = c
+        .wait_for(|v| v["method"] == "serverRequest/resolved")
+        .await?;
+    assert_eq!(resolved["params"]["requestId"], ask["id"], "{resolved}");
+    // A late answer to the withdrawn prompt is neither forwarded nor recorded as a decision.
+    c.send(&serde_json::json!({ "id": ask["id"], "result": { "decision": "accept" } }))
+        .await?;
+    // The answered one after it.
+    c.start_turn(&thread, "please RUNSHELL").await?;
+    let second = c
+        .wait_for(|v| v["method"] == "item/commandExecution/requestApproval")
+        .await?;
+    c.send(&serde_json::json!({ "id": second["id"], "result": { "decision": "accept" } }))
+        .await?;
+    c.until_turn_completed(&thread).await?;
+    let events = || -> Vec<Value> {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(|e: &Value| e["thread"] == thread.as_str())
+            .collect()
+    };
+    assert!(
+        e2e::wait_until(Duration::from_secs(10), || events()
+            .iter()
+            .any(|e| e["event"] == "approval.answered"))
+        .await
+    );
+    let events = events();
+    let of = |name: &str| events.iter().filter(|e| e["event"] == name).count();
+    assert_eq!(of("approval.requested"), 2, "{events:?}");
+    let withdrawn: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["event"] == "approval.withdrawn")
+        .collect();
+    assert_eq!(withdrawn.len(), 1, "{events:?}");
+    assert_eq!(withdrawn[0]["why"], "turn_ended", "{events:?}");
+    assert_eq!(withdrawn[0]["turn"], ask["params"]["turnId"]);
+    assert_eq!(of("approval.answered"), 1, "{events:?}");
+    let answered = events
+        .iter()
+        .find(|e| e["event"] == "approval.answered")
+        .context("approval.answered")?;
+    assert_eq!(answered["decision"], "accept");
+    assert_eq!(answered["turn"], second["params"]["turnId"]);
     fleet.stop().await
 }

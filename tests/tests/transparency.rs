@@ -222,6 +222,64 @@ async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
+/// Issue 22 item 6: a method app-server does not know gets app-server's own answer (`-32600`,
+/// its message word for word), before `initialize` as after, and never reaches a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_methods_get_app_servers_own_answer_and_reach_no_worker() -> anyhow::Result<()> {
+    let fleet = acme(FleetBuilder::new(), 1).await?;
+    let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
+    let frames = [
+        json!({"id": 21, "method": "thread/notAMethodYet", "params": {}}),
+        json!({"id": 22, "method": "no/such/method"}),
+        json!({"id": "x", "method": "a\"b\u{1}c`d\u{e9}", "params": {"threadId": "t"}}),
+    ];
+    let compare = |want: &Value, got: &Value, frame: &Value| {
+        assert_eq!(want["error"]["code"], -32600, "app-server: {want}");
+        let message = want["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("unknown variant"), "{want}");
+        // Byte for byte: the error object as both sides serialize it.
+        assert_eq!(
+            got["error"].to_string(),
+            want["error"].to_string(),
+            "{frame}"
+        );
+        assert_eq!(got["id"], frame["id"]);
+    };
+    let mut early = fleet.connect("acme").await?;
+    for frame in &frames {
+        let want = d.call_raw(frame).await?;
+        early.send(frame).await?;
+        let id = frame["id"].clone();
+        let got = early.wait_for(|v| v["id"] == id).await?;
+        compare(&want, &got, frame);
+    }
+    d.until_answer_after(&initialize_frame()).await?;
+    let mut c = fleet.client("acme").await?;
+    let answered_by_workers = || {
+        fleet.metric(
+            "codex_fleet_request_duration_seconds_count",
+            &[("tenant", "acme")],
+        )
+    };
+    let before = answered_by_workers().await?;
+    for frame in &frames {
+        let want = d.call_raw(frame).await?;
+        c.send(frame).await?;
+        let id = frame["id"].clone();
+        let got = c.wait_for(|v| v["id"] == id).await?;
+        compare(&want, &got, frame);
+    }
+    assert_eq!(
+        answered_by_workers().await?,
+        before,
+        "no worker answered an unknown method"
+    );
+    // The count does move for a request a worker answers.
+    c.request("account/read", json!({})).await?;
+    assert!(answered_by_workers().await? > before);
+    fleet.stop().await
+}
+
 /// A tenant of two workers with `per_worker` threads on each, every thread with one finished
 /// turn (so it is on disk and `thread/list` shows it): the client, and each thread's worker slot.
 async fn threads_on_two_workers(

@@ -27,6 +27,12 @@ pub struct Rlimits {
     pub address_space: Option<u64>,
     /// `RLIMIT_CPU`: CPU time, in seconds (SIGXCPU, then SIGKILL).
     pub cpu_secs: Option<u64>,
+    /// `RLIMIT_NPROC`: processes (on Linux, threads) of the worker's real uid, all of them
+    /// counted, each fork or thread of the worker's tree refused (`EAGAIN`) at the limit. With
+    /// a uid of its own, a tenant's wall; under a shared uid, a wall on everything of that uid
+    /// (codex-fleet keeps its own limit, and root is exempt). Set before the uid changes, so a
+    /// tenant already at its limit cannot start another worker (`execve` fails with `EAGAIN`).
+    pub processes: Option<u64>,
 }
 
 // === impl Rlimits ===
@@ -34,11 +40,12 @@ pub struct Rlimits {
 impl Rlimits {
     /// The limits as `(resource, value)` pairs, fixed-size so the child can walk them without
     /// allocating.
-    pub(crate) fn pairs(&self) -> [(Resource, Option<u64>); 3] {
+    pub(crate) fn pairs(&self) -> [(Resource, Option<u64>); 4] {
         [
             (Resource::RLIMIT_NOFILE, self.nofile),
             (Resource::RLIMIT_AS, self.address_space),
             (Resource::RLIMIT_CPU, self.cpu_secs),
+            (Resource::RLIMIT_NPROC, self.processes),
         ]
     }
 }

@@ -133,6 +133,7 @@ async fn rlimits_apply_without_a_uid() {
     cfg.rlimits = Rlimits {
         nofile: Some(1000),
         cpu_secs: Some(3600),
+        processes: Some(5000),
         ..Rlimits::default()
     };
     let pool = Pool::new(cfg, metrics);
@@ -140,6 +141,10 @@ async fn rlimits_apply_without_a_uid() {
     assert_eq!(
         proc_line(handle.pid, "limits", "Max open files"),
         "Max open files 1000 1000 files"
+    );
+    assert_eq!(
+        proc_line(handle.pid, "limits", "Max processes"),
+        "Max processes 5000 5000 processes"
     );
     assert_eq!(
         proc_line(handle.pid, "limits", "Max cpu time"),

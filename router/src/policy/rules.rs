@@ -2,8 +2,8 @@
 //! generate-json-schema --experimental`, 0.171), whether it reaches the host, its class, and
 //! every host path or sandbox field in its params.
 //!
-//! A method absent from this table is refused (default-deny, DESIGN decision 12): a codex upgrade
-//! or a tenant's own worker `command` cannot bring a new method through unclassified.
+//! A method absent from this table is never forwarded (default-deny, DESIGN decision 12): a codex
+//! upgrade or a tenant's own worker `command` cannot bring a new method through unclassified.
 //! `router/tests/method_table.rs` keeps the table complete against the pinned binary's schema.
 
 use super::Class;
@@ -62,7 +62,8 @@ pub enum Entry {
     Open,
     /// Reaches the host: its class's mode applies.
     Host(Rule),
-    /// Known, and never forwarded whatever the policy (`mock/experimentalMethod`).
+    /// Known to app-server, and never forwarded whatever the policy (`mock/experimentalMethod`,
+    /// legacy methods).
     Refused,
 }
 
@@ -212,7 +213,9 @@ pub fn lookup(method: &str) -> Option<Entry> {
             rule(Class::Workspace, &[FilterPaths("cwds")])
         }
 
-        "mock/experimentalMethod" => Entry::Refused,
+        // Known to app-server, not served: a test method and legacy methods outside its schema.
+        "mock/experimentalMethod" | "getConversationSummary" | "gitDiffToRemote"
+        | "getAuthStatus" => Entry::Refused,
 
         // The session and its threads: lifecycle, history, names, goals, queues, search.
         "initialize"

@@ -7,9 +7,6 @@ use worker::WorkerId;
 
 use super::Session;
 
-/// Approvals awaiting an answer that a session remembers for the audit log.
-const AUDITED_APPROVALS: usize = 1024;
-
 /// Worker requests that ask the client to approve something or to answer the user's question.
 pub(super) fn is_approval(method: &str) -> bool {
     method.ends_with("requestApproval") || method.ends_with("requestUserInput")
@@ -25,15 +22,14 @@ impl Session {
         self.ctx.audit.record(event, fields);
     }
 
-    /// An approval or user-input request from a worker: recorded, and remembered until the
-    /// client answers it.
+    /// An approval or user-input request from a worker: recorded; returns what it asked, to be
+    /// remembered with the request until the client answers it.
     pub(super) fn audit_approval_request(
-        &mut self,
+        &self,
         worker: WorkerId,
-        sid: i64,
         method: &str,
         params: Option<&serde_json::value::RawValue>,
-    ) {
+    ) -> serde_json::Value {
         let p = params
             .and_then(|p| serde_json::from_str::<serde_json::Value>(p.get()).ok())
             .unwrap_or_default();
@@ -48,22 +44,24 @@ impl Session {
             "worker": worker.to_string(),
         });
         self.audit("approval.requested", asked.clone());
-        if self.approvals.len() < AUDITED_APPROVALS {
-            self.approvals.insert(sid, asked);
-        }
+        asked
     }
 
-    /// The client answered server request `sid`: if it was an approval, its decision goes to the
-    /// audit log before the worker acts on it.
+    /// An approval that will never be answered through this session: `why` it was withdrawn
+    /// (`resolved` elsewhere or aborted, `turn_ended`, `worker_lost`, `too_many_pending`).
+    pub(super) fn audit_approval_withdrawn(&self, mut asked: serde_json::Value, why: &str) {
+        asked["why"] = json!(why);
+        self.audit("approval.withdrawn", asked);
+    }
+
+    /// The client answered an approval that `asked`: its decision goes to the audit log before
+    /// the worker acts on it.
     pub(super) async fn audit_approval_answer(
-        &mut self,
-        sid: i64,
+        &self,
+        mut asked: serde_json::Value,
         result: Option<&RawValue>,
         error: Option<&RawValue>,
     ) {
-        let Some(mut asked) = self.approvals.remove(&sid) else {
-            return;
-        };
         let value = |raw: Option<&RawValue>| {
             raw.and_then(|r| serde_json::from_str::<serde_json::Value>(r.get()).ok())
         };

@@ -376,7 +376,7 @@ impl Session {
             self.count_error(ClientError::UnknownResponse);
             return Ok(());
         };
-        let Some((worker, original)) = self.server_requests.take(sid) else {
+        let Some((worker, original, approval)) = self.server_requests.take(sid) else {
             // Never sent, or already answered: app-server would ignore it; we count and drop it.
             self.count_error(ClientError::UnknownResponse);
             return Ok(());
@@ -391,7 +391,9 @@ impl Session {
             &original,
             result,
         );
-        self.audit_approval_answer(sid, result, error).await;
+        if let Some(asked) = approval {
+            self.audit_approval_answer(asked, result, error).await;
+        }
         if let Some(text) = jsonrpc::with_id(text, &original) {
             self.send_to_leg(worker, text).await;
         }

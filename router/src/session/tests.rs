@@ -1,6 +1,7 @@
 //! Session unit tests: server-request id mapping, and property tests of the frame classifier
 //! and id rewriting over pseudo-random input (issue 5, test 7).
 
+use super::server_requests::{Withdrawn, MAX_APPROVALS, MAX_SERVER_REQUESTS};
 use super::*;
 use proto::arbitrary::{arbitrary_frame, Rng};
 
@@ -9,21 +10,21 @@ fn server_request_ids_are_session_unique_and_mapped_back() {
     let mut s = ServerRequests::default();
     let w1 = WorkerId::new("t", 1, 1);
     let w2 = WorkerId::new("t", 2, 1);
-    let a = s.insert(w1, RequestId::Int(0), None);
-    let b = s.insert(w2, RequestId::Int(0), None);
+    let a = s.insert(w1, RequestId::Int(0), None, None).unwrap();
+    let b = s.insert(w2, RequestId::Int(0), None, None).unwrap();
     assert_ne!(a, b, "the same worker id on two workers must not collide");
     assert_eq!(
-        s.insert(w1, RequestId::Int(0), None),
+        s.insert(w1, RequestId::Int(0), None, None).unwrap(),
         a,
         "a replay keeps its id"
     );
-    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some((b, None)));
     assert_eq!(
         s.take(b),
         None,
         "a resolved request can no longer be answered"
     );
-    assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
+    assert_eq!(s.take(a), Some((w1, RequestId::Int(0), None)));
     assert_eq!(s.take(a), None, "only the first answer is forwarded");
 }
 
@@ -31,13 +32,13 @@ fn server_request_ids_are_session_unique_and_mapped_back() {
 fn the_resolution_of_an_answered_request_carries_the_sessions_id() {
     let mut s = ServerRequests::default();
     let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
-    let a = s.insert(w1, RequestId::Int(0), None);
-    let b = s.insert(w2, RequestId::Int(0), None);
-    assert_eq!(s.take(b), Some((w2, RequestId::Int(0))));
+    let a = s.insert(w1, RequestId::Int(0), None, None).unwrap();
+    let b = s.insert(w2, RequestId::Int(0), None, None).unwrap();
+    assert_eq!(s.take(b), Some((w2, RequestId::Int(0), None)));
     // The worker reports the request resolved after the client's answer: in the session's ids.
-    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some((b, None)));
     assert_eq!(s.take(b), None);
-    assert_eq!(s.take(a), Some((w1, RequestId::Int(0))));
+    assert_eq!(s.take(a), Some((w1, RequestId::Int(0), None)));
 }
 
 #[test]
@@ -45,7 +46,7 @@ fn server_requests_stay_bounded() {
     let mut s = ServerRequests::default();
     let w = WorkerId::new("t", 1, 1);
     for n in 0..(MAX_SERVER_REQUESTS as i64 + 10) {
-        s.insert(w, RequestId::Int(n), None);
+        s.insert(w, RequestId::Int(n), None, None).unwrap();
     }
     assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
     assert_eq!(s.by_worker.len(), MAX_SERVER_REQUESTS);
@@ -55,13 +56,25 @@ fn server_requests_stay_bounded() {
 fn a_closed_leg_s_requests_come_back_with_their_threads_to_be_resolved() {
     let mut s = ServerRequests::default();
     let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
-    let a = s.insert(w1, RequestId::Int(0), Some("th-a".into()));
-    let _global = s.insert(w1, RequestId::Int(1), None);
-    let b = s.insert(w2, RequestId::Int(0), Some("th-b".into()));
-    assert_eq!(s.forget_worker(w1), vec![(a, "th-a".to_owned())]);
+    let a = s
+        .insert(w1, RequestId::Int(0), Some("th-a".into()), None)
+        .unwrap();
+    let global = s.insert(w1, RequestId::Int(1), None, None).unwrap();
+    let b = s
+        .insert(w2, RequestId::Int(0), Some("th-b".into()), None)
+        .unwrap();
+    let forgotten: Vec<(i64, Option<String>)> = s
+        .forget_worker(w1)
+        .into_iter()
+        .map(|w| (w.sid, w.thread))
+        .collect();
+    assert_eq!(
+        forgotten,
+        vec![(a, Some("th-a".to_owned())), (global, None)]
+    );
     assert_eq!(s.by_session.len(), 1);
-    assert_eq!(s.take(b), Some((w2, RequestId::Int(0))));
-    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some(b));
+    assert_eq!(s.take(b), Some((w2, RequestId::Int(0), None)));
+    assert_eq!(s.resolved(w2, RequestId::Int(0)), Some((b, None)));
     assert!(s.by_session.is_empty(), "a resolved request is forgotten");
 }
 
@@ -203,7 +216,7 @@ fn server_request_ids_match_a_model_under_random_operations() {
         match rng.below(5) {
             0 | 1 => {
                 let id = RequestId::Int(rng.below(64) as i64);
-                let sid = s.insert(w, id.clone(), None);
+                let sid = s.insert(w, id.clone(), None, None).unwrap();
                 match model.iter().find(|(_, v)| (v.0, &v.1) == (w, &id)) {
                     Some((known, _)) => assert_eq!(*known, sid, "a replay keeps its id"),
                     None => {
@@ -221,7 +234,7 @@ fn server_request_ids_match_a_model_under_random_operations() {
                 };
                 let expect = model.get_mut(&sid).filter(|v| !v.2).map(|v| {
                     v.2 = true;
-                    (v.0, v.1.clone())
+                    (v.0, v.1.clone(), None)
                 });
                 assert_eq!(s.take(sid), expect, "answer to {sid}");
             }
@@ -231,7 +244,7 @@ fn server_request_ids_match_a_model_under_random_operations() {
                     .iter()
                     .find(|(_, v)| (v.0, &v.1) == (w, &id))
                     .map(|(k, _)| *k);
-                assert_eq!(s.resolved(w, id), expect);
+                assert_eq!(s.resolved(w, id), expect.map(|k| (k, None)));
                 if let Some(k) = expect {
                     model.remove(&k);
                 }
@@ -250,22 +263,33 @@ fn server_request_ids_match_a_model_under_random_operations() {
 /// `serve` over in-memory streams with paused time: the inbound pipeline's defined answers for
 /// a client that never reaches a worker, without a socket or a worker process (the tenant's pool
 /// has `min_workers = 0` and nothing here asks it for one).
-mod in_memory {
+pub(super) mod in_memory {
     use super::*;
     use serde_json::Value;
     use tokio::sync::mpsc as chan;
 
-    struct Harness {
+    pub(crate) struct Harness {
         to_session: chan::UnboundedSender<Result<Message, WsError>>,
-        from_session: chan::UnboundedReceiver<Message>,
-        session: tokio::task::JoinHandle<End>,
+        pub(crate) from_session: chan::UnboundedReceiver<Message>,
+        pub(crate) session: tokio::task::JoinHandle<End>,
         _dir: tempfile::TempDir,
     }
 
     async fn start(limits: &str) -> Harness {
+        start_with(limits, "", Vec::new()).await
+    }
+
+    /// A session whose legs are `legs` (frames a test writes as if from workers), with `more`
+    /// config after `[limits]`.
+    pub(crate) async fn start_with(
+        limits: &str,
+        more: &str,
+        legs: Vec<legs::LegFrames>,
+    ) -> Harness {
         let dir = tempfile::tempdir().unwrap();
+        let more = more.replace("{dir}", &dir.path().display().to_string());
         let toml = crate::config::tests::minimal(&format!(
-            "command = [\"/bin/true\"]\n[limits]\n{limits}\n"
+            "command = [\"/bin/true\"]\n[limits]\n{limits}\n{more}\n"
         ))
         .replace("/var/lib/codex-fleet", &dir.path().display().to_string())
             + "min_workers = 0\n";
@@ -301,7 +325,9 @@ mod in_memory {
                 Ok::<_, WsError>(tx)
             },
         ));
-        let session = tokio::spawn(serve(sink, stream, ctx, guard));
+        let session = Session::new(ctx, guard);
+        session.new_legs.lock().unwrap().extend(legs);
+        let session = tokio::spawn(run(session, sink, stream));
         Harness {
             to_session,
             from_session,
@@ -311,12 +337,16 @@ mod in_memory {
     }
 
     impl Harness {
-        fn send(&self, msg: Message) {
+        pub(crate) fn dir(&self) -> &std::path::Path {
+            self._dir.path()
+        }
+
+        pub(crate) fn send(&self, msg: Message) {
             self.to_session.send(Ok(msg)).unwrap();
         }
 
         /// The next frame the session sends, as JSON (a close frame as `{"close": code}`).
-        async fn next(&mut self) -> Value {
+        pub(crate) async fn next(&mut self) -> Value {
             let msg = tokio::time::timeout(Duration::from_secs(5), self.from_session.recv())
                 .await
                 .expect("an answer")
@@ -397,5 +427,259 @@ mod in_memory {
         let closed = h.next().await;
         assert!(closed.get("close").is_some(), "{closed}");
         assert_eq!(h.session.await.unwrap(), End::Flooded);
+    }
+}
+
+/// Issue 22 (4): approvals are forgotten when they are resolved, when their turn ends and when
+/// their worker is lost, so no decision goes unaudited however many prompts came before; at the
+/// bound of live prompts the session ends rather than forget one.
+mod approvals {
+    use super::in_memory::{start_with, Harness};
+    use super::*;
+    use serde_json::Value;
+    use tokio::sync::mpsc as chan;
+
+    /// A fake worker: what the test writes is what the session reads from that worker's leg.
+    struct FakeWorker {
+        id: WorkerId,
+        tx: chan::UnboundedSender<LegEvent>,
+    }
+
+    fn fake_worker(n: u32) -> (FakeWorker, legs::LegFrames) {
+        let (tx, rx) = chan::unbounded_channel();
+        let frames = Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|e| (e, rx))
+        }));
+        let id = WorkerId::new("acme", n, 1);
+        (FakeWorker { id, tx }, frames)
+    }
+
+    impl FakeWorker {
+        fn send(&self, v: Value) {
+            let text = v.to_string();
+            self.tx.send(LegEvent::Frame(self.id, text.into())).unwrap();
+        }
+
+        fn approval(&self, id: i64, thread: &str) {
+            self.send(json!({
+                "id": id,
+                "method": "item/commandExecution/requestApproval",
+                "params": {
+                    "threadId": thread, "turnId": "turn-1", "itemId": format!("call-{id}"),
+                    "command": format!("touch /tmp/x{id}"), "cwd": "/w", "reason": "r",
+                },
+            }));
+        }
+
+        fn resolved(&self, id: i64, thread: &str) {
+            self.send(json!({
+                "method": "serverRequest/resolved",
+                "params": { "threadId": thread, "requestId": id },
+            }));
+        }
+    }
+
+    /// The audit log's events once it holds at least `want` of `event` (the writer is a thread;
+    /// the session task runs between looks).
+    async fn audit_events(path: &std::path::Path, event: &str, want: usize) -> Vec<Value> {
+        for _ in 0..400 {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let all: Vec<Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            if all.iter().filter(|e| e["event"] == event).count() >= want {
+                return all;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("fewer than {want} {event} in the audit log");
+    }
+
+    fn count(events: &[Value], event: &str, why: Option<&str>) -> usize {
+        events
+            .iter()
+            .filter(|e| e["event"] == event && why.is_none_or(|w| e["why"] == w))
+            .count()
+    }
+
+    const AUDIT: &str = "[audit]\npath = \"{dir}/audit.log\"\nqueue = 1000000";
+
+    /// The session's next text frame; the approvals of this test come one at a time.
+    async fn next_request_id(h: &mut Harness) -> i64 {
+        let v = h.next().await;
+        v["id"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("a server request: {v}"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_after_thousands_of_prompts_resolved_otherwise_is_still_audited() {
+        let (w1, leg1) = fake_worker(1);
+        let (w2, leg2) = fake_worker(2);
+        let mut h = start_with(
+            "conn_fps = 100000\nconn_burst = 100000",
+            AUDIT,
+            vec![leg1, leg2],
+        )
+        .await;
+        let log = h.dir().join("audit.log");
+        let rounds = MAX_APPROVALS as i64 + 100;
+        // Resolved by another subscriber (or aborted): serverRequest/resolved.
+        for n in 0..rounds {
+            w1.approval(n, "th-1");
+            let sid = next_request_id(&mut h).await;
+            w1.resolved(n, "th-1");
+            let resolved = h.next().await;
+            assert_eq!(resolved["params"]["requestId"], sid, "{resolved}");
+        }
+        // Aborted by the end of their turn, without a resolution the session saw.
+        for n in rounds..2 * rounds {
+            w1.approval(n, "th-2");
+            next_request_id(&mut h).await;
+            if n % (MAX_APPROVALS as i64 / 2) == 0 {
+                w1.send(json!({"method": "turn/completed", "params": {"threadId": "th-2", "turn": {"id": "turn-1"}}}));
+                h.next().await;
+            }
+        }
+        w1.send(json!({"method": "turn/completed", "params": {"threadId": "th-2", "turn": {"id": "turn-1"}}}));
+        h.next().await;
+        // Lost with their worker.
+        for n in 0..(MAX_APPROVALS as i64 - 1) {
+            w2.approval(n, "th-3");
+            next_request_id(&mut h).await;
+        }
+        w2.tx
+            .send(LegEvent::Closed(w2.id, "worker exited".into()))
+            .unwrap();
+        for _ in 0..(MAX_APPROVALS - 1) {
+            let v = h.next().await;
+            assert_eq!(v["method"], "serverRequest/resolved", "{v}");
+        }
+        // One more prompt, answered: its decision is audited.
+        w1.approval(1_000_000, "th-4");
+        let sid = next_request_id(&mut h).await;
+        h.send(Message::text(
+            json!({"id": sid, "result": {"decision": "accept"}}).to_string(),
+        ));
+        let events = audit_events(&log, "approval.answered", 1).await;
+        let answered: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["event"] == "approval.answered")
+            .collect();
+        assert_eq!(answered.len(), 1, "the answered approval is audited");
+        assert_eq!(answered[0]["decision"], "accept");
+        assert_eq!(answered[0]["command"], "touch /tmp/x1000000");
+        assert_eq!(answered[0]["thread"], "th-4");
+        let requested = count(&events, "approval.requested", None);
+        assert_eq!(requested as i64, 2 * rounds + MAX_APPROVALS as i64);
+        assert_eq!(
+            count(&events, "approval.withdrawn", Some("resolved")) as i64,
+            rounds
+        );
+        assert_eq!(
+            count(&events, "approval.withdrawn", Some("turn_ended")) as i64,
+            rounds
+        );
+        assert_eq!(
+            count(&events, "approval.withdrawn", Some("worker_lost")),
+            MAX_APPROVALS - 1
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_live_prompts_ends_the_session_rather_than_forget_one() {
+        let (w1, leg1) = fake_worker(1);
+        let mut h = start_with("conn_fps = 100000\nconn_burst = 100000", AUDIT, vec![leg1]).await;
+        let log = h.dir().join("audit.log");
+        for n in 0..MAX_APPROVALS as i64 {
+            w1.approval(n, "th-1");
+            next_request_id(&mut h).await;
+        }
+        // Other server requests are no approvals and do not count.
+        w1.send(json!({"id": 5000, "method": "item/tool/call", "params": {"threadId": "th-1"}}));
+        next_request_id(&mut h).await;
+        w1.approval(MAX_APPROVALS as i64, "th-1");
+        let closed = h.next().await;
+        assert_eq!(closed["close"], 1008, "{closed}");
+        assert_eq!(h.session.await.unwrap(), End::TooManyPrompts);
+        let events = audit_events(&log, "approval.withdrawn", 1).await;
+        assert_eq!(
+            count(&events, "approval.requested", None),
+            MAX_APPROVALS + 1
+        );
+        assert_eq!(
+            count(&events, "approval.withdrawn", Some("too_many_pending")),
+            1
+        );
+    }
+
+    #[test]
+    fn the_table_withdraws_a_thread_s_prompts_at_its_turn_end_and_keeps_unanswered_approvals() {
+        let mut s = ServerRequests::default();
+        let (w1, w2) = (WorkerId::new("t", 1, 1), WorkerId::new("t", 2, 1));
+        let asked = || Some(json!({"method": "item/commandExecution/requestApproval"}));
+        let a = s
+            .insert(w1, RequestId::Int(0), Some("th".into()), asked())
+            .unwrap();
+        let other_worker = s
+            .insert(w2, RequestId::Int(0), Some("th".into()), asked())
+            .unwrap();
+        let other_thread = s
+            .insert(w1, RequestId::Int(1), Some("th-2".into()), None)
+            .unwrap();
+        assert_eq!(
+            s.turn_ended(w1, "th"),
+            vec![Withdrawn {
+                sid: a,
+                thread: Some("th".into()),
+                approval: asked()
+            }]
+        );
+        assert_eq!(s.approvals(), 1);
+        assert_eq!(
+            s.take(a),
+            None,
+            "no answer to a withdrawn prompt is forwarded"
+        );
+        assert_eq!(
+            s.resolved(w1, RequestId::Int(0)),
+            Some((a, None)),
+            "a resolution after the turn's end still carries the session's id"
+        );
+        assert!(s.take(other_worker).is_some_and(|t| t.2.is_some()));
+        assert_eq!(s.approvals(), 0, "an answered approval no longer counts");
+        assert_eq!(
+            s.resolved(w1, RequestId::Int(1)),
+            Some((other_thread, None))
+        );
+        // Full of other requests: answered or withdrawn ones make room first, then the oldest
+        // that is no unanswered approval.
+        let mut s = ServerRequests::default();
+        let first = s.insert(w1, RequestId::Int(-1), None, asked()).unwrap();
+        let live = s.insert(w1, RequestId::Int(-2), None, None).unwrap();
+        let answered = s.insert(w1, RequestId::Int(-3), None, None).unwrap();
+        s.take(answered);
+        for n in 0..(MAX_SERVER_REQUESTS as i64 - 3) {
+            s.insert(w1, RequestId::Int(n), None, None).unwrap();
+        }
+        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
+        s.insert(w1, RequestId::Int(100_000), None, None).unwrap();
+        assert!(
+            !s.by_session.contains_key(&answered),
+            "the answered one made room"
+        );
+        assert!(s.by_session.contains_key(&live));
+        s.insert(w1, RequestId::Int(100_001), None, None).unwrap();
+        assert!(
+            !s.by_session.contains_key(&live),
+            "then the oldest live non-approval"
+        );
+        assert!(s.by_session.contains_key(&first), "the approval stays");
+        assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
+        assert_eq!(s.approvals(), 1);
     }
 }

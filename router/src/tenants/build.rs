@@ -114,7 +114,29 @@ pub(super) fn pool_config(
             nofile: w.rlimit_nofile.map(within_hard_nofile),
             address_space: w.rlimit_as_bytes,
             cpu_secs: w.rlimit_cpu_secs,
+            processes: Some(t.max_processes.unwrap_or(w.max_processes))
+                .filter(|n| *n > 0)
+                .map(within_hard_nproc),
         },
+    }
+}
+
+/// As [`within_hard_nofile`], for RLIMIT_NPROC (`max_processes`).
+pub(super) fn within_hard_nproc(wanted: u64) -> u64 {
+    use nix::sys::resource::{getrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NPROC) {
+        Ok((_, hard)) if hard < wanted && !nix::unistd::geteuid().is_root() => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    wanted,
+                    hard,
+                    "max_processes is above codex-fleet's hard RLIMIT_NPROC; using the hard limit"
+                );
+            });
+            hard
+        }
+        _ => wanted,
     }
 }
 
