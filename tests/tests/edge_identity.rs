@@ -335,25 +335,20 @@ async fn forge(format: &str) -> anyhow::Result<()> {
         .client(&files, &jwt(&format!("s\n{}\n", forged[0])))
         .await?;
     c.close().await;
-    let mut c = fleet.client(&files, &files.token("acme")).await?;
-    let answer = c.call(&injected, json!({})).await?;
-    assert!(
-        answer.get("error").is_some(),
-        "an unknown method was served"
-    );
-    // 8 MiB of method name (its refusal, which quotes it, is not read here: the test client
-    // takes at most 16 MiB).
-    c.send(&json!({ "id": 99, "method": "m".repeat(8 << 20), "params": {} }))
+    // A client name carrying it, padded to a megabyte: the session's audit record names the
+    // client (`session.initialized`).
+    let mut c = Client::connect(&fleet.url(), &files.ca, Some(&files.token("acme"))).await?;
+    c.initialize(&format!("{injected}{}", "n".repeat(1 << 20)))
         .await?;
-    // Open until the refusal is logged: closing at once may reset the connection before the
-    // node has read the whole message.
-    assert!(
-        e2e::wait_until(STEP, || fleet.stderr().matches("request denied").count()
-            >= 2)
-        .await,
-        "the refusals were logged: {}",
-        fleet.stderr().chars().take(4000).collect::<String>()
-    );
+    // A method name carrying it, and 8 MiB of method name: both get app-server's own answer to
+    // a method it does not know (-32600), which quotes the method to its client only.
+    for method in [injected.clone(), "m".repeat(8 << 20)] {
+        let answer = c.call(&method, json!({})).await?;
+        assert_eq!(
+            answer["error"]["code"], -32600,
+            "an unknown method: {answer:.300}"
+        );
+    }
     c.close().await;
     let log = fleet.stderr();
     for line in log.lines() {
@@ -364,7 +359,7 @@ async fn forge(format: &str) -> anyhow::Result<()> {
     }
     assert!(log.len() < 1 << 20, "the log holds {} bytes", log.len());
     for line in log.lines() {
-        if line.contains("request denied") || line.contains("authenticated") {
+        if line.contains("approval.answered") || line.contains("authenticated") {
             assert!(line.len() < 2048, "a {} byte log line", line.len());
         }
         match format {
@@ -382,54 +377,52 @@ async fn forge(format: &str) -> anyhow::Result<()> {
             ),
         }
     }
-    let longest = log
-        .lines()
-        .filter(|l| l.contains("request denied"))
-        .map(str::len)
-        .max()
-        .unwrap_or(0);
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
     eprintln!(
-        "measured ({format}): an 8 MiB method name: longest refusal log line {longest} B, whole log {} B",
+        "measured ({format}): an 8 MiB method name and a 1 MiB client name: longest log line {longest} B, whole log {} B",
         log.len()
     );
-    // The forged text is in the log, escaped, as one field of one line.
+    // The forged subject is in the log, escaped, as one field of one line.
     assert!(
         log.contains("approval.answered"),
-        "the refusal names the method"
+        "the authentication line names the subject"
     );
 
-    // The audit log: every line is a record of codex-fleet's, none forged, the method cut.
-    // Written by the audit thread, a moment after the log line.
-    let denied = || {
+    // The audit log: every line is a record of codex-fleet's, none forged, the client name cut.
+    // Written by the audit thread, a moment after the session began.
+    let initialized = || {
         std::fs::read_to_string(&audit)
             .unwrap_or_default()
-            .matches("\"event\":\"access.denied\"")
+            .matches("\"event\":\"session.initialized\"")
             .count()
     };
-    assert!(e2e::wait_until(STEP, || denied() >= 2).await);
+    assert!(e2e::wait_until(STEP, || initialized() >= 1).await);
     let text = std::fs::read_to_string(&audit)?;
     let records: Vec<Value> = text
         .lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
     assert!(records.iter().all(|r| r["event"] != "approval.answered"));
-    let denied: Vec<&Value> = records
-        .iter()
-        .filter(|r| r["event"] == "access.denied")
-        .collect();
-    assert_eq!(denied.len(), 2, "{text:.2000}");
-    for r in denied {
-        let method = r["method"].as_str().context("method")?;
-        assert!(
-            method.len() <= 256,
-            "a {} byte method in the audit log",
-            method.len()
-        );
-    }
-    eprintln!(
-        "measured ({format}): the audit log after both refusals: {} B",
-        text.len()
+    assert!(
+        records
+            .iter()
+            .any(|r| r["event"] == "authentication.succeeded"
+                && r["subject"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("approval.answered"))),
+        "the forged subject is audited as a subject: {text:.2000}"
     );
+    let named = records
+        .iter()
+        .find(|r| r["event"] == "session.initialized")
+        .context("session.initialized")?;
+    let name = named["client_name"].as_str().context("client_name")?;
+    assert!(
+        name.len() <= 512 && name.contains(router::untrusted::CUT_MARKER),
+        "a {} byte client name in the audit log",
+        name.len()
+    );
+    eprintln!("measured ({format}): the audit log: {} B", text.len());
     assert!(
         text.len() < 64 << 10,
         "the audit log holds {} bytes",

@@ -1151,7 +1151,7 @@ fn compare(what: &str, want: &[&[(String, Value)]], got: &[(String, Value)]) -> 
             .filter_map(|w| w.get(i))
             .map(|(_, w)| w)
             .collect();
-        if variants.iter().any(|w| *w == g) {
+        if variants.contains(&g) {
             same += 1;
             continue;
         }
