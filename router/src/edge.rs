@@ -630,12 +630,14 @@ impl Edge {
         let node = who.node.as_str();
         let sessions = self.metrics.sessions.with_label_values(&[node]);
         sessions.inc();
-        let lost = relay.run(link, pending, &who.lease).await;
-        sessions.dec();
-        if lost {
-            self.metrics.errors.with_label_values(&[node, "lost"]).inc();
-            tracing::warn!(node, "link lost: the node went away mid-session");
-        }
+        let relayed = |lost: bool| {
+            sessions.dec();
+            if lost {
+                self.metrics.errors.with_label_values(&[node, "lost"]).inc();
+                tracing::warn!(node, "link lost: the node went away mid-session");
+            }
+        };
+        relay.run(link, pending, &who.lease, relayed).await;
     }
 }
 

@@ -405,20 +405,22 @@ where
         self.finish(Ending::close(code, reason), async {}).await;
     }
 
-    /// Relays until either side ends, `pending` first (once the credential is checked).
-    /// Returns how it ended; the relay is finished (both sides closed) before it returns.
+    /// Relays until either side ends, `pending` first (once the credential is checked); then
+    /// calls `relayed` with whether the link was lost, and closes both sides.
     pub(super) async fn run<L>(
         mut self,
         link: WebSocketStream<L>,
         pending: Vec<Message>,
         lease: &Lease,
-    ) -> bool
-    where
+        relayed: impl FnOnce(bool),
+    ) where
         L: AsyncRead + AsyncWrite + Unpin,
     {
         let (mut link_tx, mut link_rx) = link.split();
         let ending = self.relay(&mut link_tx, &mut link_rx, pending, lease).await;
         let lost = ending.lost;
+        // The session is over: counted now, not after the closing handshakes.
+        relayed(lost);
         let frame = ending.link.clone();
         let node = async move {
             if !lost {
@@ -427,7 +429,6 @@ where
             }
         };
         self.finish(ending, node).await;
-        lost
     }
 
     async fn relay<L>(

@@ -100,8 +100,10 @@ async fn a_client_that_never_reads_is_closed_at_its_byte_bound_and_everything_is
         }
         close_of(&mut node).await
     };
-    let (lost, node_close) = tokio::join!(relay.run(link, Vec::new(), &unbounded), flood);
-    assert!(!lost);
+    let mut lost = None;
+    let relayed = |l| lost = Some(l);
+    let ((), node_close) = tokio::join!(relay.run(link, Vec::new(), &unbounded, relayed), flood);
+    assert_eq!(lost, Some(false));
     assert!(node_close.is_none(), "the node gets a plain close");
     assert_eq!(f.closed("slow_client"), 1);
     f.all_freed();
@@ -114,7 +116,7 @@ async fn deltas_are_dropped_above_the_soft_mark_and_whole_items_still_go() {
     let (link, mut node) = pair(1 << 20).await;
     let relay = f.relay(client, 256 << 10, 1 << 20);
     let unbounded = Lease::unbounded();
-    let run = relay.run(link, Vec::new(), &unbounded);
+    let run = relay.run(link, Vec::new(), &unbounded, |_| {});
     let peers = async {
         // 150 KiB the client does not read yet: above half of its 256 KiB.
         node.send(notification("item/completed", 150 << 10))
@@ -137,7 +139,7 @@ async fn deltas_are_dropped_above_the_soft_mark_and_whole_items_still_go() {
         reader.close(None).await.unwrap();
         got
     };
-    let (_lost, got) = tokio::join!(run, peers);
+    let ((), got) = tokio::join!(run, peers);
     assert!(got[0] > 150 << 10 && got[1] < 100, "{got:?}");
     assert_eq!(f.metrics.deltas_dropped.get(), 10);
     f.all_freed();
@@ -162,7 +164,7 @@ async fn pings_count_against_the_frame_rate_and_a_flood_is_closed() {
         }
         close_of(&mut peer).await
     };
-    let (_lost, close) = tokio::join!(relay.run(link, Vec::new(), &unbounded), flood);
+    let ((), close) = tokio::join!(relay.run(link, Vec::new(), &unbounded, |_| {}), flood);
     assert_eq!(close, Some((1008, FLOOD_CLOSE_REASON.to_owned())));
     assert_eq!(f.closed("flooded"), 1);
     f.all_freed();
@@ -200,8 +202,8 @@ async fn a_request_over_the_frame_rate_is_answered_and_not_forwarded() {
         let rest = close_of(&mut node).await;
         (answer, forwarded, rest)
     };
-    let (_lost, (answer, forwarded, _rest)) =
-        tokio::join!(relay.run(link, Vec::new(), &unbounded), peers);
+    let ((), (answer, forwarded, _rest)) =
+        tokio::join!(relay.run(link, Vec::new(), &unbounded, |_| {}), peers);
     assert_eq!(answer["id"], 3, "{answer}");
     assert_eq!(answer["error"]["code"], -32001, "{answer}");
     assert_eq!(answer["error"]["data"]["scope"], "connection", "{answer}");
@@ -257,7 +259,7 @@ async fn a_revoked_credential_ends_a_waiting_session_and_nothing_held_leaves() {
     let held = vec![Message::text(
         r#"{"id":1,"method":"thread/start","params":{}}"#,
     )];
-    let (_lost, node_saw) = tokio::join!(relay.run(link, held, &revoked), async {
+    let ((), node_saw) = tokio::join!(relay.run(link, held, &revoked, |_| {}), async {
         let mut texts = 0;
         while let Some(Ok(m)) = node.next().await {
             texts += usize::from(matches!(m, Message::Text(_)));
