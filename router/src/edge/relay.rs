@@ -48,6 +48,8 @@ pub const PENDING_CLOSE_REASON: &str = "too many messages while the tenant's nod
 const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 /// How long the closing frames may take to reach the client and the node.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Frames from the node at least this large are queued as an exact-size copy.
+const COPY_ABOVE: usize = 64 << 10;
 /// Frames written to the client before one flush.
 const WRITE_BATCH: usize = 64;
 
@@ -334,6 +336,13 @@ where
             }
             _ => {}
         }
+        // A large frame is a slice of the link's read buffer, whose allocation may be up to
+        // twice its size: queued as its own copy, it holds what the byte bound counts.
+        let text = if text.len() >= COPY_ABOVE {
+            Utf8Bytes::from(text.as_str().to_owned())
+        } else {
+            text
+        };
         self.out.push(text).map_err(Ending::ours)
     }
 
