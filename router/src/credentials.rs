@@ -83,6 +83,29 @@ impl Lease {
         }
     }
 
+    /// A lease whose credential was revoked already (tests).
+    #[cfg(test)]
+    pub(crate) fn revoked() -> Lease {
+        let lease = Lease::unbounded();
+        lease.credential.cancel();
+        lease
+    }
+
+    /// Whether the credential has ended already, without waiting (the edge checks it before a
+    /// session's held messages leave for its node).
+    pub fn ended_now(&self) -> Option<CredentialEnd> {
+        if self.credential.is_cancelled() || self.tenant.is_cancelled() {
+            Some(CredentialEnd::Revoked)
+        } else if self
+            .deadline
+            .is_some_and(|d| tokio::time::Instant::now() >= d)
+        {
+            Some(CredentialEnd::Expired)
+        } else {
+            None
+        }
+    }
+
     /// Resolves when the credential ends.
     pub async fn ended(&self) -> CredentialEnd {
         let expiry = async {

@@ -19,26 +19,24 @@ use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use futures_util::{SinkExt, StreamExt};
 use http::{HeaderMap, HeaderValue};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use rustls::pki_types::ServerName;
 use serde_json::json;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
-use tokio_util::sync::CancellationToken;
+
+mod relay;
 
 use crate::auth::AuthError;
 use crate::config::Config;
-use crate::credentials::{CredentialEnd, Credentials, Lease};
-use crate::jsonrpc::{self, RequestId};
+use crate::credentials::{Credentials, Lease};
+use relay::{Relay, Waited};
+pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
 
 pub mod headers;
 
@@ -54,15 +52,11 @@ pub const CLIENT_ADDR_HEADER: &str = "x-codex-fleet-client-addr";
 pub const NODE_LOST_CODE: u16 = 1012;
 /// Its reason.
 pub const NODE_LOST_REASON: &str = "codex-fleet: the tenant's node went away; reconnect and resume";
-/// Messages a client may send while its tenant's node starts, before it is closed (1008).
-const MAX_PENDING: usize = 256;
 /// Close code for a session whose tenant's node did not start in time (1013, try again later).
 pub const NODE_STARTING_CODE: u16 = 1013;
 /// Its reason.
 pub const NODE_STARTING_REASON: &str =
     "codex-fleet: the tenant's node is still starting; retry after retryAfterMs";
-/// How long a draining edge waits for a session's requests in flight before closing it.
-const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 
 /// The link to one node.
 pub(crate) type Link = WebSocketStream<TlsStream<TcpStream>>;
@@ -578,52 +572,25 @@ impl Edge {
     }
 
     /// The session of an upgraded client whose node may still be starting: its messages are
-    /// held while the backend starts the node (up to its start timeout), then sent on, in
-    /// order. A node that does not start in time answers every held request with `-32001`
-    /// (scope `worker`, reason `nodeStarting`, `retryAfterMs`) and closes with
-    /// [`NODE_STARTING_CODE`]; a node that cannot be reached, with reason `nodeUnavailable`.
+    /// held while the backend starts the node (up to its start timeout; bounded in messages
+    /// and bytes, and ended with the credential), then sent on, in order. A node that does not
+    /// start in time answers every held request with `-32001` (scope `worker`, reason
+    /// `nodeStarting`, `retryAfterMs`) and closes with [`NODE_STARTING_CODE`]; a node that
+    /// cannot be reached, with reason `nodeUnavailable`.
     pub async fn wait_and_relay<C>(
         &self,
-        mut client: WebSocketStream<C>,
+        client: WebSocketStream<C>,
         who: &Admitted,
         addr: SocketAddr,
-        client_queue: usize,
-        shutdown: CancellationToken,
+        ctx: RelayCtx,
     ) where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let mut pending: Vec<Message> = Vec::new();
-        let connect = self.connect(who, addr);
-        tokio::pin!(connect);
-        let close = |code: u16, reason: &str| {
-            Message::Close(Some(CloseFrame {
-                code: CloseCode::from(code),
-                reason: reason.to_owned().into(),
-            }))
-        };
-        let link = loop {
-            tokio::select! {
-                r = &mut connect => break r,
-                m = client.next() => match m {
-                    Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => {
-                        if pending.len() >= MAX_PENDING {
-                            let _sent = client.send(close(1008, "too many messages while the tenant's node starts")).await;
-                            return;
-                        }
-                        pending.push(m);
-                    }
-                    Some(Ok(Message::Close(_)) | Err(_)) | None => return,
-                    Some(Ok(_)) => {}
-                },
-                () = shutdown.cancelled() => {
-                    let _sent = client.send(close(1001, "codex-fleet is shutting down")).await;
-                    return;
-                }
-            }
-        };
-        let link = match link {
-            Ok(link) => link,
-            Err(e) => {
+        let mut relay = Relay::new(client, ctx);
+        let (link, pending) = match relay.wait(self.connect(who, addr), &who.lease).await {
+            Waited::Linked(link, pending) => (link, pending),
+            Waited::Ended(ending) => return relay.end(ending).await,
+            Waited::Failed(e, pending) => {
                 let (reason, retry_after, code, text) = match &e {
                     LinkError::Starting { retry_after, .. } => (
                         crate::admission::Reason::NodeStarting,
@@ -644,47 +611,34 @@ impl Edge {
                     reason,
                     retry_after,
                 );
-                for m in &pending {
-                    if let Message::Text(text) = m {
-                        if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
-                            let answer = Message::Text(r.to_error_response(&id).into());
-                            if client.send(answer).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-                let _sent = client.send(close(code, text)).await;
-                return;
+                return relay
+                    .refuse(pending, |id| r.to_error_response(id), code, text)
+                    .await;
             }
         };
-        self.relay_pending(client, link, who, client_queue, shutdown, pending)
-            .await;
+        self.relay_pending(relay, link, who, pending).await;
     }
 
     /// Relays one session between its client and its link until either ends (see the module
-    /// documentation for what each end means for the other).
+    /// documentation for what each end means for the other; `edge/relay.rs` for its bounds).
     pub async fn relay<C>(
         &self,
         client: WebSocketStream<C>,
         link: Link,
         who: &Admitted,
-        client_queue: usize,
-        shutdown: CancellationToken,
+        ctx: RelayCtx,
     ) where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        self.relay_pending(client, link, who, client_queue, shutdown, Vec::new())
+        self.relay_pending(Relay::new(client, ctx), link, who, Vec::new())
             .await;
     }
 
     async fn relay_pending<C>(
         &self,
-        client: WebSocketStream<C>,
+        relay: Relay<C>,
         link: Link,
         who: &Admitted,
-        client_queue: usize,
-        shutdown: CancellationToken,
         pending: Vec<Message>,
     ) where
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -692,12 +646,14 @@ impl Edge {
         let node = who.node.as_str();
         let sessions = self.metrics.sessions.with_label_values(&[node]);
         sessions.inc();
-        let lost = relay(client, link, client_queue, shutdown, &who.lease, pending).await;
-        sessions.dec();
-        if lost {
-            self.metrics.errors.with_label_values(&[node, "lost"]).inc();
-            tracing::warn!(node, "link lost: the node went away mid-session");
-        }
+        let relayed = |lost: bool| {
+            sessions.dec();
+            if lost {
+                self.metrics.errors.with_label_values(&[node, "lost"]).inc();
+                tracing::warn!(node, "link lost: the node went away mid-session");
+            }
+        };
+        relay.run(link, pending, &who.lease, relayed).await;
     }
 }
 
@@ -705,143 +661,4 @@ impl Edge {
 fn host_of(addr: &str) -> &str {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
     host.trim_start_matches('[').trim_end_matches(']')
-}
-
-/// Relays until either side ends; returns whether the link was lost (the node went away).
-async fn relay<C>(
-    client: WebSocketStream<C>,
-    link: Link,
-    client_queue: usize,
-    shutdown: CancellationToken,
-    lease: &Lease,
-    pending: Vec<Message>,
-) -> bool
-where
-    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let (mut client_tx, mut client_rx) = client.split();
-    let (mut link_tx, mut link_rx) = link.split();
-    let mut in_flight: HashSet<RequestId> = HashSet::new();
-    // What the client sent while its node was starting goes first, in order.
-    for m in pending {
-        if let Message::Text(text) = &m {
-            if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
-                in_flight.insert(id);
-            }
-        }
-        if link_tx.send(m).await.is_err() {
-            let _sent = client_tx
-                .send(Message::Close(Some(CloseFrame {
-                    code: CloseCode::from(NODE_LOST_CODE),
-                    reason: NODE_LOST_REASON.into(),
-                })))
-                .await;
-            return true;
-        }
-    }
-    // The client is written by its own task through a bounded queue, so a slow client never
-    // stops the link from being read; a full queue means the client is too slow (1008).
-    let (out, mut out_rx) = mpsc::channel::<Message>(client_queue.max(1));
-    let writer = tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
-            let closing = matches!(m, Message::Close(_));
-            if client_tx.send(m).await.is_err() || closing {
-                break;
-            }
-        }
-        let _closed = client_tx.close().await;
-    });
-    let mut draining: Option<tokio::time::Instant> = None;
-    let close = |code: CloseCode, reason: &str| {
-        Message::Close(Some(CloseFrame {
-            code,
-            reason: reason.to_owned().into(),
-        }))
-    };
-    let mut lost = false;
-    let credential_ended = lease.ended();
-    tokio::pin!(credential_ended);
-    loop {
-        if let Some(deadline) = draining {
-            if in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
-                let _sent = out.try_send(close(CloseCode::Away, "codex-fleet is shutting down"));
-                let _closed = link_tx.send(Message::Close(None)).await;
-                break;
-            }
-        }
-        tokio::select! {
-            m = client_rx.next(), if draining.is_none() => match m {
-                Some(Ok(Message::Text(text))) => {
-                    if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(&text) {
-                        in_flight.insert(id);
-                    }
-                    if link_tx.send(Message::Text(text)).await.is_err() {
-                        lost = true;
-                        let _sent = out.try_send(close(CloseCode::from(NODE_LOST_CODE), NODE_LOST_REASON));
-                        break;
-                    }
-                }
-                Some(Ok(Message::Close(frame))) => {
-                    let _closed = link_tx.send(Message::Close(frame)).await;
-                    break;
-                }
-                Some(Ok(m @ Message::Binary(_))) => {
-                    // The node answers binary frames as codex-fleet does (an error, counted).
-                    if link_tx.send(m).await.is_err() {
-                        lost = true;
-                        break;
-                    }
-                }
-                Some(Ok(_)) => {} // ping/pong are answered on each hop
-                Some(Err(WsError::Capacity(_))) => {
-                    let _sent = out.try_send(close(CloseCode::Size, "message too big"));
-                    let _closed = link_tx.send(Message::Close(None)).await;
-                    break;
-                }
-                Some(Err(_)) | None => {
-                    let _closed = link_tx.send(Message::Close(None)).await;
-                    break;
-                }
-            },
-            m = link_rx.next() => match m {
-                Some(Ok(Message::Text(text))) => {
-                    if let Ok(jsonrpc::Message::Response { id }) = jsonrpc::parse(&text) {
-                        in_flight.remove(&id);
-                    }
-                    if out.try_send(Message::Text(text)).is_err() {
-                        // The client reads too slowly for its queue: as codex-fleet does.
-                        writer.abort();
-                        let _closed = link_tx.send(Message::Close(None)).await;
-                        break;
-                    }
-                }
-                Some(Ok(Message::Close(frame))) => {
-                    let _sent = out.try_send(Message::Close(frame));
-                    break;
-                }
-                Some(Ok(_)) => {}
-                Some(Err(_)) | None => {
-                    lost = true;
-                    let _sent = out.try_send(close(CloseCode::from(NODE_LOST_CODE), NODE_LOST_REASON));
-                    break;
-                }
-            },
-            end = &mut credential_ended => {
-                let reason = match end {
-                    CredentialEnd::Expired => crate::session::EXPIRED_REASON,
-                    CredentialEnd::Revoked => crate::session::REVOKED_REASON,
-                };
-                let _sent = out.try_send(close(CloseCode::Policy, reason));
-                let _closed = link_tx.send(Message::Close(None)).await;
-                break;
-            }
-            () = shutdown.cancelled(), if draining.is_none() => {
-                draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS);
-            }
-            () = tokio::time::sleep_until(draining.unwrap_or_else(tokio::time::Instant::now)), if draining.is_some() => {}
-        }
-    }
-    drop(out);
-    let _written = tokio::time::timeout(Duration::from_secs(2), writer).await;
-    lost
 }

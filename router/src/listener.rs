@@ -296,10 +296,19 @@ impl Conn {
             Err(e) => return self.auth_refused(&e),
         };
         self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
+        // The edge holds the connection caps itself, before the 101 and before any link
+        // (decision 16); the guard lives as long as the relayed session, waiting included.
+        let guard: ConnectionGuard = match self.admission.open_connection(&who.tenant) {
+            Ok(g) => g,
+            Err(r) => {
+                tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), "upgrade refused: connection cap");
+                return self.overloaded(&r, "connection_cap");
+            }
+        };
         if edge.starts_nodes() {
             // The tenant's node may have to start first (a pod on Kubernetes): the client is
             // upgraded now and its session waits, longer than a handshake may take.
-            return self.spawn_relay(edge, req, key, started, who, None);
+            return self.spawn_relay(edge, req, key, started, (who, guard), None);
         }
         let link = match edge.connect(&who, self.addr.0).await {
             Ok(link) => link,
@@ -327,7 +336,7 @@ impl Conn {
                 return self.overloaded(&r, "node_unavailable");
             }
         };
-        self.spawn_relay(edge, req, key, started, who, Some(link))
+        self.spawn_relay(edge, req, key, started, (who, guard), Some(link))
     }
 
     /// Answers 101 and relays the session: over `link`, or, with none, once the tenant's node
@@ -338,13 +347,20 @@ impl Conn {
         mut req: Request<Incoming>,
         key: &str,
         started: tokio::time::Instant,
-        who: crate::edge::Admitted,
+        (who, guard): (crate::edge::Admitted, ConnectionGuard),
         link: Option<crate::edge::Link>,
     ) -> Response<Full<Bytes>> {
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
-        let queue = self.client_queue;
-        let shutdown = self.shutdown.clone();
+        let ctx = crate::edge::RelayCtx {
+            guard,
+            metrics: self.metrics.clone(),
+            admission: self.admission.clone(),
+            client_queue: self.client_queue,
+            client_queue_bytes: self.client_queue_bytes,
+            tenant_queue_bytes: self.tenant_queue_bytes,
+            shutdown: self.shutdown.clone(),
+        };
         let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
         let audit = self.audit.clone();
         let client = self.addr.0;
@@ -352,9 +368,9 @@ impl Conn {
             match link {
                 Some(link) => {
                     tracing::info!("relaying the session to its node");
-                    edge.relay(ws, link, &who, queue, shutdown).await;
+                    edge.relay(ws, link, &who, ctx).await;
                 }
-                None => edge.wait_and_relay(ws, &who, client, queue, shutdown).await,
+                None => edge.wait_and_relay(ws, &who, client, ctx).await,
             }
             tracing::info!("relay ended");
             audit.record(

@@ -1,0 +1,572 @@
+//! One relayed session at the edge, held to the bounds `serve` holds (decision 16).
+//!
+//! Everything a session costs the edge lives in one future, run by the session's own task: the
+//! client's socket, the link, the queue towards the client, the messages held while the
+//! tenant's node starts, and the connection's admission ([`ConnectionGuard`]). The relay writes
+//! to its client itself (no writer task, no channel), so when the session ends, for any reason,
+//! its memory goes with it.
+//!
+//! Bounds, as in `serve` (see `session.rs` and `session/writer.rs`):
+//! - The queue towards the client is bounded in frames (`client_queue`) and in bytes, per
+//!   session (`client_queue_bytes`) and over all the tenant's sessions on this edge
+//!   (`tenant_queue_bytes`). A frame counts until the socket has flushed it. Above half of any
+//!   bound streaming deltas are dropped (`item/completed` carries the whole item); at a bound
+//!   the client is too slow and is closed with 1008.
+//! - Every client frame, pings and pongs included, passes the connection's frame rate
+//!   (`conn_fps`, `conn_burst`): a request over it is answered `-32001` and not forwarded; any
+//!   other frame over it closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
+//! - While the tenant's node starts, what the client sends is held, bounded in messages and
+//!   in bytes (against the same byte account as the queue), and the credential is watched; it
+//!   is checked once more before the held messages leave.
+
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{Sink, SinkExt, StreamExt};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::{Admission, ConnectionGuard, QueueBytes};
+use crate::credentials::Lease;
+use crate::jsonrpc::{self, Message as Rpc, RequestId};
+use crate::metrics::RouterMetrics;
+use crate::session::End;
+
+/// Messages a client may send while its tenant's node starts, before it is closed (1008).
+pub(super) const MAX_PENDING: usize = 256;
+/// Close reason of a session that sent more than may be held while its node starts.
+pub const PENDING_CLOSE_REASON: &str = "too many messages while the tenant's node starts";
+/// How long a draining edge waits for a session's requests in flight before closing it.
+const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
+/// How long the closing frames may take to reach the client and the node.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Frames from the node at least this large are queued as an exact-size copy.
+const COPY_ABOVE: usize = 64 << 10;
+/// Frames written to the client before one flush.
+const WRITE_BATCH: usize = 64;
+
+/// What a relayed session needs from the listener: its admission and its bounds.
+pub struct RelayCtx {
+    /// The connection's slot under the connection caps, and its frame rate; held as long as
+    /// the session.
+    pub guard: ConnectionGuard,
+    /// Router metrics (refusals, sessions closed, deltas dropped).
+    pub metrics: RouterMetrics,
+    /// Admission, for the tenant's byte account.
+    pub admission: Arc<Admission>,
+    /// Frames queued towards the client at most.
+    pub client_queue: usize,
+    /// Bytes queued towards the client at most.
+    pub client_queue_bytes: usize,
+    /// Bytes queued towards all the tenant's clients on this edge at most.
+    pub tenant_queue_bytes: usize,
+    /// Cancelled when the edge shuts down.
+    pub shutdown: CancellationToken,
+}
+
+/// How a relayed session ends: what each side is told.
+#[derive(Debug)]
+pub(super) struct Ending {
+    /// The close frame for the client; `None` when the client closed or is gone.
+    client: Option<Option<CloseFrame>>,
+    /// What is queued for the client is dropped (a slow client gets its close frame next).
+    skip_queue: bool,
+    /// The close frame for the node (when the link is up).
+    link: Option<CloseFrame>,
+    /// The link broke: the node went away.
+    pub(super) lost: bool,
+    /// Why, as `serve` counts it (`codex_fleet_sessions_closed_total`).
+    end: Option<End>,
+}
+
+impl Ending {
+    /// The edge ends the session as `serve` would.
+    pub(super) fn ours(end: End) -> Ending {
+        Ending {
+            client: Some(end.close_frame()),
+            skip_queue: end == End::SlowClient,
+            link: None,
+            lost: false,
+            end: Some(end),
+        }
+    }
+
+    /// The edge closes the client with `code` and `reason` (after what is queued).
+    pub(super) fn close(code: u16, reason: &str) -> Ending {
+        Ending {
+            client: Some(Some(CloseFrame {
+                code: CloseCode::from(code),
+                reason: reason.to_owned().into(),
+            })),
+            skip_queue: false,
+            link: None,
+            lost: false,
+            end: None,
+        }
+    }
+
+    fn client_closed(frame: Option<CloseFrame>) -> Ending {
+        Ending {
+            client: None,
+            skip_queue: true,
+            link: frame,
+            lost: false,
+            end: Some(End::ClientGone),
+        }
+    }
+
+    fn node_closed(frame: Option<CloseFrame>) -> Ending {
+        Ending {
+            client: Some(frame),
+            skip_queue: false,
+            link: None,
+            lost: false,
+            end: None,
+        }
+    }
+
+    fn node_lost() -> Ending {
+        Ending {
+            lost: true,
+            ..Ending::close(super::NODE_LOST_CODE, super::NODE_LOST_REASON)
+        }
+    }
+}
+
+/// What waiting for the tenant's node came to.
+pub(super) enum Waited<L> {
+    /// The link is open; these messages go first.
+    Linked(WebSocketStream<L>, Vec<Message>),
+    /// No link; these requests were held.
+    Failed(super::LinkError, Vec<Message>),
+    /// The session ended while waiting.
+    Ended(Ending),
+}
+
+/// Frames waiting for the client, bounded in frames and in bytes.
+struct Out {
+    frames: VecDeque<Message>,
+    capacity: usize,
+    soft_mark: usize,
+    bytes: Arc<QueueBytes>,
+    /// Bytes handed to the socket since its last flush (still counted), when any were.
+    unflushed: Option<usize>,
+    /// The close frame went out: nothing more is written.
+    closed: bool,
+}
+
+impl Out {
+    fn len_of(msg: &Message) -> usize {
+        match msg {
+            Message::Text(t) => t.len(),
+            Message::Binary(b) => b.len(),
+            _ => 0,
+        }
+    }
+
+    fn busy(&self) -> bool {
+        !self.closed && (!self.frames.is_empty() || self.unflushed.is_some())
+    }
+
+    /// Above the soft mark of any bound: streaming deltas go.
+    fn behind(&self) -> bool {
+        self.frames.len() >= self.soft_mark || self.bytes.behind()
+    }
+
+    /// Queues a frame; a client whose queue is full (frames, or bytes of the session or the
+    /// tenant) is too slow.
+    fn push(&mut self, text: Utf8Bytes) -> Result<(), End> {
+        if self.frames.len() >= self.capacity || !self.bytes.try_add(text.len()) {
+            tracing::info!(
+                frames = self.frames.len(),
+                queued = self.bytes.session(),
+                "closing a client over its queue's bound"
+            );
+            return Err(End::SlowClient);
+        }
+        self.frames.push_back(Message::Text(text));
+        Ok(())
+    }
+
+    fn drop_queue(&mut self) {
+        for msg in self.frames.drain(..) {
+            self.bytes.release(Out::len_of(&msg));
+        }
+    }
+
+    /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then
+    /// flushes; their bytes leave the account once flushed. Cancel-safe. Ready(true) once the
+    /// close frame is out.
+    fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<bool, WsError>>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        let mut batch = 0;
+        while batch < WRITE_BATCH && !self.closed && !self.frames.is_empty() {
+            ready!(sink.poll_ready_unpin(cx))?;
+            let Some(msg) = self.frames.pop_front() else {
+                break;
+            };
+            *self.unflushed.get_or_insert(0) += Out::len_of(&msg);
+            self.closed = matches!(msg, Message::Close(_));
+            sink.start_send_unpin(msg)?;
+            batch += 1;
+        }
+        if let Some(n) = self.unflushed {
+            ready!(sink.poll_flush_unpin(cx))?;
+            self.bytes.release(n);
+            self.unflushed = None;
+        }
+        Poll::Ready(Ok(self.closed))
+    }
+
+    async fn write<Si>(&mut self, sink: &mut Si) -> Result<bool, WsError>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        std::future::poll_fn(|cx| self.poll_write(sink, cx)).await
+    }
+}
+
+/// One session's relay: its client, its queue, its admission.
+pub(super) struct Relay<C> {
+    tx: SplitSink<WebSocketStream<C>, Message>,
+    rx: SplitStream<WebSocketStream<C>>,
+    out: Out,
+    guard: ConnectionGuard,
+    metrics: RouterMetrics,
+    shutdown: CancellationToken,
+    /// Client requests not answered yet (a draining edge waits for them).
+    in_flight: HashSet<RequestId>,
+}
+
+impl<C> Relay<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    pub(super) fn new(client: WebSocketStream<C>, ctx: RelayCtx) -> Self {
+        let bytes = ctx.admission.client_queue_bytes(
+            ctx.guard.tenant(),
+            ctx.client_queue_bytes,
+            ctx.tenant_queue_bytes,
+        );
+        let (tx, rx) = client.split();
+        Relay {
+            tx,
+            rx,
+            out: Out {
+                frames: VecDeque::new(),
+                capacity: ctx.client_queue.max(1),
+                soft_mark: crate::config::soft_mark(ctx.client_queue),
+                bytes,
+                unflushed: None,
+                closed: false,
+            },
+            guard: ctx.guard,
+            metrics: ctx.metrics,
+            shutdown: ctx.shutdown,
+            in_flight: HashSet::new(),
+        }
+    }
+
+    /// The frame rate for a frame that cannot be answered `-32001`: over it, the session ends.
+    fn unanswerable(&self) -> Result<(), Ending> {
+        self.guard.check_frame().map_err(|r| {
+            self.metrics.rejected_for(self.guard.tenant(), &r);
+            tracing::info!("closing a connection that floods frames");
+            Ending::ours(End::Flooded)
+        })
+    }
+
+    /// A client frame through the connection's frame rate: what goes on to the node, if
+    /// anything.
+    fn on_client_frame(
+        &mut self,
+        frame: Option<Result<Message, WsError>>,
+    ) -> Result<Option<Message>, Ending> {
+        match frame {
+            Some(Ok(Message::Text(text))) => {
+                if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(&text) {
+                    if let Err(r) = self.guard.check_frame() {
+                        self.metrics.rejected_for(self.guard.tenant(), &r);
+                        self.out
+                            .push(r.to_error_response(&id).into())
+                            .map_err(Ending::ours)?;
+                        return Ok(None);
+                    }
+                    self.in_flight.insert(id);
+                } else {
+                    self.unanswerable()?;
+                }
+                Ok(Some(Message::Text(text)))
+            }
+            // The node answers binary frames as codex-fleet does (an error, counted).
+            Some(Ok(m @ Message::Binary(_))) => {
+                self.unanswerable()?;
+                Ok(Some(m))
+            }
+            Some(Ok(Message::Close(frame))) => Err(Ending::client_closed(frame)),
+            // Ping and pong are answered on each hop, and cost a write each: they count.
+            Some(Ok(_)) => {
+                self.unanswerable()?;
+                Ok(None)
+            }
+            Some(Err(WsError::Capacity(_))) => Err(Ending::ours(End::TooBig)),
+            Some(Err(_)) | None => Err(Ending::client_closed(None)),
+        }
+    }
+
+    /// A text frame from the node, queued for the client (a delta dropped when behind).
+    fn on_node_text(&mut self, text: Utf8Bytes) -> Result<(), Ending> {
+        match jsonrpc::parse(&text) {
+            Ok(Rpc::Response { id }) => {
+                self.in_flight.remove(&id);
+            }
+            Ok(Rpc::Notification { method, .. }) if method.is_delta() && self.out.behind() => {
+                self.metrics.deltas_dropped.inc();
+                return Ok(());
+            }
+            _ => {}
+        }
+        // A large frame is a slice of the link's read buffer, whose allocation may be up to
+        // twice its size: queued as its own copy, it holds what the byte bound counts.
+        let text = if text.len() >= COPY_ABOVE {
+            Utf8Bytes::from(text.as_str().to_owned())
+        } else {
+            text
+        };
+        self.out.push(text).map_err(Ending::ours)
+    }
+
+    /// Holds what the client sends while `connect` finds (or starts) its node, watching the
+    /// credential and writing what is queued for the client (refusals over the frame rate).
+    pub(super) async fn wait<L, F>(&mut self, connect: F, lease: &Lease) -> Waited<L>
+    where
+        F: Future<Output = Result<WebSocketStream<L>, super::LinkError>>,
+    {
+        let mut pending: Vec<Message> = Vec::new();
+        tokio::pin!(connect);
+        let credential_ended = lease.ended();
+        tokio::pin!(credential_ended);
+        let shutdown = self.shutdown.clone();
+        let ended = loop {
+            let writing = self.out.busy();
+            tokio::select! {
+                biased;
+                end = &mut credential_ended => break Ending::ours(End::from(end)),
+                () = shutdown.cancelled() => break Ending::ours(End::Shutdown),
+                r = &mut connect => {
+                    return match r {
+                        Ok(link) => Waited::Linked(link, pending),
+                        Err(e) => Waited::Failed(e, pending),
+                    };
+                }
+                w = self.out.write(&mut self.tx), if writing => {
+                    if w.is_err() {
+                        break Ending::client_closed(None);
+                    }
+                }
+                m = self.rx.next() => match self.on_client_frame(m) {
+                    Ok(Some(m)) => {
+                        if pending.len() >= MAX_PENDING || !self.out.bytes.try_add(Out::len_of(&m)) {
+                            break Ending::close(1008, PENDING_CLOSE_REASON);
+                        }
+                        pending.push(m);
+                    }
+                    Ok(None) => {}
+                    Err(ending) => break ending,
+                },
+            }
+        };
+        for m in &pending {
+            self.out.bytes.release(Out::len_of(m));
+        }
+        Waited::Ended(ended)
+    }
+
+    /// The node could not take the session: each held request is answered with `answer`,
+    /// then the client is closed with `code` and `reason`.
+    pub(super) async fn refuse(
+        mut self,
+        pending: Vec<Message>,
+        answer: impl Fn(&RequestId) -> String,
+        code: u16,
+        reason: &str,
+    ) {
+        for m in pending {
+            self.out.bytes.release(Out::len_of(&m));
+            if let Message::Text(text) = &m {
+                if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(text) {
+                    if self.out.push(answer(&id).into()).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        self.finish(Ending::close(code, reason), async {}).await;
+    }
+
+    /// Relays until either side ends, `pending` first (once the credential is checked); then
+    /// calls `relayed` with whether the link was lost, and closes both sides.
+    pub(super) async fn run<L>(
+        mut self,
+        link: WebSocketStream<L>,
+        pending: Vec<Message>,
+        lease: &Lease,
+        relayed: impl FnOnce(bool),
+    ) where
+        L: AsyncRead + AsyncWrite + Unpin,
+    {
+        let (mut link_tx, mut link_rx) = link.split();
+        let ending = self.relay(&mut link_tx, &mut link_rx, pending, lease).await;
+        let lost = ending.lost;
+        // The session is over: counted now, not after the closing handshakes.
+        relayed(lost);
+        let frame = ending.link.clone();
+        let node = async move {
+            if !lost {
+                let _sent = link_tx.send(Message::Close(frame)).await;
+                let _closed = link_tx.close().await;
+            }
+        };
+        self.finish(ending, node).await;
+    }
+
+    async fn relay<L>(
+        &mut self,
+        link_tx: &mut SplitSink<WebSocketStream<L>, Message>,
+        link_rx: &mut SplitStream<WebSocketStream<L>>,
+        pending: Vec<Message>,
+        lease: &Lease,
+    ) -> Ending
+    where
+        L: AsyncRead + AsyncWrite + Unpin,
+    {
+        // The credential may have ended while the node started: nothing held leaves then.
+        if let Some(end) = lease.ended_now() {
+            for m in &pending {
+                self.out.bytes.release(Out::len_of(m));
+            }
+            return Ending::ours(End::from(end));
+        }
+        let mut sending = pending.into_iter();
+        while let Some(m) = sending.next() {
+            let n = Out::len_of(&m);
+            let sent = link_tx.send(m).await;
+            self.out.bytes.release(n);
+            if sent.is_err() {
+                for m in sending {
+                    self.out.bytes.release(Out::len_of(&m));
+                }
+                return Ending::node_lost();
+            }
+        }
+        let credential_ended = lease.ended();
+        tokio::pin!(credential_ended);
+        let shutdown = self.shutdown.clone();
+        let mut draining: Option<tokio::time::Instant> = None;
+        loop {
+            if let Some(deadline) = draining {
+                if self.in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
+                    return Ending::ours(End::Shutdown);
+                }
+            }
+            let writing = self.out.busy();
+            tokio::select! {
+                m = self.rx.next(), if draining.is_none() => match self.on_client_frame(m) {
+                    Ok(Some(m)) => {
+                        if link_tx.send(m).await.is_err() {
+                            return Ending::node_lost();
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(ending) => return ending,
+                },
+                m = link_rx.next() => match m {
+                    Some(Ok(Message::Text(text))) => {
+                        if let Err(ending) = self.on_node_text(text) {
+                            return ending;
+                        }
+                    }
+                    Some(Ok(Message::Close(frame))) => return Ending::node_closed(frame),
+                    Some(Ok(_)) => {}
+                    Some(Err(_)) | None => return Ending::node_lost(),
+                },
+                w = self.out.write(&mut self.tx), if writing => {
+                    if w.is_err() {
+                        return Ending::client_closed(None);
+                    }
+                }
+                end = &mut credential_ended => return Ending::ours(End::from(end)),
+                () = shutdown.cancelled(), if draining.is_none() => {
+                    draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS);
+                }
+                () = tokio::time::sleep_until(draining.unwrap_or_else(tokio::time::Instant::now)), if draining.is_some() => {}
+            }
+        }
+    }
+
+    /// Ends a session that never had a link.
+    pub(super) async fn end(self, ending: Ending) {
+        self.finish(ending, async {}).await;
+    }
+
+    /// Tells both sides (within [`CLOSE_GRACE`]) and ends; everything the session held is
+    /// freed when this returns.
+    async fn finish(self, ending: Ending, node: impl Future<Output = ()>) {
+        let Relay {
+            mut tx,
+            mut rx,
+            mut out,
+            guard,
+            metrics,
+            ..
+        } = self;
+        if let Some(end) = &ending.end {
+            metrics
+                .sessions_closed
+                .with_label_values(&[end.label()])
+                .inc();
+        }
+        if ending.skip_queue {
+            out.drop_queue();
+        }
+        if let Some(frame) = ending.client {
+            out.frames.push_back(Message::Close(frame));
+        }
+        // Until the close frame is out, what the client still sends is read and discarded:
+        // closing a socket with unread input resets it, and the reset would destroy the close
+        // frame on its way.
+        let client = async {
+            let writer = async {
+                while out.busy() {
+                    if !matches!(out.write(&mut tx).await, Ok(false)) {
+                        break;
+                    }
+                }
+                let _closed = tx.close().await;
+            };
+            tokio::pin!(writer);
+            let drain = async { while let Some(Ok(_)) = rx.next().await {} };
+            tokio::pin!(drain);
+            tokio::select! {
+                () = &mut writer => drain.await,
+                () = &mut drain => writer.await,
+            }
+        };
+        let _in_time =
+            tokio::time::timeout(CLOSE_GRACE, futures_util::future::join(client, node)).await;
+        drop(guard);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,275 @@
+//! The edge's relay over in-memory sockets (a client and a node end), on paused time: its byte
+//! bounds, its frame rate, what it holds while waiting, and that it frees all it held.
+
+use std::sync::Arc;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::DuplexStream;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+
+use super::{Relay, RelayCtx, Waited, PENDING_CLOSE_REASON};
+use crate::admission::{Admission, AdmissionConfig, FLOOD_CLOSE_REASON};
+use crate::credentials::Lease;
+use crate::metrics::RouterMetrics;
+
+type Ws = WebSocketStream<DuplexStream>;
+
+/// A socket pair: (the relay's end, the peer's end); `buf` bytes fit in each direction.
+async fn pair(buf: usize) -> (Ws, Ws) {
+    let (a, b) = tokio::io::duplex(buf);
+    tokio::join!(
+        WebSocketStream::from_raw_socket(a, Role::Server, None),
+        WebSocketStream::from_raw_socket(b, Role::Client, None),
+    )
+}
+
+struct Fixture {
+    admission: Arc<Admission>,
+    metrics: RouterMetrics,
+}
+
+impl Fixture {
+    fn new(cfg: AdmissionConfig) -> Fixture {
+        Fixture {
+            admission: Admission::new(cfg).unwrap(),
+            metrics: RouterMetrics::register(&prometheus::Registry::new()).unwrap(),
+        }
+    }
+
+    fn relay(&self, client: Ws, session_bytes: usize, tenant_bytes: usize) -> Relay<DuplexStream> {
+        let ctx = RelayCtx {
+            guard: self.admission.open_connection("acme").unwrap(),
+            metrics: self.metrics.clone(),
+            admission: self.admission.clone(),
+            client_queue: 8192,
+            client_queue_bytes: session_bytes,
+            tenant_queue_bytes: tenant_bytes,
+            shutdown: CancellationToken::new(),
+        };
+        Relay::new(client, ctx)
+    }
+
+    fn closed(&self, reason: &str) -> u64 {
+        self.metrics
+            .sessions_closed
+            .with_label_values(&[reason])
+            .get()
+    }
+
+    /// Nothing of the session is left: no queued bytes, no connection slot.
+    fn all_freed(&self) {
+        assert_eq!(self.admission.queued_bytes("acme"), 0);
+        assert_eq!(self.admission.connections("acme"), (0, 0));
+    }
+}
+
+fn notification(method: &str, pad: usize) -> Message {
+    Message::text(format!(
+        r#"{{"method":"{method}","params":{{"pad":"{}"}}}}"#,
+        "x".repeat(pad)
+    ))
+}
+
+/// The close frame a peer reads next, skipping other frames.
+async fn close_of(ws: &mut Ws) -> Option<(u16, String)> {
+    while let Some(m) = ws.next().await {
+        match m {
+            Ok(Message::Close(f)) => return f.map(|f| (u16::from(f.code), f.reason.to_string())),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_never_reads_is_closed_at_its_byte_bound_and_everything_is_freed() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let (client, _never_read) = pair(4096).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let unbounded = Lease::unbounded();
+    let flood = async {
+        for _ in 0..64 {
+            if node.send(notification("thread/x", 64 << 10)).await.is_err() {
+                break;
+            }
+        }
+        close_of(&mut node).await
+    };
+    let mut lost = None;
+    let relayed = |l| lost = Some(l);
+    let ((), node_close) = tokio::join!(relay.run(link, Vec::new(), &unbounded, relayed), flood);
+    assert_eq!(lost, Some(false));
+    assert!(node_close.is_none(), "the node gets a plain close");
+    assert_eq!(f.closed("slow_client"), 1);
+    f.all_freed();
+}
+
+#[tokio::test(start_paused = true)]
+async fn deltas_are_dropped_above_the_soft_mark_and_whole_items_still_go() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let (client, mut reader) = pair(4096).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let unbounded = Lease::unbounded();
+    let run = relay.run(link, Vec::new(), &unbounded, |_| {});
+    let peers = async {
+        // 150 KiB the client does not read yet: above half of its 256 KiB.
+        node.send(notification("item/completed", 150 << 10))
+            .await
+            .unwrap();
+        for _ in 0..10 {
+            node.send(notification("item/agentMessage/delta", 10))
+                .await
+                .unwrap();
+        }
+        node.send(notification("item/completed", 10)).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            match reader.next().await {
+                Some(Ok(Message::Text(t))) => got.push(t.len()),
+                other => panic!("{other:?}"),
+            }
+        }
+        reader.close(None).await.unwrap();
+        got
+    };
+    let ((), got) = tokio::join!(run, peers);
+    assert!(got[0] > 150 << 10 && got[1] < 100, "{got:?}");
+    assert_eq!(f.metrics.deltas_dropped.get(), 10);
+    f.all_freed();
+}
+
+#[tokio::test(start_paused = true)]
+async fn pings_count_against_the_frame_rate_and_a_flood_is_closed() {
+    let f = Fixture::new(AdmissionConfig {
+        conn_fps: 1,
+        conn_burst: 5,
+        ..AdmissionConfig::default()
+    });
+    let (client, mut peer) = pair(1 << 20).await;
+    let (link, _node) = pair(1 << 20).await;
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let unbounded = Lease::unbounded();
+    let flood = async {
+        for _ in 0..10 {
+            if peer.send(Message::Ping(vec![1].into())).await.is_err() {
+                break;
+            }
+        }
+        close_of(&mut peer).await
+    };
+    let ((), close) = tokio::join!(relay.run(link, Vec::new(), &unbounded, |_| {}), flood);
+    assert_eq!(close, Some((1008, FLOOD_CLOSE_REASON.to_owned())));
+    assert_eq!(f.closed("flooded"), 1);
+    f.all_freed();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_over_the_frame_rate_is_answered_and_not_forwarded() {
+    let f = Fixture::new(AdmissionConfig {
+        conn_fps: 1,
+        conn_burst: 2,
+        ..AdmissionConfig::default()
+    });
+    let (client, mut peer) = pair(1 << 20).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let unbounded = Lease::unbounded();
+    let peers = async {
+        for id in 1..=3 {
+            let r = format!(r#"{{"id":{id},"method":"thread/list","params":{{}}}}"#);
+            peer.send(Message::text(r)).await.unwrap();
+        }
+        let answer = match peer.next().await {
+            Some(Ok(Message::Text(t))) => serde_json::from_str::<serde_json::Value>(&t).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        let mut forwarded = Vec::new();
+        for _ in 0..2 {
+            match node.next().await {
+                Some(Ok(Message::Text(t))) => forwarded.push(t.to_string()),
+                other => panic!("{other:?}"),
+            }
+        }
+        peer.close(None).await.unwrap();
+        // Nothing more reaches the node than the two and the close.
+        let rest = close_of(&mut node).await;
+        (answer, forwarded, rest)
+    };
+    let ((), (answer, forwarded, _rest)) =
+        tokio::join!(relay.run(link, Vec::new(), &unbounded, |_| {}), peers);
+    assert_eq!(answer["id"], 3, "{answer}");
+    assert_eq!(answer["error"]["code"], -32001, "{answer}");
+    assert_eq!(answer["error"]["data"]["scope"], "connection", "{answer}");
+    assert!(forwarded.iter().all(|t| !t.contains(r#""id":3"#)));
+    f.all_freed();
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_a_waiting_session_holds_is_bounded_in_bytes() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let (client, mut peer) = pair(1 << 20).await;
+    let mut relay = f.relay(client, 64 << 10, 1 << 20);
+    let never = std::future::pending::<Result<Ws, super::super::LinkError>>();
+    let lease = Lease::unbounded();
+    let send = async {
+        // Three messages well under the count bound, over the byte bound together.
+        for _ in 0..3 {
+            peer.send(notification("x/y", 30 << 10)).await.unwrap();
+        }
+    };
+    let (waited, ()) = tokio::join!(relay.wait(never, &lease), send);
+    let Waited::Ended(ending) = waited else {
+        panic!("the session was not ended while waiting");
+    };
+    relay.end(ending).await;
+    assert_eq!(
+        close_of(&mut peer).await,
+        Some((1008, PENDING_CLOSE_REASON.to_owned()))
+    );
+    f.all_freed();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_revoked_credential_ends_a_waiting_session_and_nothing_held_leaves() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let revoked = Lease::revoked();
+    // While waiting: the credential ends the wait.
+    let (client, mut peer) = pair(1 << 20).await;
+    let mut relay = f.relay(client, 64 << 10, 1 << 20);
+    let never = std::future::pending::<Result<Ws, super::super::LinkError>>();
+    let Waited::Ended(ending) = relay.wait(never, &revoked).await else {
+        panic!("the session was not ended while waiting");
+    };
+    relay.end(ending).await;
+    assert_eq!(
+        close_of(&mut peer).await,
+        Some((1008, crate::session::REVOKED_REASON.to_owned()))
+    );
+    // Linked, with held messages: they do not leave.
+    let (client, mut peer) = pair(1 << 20).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 64 << 10, 1 << 20);
+    let held = vec![Message::text(
+        r#"{"id":1,"method":"thread/start","params":{}}"#,
+    )];
+    let ((), node_saw) = tokio::join!(relay.run(link, held, &revoked, |_| {}), async {
+        let mut texts = 0;
+        while let Some(Ok(m)) = node.next().await {
+            texts += usize::from(matches!(m, Message::Text(_)));
+        }
+        texts
+    });
+    assert_eq!(node_saw, 0, "a held request reached the node");
+    assert_eq!(
+        close_of(&mut peer).await,
+        Some((1008, crate::session::REVOKED_REASON.to_owned()))
+    );
+    f.all_freed();
+}
