@@ -7,7 +7,9 @@ unknown fields are errors). CRDs it has no schema for (cert-manager, prometheus-
 skipped by name only. The tenant pod template (pod.json) is validated as a Pod and checked against
 the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
 refused (values.schema.json, the chart's own checks) are. When the built binary has
-`render-tenant-pod`, the pod it would create is validated as a Pod too, and every rendered
+`render-tenant-pod`, the pod it would create is validated as a Pod too, carries its tenant's
+own settings and no credential, and the node it would start is started and serves the tenant
+with those settings (issue 23); every rendered
 config.toml must pass the built binary's `check-config` (the edge's too: the binary has the
 kubernetes backend).
 """
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import helm_python as helm
@@ -327,8 +330,131 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
             before = len(failures)
             for d in docs_out:
                 validate(f"{where} {d.get('kind')}", d)
+            pod = next((d for d in docs_out if d.get("kind") == "Pod"), None)
+            if pod:
+                check_tenant_entry(where, values, t, pod)
+                start_tenant_node(where, docs, t, pod, Path(tmp))
             if len(failures) == before:
                 print(f"  ok   {where}: {', '.join(d.get('kind', '?') for d in docs_out)}")
+
+
+ENTRY_ENV = "CODEX_FLEET_TENANT_ENTRY"
+# What the node takes for a key the tenant's entry leaves out (router/src/config.rs).
+TENANT_DEFAULTS = {"max_workers": 4, "min_workers": 0}
+
+
+def entry_of(pod: dict) -> dict | None:
+    env = pod["spec"]["containers"][0].get("env", [])
+    value = next((e.get("value") for e in env if e.get("name") == ENTRY_ENV), None)
+    return json.loads(value) if value is not None else None
+
+
+def check_tenant_entry(where: str, values: dict, tenant: dict, pod: dict) -> None:
+    """Issue 23 item 1: the pod carries its tenant's own settings, and no credential of any
+    tenant nor anything of another tenant (a tenant has a shell in its pod)."""
+    entry = entry_of(pod)
+    if entry is None:
+        fail(where, f"the pod has no {ENTRY_ENV}: the tenant's settings never reach its node")
+        return
+    for key in ("max_workers", "min_workers", "config_overrides", "workspace_roots", "command", "policy"):
+        if key in tenant and entry.get(key) != tenant[key]:
+            fail(where, f"{ENTRY_ENV} {key} = {entry.get(key)!r}, the tenant's is {tenant[key]!r}")
+    text = json.dumps(pod)
+    for other in values.get("tenants", []):
+        for digest in other.get("token_sha256", []):
+            if digest in text:
+                fail(where, f"a token digest of tenant {other['id']} is in the pod")
+        if other["id"] != tenant["id"] and f'"{other["id"]}"' in text:
+            fail(where, f"tenant {other['id']} is named in the pod")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tenant_node(where: str, docs: list[dict], tenant: dict, pod: dict, tmp: Path) -> None:
+    """Issue 23 item 1, done when: the node the backend would start (the rendered pod's args and
+    env, the rendered node config with its paths and addresses moved onto this machine) serves
+    the tenant with the tenant's own settings, read from its /metrics."""
+    binary, codex = fleet_binary(), os.environ.get("CODEX_BIN")
+    if not binary or not codex:
+        fail(where, "starting its node needs the built codex-fleet and CODEX_BIN")
+        return
+    full = f"{RELEASE}-codex-fleet"
+    home = tmp / f"home-{tenant['id']}"
+    home.mkdir(mode=0o700, exist_ok=True)
+    cert, key = tmp / "link.crt", tmp / "link.key"
+    if not cert.exists():
+        out = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=node",
+             "-addext", "subjectAltName=DNS:node.codex-fleet.internal"],
+            capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(where, f"openssl: {out.stderr.strip()}")
+            return
+    admin = free_port()
+    text = find(docs, "ConfigMap", f"{full}-node-config")["data"]["config.toml"]
+    node = tomllib.loads(text)
+    text = (text.replace("/etc/codex-fleet/link/tls.crt", str(cert))
+            .replace("/etc/codex-fleet/link/tls.key", str(key))
+            .replace("/etc/codex-fleet/link/ca.crt", str(cert))
+            .replace(json.dumps(node["listen"]["addr"]), json.dumps(f"127.0.0.1:{free_port()}"))
+            .replace('"0.0.0.0:9464"', json.dumps(f"127.0.0.1:{admin}"))
+            .replace('"/var/lib/codex-fleet"', json.dumps(str(home)))
+            .replace('"/opt/codex/bin/codex"', json.dumps(codex)))
+    config = tmp / f"node-{tenant['id']}.toml"
+    config.write_text(text)
+    c = pod["spec"]["containers"][0]
+    args = [str(config) if a == "/etc/codex-fleet/node/config.toml" else a for a in c["args"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODEX_FLEET")}
+    for e in c.get("env", []):
+        env[e["name"]] = e["value"].replace("/opt/codex/bin/codex", codex)
+    env["CODEX_FLEET_LOG"] = "warn"
+    log = tmp / f"node-{tenant['id']}.log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen([binary, *args], env=env, stdout=logf, stderr=logf,
+                                stdin=subprocess.DEVNULL)
+    try:
+        metrics = None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=2) as r:
+                    metrics = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.2)
+        if metrics is None:
+            fail(where, f"its node did not start (exit {proc.poll()}): {log.read_text()[-2000:]}")
+            return
+        def limit(name: str) -> float | None:
+            prefix = f'codex_fleet_tenant_limit{{limit="{name}",tenant="{tenant["id"]}"}} '
+            alt = f'codex_fleet_tenant_limit{{tenant="{tenant["id"]}",limit="{name}"}} '
+            for line in metrics.splitlines():
+                if line.startswith(prefix) or line.startswith(alt):
+                    return float(line.split()[-1])
+            return None
+        for key in ("max_workers",):
+            want = tenant.get(key, TENANT_DEFAULTS[key])
+            got = limit(key)
+            if got != want:
+                fail(where, f"its node serves {tenant['id']} with {key} {got}, the tenant's is {want}")
+            else:
+                print(f"  ok   {where}: its node serves {key} = {want:g}")
+        others = [l for l in metrics.splitlines() if "tenant=" in l and f'tenant="{tenant["id"]}"' not in l]
+        if others:
+            fail(where, f"its node serves another tenant: {others[0]}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # Values that must be refused, each with what the refusal must say: on top of a valid file.

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::admission::AdmissionConfig;
 
@@ -199,7 +199,7 @@ pub struct KubernetesNodes {
 }
 
 /// `[tenants.kubernetes]`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantKubernetes {
     /// Overrides the template's container resources.
@@ -208,7 +208,7 @@ pub struct TenantKubernetes {
 }
 
 /// `[tenants.kubernetes.resources]`: Kubernetes quantities, e.g. `cpu = "500m"`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PodResources {
     /// `requests`
@@ -446,7 +446,7 @@ impl TryFrom<RawLimits> for Limits {
 }
 
 /// `[[tenants]]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenant {
     /// Short id: `[a-z0-9_-]{1,32}`; names directories and metric labels.

@@ -37,6 +37,8 @@ pub struct PodInfo {
     pub ip: Ipv4Addr,
     /// The `node` container's args.
     pub args: Vec<String>,
+    /// The `node` container's `env` (name, value), as a kubelet sets it.
+    pub env: Vec<(String, String)>,
     /// The claim of its `home` volume.
     pub claim: String,
 }
@@ -488,6 +490,19 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                         .collect()
                 })
                 .unwrap_or_default();
+            let env: Vec<(String, String)> = c["env"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|e| {
+                            Some((
+                                e["name"].as_str()?.to_owned(),
+                                e["value"].as_str()?.to_owned(),
+                            ))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
             let claim = object["spec"]["volumes"]
                 .as_array()
                 .and_then(|vs| vs.iter().find(|v| v["name"] == "home"))
@@ -509,6 +524,7 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                     tenant,
                     ip,
                     args,
+                    env,
                     claim,
                 });
             }

@@ -159,6 +159,58 @@ async fn the_first_session_creates_the_volume_and_the_pod_and_runs_a_turn() -> a
     Ok(())
 }
 
+/// Issue 23 item 1 (DESIGN decision 17): a tenant's own `[[tenants]]` settings reach the node
+/// the edge starts for it, through the pod the edge creates; the node config every pod mounts
+/// has no tenants, and no pod carries a credential or another tenant's entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_own_settings_reach_its_node_and_nothing_of_another() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        max_workers: vec![("acme", 7), ("beta", 2)],
+        tenant_toml: vec![("acme", "[tenants.policy]\ncommand_exec = \"deny\"")],
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let _a = c.client(0, "acme").await?;
+    let _b = c.client(0, "beta").await?;
+    for (tenant, other, want) in [("acme", "beta", 7.0), ("beta", "acme", 2.0)] {
+        let pod = format!("codex-fleet-node-{tenant}");
+        let admin = c.pod_admin(&pod).context("podIP")?;
+        let m = http_get(admin, "/metrics").await?.1;
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_tenant_limit",
+                &[("tenant", tenant), ("limit", "max_workers")]
+            ),
+            want,
+            "{tenant}'s node does not run with its own max_workers: {m}"
+        );
+        assert!(
+            !m.contains(&format!("tenant=\"{other}\"")),
+            "{tenant}'s node knows {other}: {m}"
+        );
+        // Think as a hostile tenant with a shell in its pod: all it can read of the spec is
+        // its own entry; no token digest (its own or another's), no other tenant.
+        let spec = c.fake.pod(&pod).context("pod")?.to_string();
+        assert!(!spec.contains(other), "{other} in {tenant}'s pod: {spec}");
+        for t in ["acme", "beta"] {
+            let digest = router::auth::token_digest_hex(&c.files.token(t));
+            assert!(!spec.contains(&digest), "{t}'s token digest in {pod}");
+        }
+    }
+    let acme = c.fake.pod("codex-fleet-node-acme").context("pod")?;
+    let env = &acme["spec"]["containers"][0]["env"];
+    let entry = env
+        .as_array()
+        .and_then(|e| e.iter().find(|v| v["name"] == "CODEX_FLEET_TENANT_ENTRY"))
+        .context("the entry in the pod's env")?;
+    let entry: Value = serde_json::from_str(entry["value"].as_str().context("value")?)?;
+    assert_eq!(entry["policy"]["command_exec"], "deny", "{entry}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

@@ -145,7 +145,8 @@ app.kubernetes.io/component: tenant-node
 {{- end }}
 
 {{/* The tenant nodes' config.toml (ConfigMap <fullname>-node-config): one tenant per pod, given by
-`codex-fleet node --tenant <id>`; no [[tenants]]. */}}
+`codex-fleet node --tenant <id>`; no [[tenants]] (the edge puts the tenant's own entry in its pod's
+env, CODEX_FLEET_TENANT_ENTRY, without credentials). */}}
 {{- define "codex-fleet.nodeConfig" -}}
 # Rendered by the codex-fleet chart: the config of every tenant node pod. The edge starts each
 # pod with `node --config <this> --tenant <id> --exit-when-idle`.
