@@ -191,6 +191,17 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
         fail(where, "node config.toml: no [[tenants]], admin on 0.0.0.0:9464")
     if node.get("workers", {}).get("state_dir") != "/var/lib/codex-fleet":
         fail(where, "node config.toml: workers.state_dir must be the home mount")
+    # Issue 22: sessions live on the nodes, so the session audit is written there (stdout).
+    want_audit = values.get("tenantPod", {}).get("audit", {}).get("path", "-")
+    if node.get("audit", {}).get("path") != want_audit:
+        fail(where, f"node config.toml: [audit] path {node.get('audit')}, want {want_audit!r}")
+    # Issue 22: one tenant cannot fill the machine's disk or take its CPU.
+    if not volumes.get("tmp", {}).get("emptyDir", {}).get("sizeLimit"):
+        fail(where, "pod.json: the /tmp emptyDir has no sizeLimit")
+    limits = c.get("resources", {}).get("limits", {})
+    for resource in ("cpu", "memory", "ephemeral-storage"):
+        if resource not in limits:
+            fail(where, f"pod.json: no {resource} limit on the node container")
     for t in values.get("tenants", []):
         res = t.get("kubernetes", {}).get("resources")
         got = next((x for x in edge.get("tenants", []) if x["id"] == t["id"]), {})

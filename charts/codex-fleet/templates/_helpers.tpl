@@ -170,6 +170,16 @@ addr = "0.0.0.0:9464"
 [drain]
 {{- include "codex-fleet.toml.int" (dict "k" "settle_secs" "v" .Values.drain.settle_secs) }}
 {{- include "codex-fleet.toml.int" (dict "k" "timeout_secs" "v" .Values.drain.timeout_secs) }}
+
+{{- /* The session audit is the node's (it owns sessions, approvals, threads): always on,
+tenantPod.audit.path ("-": stdout, the pod's log) with audit.queue and audit.max_file_bytes. */}}
+
+[audit]
+{{- include "codex-fleet.toml.str" (dict "k" "path" "v" (.Values.tenantPod.audit.path | default "-")) }}
+{{- with .Values.audit }}
+{{- include "codex-fleet.toml.int" (dict "k" "queue" "v" .queue) }}
+{{- include "codex-fleet.toml.int" (dict "k" "max_file_bytes" "v" .max_file_bytes) }}
+{{- end }}
 {{- end }}
 
 {{/* The edge's read-only mounts: wss TLS, the link's client certificate, the tenant pod template. */}}
