@@ -1,8 +1,9 @@
 //! An in-process fake Kubernetes API server for the kubernetes nodes backend (issue 13), on
 //! loopback, plain HTTP, speaking the real wire format of what the backend uses: create, get,
 //! delete, list and watch (`?watch=true`, JSON lines) of pods and persistentvolumeclaims, with
-//! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete, and
-//! `410 Gone` for a watch from a compacted `resourceVersion`.
+//! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete,
+//! `410 Gone` for a watch from a compacted `resourceVersion`, and `403 Forbidden` for a claim
+//! created while the storage quota is full (before the exists check, as a real one answers).
 //!
 //! Its "kubelet" runs each created pod as a real process: [`PodInfo`] (the pod's name, its own
 //! loopback address 127.0.0.N, its container args, its volume claim) goes to the test's
@@ -96,6 +97,10 @@ struct Store {
     fail_next: usize,
     /// Pods the kubelet does not start (their process "hangs" in Pending).
     hold: bool,
+    /// The namespace's storage quota is used up: every claim create is 403 Forbidden, the
+    /// existing claim's too (quota admission runs before the exists check, as a real API
+    /// server's does).
+    storage_quota_full: bool,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -354,6 +359,12 @@ impl FakeKube {
         self.inner.store().hold = hold;
     }
 
+    /// The namespace's storage quota is (or is no longer) used up: creating any claim, an
+    /// existing one included, is answered 403 Forbidden.
+    pub fn storage_quota_full(&self, full: bool) {
+        self.inner.store().storage_quota_full = full;
+    }
+
     /// Report `ip` as the podIP of pod `name` (a lying or confused kubelet).
     pub fn override_ip(&self, name: &str, ip: Ipv4Addr) {
         self.inner.store().ip_override.insert(name.into(), ip);
@@ -465,6 +476,20 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
         return status(422, "Invalid", "metadata.name is required");
     };
     let mut s = inner.store();
+    if kind == Kind::Pvc && s.storage_quota_full {
+        let size = object["spec"]["resources"]["requests"]["storage"]
+            .as_str()
+            .unwrap_or("0")
+            .to_owned();
+        return status(
+            403,
+            "Forbidden",
+            &format!(
+                "persistentvolumeclaims \"{name}\" is forbidden: exceeded quota: storage, \
+                 requested: requests.storage={size}, used: requests.storage=100Gi, limited: requests.storage=100Gi"
+            ),
+        );
+    }
     if s.objects.contains_key(&key(kind, &name)) {
         return status(409, "AlreadyExists", &format!("{name} already exists"));
     }

@@ -390,6 +390,59 @@ async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_with_1012_and_i
     Ok(())
 }
 
+/// Issue 23 item 3: with the namespace's storage quota used up, creating a claim that exists is
+/// 403 Forbidden (quota admission before the exists check); a tenant whose volume exists still
+/// starts: the edge looks the claim up first and takes a 403 on an existing one as existing.
+/// Also the closing note's number for a replaced pod: its start to ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 15,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the quota fills").await?;
+    let first = metric(
+        &c.metrics(0).await?,
+        "codex_fleet_node_start_seconds_sum",
+        &[],
+    );
+    c.fake.storage_quota_full(true);
+    assert!(c.fake.delete_pod("codex-fleet-node-acme"));
+    let close = a.recv_close_frame(Duration::from_secs(10)).await?;
+    assert_eq!(
+        close.context("a close frame")?.0,
+        router::edge::NODE_LOST_CODE
+    );
+    let t0 = Instant::now();
+    let mut b = c.client(0, "acme").await?;
+    let answered = t0.elapsed();
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "after the quota filled").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    assert_eq!(c.fake.pvc_creates(), 1);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "api")]
+        ),
+        0.0,
+        "{m}"
+    );
+    let replaced = metric(&m, "codex_fleet_node_start_seconds_sum", &[]) - first;
+    eprintln!(
+        "measured: a replaced pod (same volume) to ready {replaced:.2} s (edge's node_start_seconds); \
+         session to the answer of initialize {answered:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

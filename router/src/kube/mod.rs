@@ -412,13 +412,7 @@ impl KubeNodes {
         let Some(t) = t else {
             return Ok(());
         };
-        let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
-            .map_err(|e| ::kube::Error::Service(e.into()))?;
-        match self.pvcs.create(&PostParams::default(), &pvc).await {
-            Ok(_) => tracing::info!(tenant, "created the tenant's volume claim"),
-            Err(e) if already_exists(&e) => {}
-            Err(e) => return Err(e),
-        }
+        self.ensure_claim(tenant).await?;
         let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, &t)
             .map_err(|e| ::kube::Error::Service(e.into()))?;
         match self.pods.create(&PostParams::default(), &pod).await {
@@ -439,6 +433,36 @@ impl KubeNodes {
                 tracing::info!(
                     tenant,
                     "the tenant's pod exists already (another edge created it)"
+                );
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// The tenant's volume claim exists: looked up first, created when it does not. A create
+    /// answered `409 AlreadyExists` (another edge won) or `403 Forbidden` for a claim that does
+    /// exist is success: with the namespace's storage quota used up, quota admission refuses
+    /// even the create of an existing claim, before any exists check, and that must not stop
+    /// a tenant whose volume is there from starting.
+    async fn ensure_claim(&self, tenant: &str) -> Result<(), ::kube::Error> {
+        let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
+            .map_err(|e| ::kube::Error::Service(e.into()))?;
+        let name = pvc.metadata.name.clone().unwrap_or_default();
+        if self.pvcs.get_opt(&name).await?.is_some() {
+            return Ok(());
+        }
+        match self.pvcs.create(&PostParams::default(), &pvc).await {
+            Ok(_) => tracing::info!(tenant, "created the tenant's volume claim"),
+            Err(e) if already_exists(&e) => {}
+            Err(::kube::Error::Api(s)) if s.code == 403 => {
+                if self.pvcs.get_opt(&name).await?.is_none() {
+                    return Err(::kube::Error::Api(s));
+                }
+                tracing::info!(
+                    tenant,
+                    "the volume claim exists (its create was refused: {})",
+                    s.message
                 );
             }
             Err(e) => return Err(e),
