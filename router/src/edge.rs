@@ -58,6 +58,14 @@ pub const NODE_STARTING_CODE: u16 = 1013;
 /// Its reason.
 pub const NODE_STARTING_REASON: &str =
     "codex-fleet: the tenant's node is still starting; retry after retryAfterMs";
+/// Close code for a session whose tenant's node the backend cannot start (1011), and its
+/// reason; the `-32001` answers carry the cause.
+pub const NODE_START_FAILED_CODE: u16 = 1011;
+/// Its reason.
+pub const NODE_START_FAILED_REASON: &str =
+    "codex-fleet: the tenant's node cannot start; the error's data.cause says why";
+/// How long a session refused with `nodeStartFailed` is told to wait (an operator must act).
+const NODE_START_FAILED_RETRY: Duration = Duration::from_secs(30);
 /// How long a draining edge waits for a session's requests in flight before closing it.
 const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 
@@ -144,6 +152,14 @@ pub enum LinkError {
         node: String,
         /// When to try again.
         retry_after: Duration,
+    },
+    /// The backend cannot start the tenant's node (the API server refused it for good).
+    #[error("node {node} cannot start: {cause}")]
+    StartFailed {
+        /// The node (pod).
+        node: String,
+        /// Why, for the client (never a secret).
+        cause: String,
     },
 }
 
@@ -366,6 +382,12 @@ impl Edge {
                         node: who.node.clone(),
                         retry_after: kube.retry_after(),
                     }),
+                    Err(e @ crate::kube::StartError::Refused { .. }) => {
+                        Err(LinkError::StartFailed {
+                            node: who.node.clone(),
+                            cause: e.to_string(),
+                        })
+                    }
                 }
             }
         }
@@ -373,6 +395,8 @@ impl Edge {
 
     /// Opens a session's link to its tenant's node.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        // A node that did not or cannot start is counted by the backend
+        // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
         let target = self.target(who).await?;
         let started = tokio::time::Instant::now();
         let result = tokio::time::timeout(self.connect_timeout, self.open(who, &target, client))
@@ -391,7 +415,9 @@ impl Edge {
                 .observe(started.elapsed().as_secs_f64()),
             Err(e) => {
                 let reason = match e {
-                    LinkError::Unreachable { .. } | LinkError::Starting { .. } => "unreachable",
+                    LinkError::Unreachable { .. }
+                    | LinkError::Starting { .. }
+                    | LinkError::StartFailed { .. } => "unreachable",
                     LinkError::Refused { .. } => "refused",
                 };
                 self.metrics
@@ -615,6 +641,12 @@ impl Edge {
                         NODE_STARTING_CODE,
                         NODE_STARTING_REASON,
                     ),
+                    LinkError::StartFailed { .. } => (
+                        crate::admission::Reason::NodeStartFailed,
+                        NODE_START_FAILED_RETRY,
+                        NODE_START_FAILED_CODE,
+                        NODE_START_FAILED_REASON,
+                    ),
                     _ => (
                         crate::admission::Reason::NodeUnavailable,
                         Duration::from_secs(2),
@@ -631,7 +663,15 @@ impl Edge {
                 for m in &pending {
                     if let Message::Text(text) = m {
                         if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
-                            let answer = Message::Text(r.to_error_response(&id).into());
+                            let answer = match &e {
+                                LinkError::StartFailed { cause, .. } => {
+                                    let mut data = r.to_error_data();
+                                    data["cause"] = json!(cause);
+                                    proto::error::overloaded_response(&id, data)
+                                }
+                                _ => r.to_error_response(&id),
+                            };
+                            let answer = Message::Text(answer.into());
                             if client.send(answer).await.is_err() {
                                 return;
                             }

@@ -3,7 +3,8 @@
 //! delete, list and watch (`?watch=true`, JSON lines) of pods and persistentvolumeclaims, with
 //! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete,
 //! `410 Gone` for a watch from a compacted `resourceVersion`, and `403 Forbidden` for a claim
-//! created while the storage quota is full (before the exists check, as a real one answers).
+//! created while the storage quota is full (before the exists check, as a real one answers);
+//! pod creates can be refused 403 (PodSecurity), 422 (invalid) or 429 (too many requests).
 //!
 //! Its "kubelet" runs each created pod as a real process: [`PodInfo`] (the pod's name, its own
 //! loopback address 127.0.0.N, its container args, its volume claim) goes to the test's
@@ -101,6 +102,8 @@ struct Store {
     /// existing claim's too (quota admission runs before the exists check, as a real API
     /// server's does).
     storage_quota_full: bool,
+    /// The next this many pod creates are answered with this status (admission refusing them).
+    pod_create_refusals: Option<(u16, usize)>,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -365,6 +368,12 @@ impl FakeKube {
         self.inner.store().storage_quota_full = full;
     }
 
+    /// The next `n` pod creates are refused with `code`, as admission or validation would:
+    /// 403 (PodSecurity), 422 (invalid), 429 (too many requests), others as 500s are.
+    pub fn refuse_pod_creates(&self, code: u16, n: usize) {
+        self.inner.store().pod_create_refusals = Some((code, n));
+    }
+
     /// Report `ip` as the podIP of pod `name` (a lying or confused kubelet).
     pub fn override_ip(&self, name: &str, ip: Ipv4Addr) {
         self.inner.store().ip_override.insert(name.into(), ip);
@@ -476,6 +485,12 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
         return status(422, "Invalid", "metadata.name is required");
     };
     let mut s = inner.store();
+    if kind == Kind::Pod {
+        if let Some((code, n)) = s.pod_create_refusals.filter(|(_, n)| *n > 0) {
+            s.pod_create_refusals = Some((code, n - 1));
+            return refusal(code, &name);
+        }
+    }
     if kind == Kind::Pvc && s.storage_quota_full {
         let size = object["spec"]["resources"]["requests"]["storage"]
             .as_str()
@@ -568,6 +583,41 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
         tokio::spawn(kubelet(inner.clone(), info, uid, stop));
     }
     respond(201, &object)
+}
+
+/// A pod create refused as a real API server refuses one, by status: 403 (PodSecurity
+/// admission), 422 (validation), 429 (priority and fairness), 500 and others (an error).
+fn refusal(code: u16, name: &str) -> Response<Body> {
+    match code {
+        403 => status(
+            403,
+            "Forbidden",
+            &format!(
+                "pods \"{name}\" is forbidden: violates PodSecurity \"restricted:latest\": \
+                 allowPrivilegeEscalation != false (container \"node\" must set \
+                 securityContext.allowPrivilegeEscalation=false)"
+            ),
+        ),
+        422 => status(
+            422,
+            "Invalid",
+            &format!(
+                "Pod \"{name}\" is invalid: spec.containers[0].resources.requests: Invalid value: \
+                 \"8\": must be less than or equal to cpu limit of 4"
+            ),
+        ),
+        429 => {
+            let mut r = status(
+                429,
+                "TooManyRequests",
+                "Too many requests, please try again later.",
+            );
+            r.headers_mut()
+                .insert("retry-after", hyper::header::HeaderValue::from_static("1"));
+            r
+        }
+        code => status(code, "InternalError", "injected failure"),
+    }
 }
 
 fn delete(inner: &Arc<Inner>, kind: Kind, name: &str, uid: Option<String>) -> Response<Body> {

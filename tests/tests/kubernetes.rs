@@ -443,6 +443,137 @@ async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> an
     Ok(())
 }
 
+/// The first request of a session whose tenant's node cannot start, and the close that follows.
+async fn refused_start(c: &Cluster, tenant: &str) -> anyhow::Result<(Value, Duration, u16)> {
+    let mut a =
+        Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token(tenant))).await?;
+    let started = Instant::now();
+    a.send(&json!({ "id": 1, "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
+        .await?;
+    let answer = a.wait_for(|v| v["id"] == 1).await?;
+    let took = started.elapsed();
+    let close = a.recv_close_frame(Duration::from_secs(5)).await?;
+    Ok((answer, took, close.context("a close frame")?.0))
+}
+
+/// Issue 23 item 4: an API error no retry can mend (403 from PodSecurity admission or a full
+/// quota, 422 invalid) ends the session's wait at once with `-32001` scope `worker`, reason
+/// `nodeStartFailed` and the cause, counted by reason; a transient one (429) is retried and the
+/// session is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        start_timeout_secs: 30,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let digests: Vec<String> = ["acme", "beta"]
+        .iter()
+        .map(|t| router::auth::token_digest_hex(&c.files.token(t)))
+        .collect();
+    for (code, reason, needle) in [
+        (403, "forbidden", "PodSecurity"),
+        (422, "invalid", "Invalid value"),
+    ] {
+        c.fake.refuse_pod_creates(code, usize::MAX);
+        let (answer, took, close) = refused_start(&c, "acme").await?;
+        assert_eq!(answer["error"]["code"], -32001, "{answer}");
+        assert_eq!(answer["error"]["data"]["scope"], "worker", "{answer}");
+        assert_eq!(
+            answer["error"]["data"]["reason"], "nodeStartFailed",
+            "{answer}"
+        );
+        let cause = answer["error"]["data"]["cause"]
+            .as_str()
+            .context("a cause")?;
+        assert!(
+            cause.contains(needle) && cause.contains(&code.to_string()),
+            "{answer}"
+        );
+        for d in &digests {
+            assert!(
+                !answer.to_string().contains(d.as_str()),
+                "a digest in {answer}"
+            );
+        }
+        assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+        // Not the 30 s start timeout: at once (generous bound, not a timing claim).
+        assert!(
+            took < Duration::from_secs(15),
+            "{code} answered after {took:?}"
+        );
+        eprintln!("measured: a {code} create answered nodeStartFailed after {took:?}");
+        let m = c.metrics(0).await?;
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_node_start_failures_total",
+                &[("reason", reason)]
+            ),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_node_start_failures_total",
+                &[("reason", "timeout")]
+            ),
+            0.0,
+            "{m}"
+        );
+    }
+    // A full storage quota refuses a tenant that has no volume yet: that too is said at once.
+    c.fake.refuse_pod_creates(403, 0);
+    c.fake.storage_quota_full(true);
+    let (answer, took, _) = refused_start(&c, "beta").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStartFailed",
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["data"]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("exceeded quota")),
+        "{answer}"
+    );
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    c.fake.storage_quota_full(false);
+    // Transient: 429 three times, then the pod is created and the session served (kube's
+    // client retries 429 itself, with back-off; the backend retries what reaches it).
+    let posts = |c: &Cluster| {
+        c.fake
+            .requests()
+            .iter()
+            .filter(|r| r.starts_with("POST /api/v1/namespaces/codex/pods"))
+            .count()
+    };
+    let before = posts(&c);
+    c.fake.refuse_pod_creates(429, 3);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "after the 429s").await?;
+    assert_eq!(
+        posts(&c) - before,
+        4,
+        "three refused creates and one that succeeded"
+    );
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "forbidden")]
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(c.fake.pod_creates(), 1);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

@@ -39,15 +39,22 @@ use spec::{Names, Template, TENANT_LABEL};
 
 /// Pod phases, each a series of `codex_fleet_tenant_pods` from the start.
 pub const PHASES: [&str; 5] = ["Pending", "Running", "Succeeded", "Failed", "Unknown"];
-/// Why a node did not start.
-pub const START_FAILURES: [&str; 3] = ["timeout", "failed", "api"];
+/// Why a node did not start: `timeout`; `failed` (the pod failed before ready); `api` (a
+/// transient API error, retried); `forbidden` (403: quota or PodSecurity admission) and
+/// `invalid` (400/404/422: a spec the API server refuses), which end the start at once.
+pub const START_FAILURES: [&str; 5] = ["timeout", "failed", "api", "forbidden", "invalid"];
 /// Why a tenant's previous pod ended, when a new one is created for it.
 pub const RECREATIONS: [&str; 4] = ["idle", "evicted", "failed", "deleted"];
 /// How long a waiting session sleeps between looks when the watch says nothing (a missed
 /// event, an API error being retried).
 const RECHECK: Duration = Duration::from_millis(500);
-/// Back-off between failed creates while a session waits.
-const CREATE_BACKOFF: Duration = Duration::from_millis(500);
+/// Back-off between creates failed by a transient API error while a session waits: doubling
+/// from the first to the most, each with up to half again of random jitter, so the edges
+/// refused together do not return together.
+const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
+const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The longest cause a refused client is told (the API server's message, bounded).
+const CAUSE_MAX: usize = 300;
 
 /// Where a tenant's node is, for the link.
 #[derive(Debug, Clone)]
@@ -64,6 +71,67 @@ pub enum StartError {
     /// The pod was not ready within `start_timeout_secs`.
     #[error("the tenant's node is still starting after {0:?}")]
     Timeout(Duration),
+    /// The API server refused the tenant's volume or pod for a reason retrying cannot change
+    /// (a full quota, PodSecurity admission, an invalid spec).
+    #[error("the tenant's node cannot start ({reason}): {cause}")]
+    Refused {
+        /// `forbidden` or `invalid` (a series of `codex_fleet_node_start_failures_total`).
+        reason: &'static str,
+        /// What the API server said, bounded and without control characters.
+        cause: String,
+    },
+}
+
+/// What a failed API request means for a waiting session.
+#[derive(Debug, PartialEq, Eq)]
+enum Failure {
+    /// Retrying may succeed (5xx, 429, 401, a connection error, a timeout).
+    Transient,
+    /// It will not (`forbidden`: 403; `invalid`: 400, 404, 422), with its cause.
+    Permanent(&'static str, String),
+}
+
+/// Sorts an API error: what a retry can change and what it cannot.
+fn classify(e: &::kube::Error) -> Failure {
+    match e {
+        ::kube::Error::Api(s) => {
+            let reason = match s.code {
+                403 => "forbidden",
+                400 | 404 | 422 => "invalid",
+                _ => return Failure::Transient,
+            };
+            Failure::Permanent(reason, cause(&format!("{} {}", s.code, s.message)))
+        }
+        // The spec could not be built or encoded: our side, and no retry mends it.
+        ::kube::Error::Service(e) => Failure::Permanent("invalid", cause(&e.to_string())),
+        ::kube::Error::SerdeError(e) => Failure::Permanent("invalid", cause(&e.to_string())),
+        _ => Failure::Transient,
+    }
+}
+
+/// An API server's message as a client may read it: control characters as spaces, at most
+/// [`CAUSE_MAX`] bytes (cut on a character boundary, marked).
+fn cause(message: &str) -> String {
+    let clean: String = message
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if clean.len() <= CAUSE_MAX {
+        return clean;
+    }
+    let mut end = CAUSE_MAX;
+    while !clean.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &clean[..end])
+}
+
+/// The next back-off after `prev` (none yet: the first), with its jitter.
+fn create_backoff(prev: Option<Duration>) -> (Duration, Duration) {
+    use rand::Rng;
+    let base = prev.map_or(CREATE_BACKOFF_FIRST, |p| (p * 2).min(CREATE_BACKOFF_MAX));
+    let jitter_ms = rand::rng().random_range(0..=base.as_millis() as u64 / 2);
+    (base, base + Duration::from_millis(jitter_ms))
 }
 
 /// The backend's metrics (names fixed by the chart's alerts and dashboard).
@@ -109,7 +177,7 @@ impl KubeMetrics {
             start_failures: IntCounterVec::new(
                 Opts::new(
                     "codex_fleet_node_start_failures_total",
-                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api.",
+                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api (transient API errors, retried), forbidden and invalid (refused by the API server, not retried).",
                 ),
                 &["reason"],
             )?,
@@ -341,6 +409,7 @@ impl KubeNodes {
         let deadline = Instant::now() + timeout;
         let mut changes = self.changes.subscribe();
         let mut created_here = false;
+        let mut backoff: Option<Duration> = None;
         loop {
             let (view, shared) = {
                 let s = lock(&self.state);
@@ -367,19 +436,32 @@ impl KubeNodes {
                 }
                 Some(v) if v.ended() && !v.deleting => self.delete_ended(tenant, &v).await,
                 Some(_) => {} // starting, or going away: the watch will tell
-                None => {
-                    if let Err(e) = self.create(tenant).await {
-                        self.metrics
-                            .start_failures
-                            .with_label_values(&["api"])
-                            .inc();
-                        tracing::warn!(tenant, error = %e, "cannot create the tenant's pod; retrying");
-                        self.note_error(format!("create: {e}"));
-                        tokio::time::sleep(CREATE_BACKOFF).await;
-                    } else {
-                        created_here = true;
-                    }
-                }
+                None => match self.create(tenant).await {
+                    Ok(()) => created_here = true,
+                    Err(e) => match classify(&e) {
+                        Failure::Permanent(reason, cause) => {
+                            self.metrics
+                                .start_failures
+                                .with_label_values(&[reason])
+                                .inc();
+                            tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
+                            self.note_error(format!("create: {e}"));
+                            return Err(StartError::Refused { reason, cause });
+                        }
+                        Failure::Transient => {
+                            self.metrics
+                                .start_failures
+                                .with_label_values(&["api"])
+                                .inc();
+                            let (base, sleep) = create_backoff(backoff);
+                            backoff = Some(base);
+                            tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
+                            self.note_error(format!("create: {e}"));
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            tokio::time::sleep(sleep.min(left)).await;
+                        }
+                    },
+                },
             }
             let now = Instant::now();
             if now >= deadline {
@@ -719,4 +801,60 @@ impl ::kube::runtime::utils::Backoff for WatchBackoff {
 
 fn already_exists(e: &::kube::Error) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == 409)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16, message: &str) -> ::kube::Error {
+        ::kube::Error::Api(Box::new(
+            serde_json::from_value::<::kube::core::Status>(json!({
+                "status": "Failure", "message": message, "reason": "", "code": code,
+            }))
+            .expect("a Status"),
+        ))
+    }
+
+    #[test]
+    fn api_errors_are_sorted_into_what_a_retry_can_change_and_what_it_cannot() {
+        let quota = "pods \"codex-fleet-node-acme\" is forbidden: exceeded quota: compute";
+        assert_eq!(
+            classify(&api(403, quota)),
+            Failure::Permanent("forbidden", format!("403 {quota}"))
+        );
+        for code in [400, 404, 422] {
+            assert!(
+                matches!(classify(&api(code, "x")), Failure::Permanent("invalid", _)),
+                "{code}"
+            );
+        }
+        for code in [401, 408, 429, 500, 502, 503, 504] {
+            assert_eq!(classify(&api(code, "x")), Failure::Transient, "{code}");
+        }
+        // A cause is bounded and cannot break a line.
+        let long = format!("line\none\r{}", "é".repeat(400));
+        let Failure::Permanent(_, c) = classify(&api(422, &long)) else {
+            panic!("permanent");
+        };
+        assert!(!c.contains('\n') && !c.contains('\r'), "{c}");
+        assert!(c.len() <= CAUSE_MAX + '…'.len_utf8(), "{}", c.len());
+        assert!(c.ends_with('…'));
+    }
+
+    #[test]
+    fn the_create_backoff_doubles_to_its_bound_with_jitter() {
+        let mut prev = None;
+        let mut bases = Vec::new();
+        for _ in 0..8 {
+            let (base, sleep) = create_backoff(prev);
+            assert!(
+                sleep >= base && sleep <= base + base / 2,
+                "{base:?} {sleep:?}"
+            );
+            bases.push(base.as_millis());
+            prev = Some(base);
+        }
+        assert_eq!(bases, [250, 500, 1000, 2000, 4000, 5000, 5000, 5000]);
+    }
 }
