@@ -117,6 +117,8 @@ struct Inner {
     watches: Mutex<CancellationToken>,
     kubelet: Kubelet,
     requests: Mutex<Vec<String>>,
+    /// Events written (`events.k8s.io/v1`).
+    events_log: Mutex<Vec<Value>>,
 }
 
 /// The fake API server.
@@ -256,6 +258,7 @@ impl FakeKube {
             watches: Mutex::new(CancellationToken::new()),
             kubelet,
             requests: Mutex::new(Vec::new()),
+            events_log: Mutex::new(Vec::new()),
         });
         let stop = CancellationToken::new();
         let (inner2, stop2) = (inner.clone(), stop.clone());
@@ -332,6 +335,19 @@ impl FakeKube {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The Events written so far about object `name`: (type, reason, note).
+    pub fn events_about(&self, name: &str) -> Vec<(String, String, String)> {
+        let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
+        self.inner
+            .events_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter(|e| e["regarding"]["name"] == name)
+            .map(|e| (s(&e["type"]), s(&e["reason"]), s(&e["note"])))
+            .collect()
     }
 
     /// The next `n` API requests are answered 500.
@@ -420,6 +436,11 @@ async fn handle(
         }
     }
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if let ["apis", "events.k8s.io", "v1", "namespaces", _ns, "events", rest @ ..] =
+        parts.as_slice()
+    {
+        return event(&inner, req.method().clone(), rest.first().copied(), req).await;
+    }
     let (kind, name) = match parts.as_slice() {
         ["api", "v1", "namespaces", _ns, resource] => (Kind::of(resource), None),
         ["api", "v1", "namespaces", _ns, resource, name] => (Kind::of(resource), Some(*name)),
@@ -475,6 +496,42 @@ async fn handle(
                 .ok()
                 .and_then(|v| v["preconditions"]["uid"].as_str().map(str::to_owned));
             delete(&inner, kind, name, uid)
+        }
+        _ => status(405, "MethodNotAllowed", "method not allowed"),
+    }
+}
+
+/// `events.k8s.io/v1` Events: created (POST) and, for a repeated one, patched (a merge patch
+/// of its series), as kube's event recorder writes them.
+async fn event(
+    inner: &Arc<Inner>,
+    method: Method,
+    name: Option<&str>,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let Ok(body) = req.into_body().collect().await.map(|b| b.to_bytes()) else {
+        return status(400, "BadRequest", "no body");
+    };
+    let Ok(ev) = serde_json::from_slice::<Value>(&body) else {
+        return status(400, "BadRequest", "not JSON");
+    };
+    let mut events = inner
+        .events_log
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    match (method, name) {
+        (Method::POST, None) => {
+            events.push(ev.clone());
+            respond(201, &ev)
+        }
+        (Method::PATCH, Some(name)) => {
+            match events.iter_mut().find(|e| e["metadata"]["name"] == name) {
+                Some(e) => {
+                    e["series"] = ev["series"].clone();
+                    respond(200, e)
+                }
+                None => status(404, "NotFound", &format!("{name} not found")),
+            }
         }
         _ => status(405, "MethodNotAllowed", "method not allowed"),
     }

@@ -294,6 +294,11 @@ async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_
         c.fake.pvc_exists("codex-fleet-home-acme"),
         "the volume went with the pod"
     );
+    let evs = events_with(&c, "codex-fleet-node-acme", &["Created", "Culled"]).await;
+    assert!(
+        evs.iter().any(|(ty, r, _)| ty == "Normal" && r == "Culled"),
+        "{evs:?}"
+    );
     assert!(c
         .fake
         .requests()
@@ -443,6 +448,18 @@ async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> an
     Ok(())
 }
 
+/// Waits for Events about `pod` with these reasons (in any order, at least once each).
+async fn events_with(c: &Cluster, pod: &str, reasons: &[&str]) -> Vec<(String, String, String)> {
+    let all = || {
+        let evs = c.fake.events_about(pod);
+        reasons
+            .iter()
+            .all(|r| evs.iter().any(|(_, reason, _)| reason == r))
+    };
+    let _seen = wait_until(Duration::from_secs(10), all).await;
+    c.fake.events_about(pod)
+}
+
 /// The first request of a session whose tenant's node cannot start, and the close that follows.
 async fn refused_start(c: &Cluster, tenant: &str) -> anyhow::Result<(Value, Duration, u16)> {
     let mut a =
@@ -499,6 +516,18 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
             );
         }
         assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+        // `kubectl get events` says why too.
+        let said = |e: &(String, String, String)| {
+            e.0 == "Warning" && e.1 == "FailedCreate" && e.2.contains(needle)
+        };
+        let seen = wait_until(Duration::from_secs(10), || {
+            c.fake
+                .events_about("codex-fleet-node-acme")
+                .iter()
+                .any(said)
+        })
+        .await;
+        assert!(seen, "{:?}", c.fake.events_about("codex-fleet-node-acme"));
         // Not the 30 s start timeout: at once (generous bound, not a timing claim).
         assert!(
             took < Duration::from_secs(15),
@@ -586,6 +615,19 @@ async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> 
     let thread = a.start_thread().await?;
     turn(&mut a, &thread, "second pod lucky").await?;
     assert_eq!(c.fake.pod_creates(), 2, "the failed pod was replaced once");
+    // Events on the pod (issue 23 item 4): created, failed before ready, replaced, created.
+    let evs = events_with(
+        &c,
+        "codex-fleet-node-acme",
+        &["Created", "StartFailed", "Replaced"],
+    )
+    .await;
+    let reasons: Vec<&str> = evs.iter().map(|(_, r, _)| r.as_str()).collect();
+    assert_eq!(
+        reasons,
+        ["Created", "StartFailed", "Replaced", "Created"],
+        "{evs:?}"
+    );
     let m = c.metrics(0).await?;
     assert_eq!(
         metric(
@@ -758,6 +800,12 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
         c.fake.pod_creates(),
         1,
         "a waiting tenant's pod is created once"
+    );
+    let evs = events_with(&c, "codex-fleet-node-acme", &["Created", "StartTimeout"]).await;
+    assert!(
+        evs.iter()
+            .any(|(ty, r, _)| ty == "Warning" && r == "StartTimeout"),
+        "{evs:?}"
     );
     Ok(())
 }

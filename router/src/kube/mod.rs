@@ -23,10 +23,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use ::kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use ::kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use ::kube::runtime::watcher::{self, Event};
 use ::kube::runtime::WatchStreamExt;
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
@@ -301,6 +302,8 @@ pub struct KubeNodes {
     reachable: AtomicBool,
     last_error: Mutex<Option<String>>,
     metrics: KubeMetrics,
+    /// Writes Kubernetes Events about tenant pods (`kubectl describe pod` shows them).
+    events: Recorder,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -334,9 +337,18 @@ impl KubeNodes {
         let client = ::kube::Client::try_from(kcfg)?;
         let metrics = KubeMetrics::register(registry)?;
         let (changes, _) = tokio::sync::watch::channel(0);
+        let events = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "codex-fleet-edge".into(),
+                // The edge's pod name (the hostname in a pod), else kube's own default.
+                instance: std::env::var("HOSTNAME").ok(),
+            },
+        );
         let nodes = KubeNodes {
             pods: Api::namespaced(client.clone(), &namespace),
             pvcs: Api::namespaced(client, &namespace),
+            events,
             settings: k,
             namespace,
             api_url,
@@ -446,6 +458,19 @@ impl KubeNodes {
                                 .inc();
                             tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
                             self.note_error(format!("create: {e}"));
+                            let action = if reason == "forbidden" {
+                                "CreateForbidden"
+                            } else {
+                                "CreateInvalid"
+                            };
+                            self.event_of(
+                                tenant,
+                                None,
+                                true,
+                                "FailedCreate",
+                                action,
+                                cause.clone(),
+                            );
                             return Err(StartError::Refused { reason, cause });
                         }
                         Failure::Transient => {
@@ -475,6 +500,14 @@ impl KubeNodes {
                     ?timeout,
                     "the tenant's node is not ready in time"
                 );
+                let uid = lock(&self.state).pods.get(tenant).map(|v| v.uid.clone());
+                self.event(
+                    tenant,
+                    uid.as_deref(),
+                    true,
+                    "StartTimeout",
+                    format!("not ready within nodes.kubernetes.start_timeout_secs ({timeout:?}); the waiting session was refused nodeStarting"),
+                );
                 return Err(StartError::Timeout(timeout));
             }
             let wait = (deadline - now).min(RECHECK);
@@ -500,6 +533,13 @@ impl KubeNodes {
         match self.pods.create(&PostParams::default(), &pod).await {
             Ok(created) => {
                 tracing::info!(tenant, pod = %self.pod_name(tenant), "created the tenant's pod");
+                self.event(
+                    tenant,
+                    created.metadata.uid.as_deref(),
+                    false,
+                    "Created",
+                    "created by an edge for the tenant's session".into(),
+                );
                 let mut s = lock(&self.state);
                 s.created.insert(tenant.to_owned(), Instant::now());
                 if let Some(reason) = s.ended.remove(tenant) {
@@ -571,6 +611,21 @@ impl KubeNodes {
                 tracing::info!(tenant, pod = %name, phase = %v.phase, "deleted the tenant's ended pod");
                 if v.phase == "Succeeded" {
                     self.metrics.culls.inc();
+                    self.event(
+                        tenant,
+                        Some(&v.uid),
+                        false,
+                        "Culled",
+                        "the node exited when idle; deleted (its volume stays for the next session)".into(),
+                    );
+                } else {
+                    self.event(
+                        tenant,
+                        Some(&v.uid),
+                        true,
+                        "Replaced",
+                        format!("the pod ended ({}); deleted, a new one is created for the next session", v.end_reason()),
+                    );
                 }
             }
             Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
@@ -580,6 +635,52 @@ impl KubeNodes {
                 lock(&self.state).deleting.remove(&v.uid);
             }
         }
+    }
+
+    /// Writes an Event about the tenant's pod (by name, and uid when known), in the
+    /// background: an Event is for `kubectl describe`, never a reason to delay a session.
+    ///
+    /// kube's recorder makes a repeat of the same (reason, action, pod) within minutes a series
+    /// of the first Event (count and time, the first note), so `action` tells apart what must
+    /// not merge (a 403 and a 422).
+    fn event(&self, tenant: &str, uid: Option<&str>, warning: bool, reason: &str, note: String) {
+        self.event_of(tenant, uid, warning, reason, reason, note);
+    }
+
+    fn event_of(
+        &self,
+        tenant: &str,
+        uid: Option<&str>,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let reference = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(self.pod_name(tenant)),
+            namespace: Some(self.namespace.clone()),
+            uid: uid.filter(|u| !u.is_empty()).map(str::to_owned),
+            ..ObjectReference::default()
+        };
+        let ev = KubeEvent {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        let recorder = self.events.clone();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                tracing::debug!(error = %e, reason = %ev.reason, "cannot write a tenant pod event");
+            }
+        });
     }
 
     fn note_error(&self, e: String) {
@@ -633,6 +734,13 @@ impl KubeNodes {
                 .start_failures
                 .with_label_values(&["failed"])
                 .inc();
+            self.event(
+                &tenant,
+                Some(&v.uid),
+                true,
+                "StartFailed",
+                "the node ended before it was ready (see its log)".into(),
+            );
         }
         s.pods.insert(tenant, v);
     }
