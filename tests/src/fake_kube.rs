@@ -4,7 +4,8 @@
 //! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete,
 //! `410 Gone` for a watch from a compacted `resourceVersion`, and `403 Forbidden` for a claim
 //! created while the storage quota is full (before the exists check, as a real one answers);
-//! pod creates can be refused 403 (PodSecurity), 422 (invalid) or 429 (too many requests).
+//! pod creates can be refused 403 (PodSecurity), 422 (invalid) or 429 (too many requests);
+//! pods can stay Pending unschedulable or fail their image pull (ErrImagePull, ImagePullBackOff).
 //!
 //! Its "kubelet" runs each created pod as a real process: [`PodInfo`] (the pod's name, its own
 //! loopback address 127.0.0.N, its container args, its volume claim) goes to the test's
@@ -104,6 +105,8 @@ struct Store {
     storage_quota_full: bool,
     /// The next this many pod creates are answered with this status (admission refusing them).
     pod_create_refusals: Option<(u16, usize)>,
+    /// New pods cannot pull their image: ErrImagePull, then ImagePullBackOff, no process.
+    pull_failures: bool,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -390,6 +393,12 @@ impl FakeKube {
         self.inner.store().pod_create_refusals = Some((code, n));
     }
 
+    /// New pods cannot pull their image (or, with false, can again): they stay Pending with
+    /// ErrImagePull, then ImagePullBackOff, as a kubelet reports a missing image.
+    pub fn fail_image_pulls(&self, fail: bool) {
+        self.inner.store().pull_failures = fail;
+    }
+
     /// Report `ip` as the podIP of pod `name` (a lying or confused kubelet).
     pub fn override_ip(&self, name: &str, ip: Ipv4Addr) {
         self.inner.store().ip_override.insert(name.into(), ip);
@@ -569,6 +578,7 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
     object["metadata"]["uid"] = json!(uid);
     object["metadata"]["creationTimestamp"] = json!("2026-12-01T00:00:00Z");
     let mut info = None;
+    let mut pull_backoff = None;
     match kind {
         Kind::Pod => {
             s.pod_creates += 1;
@@ -615,6 +625,15 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                     "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                     "message": "0/3 nodes are available: 3 Insufficient cpu.",
                 });
+            } else if s.pull_failures {
+                let image = object["spec"]["containers"][0]["image"].clone();
+                object["status"]["containerStatuses"] = json!([{
+                    "name": "node", "image": image, "imageID": "", "ready": false,
+                    "restartCount": 0,
+                    "state": { "waiting": { "reason": "ErrImagePull",
+                        "message": format!("failed to pull and unpack image {image}: not found") } },
+                }]);
+                pull_backoff = Some((name.clone(), uid.clone(), image));
             } else {
                 info = Some(PodInfo {
                     name: name.clone(),
@@ -633,6 +652,19 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
     }
     let object = inner.emit(&mut s, kind, "ADDED", object);
     s.objects.insert(key(kind, &name), object.clone());
+    if let Some((name, uid, image)) = pull_backoff {
+        // The kubelet retries the pull, fails again and backs off.
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            inner.set_status(&name, &uid, |st| {
+                st["containerStatuses"][0]["state"]["waiting"] = json!({
+                    "reason": "ImagePullBackOff",
+                    "message": format!("Back-off pulling image {image}"),
+                });
+            });
+        });
+    }
     if let Some(info) = info {
         let stop = CancellationToken::new();
         s.running.insert(name.clone(), stop.clone());

@@ -810,6 +810,105 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
     Ok(())
 }
 
+/// Issue 23 item 5: a pod Pending past the start timeout (here unschedulable until the cluster
+/// has room) is deleted and recreated at the tenant's next session, counted as `stuck`; pods
+/// carry the template hash label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_stuck_pending_past_the_start_timeout_is_replaced() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 3,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    c.fake.hold_pods(true);
+    let (answer, _, _) = refused_start(&c, "acme").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStarting",
+        "{answer}"
+    );
+    // The cluster has room again, but the held pod stays Pending (as a pod bound to nothing
+    // does until the scheduler retries it, or forever with a fixed template): replaced.
+    c.fake.hold_pods(false);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "on the replacement").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "stuck")]
+        ),
+        1.0,
+        "{m}"
+    );
+    let pod = c.fake.pod("codex-fleet-node-acme").context("pod")?;
+    let hash = pod["metadata"]["labels"]["codex-fleet.io/template-hash"]
+        .as_str()
+        .context("a template hash label")?;
+    assert_eq!(hash.len(), 10, "{hash}");
+    Ok(())
+}
+
+/// Issue 23 item 5: a pod whose image cannot be pulled (ImagePullBackOff) ends the waiting
+/// session at once with `nodeStartFailed` and the kubelet's reason, and is deleted, so the next
+/// session (after a fix) gets a new pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 30,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    c.fake.fail_image_pulls(true);
+    let (answer, took, close) = refused_start(&c, "acme").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStartFailed",
+        "{answer}"
+    );
+    let cause = answer["error"]["data"]["cause"]
+        .as_str()
+        .context("a cause")?;
+    assert!(cause.contains("ImagePullBackOff"), "{answer}");
+    assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+    assert!(took < Duration::from_secs(15), "answered after {took:?}");
+    eprintln!("measured: ImagePullBackOff answered nodeStartFailed after {took:?}");
+    let gone = wait_until(Duration::from_secs(10), || c.fake.pod_names().is_empty()).await;
+    assert!(gone, "the pod that cannot pull was not deleted");
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "image")]
+        ),
+        1.0,
+        "{m}"
+    );
+    // The image is fixed: the next session gets a new pod and is served.
+    c.fake.fail_image_pulls(false);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "after the fix").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "image")]
+        ),
+        1.0,
+        "{m}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_session_never_reaches_another_tenants_pod() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

@@ -43,9 +43,15 @@ pub const PHASES: [&str; 5] = ["Pending", "Running", "Succeeded", "Failed", "Unk
 /// Why a node did not start: `timeout`; `failed` (the pod failed before ready); `api` (a
 /// transient API error, retried); `forbidden` (403: quota or PodSecurity admission) and
 /// `invalid` (400/404/422: a spec the API server refuses), which end the start at once.
-pub const START_FAILURES: [&str; 5] = ["timeout", "failed", "api", "forbidden", "invalid"];
-/// Why a tenant's previous pod ended, when a new one is created for it.
-pub const RECREATIONS: [&str; 4] = ["idle", "evicted", "failed", "deleted"];
+/// `image`: the pod's image cannot be pulled (ImagePullBackOff, InvalidImageName).
+pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", "invalid", "image"];
+/// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
+/// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
+/// by an edge) besides what ends a pod by itself.
+pub const RECREATIONS: [&str; 6] = ["idle", "evicted", "failed", "deleted", "stuck", "image"];
+/// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
+/// told why), so a fixed image in the values reaches the tenant's next pod.
+const PULL_FAILURES: [&str; 3] = ["ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"];
 /// How long a waiting session sleeps between looks when the watch says nothing (a missed
 /// event, an API error being retried).
 const RECHECK: Duration = Duration::from_millis(500);
@@ -232,6 +238,8 @@ struct PodView {
     deleting: bool,
     unschedulable: bool,
     evicted: bool,
+    /// Its image cannot be pulled: the kubelet's reason and message.
+    pull_failure: Option<String>,
 }
 
 impl PodView {
@@ -253,6 +261,23 @@ impl PodView {
                 c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
             }),
             evicted: status.and_then(|s| s.reason.as_deref()) == Some("Evicted"),
+            pull_failure: status
+                .and_then(|s| s.container_statuses.as_deref())
+                .unwrap_or(&[])
+                .iter()
+                .filter_map(|c| c.state.as_ref()?.waiting.as_ref())
+                .find(|w| {
+                    w.reason
+                        .as_deref()
+                        .is_some_and(|r| PULL_FAILURES.contains(&r))
+                })
+                .map(|w| {
+                    format!(
+                        "{}: {}",
+                        w.reason.as_deref().unwrap_or(""),
+                        w.message.as_deref().unwrap_or("")
+                    )
+                }),
         }
     }
 
@@ -283,6 +308,11 @@ struct State {
     ended: HashMap<String, &'static str>,
     /// Pods (uid) this edge is deleting.
     deleting: HashSet<String>,
+    /// Pods (uid) this edge deletes to replace them, and why (for the recreation counter).
+    replacing: HashMap<String, &'static str>,
+    /// When this edge first saw each pod (uid): a pod Pending longer than the start timeout is
+    /// stuck.
+    first_seen: HashMap<String, Instant>,
 }
 
 /// The backend.
@@ -447,6 +477,25 @@ impl KubeNodes {
                     }
                 }
                 Some(v) if v.ended() && !v.deleting => self.delete_ended(tenant, &v).await,
+                Some(v) if v.pull_failure.is_some() && !v.deleting => {
+                    let cause = cause(v.pull_failure.as_deref().unwrap_or(""));
+                    self.metrics
+                        .start_failures
+                        .with_label_values(&["image"])
+                        .inc();
+                    tracing::warn!(tenant, %cause, "the tenant's pod cannot pull its image; deleting it");
+                    self.note_error(format!("image: {cause}"));
+                    self.event(tenant, Some(&v.uid), true, "ImagePullFailed", cause.clone());
+                    self.replace(tenant, &v, "image").await;
+                    return Err(StartError::Refused {
+                        reason: "image",
+                        cause,
+                    });
+                }
+                Some(v) if self.stuck(&v) => {
+                    tracing::warn!(tenant, pod = %self.pod_name(tenant), ?timeout, "the tenant's pod is Pending past the start timeout; replacing it");
+                    self.replace(tenant, &v, "stuck").await;
+                }
                 Some(_) => {} // starting, or going away: the watch will tell
                 None => match self.create(tenant).await {
                     Ok(()) => created_here = true,
@@ -592,6 +641,25 @@ impl KubeNodes {
         Ok(())
     }
 
+    /// Whether a pod has been Pending (unscheduled, or its volume or image not there) for
+    /// longer than the start timeout, as this edge has seen it.
+    fn stuck(&self, v: &PodView) -> bool {
+        let timeout = Duration::from_secs(self.settings.start_timeout_secs);
+        v.phase == "Pending"
+            && !v.deleting
+            && lock(&self.state)
+                .first_seen
+                .get(&v.uid)
+                .is_some_and(|at| at.elapsed() > timeout)
+    }
+
+    /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
+    /// volume); `why` is counted when the new pod is created.
+    async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
+        lock(&self.state).replacing.insert(v.uid.clone(), why);
+        self.delete_ended(tenant, v).await;
+    }
+
     /// Deletes a completed or failed pod so a new one can be created (only that pod: a uid
     /// precondition keeps a newer pod of the same name safe).
     async fn delete_ended(&self, tenant: &str, v: &PodView) {
@@ -619,12 +687,17 @@ impl KubeNodes {
                         "the node exited when idle; deleted (its volume stays for the next session)".into(),
                     );
                 } else {
+                    let why = lock(&self.state)
+                        .replacing
+                        .get(&v.uid)
+                        .copied()
+                        .unwrap_or_else(|| v.end_reason());
                     self.event(
                         tenant,
                         Some(&v.uid),
                         true,
                         "Replaced",
-                        format!("the pod ended ({}); deleted, a new one is created for the next session", v.end_reason()),
+                        format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
                     );
                 }
             }
@@ -632,7 +705,9 @@ impl KubeNodes {
             Err(e) => {
                 tracing::warn!(tenant, pod = %name, error = %e, "cannot delete the ended pod");
                 self.note_error(format!("delete: {e}"));
-                lock(&self.state).deleting.remove(&v.uid);
+                let mut s = lock(&self.state);
+                s.deleting.remove(&v.uid);
+                s.replacing.remove(&v.uid);
             }
         }
     }
@@ -723,6 +798,9 @@ impl KubeNodes {
             return;
         };
         let v = PodView::of(pod);
+        s.first_seen
+            .entry(v.uid.clone())
+            .or_insert_with(Instant::now);
         if v.ready {
             if let Some(at) = s.created.remove(&tenant) {
                 self.metrics
@@ -749,8 +827,10 @@ impl KubeNodes {
     fn gone(&self, s: &mut State, tenant: &str) {
         if let Some(v) = s.pods.remove(tenant) {
             tracing::info!(tenant, phase = %v.phase, "the tenant's pod is gone");
-            s.ended.insert(tenant.to_owned(), v.end_reason());
+            let why = s.replacing.remove(&v.uid).unwrap_or_else(|| v.end_reason());
+            s.ended.insert(tenant.to_owned(), why);
             s.deleting.remove(&v.uid);
+            s.first_seen.remove(&v.uid);
             s.created.remove(tenant);
         }
     }

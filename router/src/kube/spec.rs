@@ -12,6 +12,9 @@ use crate::config::{Config, KubernetesNodes, Tenant};
 
 /// The label that names a pod's or volume's tenant (the watch selects on it).
 pub const TENANT_LABEL: &str = "codex-fleet.io/tenant";
+/// The label of a tenant pod that names what it was made from: a hash of its spec (the
+/// template, the tenant's entry and resources), so pods of an old template can be found.
+pub const TEMPLATE_HASH_LABEL: &str = "codex-fleet.io/template-hash";
 /// Where the node config's `workers.state_dir` is in the pod (the tenant volume).
 pub const HOME_MOUNT: &str = "/var/lib/codex-fleet";
 /// The node config the chart mounts into every tenant pod.
@@ -219,7 +222,17 @@ pub fn tenant_pod(
             }
         }
     }
+    let hash = spec_hash(&v["spec"]);
+    v["metadata"]["labels"][TEMPLATE_HASH_LABEL] = json!(hash);
     serde_json::from_value(v).context("tenant pod")
+}
+
+/// The first 10 hex digits of the SHA-256 of a pod spec's JSON (keys in order: serde_json's
+/// maps are sorted), a valid label value.
+fn spec_hash(spec: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = hex::encode(Sha256::digest(spec.to_string().as_bytes()));
+    digest[..10].to_owned()
 }
 
 /// The requests of a tenant's pod as numbers: `cpu` in cores, `memory` in bytes.
@@ -423,6 +436,28 @@ token_sha256 = ["{}"]
                 "policy": { "process": "deny" },
             })
         );
+    }
+
+    #[test]
+    fn the_template_hash_label_changes_with_the_template_or_the_tenants_entry() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("pod.json");
+        std::fs::write(&path, TEMPLATE).expect("write");
+        let hash = |tenant: &str| {
+            let cfg = Config::parse(&edge(&path, tenant, "")).expect("valid");
+            let list = render(&cfg, "acme").expect("render");
+            list["items"][1]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
+                .as_str()
+                .expect("a hash label")
+                .to_owned()
+        };
+        let first = hash("");
+        assert_eq!(first.len(), 10);
+        assert!(first.chars().all(|c| c.is_ascii_hexdigit()), "{first}");
+        assert_eq!(hash(""), first, "the same spec, the same hash");
+        assert_ne!(hash("max_workers = 7"), first, "the tenant's entry changed");
+        std::fs::write(&path, TEMPLATE.replace("codex-fleet:1", "codex-fleet:2")).expect("write");
+        assert_ne!(hash(""), first, "the template changed");
     }
 
     #[test]
