@@ -202,6 +202,10 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     for resource in ("cpu", "memory", "ephemeral-storage"):
         if resource not in limits:
             fail(where, f"pod.json: no {resource} limit on the node container")
+    # Issue 23 item 6: an eviction never kills a node mid-drain (the edges' rule, for nodes).
+    if spec.get("terminationGracePeriodSeconds", 30) <= drain_secs(values):
+        fail(where, f"pod.json: terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} "
+                    f"is not longer than the node's drain ({drain_secs(values)} s)")
     for t in values.get("tenants", []):
         res = t.get("kubernetes", {}).get("resources")
         got = next((x for x in edge.get("tenants", []) if x["id"] == t["id"]), {})
@@ -258,6 +262,28 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
                     if "podSelector" in peer and "namespaceSelector" not in peer:
                         fail(where, f"tenant egress to pods of this namespace: {peer}")
     return pod
+
+
+def drain_secs(values: dict) -> int:
+    """The longest drain of serve, an edge or a node (templates/_helpers.tpl, terminationGrace)."""
+    drain, workers = values.get("drain") or {}, values.get("workers") or {}
+    turns = drain.get("timeout_secs") or 300
+    settle = drain.get("settle_secs") or 5
+    return max(turns, settle) + (workers.get("stop_grace_secs") or 10) + 16
+
+
+def check_resources(where: str, docs: list[dict]) -> None:
+    """Issue 23 item 6: every container, init containers included, has requests and a memory
+    limit, so a namespace ResourceQuota without a LimitRange admits every pod."""
+    for d in docs:
+        if d.get("kind") not in ("Deployment", "StatefulSet"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            r = c.get("resources") or {}
+            if not r.get("requests") or "memory" not in (r.get("limits") or {}):
+                fail(where, f"{d['kind']} {d['metadata']['name']} container {c['name']}: "
+                            f"no requests or memory limit: {r}")
 
 
 def fleet_binary() -> str | None:
@@ -478,6 +504,7 @@ INVALID = [
     ("kubernetes-defaults", {"tenantPod": {"podSecurityContext": {"runAsUser": 10001}}}, "must differ from the edge's"),
     ("kubernetes-defaults", {"link": {"certManager": {"enabled": False}}}, "is required when link.certManager.enabled is false"),
     ("kubernetes-defaults", {"workers": {"state_dir": "/data"}}, "workers.state_dir must be /var/lib/codex-fleet"),
+    ("kubernetes-defaults", {"tenantPod": {"terminationGracePeriodSeconds": 60}}, "tenantPod.terminationGracePeriodSeconds (60) must be longer than the drain"),
     ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
 ]
@@ -522,6 +549,7 @@ def main() -> int:
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
         check_config(name, docs)
+        check_resources(name, docs)
         if mode == "kubernetes":
             check_kubernetes_contract(name, values, docs)
             render_tenant_pod(values, docs)

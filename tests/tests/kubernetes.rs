@@ -801,6 +801,17 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
         1,
         "a waiting tenant's pod is created once"
     );
+    // A start timeout is a start failure, never an unreachable node (CodexFleetNodeUnreachable
+    // is critical and means a node that runs cannot be reached).
+    let unreachable: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("codex_fleet_link_errors_total{") && l.contains("unreachable"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        unreachable, 0.0,
+        "a start timeout counted as unreachable: {m}"
+    );
     let evs = events_with(&c, "codex-fleet-node-acme", &["Created", "StartTimeout"]).await;
     assert!(
         evs.iter()

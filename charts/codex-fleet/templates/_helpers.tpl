@@ -79,16 +79,27 @@ values are not printed in float notation.
 
 {{/* Kubernetes' grace period: longer than codex-fleet's whole drain (turns, interrupt, sessions, workers). */}}
 {{- define "codex-fleet.terminationGrace" -}}
-{{- $stop := .Values.workers.stop_grace_secs | default 10 | int64 }}
-{{- $turns := .Values.drain.timeout_secs | default 300 | int64 }}
-{{- $settle := .Values.drain.settle_secs | default 5 | int64 }}
+{{- include "codex-fleet.graceOf" (dict "root" . "v" .Values.terminationGracePeriodSeconds "key" "terminationGracePeriodSeconds") }}
+{{- end }}
+
+{{/* A tenant node pod's: the node drains as serve does (same [drain] and workers), so the same rule. */}}
+{{- define "codex-fleet.tenantTerminationGrace" -}}
+{{- include "codex-fleet.graceOf" (dict "root" . "v" .Values.tenantPod.terminationGracePeriodSeconds "key" "tenantPod.terminationGracePeriodSeconds") }}
+{{- end }}
+
+{{/* (dict "root" . "v" VALUE "key" NAME): VALUE, or the drain + 10 s when null; refused when not longer than the drain. */}}
+{{- define "codex-fleet.graceOf" -}}
+{{- $v := .root.Values }}
+{{- $stop := $v.workers.stop_grace_secs | default 10 | int64 }}
+{{- $turns := $v.drain.timeout_secs | default 300 | int64 }}
+{{- $settle := $v.drain.settle_secs | default 5 | int64 }}
 {{- $drain := add (max $turns $settle) $stop 16 }}
-{{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
+{{- if kindIs "invalid" .v }}
 {{- add $drain 10 }}
-{{- else if le (.Values.terminationGracePeriodSeconds | int64) $drain }}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be longer than the drain: max(drain.timeout_secs, drain.settle_secs) + workers.stop_grace_secs + 16 = %d" .Values.terminationGracePeriodSeconds $drain) }}
+{{- else if le (.v | int64) $drain }}
+{{- fail (printf "%s (%v) must be longer than the drain: max(drain.timeout_secs, drain.settle_secs) + workers.stop_grace_secs + 16 = %d" .key .v $drain) }}
 {{- else }}
-{{- .Values.terminationGracePeriodSeconds | int64 }}
+{{- .v | int64 }}
 {{- end }}
 {{- end }}
 
