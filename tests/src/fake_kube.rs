@@ -107,6 +107,8 @@ struct Store {
     pod_create_refusals: Option<(u16, usize)>,
     /// New pods cannot pull their image: ErrImagePull, then ImagePullBackOff, no process.
     pull_failures: bool,
+    /// The API server is down: every request is answered 503 (its pods run on).
+    outage: bool,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -393,6 +395,21 @@ impl FakeKube {
         self.inner.store().pod_create_refusals = Some((code, n));
     }
 
+    /// The API server goes down (every request 503, open watches end) or comes back; the pods
+    /// and their processes run on, as a control-plane outage leaves them.
+    pub fn outage(&self, down: bool) {
+        self.inner.store().outage = down;
+        if down {
+            let mut w = self
+                .inner
+                .watches
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            w.cancel();
+            *w = CancellationToken::new();
+        }
+    }
+
     /// New pods cannot pull their image (or, with false, can again): they stay Pending with
     /// ErrImagePull, then ImagePullBackOff, as a kubelet reports a missing image.
     pub fn fail_image_pulls(&self, fail: bool) {
@@ -439,6 +456,9 @@ async fn handle(
         .push(format!("{} {}", req.method(), req.uri()));
     {
         let mut s = inner.store();
+        if s.outage {
+            return status(503, "ServiceUnavailable", "the API server is down");
+        }
         if s.fail_next > 0 {
             s.fail_next -= 1;
             return status(500, "InternalError", "injected failure");

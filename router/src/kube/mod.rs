@@ -60,6 +60,8 @@ const RECHECK: Duration = Duration::from_millis(500);
 /// refused together do not return together.
 const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How long the readiness probe waits for the API server.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest cause a refused client is told (the API server's message, bounded).
 const CAUSE_MAX: usize = 300;
 
@@ -109,10 +111,32 @@ fn classify(e: &::kube::Error) -> Failure {
             };
             Failure::Permanent(reason, cause(&format!("{} {}", s.code, s.message)))
         }
-        // The spec could not be built or encoded: our side, and no retry mends it.
-        ::kube::Error::Service(e) => Failure::Permanent("invalid", cause(&e.to_string())),
-        ::kube::Error::SerdeError(e) => Failure::Permanent("invalid", cause(&e.to_string())),
+        // Connection errors, timeouts, an answer that did not parse: another try may do.
         _ => Failure::Transient,
+    }
+}
+
+/// Why a tenant's volume or pod was not created.
+#[derive(Debug, thiserror::Error)]
+enum CreateError {
+    /// The API server's answer, or no answer.
+    #[error("{0}")]
+    Api(#[from] ::kube::Error),
+    /// The spec could not be built from the template (our side: no retry mends it).
+    #[error("the tenant's pod spec: {0:#}")]
+    Spec(anyhow::Error),
+    /// No answer within the session's deadline.
+    #[error("no answer from the API server before the start timeout")]
+    Timeout,
+}
+
+impl CreateError {
+    fn failure(&self) -> Failure {
+        match self {
+            CreateError::Api(e) => classify(e),
+            CreateError::Spec(e) => Failure::Permanent("invalid", cause(&format!("{e:#}"))),
+            CreateError::Timeout => Failure::Transient,
+        }
     }
 }
 
@@ -326,8 +350,11 @@ pub struct KubeNodes {
     tenants: RwLock<HashMap<String, Tenant>>,
     state: Mutex<State>,
     changes: tokio::sync::watch::Sender<u64>,
-    /// The watch has listed every tenant pod at least once.
+    /// The watch has listed every tenant pod and follows them (false again after `410 Gone`
+    /// until it has listed anew).
     synced: AtomicBool,
+    /// The watch has listed every tenant pod at least once: the view can serve tenants.
+    listed_once: AtomicBool,
     /// The last look at the API server (the prober's) got an answer.
     reachable: AtomicBool,
     last_error: Mutex<Option<String>>,
@@ -359,6 +386,10 @@ impl KubeNodes {
                 anyhow::anyhow!("no nodes.kubernetes.api_url and not in a cluster: {e}")
             })?,
         };
+        // kube's own retry of 429/503/504 (up to 15 times, delays growing to minutes) would hold
+        // a session's create, and the readiness probe, far past the start timeout while the API
+        // server is down: the backend retries itself, within the session's deadline.
+        kcfg.default_retry = false;
         let namespace = spec::namespace(&k).unwrap_or_else(|| kcfg.default_namespace.clone());
         kcfg.default_namespace = namespace.clone();
         let api_url = kcfg.cluster_url.to_string();
@@ -387,6 +418,7 @@ impl KubeNodes {
             state: Mutex::new(State::default()),
             changes,
             synced: AtomicBool::new(false),
+            listed_once: AtomicBool::new(false),
             reachable: AtomicBool::new(true),
             last_error: Mutex::new(None),
             metrics,
@@ -497,9 +529,15 @@ impl KubeNodes {
                     self.replace(tenant, &v, "stuck").await;
                 }
                 Some(_) => {} // starting, or going away: the watch will tell
-                None => match self.create(tenant).await {
+                None => match tokio::time::timeout(
+                    deadline.saturating_duration_since(Instant::now()),
+                    self.create(tenant),
+                )
+                .await
+                .unwrap_or(Err(CreateError::Timeout))
+                {
                     Ok(()) => created_here = true,
-                    Err(e) => match classify(&e) {
+                    Err(e) => match e.failure() {
                         Failure::Permanent(reason, cause) => {
                             self.metrics
                                 .start_failures
@@ -566,7 +604,7 @@ impl KubeNodes {
 
     /// Creates the tenant's volume claim (once) and pod; `AlreadyExists` is success for both
     /// (another edge, or an earlier session, created them).
-    async fn create(&self, tenant: &str) -> Result<(), ::kube::Error> {
+    async fn create(&self, tenant: &str) -> Result<(), CreateError> {
         let t = self
             .tenants
             .read()
@@ -578,7 +616,7 @@ impl KubeNodes {
         };
         self.ensure_claim(tenant).await?;
         let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, &t)
-            .map_err(|e| ::kube::Error::Service(e.into()))?;
+            .map_err(CreateError::Spec)?;
         match self.pods.create(&PostParams::default(), &pod).await {
             Ok(created) => {
                 tracing::info!(tenant, pod = %self.pod_name(tenant), "created the tenant's pod");
@@ -606,7 +644,7 @@ impl KubeNodes {
                     "the tenant's pod exists already (another edge created it)"
                 );
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         Ok(())
     }
@@ -616,9 +654,9 @@ impl KubeNodes {
     /// exist is success: with the namespace's storage quota used up, quota admission refuses
     /// even the create of an existing claim, before any exists check, and that must not stop
     /// a tenant whose volume is there from starting.
-    async fn ensure_claim(&self, tenant: &str) -> Result<(), ::kube::Error> {
+    async fn ensure_claim(&self, tenant: &str) -> Result<(), CreateError> {
         let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
-            .map_err(|e| ::kube::Error::Service(e.into()))?;
+            .map_err(CreateError::Spec)?;
         let name = pvc.metadata.name.clone().unwrap_or_default();
         if self.pvcs.get_opt(&name).await?.is_some() {
             return Ok(());
@@ -628,7 +666,7 @@ impl KubeNodes {
             Err(e) if already_exists(&e) => {}
             Err(::kube::Error::Api(s)) if s.code == 403 => {
                 if self.pvcs.get_opt(&name).await?.is_none() {
-                    return Err(::kube::Error::Api(s));
+                    return Err(::kube::Error::Api(s).into());
                 }
                 tracing::info!(
                     tenant,
@@ -636,7 +674,7 @@ impl KubeNodes {
                     s.message
                 );
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         Ok(())
     }
@@ -867,6 +905,7 @@ impl KubeNodes {
                     self.gone(&mut s, &t);
                 }
                 self.synced.store(true, Ordering::Release);
+                self.listed_once.store(true, Ordering::Release);
                 *lock(&self.last_error) = None;
             }
         }
@@ -913,19 +952,26 @@ impl KubeNodes {
     /// Asks the API server for one tenant pod, for `/readyz`: whether it answers.
     pub async fn probe(&self) {
         let lp = ListParams::default().labels(TENANT_LABEL).limit(1);
-        match self.pods.list(&lp).await {
-            Ok(_) => self.reachable.store(true, Ordering::Release),
-            Err(e) => {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.pods.list(&lp)).await {
+            Ok(Ok(_)) => self.reachable.store(true, Ordering::Release),
+            Err(_) => {
+                self.reachable.store(false, Ordering::Release);
+                self.note_error(format!("probe: no answer within {PROBE_TIMEOUT:?}"));
+            }
+            Ok(Err(e)) => {
                 self.reachable.store(false, Ordering::Release);
                 self.note_error(format!("probe: {e}"));
             }
         }
     }
 
-    /// `/readyz` detail; ready once the watch has listed the tenant pods and while the API
-    /// server answers.
+    /// `/readyz` detail; ready once the watch has listed the tenant pods, and from then on
+    /// whether or not the API server answers (DESIGN decision 17: the API server is not the
+    /// data path): a tenant whose pod the view shows Ready is served from it, only new starts
+    /// wait. `apiReachable` and `watchSynced` say how current the view is.
     pub fn readiness(&self) -> (bool, serde_json::Value) {
         let synced = self.synced.load(Ordering::Acquire);
+        let listed_once = self.listed_once.load(Ordering::Acquire);
         let reachable = self.reachable.load(Ordering::Acquire);
         let error = lock(&self.last_error).clone();
         let s = lock(&self.state);
@@ -940,13 +986,14 @@ impl KubeNodes {
             })
             .collect();
         (
-            synced && reachable,
+            listed_once,
             json!({
                 "backend": "kubernetes",
                 "apiServer": self.api_url,
                 "namespace": self.namespace,
                 "watchSynced": synced,
                 "apiReachable": reachable,
+                "servingFromCache": listed_once && !(synced && reachable),
                 "lastError": error,
                 "tenantPods": pods,
             }),
