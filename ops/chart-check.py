@@ -202,6 +202,10 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     for resource in ("cpu", "memory", "ephemeral-storage"):
         if resource not in limits:
             fail(where, f"pod.json: no {resource} limit on the node container")
+    # Issue 23 item 5: a changed node config changes the pods' template hash (the edge hashes
+    # the spec and annotations), so pods of the old one can be found and replaced.
+    if not pod["metadata"].get("annotations", {}).get("checksum/node-config"):
+        fail(where, "pod.json: no checksum/node-config annotation")
     # Issue 23 item 6: an eviction never kills a node mid-drain (the edges' rule, for nodes).
     if spec.get("terminationGracePeriodSeconds", 30) <= drain_secs(values):
         fail(where, f"pod.json: terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} "

@@ -196,6 +196,11 @@ pub struct KubernetesNodes {
     /// The tenant volume's storage class; absent: the cluster's default.
     #[serde(default)]
     pub storage_class: Option<String>,
+    /// A Ready tenant pod made from an older template (its `codex-fleet.io/template-hash` is
+    /// not the current one) is deleted once this edge has seen it this long, even while busy,
+    /// and recreated on the next session; unset: it keeps running until it idles out.
+    #[serde(default)]
+    pub max_pod_age_secs: Option<u64>,
 }
 
 /// `[tenants.kubernetes]`
@@ -1017,6 +1022,9 @@ impl Config {
                     "nodes.kubernetes.namespace {ns:?} is not a valid namespace name"
                 ));
             }
+        }
+        if k.max_pod_age_secs == Some(0) {
+            return bad("nodes.kubernetes.max_pod_age_secs must be positive (or unset)".into());
         }
         if k.link_port == 0 || k.start_timeout_secs == 0 {
             return bad(

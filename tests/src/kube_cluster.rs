@@ -54,6 +54,8 @@ pub struct Options {
     pub tenant_toml: Vec<(&'static str, &'static str)>,
     /// A tenant's `max_workers` (default 1).
     pub max_workers: Vec<(&'static str, usize)>,
+    /// `nodes.kubernetes.max_pod_age_secs`.
+    pub max_pod_age_secs: Option<u64>,
 }
 
 impl Default for Options {
@@ -67,6 +69,7 @@ impl Default for Options {
             crashing_pods: 0,
             tenant_toml: Vec::new(),
             max_workers: Vec::new(),
+            max_pod_age_secs: None,
         }
     }
 }
@@ -168,6 +171,10 @@ impl Cluster {
             (Some(w), Some(d)) if w < d => format!("{}{}", &base[..w], &base[d..]),
             _ => base.clone(),
         };
+        let max_age = o
+            .max_pod_age_secs
+            .map(|s| format!("max_pod_age_secs = {s}\n"))
+            .unwrap_or_default();
         let edge_text = edge_base
             + &format!(
                 "\n[nodes]\nbackend = \"kubernetes\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
@@ -180,7 +187,8 @@ impl Cluster {
                 fake.url(),
                 q(&template),
                 o.start_timeout_secs,
-            );
+            )
+            + &max_age;
         let edge_config = dir.join("edge.toml");
         std::fs::write(&edge_config, edge_text)?;
         let mut c = Cluster {

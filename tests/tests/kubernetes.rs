@@ -983,6 +983,75 @@ async fn an_api_server_outage_delays_new_starts_never_running_tenants() -> anyho
     Ok(())
 }
 
+/// Issue 23 items 1 and 5: a tenant's edited entry reaches its node. The edge reloads, the
+/// running pod is now of an older template (its hash label differs), and with
+/// `max_pod_age_secs` it is replaced although busy: its session closes 1012, the next one gets
+/// a new pod that serves the new settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_of_an_older_template_is_replaced_past_max_pod_age() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        max_pod_age_secs: Some(3),
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "on the old template").await?;
+    let pod = "codex-fleet-node-acme";
+    let first = c.fake.pod(pod).context("pod")?;
+    // Past max_pod_age_secs, but of the current template: kept.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        c.fake.pod(pod).context("pod")?["metadata"]["uid"],
+        first["metadata"]["uid"]
+    );
+    // The tenant's entry changes (max_workers 1 → 2) and the edge reloads.
+    let text = std::fs::read_to_string(&c.edge_config)?;
+    assert_eq!(text.matches("max_workers = 1\n").count(), 1, "{text}");
+    std::fs::write(
+        &c.edge_config,
+        text.replace("max_workers = 1\n", "max_workers = 2\n"),
+    )?;
+    c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;
+    let close = a.recv_close_frame(Duration::from_secs(20)).await?;
+    assert_eq!(
+        close.context("a close frame")?.0,
+        router::edge::NODE_LOST_CODE
+    );
+    let mut b = c.client(0, "acme").await?;
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "on the new template").await?;
+    let second = c.fake.pod(pod).context("pod")?;
+    assert_ne!(second["metadata"]["uid"], first["metadata"]["uid"]);
+    let label = |p: &Value| p["metadata"]["labels"]["codex-fleet.io/template-hash"].clone();
+    assert_ne!(label(&second), label(&first));
+    let m = http_get(c.pod_admin(pod).context("podIP")?, "/metrics")
+        .await?
+        .1;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_limit",
+            &[("tenant", "acme"), ("limit", "max_workers")]
+        ),
+        2.0,
+        "{m}"
+    );
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "outdated")]
+        ),
+        1.0,
+        "{m}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_session_never_reaches_another_tenants_pod() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

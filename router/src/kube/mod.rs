@@ -48,7 +48,10 @@ pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", 
 /// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
 /// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
 /// by an edge) besides what ends a pod by itself.
-pub const RECREATIONS: [&str; 6] = ["idle", "evicted", "failed", "deleted", "stuck", "image"];
+/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`.
+pub const RECREATIONS: [&str; 7] = [
+    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated",
+];
 /// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
 /// told why), so a fixed image in the values reaches the tenant's next pod.
 const PULL_FAILURES: [&str; 3] = ["ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"];
@@ -60,6 +63,8 @@ const RECHECK: Duration = Duration::from_millis(500);
 /// refused together do not return together.
 const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How often pods of an older template are looked for (`max_pod_age_secs`).
+const SWEEP: Duration = Duration::from_secs(1);
 /// How long the readiness probe waits for the API server.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest cause a refused client is told (the API server's message, bounded).
@@ -264,6 +269,8 @@ struct PodView {
     evicted: bool,
     /// Its image cannot be pulled: the kubelet's reason and message.
     pull_failure: Option<String>,
+    /// Its `codex-fleet.io/template-hash` label.
+    template_hash: Option<String>,
 }
 
 impl PodView {
@@ -285,6 +292,12 @@ impl PodView {
                 c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
             }),
             evicted: status.and_then(|s| s.reason.as_deref()) == Some("Evicted"),
+            template_hash: pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(spec::TEMPLATE_HASH_LABEL))
+                .cloned(),
             pull_failure: status
                 .and_then(|s| s.container_statuses.as_deref())
                 .unwrap_or(&[])
@@ -348,6 +361,8 @@ pub struct KubeNodes {
     api_url: String,
     template: Template,
     tenants: RwLock<HashMap<String, Tenant>>,
+    /// Each tenant's current template hash (what its next pod is made from).
+    hashes: RwLock<HashMap<String, String>>,
     state: Mutex<State>,
     changes: tokio::sync::watch::Sender<u64>,
     /// The watch has listed every tenant pod and follows them (false again after `410 Gone`
@@ -415,6 +430,7 @@ impl KubeNodes {
             api_url,
             template,
             tenants: RwLock::new(HashMap::new()),
+            hashes: RwLock::new(HashMap::new()),
             state: Mutex::new(State::default()),
             changes,
             synced: AtomicBool::new(false),
@@ -430,8 +446,17 @@ impl KubeNodes {
     /// Puts a configuration's tenants in force (their pod specs and requests gauges).
     pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
         let mut tenants = HashMap::new();
+        let mut hashes = HashMap::new();
         for t in &cfg.tenants {
             let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, t)?;
+            if let Some(h) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(spec::TEMPLATE_HASH_LABEL))
+            {
+                hashes.insert(t.id.clone(), h.clone());
+            }
             for (resource, v) in spec::requests(&pod) {
                 self.metrics
                     .requests
@@ -440,6 +465,7 @@ impl KubeNodes {
             }
             tenants.insert(t.id.clone(), t.clone());
         }
+        *self.hashes.write().unwrap_or_else(PoisonError::into_inner) = hashes;
         let old = std::mem::replace(
             &mut *self.tenants.write().unwrap_or_else(PoisonError::into_inner),
             tenants,
@@ -691,6 +717,32 @@ impl KubeNodes {
                 .is_some_and(|at| at.elapsed() > timeout)
     }
 
+    /// Ready pods made from an older template than their tenant's current one (a changed
+    /// template or entry), seen by this edge for longer than `max_pod_age_secs`.
+    fn outdated(&self) -> Vec<(String, PodView)> {
+        let Some(max) = self.settings.max_pod_age_secs.map(Duration::from_secs) else {
+            return Vec::new();
+        };
+        let hashes = self.hashes.read().unwrap_or_else(PoisonError::into_inner);
+        let s = lock(&self.state);
+        s.pods
+            .iter()
+            .filter(|(t, v)| {
+                v.ready
+                    && !v.deleting
+                    && !s.deleting.contains(&v.uid)
+                    && v.template_hash.is_some()
+                    && hashes
+                        .get(*t)
+                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                    && s.first_seen
+                        .get(&v.uid)
+                        .is_some_and(|at| at.elapsed() > max)
+            })
+            .map(|(t, v)| (t.clone(), v.clone()))
+            .collect()
+    }
+
     /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
     /// volume); `why` is counted when the new pod is created.
     async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
@@ -927,7 +979,24 @@ impl KubeNodes {
             let mut events = watcher::watcher(api, cfg)
                 .backoff(WatchBackoff::default())
                 .boxed();
-            while let Some(ev) = events.next().await {
+            let mut sweep = tokio::time::interval(SWEEP);
+            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let ev = tokio::select! {
+                    ev = events.next() => match ev {
+                        Some(ev) => ev,
+                        None => return,
+                    },
+                    _ = sweep.tick() => {
+                        let Some(nodes) = this.upgrade() else { return };
+                        for (tenant, v) in nodes.outdated() {
+                            tracing::info!(tenant, pod = %nodes.pod_name(&tenant), "the tenant's pod is of an older template and past max_pod_age_secs; replacing it");
+                            let n = nodes.clone();
+                            tokio::spawn(async move { n.replace(&tenant, &v, "outdated").await });
+                        }
+                        continue;
+                    }
+                };
                 let Some(nodes) = this.upgrade() else { return };
                 match ev {
                     Ok(ev) => {

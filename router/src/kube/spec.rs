@@ -222,13 +222,14 @@ pub fn tenant_pod(
             }
         }
     }
-    let hash = spec_hash(&v["spec"]);
+    let hash = spec_hash(&json!([v["spec"], v["metadata"]["annotations"]]));
     v["metadata"]["labels"][TEMPLATE_HASH_LABEL] = json!(hash);
     serde_json::from_value(v).context("tenant pod")
 }
 
-/// The first 10 hex digits of the SHA-256 of a pod spec's JSON (keys in order: serde_json's
-/// maps are sorted), a valid label value.
+/// The first 10 hex digits of the SHA-256 of a pod's spec and annotations as JSON (keys in
+/// order: serde_json's maps are sorted), a valid label value. The annotations count so that a
+/// template can carry a checksum of what its pods mount (the chart's node config).
 fn spec_hash(spec: &Value) -> String {
     use sha2::{Digest, Sha256};
     let digest = hex::encode(Sha256::digest(spec.to_string().as_bytes()));
@@ -473,6 +474,7 @@ token_sha256 = ["{}"]
             ("", "name_prefix = \"Codex\"", "name_prefix"),
             ("", "storage_size = \"lots\"", "storage_size"),
             ("", "start_timeout_secs = 0", "start_timeout_secs"),
+            ("", "max_pod_age_secs = 0", "max_pod_age_secs"),
             ("", "api_url = \"not a url\"", "api_url"),
             (
                 "[tenants.kubernetes.resources]\nrequests = { cpu = \"fast\" }",
