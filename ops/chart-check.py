@@ -300,10 +300,55 @@ def has_kubernetes_backend(binary: str) -> bool:
     return "render-tenant-pod" in help_text
 
 
-def check_config(name: str, docs: list[dict]) -> None:
+def stand_in_mounts(text: str, values: dict, tmp: Path) -> str:
+    """The files config.toml names under an extraVolumeMounts path (credentials from a Secret)
+    are not on this machine: a directory stands in for each mount, with a file for each path."""
+    for i, m in enumerate(values.get("extraVolumeMounts") or []):
+        prefix = m["mountPath"].rstrip("/") + "/"
+        local = tmp / f"mount{i}"
+        for part in text.split('"')[1::2]:
+            if part.startswith(prefix):
+                f = local / part[len(prefix):]
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text("stand-in-credential-0123456789abcdef\n")
+        text = text.replace(f'"{prefix}', f'"{local}/')
+    return text
+
+
+def config_files(config: dict) -> list[str]:
+    """The files a config.toml makes codex-fleet read besides its TLS and link certificates."""
+    files = []
+    for t in config.get("tenants", []):
+        files += t.get("token_files", [])
+    for j in config.get("auth", {}).get("jwt", []):
+        files += [j[k] for k in ("secret_file", "jwks_file") if k in j]
+    return files
+
+
+def check_mounts(where: str, docs: list[dict]) -> None:
+    """Issue 23 item 8: every file config.toml names is mounted in the codex-fleet container
+    and in the init container that runs check-config on it."""
+    full = f"{RELEASE}-codex-fleet"
+    cm = find(docs, "ConfigMap", full)
+    if not cm:
+        return
+    files = config_files(tomllib.loads(cm["data"]["config.toml"]))
+    for d in docs:
+        if d.get("kind") not in ("Deployment", "StatefulSet"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+            for f in files:
+                if not any(f.startswith(m) for m in mounts):
+                    fail(where, f"{d['kind']} container {c['name']}: {f} (named by config.toml) is not mounted")
+
+
+def check_config(name: str, docs: list[dict], values: dict | None = None) -> None:
     """Every rendered config.toml passes the built binary's `codex-fleet check-config`."""
     binary = fleet_binary()
     codex = os.environ.get("CODEX_BIN")
+    values = values or {}
     if not binary or not codex:
         fail(f"{name} check-config", "needs the built codex-fleet (cargo build --bins) and CODEX_BIN (ops/test.sh has both)")
         return
@@ -323,6 +368,7 @@ def check_config(name: str, docs: list[dict]) -> None:
                 text = text.replace("/etc/codex-fleet/tenant-pod/pod.json", str(pod_json))
             # The image's codex is not on this machine: the pinned one stands in for it.
             text = text.replace('"/opt/codex/bin/codex"', json.dumps(codex))
+            text = stand_in_mounts(text, values, Path(tmp))
             path = Path(tmp) / f"{cm}.toml"
             path.write_text(text)
             out = subprocess.run([binary, "check-config", str(path)], capture_output=True, text=True)
@@ -552,8 +598,9 @@ def main() -> int:
             kinds[kind] = kinds.get(kind, 0) + 1
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-        check_config(name, docs)
+        check_config(name, docs, values)
         check_resources(name, docs)
+        check_mounts(name, docs)
         if mode == "kubernetes":
             check_kubernetes_contract(name, values, docs)
             render_tenant_pod(values, docs)
