@@ -44,6 +44,7 @@ CRDS = {
     ("monitoring.coreos.com", "ServiceMonitor"),
     ("monitoring.coreos.com", "PodMonitor"),
     ("monitoring.coreos.com", "PrometheusRule"),
+    ("gateway.networking.k8s.io", "TLSRoute"),
 }
 # The edge's Role, exactly as the contract (issue 13) gives it.
 ROLE_RULES = {
@@ -274,6 +275,29 @@ def drain_secs(values: dict) -> int:
     turns = drain.get("timeout_secs") or 300
     settle = drain.get("settle_secs") or 5
     return max(turns, settle) + (workers.get("stop_grace_secs") or 10) + 16
+
+
+def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
+    """Issue 23 item 8: tlsRoute renders a Gateway API TLSRoute v1 (Standard since 1.5; v1alpha2 is
+    gone from 1.6) that routes to the wss Service's port, and nothing when off."""
+    route = find(docs, "TLSRoute")
+    want = (values.get("tlsRoute") or {}).get("enabled", False)
+    if not want:
+        if route:
+            fail(where, "a TLSRoute although tlsRoute.enabled is false")
+        return
+    if not route:
+        fail(where, "tlsRoute.enabled renders no TLSRoute")
+        return
+    svc = find(docs, "Service", f"{RELEASE}-codex-fleet")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "wss")
+    refs = [b for r in route["spec"]["rules"] for b in r["backendRefs"]]
+    if route["apiVersion"] != "gateway.networking.k8s.io/v1":
+        fail(where, f"TLSRoute apiVersion {route['apiVersion']}, want gateway.networking.k8s.io/v1")
+    if refs != [{"name": svc["metadata"]["name"], "port": port}]:
+        fail(where, f"TLSRoute backendRefs {refs}, want the wss Service on {port}")
+    if route["spec"]["parentRefs"] != values["tlsRoute"]["parentRefs"]:
+        fail(where, "TLSRoute parentRefs are not tlsRoute.parentRefs")
 
 
 def check_resources(where: str, docs: list[dict]) -> None:
@@ -554,6 +578,7 @@ INVALID = [
     ("kubernetes-defaults", {"tenantPod": {"podSecurityContext": {"runAsUser": 10001}}}, "must differ from the edge's"),
     ("kubernetes-defaults", {"link": {"certManager": {"enabled": False}}}, "is required when link.certManager.enabled is false"),
     ("kubernetes-defaults", {"workers": {"state_dir": "/data"}}, "workers.state_dir must be /var/lib/codex-fleet"),
+    ("kubernetes-defaults", {"tlsRoute": {"enabled": True}}, "tlsRoute.parentRefs is required"),
     ("kubernetes-defaults", {"tenantPod": {"terminationGracePeriodSeconds": 60}}, "tenantPod.terminationGracePeriodSeconds (60) must be longer than the drain"),
     ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
@@ -598,6 +623,7 @@ def main() -> int:
             kinds[kind] = kinds.get(kind, 0) + 1
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+        check_tls_route(name, values, docs)
         check_config(name, docs, values)
         check_resources(name, docs)
         check_mounts(name, docs)
