@@ -230,7 +230,7 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     sa = find(docs, "ServiceAccount")
     if not binding or not sa or binding["subjects"][0]["name"] != sa["metadata"]["name"]:
         fail(where, "RoleBinding binds the edges' ServiceAccount")
-    deploy = find(docs, "Deployment")
+    deploy = find(docs, "Deployment", full)
     if not deploy:
         fail(where, "no edge Deployment")
     else:
@@ -277,6 +277,40 @@ def drain_secs(values: dict) -> int:
     return max(turns, settle) + (workers.get("stop_grace_secs") or 10) + 16
 
 
+def check_cold_starts(where: str, values: dict, docs: list[dict], pod: dict) -> None:
+    """Issue 23 item 7: the pre-puller pulls the tenant pods' image where they may run; the
+    placeholders reserve a tenant pod's requests below its priority; neither gets a token."""
+    full = f"{RELEASE}-codex-fleet"
+    spec = pod.get("spec", {})
+    tenant_image = spec.get("containers", [{}])[0].get("image")
+    ds = find(docs, "DaemonSet", f"{full}-prepuller")
+    if bool(ds) != bool((values.get("prePuller") or {}).get("enabled")):
+        fail(where, "prePuller.enabled and the DaemonSet disagree")
+    for obj, what in ((ds, "pre-puller"), (find(docs, "Deployment", f"{full}-placeholder"), "placeholders")):
+        if not obj:
+            continue
+        p = obj["spec"]["template"]["spec"]
+        images = {c["image"] for c in p.get("initContainers", []) + p["containers"]}
+        if images != {tenant_image}:
+            fail(where, f"{what} images {images}, want the tenant image {tenant_image}")
+        for field in ("nodeSelector", "tolerations", "affinity"):
+            if p.get(field) != spec.get(field):
+                fail(where, f"{what} {field} is not the tenant pods'")
+        if p.get("automountServiceAccountToken") is not False:
+            fail(where, f"{what} pods get a service-account token")
+    ph = find(docs, "Deployment", f"{full}-placeholder")
+    if bool(ph) != bool((values.get("placeholders") or {}).get("enabled")):
+        fail(where, "placeholders.enabled and the Deployment disagree")
+    if ph:
+        pc = find(docs, "PriorityClass", f"{full}-placeholder")
+        tenant_priority = 0 if not spec.get("priorityClassName") else None
+        if not pc or (tenant_priority is not None and pc["value"] >= tenant_priority):
+            fail(where, f"placeholder priority {pc and pc['value']} is not below the tenant pods'")
+        c = ph["spec"]["template"]["spec"]["containers"][0]
+        if c["resources"]["requests"] != spec["containers"][0]["resources"]["requests"]:
+            fail(where, "placeholder requests are not a tenant pod's")
+
+
 def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
     """Issue 23 item 8: tlsRoute renders a Gateway API TLSRoute v1 (Standard since 1.5; v1alpha2 is
     gone from 1.6) that routes to the wss Service's port, and nothing when off."""
@@ -304,7 +338,7 @@ def check_resources(where: str, docs: list[dict]) -> None:
     """Issue 23 item 6: every container, init containers included, has requests and a memory
     limit, so a namespace ResourceQuota without a LimitRange admits every pod."""
     for d in docs:
-        if d.get("kind") not in ("Deployment", "StatefulSet"):
+        if d.get("kind") not in ("Deployment", "StatefulSet", "DaemonSet"):
             continue
         pod = d["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod.get("containers", []):
@@ -358,7 +392,7 @@ def check_mounts(where: str, docs: list[dict]) -> None:
         return
     files = config_files(tomllib.loads(cm["data"]["config.toml"]))
     for d in docs:
-        if d.get("kind") not in ("Deployment", "StatefulSet"):
+        if d.get("kind") not in ("Deployment", "StatefulSet") or d["metadata"]["name"] != full:
             continue
         pod = d["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod.get("containers", []):
@@ -628,7 +662,8 @@ def main() -> int:
         check_resources(name, docs)
         check_mounts(name, docs)
         if mode == "kubernetes":
-            check_kubernetes_contract(name, values, docs)
+            pod = check_kubernetes_contract(name, values, docs)
+            check_cold_starts(name, values, docs, pod)
             render_tenant_pod(values, docs)
         elif find(docs, "StatefulSet") is None:
             fail(name, "mode: single renders no StatefulSet")
