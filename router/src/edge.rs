@@ -64,6 +64,8 @@ pub const NODE_START_FAILED_CODE: u16 = 1011;
 /// Its reason.
 pub const NODE_START_FAILED_REASON: &str =
     "codex-fleet: the tenant's node cannot start; the error's data.cause says why";
+/// How long a session refused with `nodeStartFailed` before its first request waits for it.
+const START_FAILED_LINGER: Duration = Duration::from_secs(2);
 /// How long a session refused with `nodeStartFailed` is told to wait (an operator must act).
 const NODE_START_FAILED_RETRY: Duration = Duration::from_secs(30);
 /// How long a draining edge waits for a session's requests in flight before closing it.
@@ -660,21 +662,52 @@ impl Edge {
                     reason,
                     retry_after,
                 );
+                let answer = |m: &Message| {
+                    let Message::Text(text) = m else { return None };
+                    let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) else {
+                        return None;
+                    };
+                    let answer = match &e {
+                        LinkError::StartFailed { cause, .. } => {
+                            let mut data = r.to_error_data();
+                            data["cause"] = json!(cause);
+                            proto::error::overloaded_response(&id, data)
+                        }
+                        _ => r.to_error_response(&id),
+                    };
+                    Some(Message::Text(answer.into()))
+                };
+                let mut answered = false;
                 for m in &pending {
-                    if let Message::Text(text) = m {
-                        if let Ok(jsonrpc::Message::Request { id, .. }) = jsonrpc::parse(text) {
-                            let answer = match &e {
-                                LinkError::StartFailed { cause, .. } => {
-                                    let mut data = r.to_error_data();
-                                    data["cause"] = json!(cause);
-                                    proto::error::overloaded_response(&id, data)
+                    if let Some(a) = answer(m) {
+                        answered = true;
+                        if client.send(a).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                // A refusal can come before the client's first request has arrived: give it
+                // that request's answer (with the cause) rather than a bare close.
+                if !answered && matches!(e, LinkError::StartFailed { .. }) {
+                    let first = tokio::time::timeout(START_FAILED_LINGER, async {
+                        loop {
+                            match client.next().await {
+                                Some(Ok(m)) => {
+                                    if let Some(a) = answer(&m) {
+                                        return Some(a);
+                                    }
+                                    if matches!(m, Message::Close(_)) {
+                                        return None;
+                                    }
                                 }
-                                _ => r.to_error_response(&id),
-                            };
-                            let answer = Message::Text(answer.into());
-                            if client.send(answer).await.is_err() {
-                                return;
+                                Some(Err(_)) | None => return None,
                             }
+                        }
+                    })
+                    .await;
+                    if let Ok(Some(a)) = first {
+                        if client.send(a).await.is_err() {
+                            return;
                         }
                     }
                 }

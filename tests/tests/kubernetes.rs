@@ -462,8 +462,19 @@ async fn events_with(c: &Cluster, pod: &str, reasons: &[&str]) -> Vec<(String, S
 
 /// The first request of a session whose tenant's node cannot start, and the close that follows.
 async fn refused_start(c: &Cluster, tenant: &str) -> anyhow::Result<(Value, Duration, u16)> {
+    refused_start_after(c, tenant, Duration::ZERO).await
+}
+
+/// [`refused_start`] with the first request sent `delay` after the upgrade (the refusal may
+/// come before it).
+async fn refused_start_after(
+    c: &Cluster,
+    tenant: &str,
+    delay: Duration,
+) -> anyhow::Result<(Value, Duration, u16)> {
     let mut a =
         Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token(tenant))).await?;
+    tokio::time::sleep(delay).await;
     let started = Instant::now();
     a.send(&json!({ "id": 1, "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
         .await?;
@@ -490,12 +501,15 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
         .iter()
         .map(|t| router::auth::token_digest_hex(&c.files.token(t)))
         .collect();
-    for (code, reason, needle) in [
-        (403, "forbidden", "PodSecurity"),
-        (422, "invalid", "Invalid value"),
+    // The 422's first request is sent after the refusal: it still gets the answer with the
+    // cause, not a bare close.
+    for (code, reason, needle, delay) in [
+        (403, "forbidden", "PodSecurity", 0),
+        (422, "invalid", "Invalid value", 300),
     ] {
         c.fake.refuse_pod_creates(code, usize::MAX);
-        let (answer, took, close) = refused_start(&c, "acme").await?;
+        let (answer, took, close) =
+            refused_start_after(&c, "acme", Duration::from_millis(delay)).await?;
         assert_eq!(answer["error"]["code"], -32001, "{answer}");
         assert_eq!(answer["error"]["data"]["scope"], "worker", "{answer}");
         assert_eq!(
