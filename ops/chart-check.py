@@ -7,7 +7,9 @@ unknown fields are errors). CRDs it has no schema for (cert-manager, prometheus-
 skipped by name only. The tenant pod template (pod.json) is validated as a Pod and checked against
 the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
 refused (values.schema.json, the chart's own checks) are. When the built binary has
-`render-tenant-pod`, the pod it would create is validated as a Pod too, and every rendered
+`render-tenant-pod`, the pod it would create is validated as a Pod too, carries its tenant's
+own settings and no credential, and the node it would start is started and serves the tenant
+with those settings (issue 23); every rendered
 config.toml must pass the built binary's `check-config` (the edge's too: the binary has the
 kubernetes backend).
 """
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import helm_python as helm
@@ -41,6 +44,7 @@ CRDS = {
     ("monitoring.coreos.com", "ServiceMonitor"),
     ("monitoring.coreos.com", "PodMonitor"),
     ("monitoring.coreos.com", "PrometheusRule"),
+    ("gateway.networking.k8s.io", "TLSRoute"),
 }
 # The edge's Role, exactly as the contract (issue 13) gives it.
 ROLE_RULES = {
@@ -188,6 +192,25 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
         fail(where, "node config.toml: no [[tenants]], admin on 0.0.0.0:9464")
     if node.get("workers", {}).get("state_dir") != "/var/lib/codex-fleet":
         fail(where, "node config.toml: workers.state_dir must be the home mount")
+    # Issue 22: sessions live on the nodes, so the session audit is written there (stdout).
+    want_audit = values.get("tenantPod", {}).get("audit", {}).get("path", "-")
+    if node.get("audit", {}).get("path") != want_audit:
+        fail(where, f"node config.toml: [audit] path {node.get('audit')}, want {want_audit!r}")
+    # Issue 22: one tenant cannot fill the machine's disk or take its CPU.
+    if not volumes.get("tmp", {}).get("emptyDir", {}).get("sizeLimit"):
+        fail(where, "pod.json: the /tmp emptyDir has no sizeLimit")
+    limits = c.get("resources", {}).get("limits", {})
+    for resource in ("cpu", "memory", "ephemeral-storage"):
+        if resource not in limits:
+            fail(where, f"pod.json: no {resource} limit on the node container")
+    # Issue 23 item 5: a changed node config changes the pods' template hash (the edge hashes
+    # the spec and annotations), so pods of the old one can be found and replaced.
+    if not pod["metadata"].get("annotations", {}).get("checksum/node-config"):
+        fail(where, "pod.json: no checksum/node-config annotation")
+    # Issue 23 item 6: an eviction never kills a node mid-drain (the edges' rule, for nodes).
+    if spec.get("terminationGracePeriodSeconds", 30) <= drain_secs(values):
+        fail(where, f"pod.json: terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} "
+                    f"is not longer than the node's drain ({drain_secs(values)} s)")
     for t in values.get("tenants", []):
         res = t.get("kubernetes", {}).get("resources")
         got = next((x for x in edge.get("tenants", []) if x["id"] == t["id"]), {})
@@ -207,7 +230,7 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     sa = find(docs, "ServiceAccount")
     if not binding or not sa or binding["subjects"][0]["name"] != sa["metadata"]["name"]:
         fail(where, "RoleBinding binds the edges' ServiceAccount")
-    deploy = find(docs, "Deployment")
+    deploy = find(docs, "Deployment", full)
     if not deploy:
         fail(where, "no edge Deployment")
     else:
@@ -246,6 +269,85 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
     return pod
 
 
+def drain_secs(values: dict) -> int:
+    """The longest drain of serve, an edge or a node (templates/_helpers.tpl, terminationGrace)."""
+    drain, workers = values.get("drain") or {}, values.get("workers") or {}
+    turns = drain.get("timeout_secs") or 300
+    settle = drain.get("settle_secs") or 5
+    return max(turns, settle) + (workers.get("stop_grace_secs") or 10) + 16
+
+
+def check_cold_starts(where: str, values: dict, docs: list[dict], pod: dict) -> None:
+    """Issue 23 item 7: the pre-puller pulls the tenant pods' image where they may run; the
+    placeholders reserve a tenant pod's requests below its priority; neither gets a token."""
+    full = f"{RELEASE}-codex-fleet"
+    spec = pod.get("spec", {})
+    tenant_image = spec.get("containers", [{}])[0].get("image")
+    ds = find(docs, "DaemonSet", f"{full}-prepuller")
+    if bool(ds) != bool((values.get("prePuller") or {}).get("enabled")):
+        fail(where, "prePuller.enabled and the DaemonSet disagree")
+    for obj, what in ((ds, "pre-puller"), (find(docs, "Deployment", f"{full}-placeholder"), "placeholders")):
+        if not obj:
+            continue
+        p = obj["spec"]["template"]["spec"]
+        images = {c["image"] for c in p.get("initContainers", []) + p["containers"]}
+        if images != {tenant_image}:
+            fail(where, f"{what} images {images}, want the tenant image {tenant_image}")
+        for field in ("nodeSelector", "tolerations", "affinity"):
+            if p.get(field) != spec.get(field):
+                fail(where, f"{what} {field} is not the tenant pods'")
+        if p.get("automountServiceAccountToken") is not False:
+            fail(where, f"{what} pods get a service-account token")
+    ph = find(docs, "Deployment", f"{full}-placeholder")
+    if bool(ph) != bool((values.get("placeholders") or {}).get("enabled")):
+        fail(where, "placeholders.enabled and the Deployment disagree")
+    if ph:
+        pc = find(docs, "PriorityClass", f"{full}-placeholder")
+        tenant_priority = 0 if not spec.get("priorityClassName") else None
+        if not pc or (tenant_priority is not None and pc["value"] >= tenant_priority):
+            fail(where, f"placeholder priority {pc and pc['value']} is not below the tenant pods'")
+        c = ph["spec"]["template"]["spec"]["containers"][0]
+        if c["resources"]["requests"] != spec["containers"][0]["resources"]["requests"]:
+            fail(where, "placeholder requests are not a tenant pod's")
+
+
+def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
+    """Issue 23 item 8: tlsRoute renders a Gateway API TLSRoute v1 (Standard since 1.5; v1alpha2 is
+    gone from 1.6) that routes to the wss Service's port, and nothing when off."""
+    route = find(docs, "TLSRoute")
+    want = (values.get("tlsRoute") or {}).get("enabled", False)
+    if not want:
+        if route:
+            fail(where, "a TLSRoute although tlsRoute.enabled is false")
+        return
+    if not route:
+        fail(where, "tlsRoute.enabled renders no TLSRoute")
+        return
+    svc = find(docs, "Service", f"{RELEASE}-codex-fleet")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "wss")
+    refs = [b for r in route["spec"]["rules"] for b in r["backendRefs"]]
+    if route["apiVersion"] != "gateway.networking.k8s.io/v1":
+        fail(where, f"TLSRoute apiVersion {route['apiVersion']}, want gateway.networking.k8s.io/v1")
+    if refs != [{"name": svc["metadata"]["name"], "port": port}]:
+        fail(where, f"TLSRoute backendRefs {refs}, want the wss Service on {port}")
+    if route["spec"]["parentRefs"] != values["tlsRoute"]["parentRefs"]:
+        fail(where, "TLSRoute parentRefs are not tlsRoute.parentRefs")
+
+
+def check_resources(where: str, docs: list[dict]) -> None:
+    """Issue 23 item 6: every container, init containers included, has requests and a memory
+    limit, so a namespace ResourceQuota without a LimitRange admits every pod."""
+    for d in docs:
+        if d.get("kind") not in ("Deployment", "StatefulSet", "DaemonSet"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            r = c.get("resources") or {}
+            if not r.get("requests") or "memory" not in (r.get("limits") or {}):
+                fail(where, f"{d['kind']} {d['metadata']['name']} container {c['name']}: "
+                            f"no requests or memory limit: {r}")
+
+
 def fleet_binary() -> str | None:
     binary = os.environ.get("CODEX_FLEET_BIN") or str(ROOT / "target" / "debug" / "codex-fleet")
     return binary if Path(binary).exists() else None
@@ -256,10 +358,55 @@ def has_kubernetes_backend(binary: str) -> bool:
     return "render-tenant-pod" in help_text
 
 
-def check_config(name: str, docs: list[dict]) -> None:
+def stand_in_mounts(text: str, values: dict, tmp: Path) -> str:
+    """The files config.toml names under an extraVolumeMounts path (credentials from a Secret)
+    are not on this machine: a directory stands in for each mount, with a file for each path."""
+    for i, m in enumerate(values.get("extraVolumeMounts") or []):
+        prefix = m["mountPath"].rstrip("/") + "/"
+        local = tmp / f"mount{i}"
+        for part in text.split('"')[1::2]:
+            if part.startswith(prefix):
+                f = local / part[len(prefix):]
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text("stand-in-credential-0123456789abcdef\n")
+        text = text.replace(f'"{prefix}', f'"{local}/')
+    return text
+
+
+def config_files(config: dict) -> list[str]:
+    """The files a config.toml makes codex-fleet read besides its TLS and link certificates."""
+    files = []
+    for t in config.get("tenants", []):
+        files += t.get("token_files", [])
+    for j in config.get("auth", {}).get("jwt", []):
+        files += [j[k] for k in ("secret_file", "jwks_file") if k in j]
+    return files
+
+
+def check_mounts(where: str, docs: list[dict]) -> None:
+    """Issue 23 item 8: every file config.toml names is mounted in the codex-fleet container
+    and in the init container that runs check-config on it."""
+    full = f"{RELEASE}-codex-fleet"
+    cm = find(docs, "ConfigMap", full)
+    if not cm:
+        return
+    files = config_files(tomllib.loads(cm["data"]["config.toml"]))
+    for d in docs:
+        if d.get("kind") not in ("Deployment", "StatefulSet") or d["metadata"]["name"] != full:
+            continue
+        pod = d["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+            for f in files:
+                if not any(f.startswith(m) for m in mounts):
+                    fail(where, f"{d['kind']} container {c['name']}: {f} (named by config.toml) is not mounted")
+
+
+def check_config(name: str, docs: list[dict], values: dict | None = None) -> None:
     """Every rendered config.toml passes the built binary's `codex-fleet check-config`."""
     binary = fleet_binary()
     codex = os.environ.get("CODEX_BIN")
+    values = values or {}
     if not binary or not codex:
         fail(f"{name} check-config", "needs the built codex-fleet (cargo build --bins) and CODEX_BIN (ops/test.sh has both)")
         return
@@ -279,6 +426,7 @@ def check_config(name: str, docs: list[dict]) -> None:
                 text = text.replace("/etc/codex-fleet/tenant-pod/pod.json", str(pod_json))
             # The image's codex is not on this machine: the pinned one stands in for it.
             text = text.replace('"/opt/codex/bin/codex"', json.dumps(codex))
+            text = stand_in_mounts(text, values, Path(tmp))
             path = Path(tmp) / f"{cm}.toml"
             path.write_text(text)
             out = subprocess.run([binary, "check-config", str(path)], capture_output=True, text=True)
@@ -327,8 +475,131 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
             before = len(failures)
             for d in docs_out:
                 validate(f"{where} {d.get('kind')}", d)
+            pod = next((d for d in docs_out if d.get("kind") == "Pod"), None)
+            if pod:
+                check_tenant_entry(where, values, t, pod)
+                start_tenant_node(where, docs, t, pod, Path(tmp))
             if len(failures) == before:
                 print(f"  ok   {where}: {', '.join(d.get('kind', '?') for d in docs_out)}")
+
+
+ENTRY_ENV = "CODEX_FLEET_TENANT_ENTRY"
+# What the node takes for a key the tenant's entry leaves out (router/src/config.rs).
+TENANT_DEFAULTS = {"max_workers": 4, "min_workers": 0}
+
+
+def entry_of(pod: dict) -> dict | None:
+    env = pod["spec"]["containers"][0].get("env", [])
+    value = next((e.get("value") for e in env if e.get("name") == ENTRY_ENV), None)
+    return json.loads(value) if value is not None else None
+
+
+def check_tenant_entry(where: str, values: dict, tenant: dict, pod: dict) -> None:
+    """Issue 23 item 1: the pod carries its tenant's own settings, and no credential of any
+    tenant nor anything of another tenant (a tenant has a shell in its pod)."""
+    entry = entry_of(pod)
+    if entry is None:
+        fail(where, f"the pod has no {ENTRY_ENV}: the tenant's settings never reach its node")
+        return
+    for key in ("max_workers", "min_workers", "config_overrides", "workspace_roots", "command", "policy"):
+        if key in tenant and entry.get(key) != tenant[key]:
+            fail(where, f"{ENTRY_ENV} {key} = {entry.get(key)!r}, the tenant's is {tenant[key]!r}")
+    text = json.dumps(pod)
+    for other in values.get("tenants", []):
+        for digest in other.get("token_sha256", []):
+            if digest in text:
+                fail(where, f"a token digest of tenant {other['id']} is in the pod")
+        if other["id"] != tenant["id"] and f'"{other["id"]}"' in text:
+            fail(where, f"tenant {other['id']} is named in the pod")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tenant_node(where: str, docs: list[dict], tenant: dict, pod: dict, tmp: Path) -> None:
+    """Issue 23 item 1, done when: the node the backend would start (the rendered pod's args and
+    env, the rendered node config with its paths and addresses moved onto this machine) serves
+    the tenant with the tenant's own settings, read from its /metrics."""
+    binary, codex = fleet_binary(), os.environ.get("CODEX_BIN")
+    if not binary or not codex:
+        fail(where, "starting its node needs the built codex-fleet and CODEX_BIN")
+        return
+    full = f"{RELEASE}-codex-fleet"
+    home = tmp / f"home-{tenant['id']}"
+    home.mkdir(mode=0o700, exist_ok=True)
+    cert, key = tmp / "link.crt", tmp / "link.key"
+    if not cert.exists():
+        out = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=node",
+             "-addext", "subjectAltName=DNS:node.codex-fleet.internal"],
+            capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(where, f"openssl: {out.stderr.strip()}")
+            return
+    admin = free_port()
+    text = find(docs, "ConfigMap", f"{full}-node-config")["data"]["config.toml"]
+    node = tomllib.loads(text)
+    text = (text.replace("/etc/codex-fleet/link/tls.crt", str(cert))
+            .replace("/etc/codex-fleet/link/tls.key", str(key))
+            .replace("/etc/codex-fleet/link/ca.crt", str(cert))
+            .replace(json.dumps(node["listen"]["addr"]), json.dumps(f"127.0.0.1:{free_port()}"))
+            .replace('"0.0.0.0:9464"', json.dumps(f"127.0.0.1:{admin}"))
+            .replace('"/var/lib/codex-fleet"', json.dumps(str(home)))
+            .replace('"/opt/codex/bin/codex"', json.dumps(codex)))
+    config = tmp / f"node-{tenant['id']}.toml"
+    config.write_text(text)
+    c = pod["spec"]["containers"][0]
+    args = [str(config) if a == "/etc/codex-fleet/node/config.toml" else a for a in c["args"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODEX_FLEET")}
+    for e in c.get("env", []):
+        env[e["name"]] = e["value"].replace("/opt/codex/bin/codex", codex)
+    env["CODEX_FLEET_LOG"] = "warn"
+    log = tmp / f"node-{tenant['id']}.log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen([binary, *args], env=env, stdout=logf, stderr=logf,
+                                stdin=subprocess.DEVNULL)
+    try:
+        metrics = None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=2) as r:
+                    metrics = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.2)
+        if metrics is None:
+            fail(where, f"its node did not start (exit {proc.poll()}): {log.read_text()[-2000:]}")
+            return
+        def limit(name: str) -> float | None:
+            prefix = f'codex_fleet_tenant_limit{{limit="{name}",tenant="{tenant["id"]}"}} '
+            alt = f'codex_fleet_tenant_limit{{tenant="{tenant["id"]}",limit="{name}"}} '
+            for line in metrics.splitlines():
+                if line.startswith(prefix) or line.startswith(alt):
+                    return float(line.split()[-1])
+            return None
+        for key in ("max_workers",):
+            want = tenant.get(key, TENANT_DEFAULTS[key])
+            got = limit(key)
+            if got != want:
+                fail(where, f"its node serves {tenant['id']} with {key} {got}, the tenant's is {want}")
+            else:
+                print(f"  ok   {where}: its node serves {key} = {want:g}")
+        others = [l for l in metrics.splitlines() if "tenant=" in l and f'tenant="{tenant["id"]}"' not in l]
+        if others:
+            fail(where, f"its node serves another tenant: {others[0]}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # Values that must be refused, each with what the refusal must say: on top of a valid file.
@@ -341,6 +612,8 @@ INVALID = [
     ("kubernetes-defaults", {"tenantPod": {"podSecurityContext": {"runAsUser": 10001}}}, "must differ from the edge's"),
     ("kubernetes-defaults", {"link": {"certManager": {"enabled": False}}}, "is required when link.certManager.enabled is false"),
     ("kubernetes-defaults", {"workers": {"state_dir": "/data"}}, "workers.state_dir must be /var/lib/codex-fleet"),
+    ("kubernetes-defaults", {"tlsRoute": {"enabled": True}}, "tlsRoute.parentRefs is required"),
+    ("kubernetes-defaults", {"tenantPod": {"terminationGracePeriodSeconds": 60}}, "tenantPod.terminationGracePeriodSeconds (60) must be longer than the drain"),
     ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
 ]
@@ -384,9 +657,13 @@ def main() -> int:
             kinds[kind] = kinds.get(kind, 0) + 1
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-        check_config(name, docs)
+        check_tls_route(name, values, docs)
+        check_config(name, docs, values)
+        check_resources(name, docs)
+        check_mounts(name, docs)
         if mode == "kubernetes":
-            check_kubernetes_contract(name, values, docs)
+            pod = check_kubernetes_contract(name, values, docs)
+            check_cold_starts(name, values, docs, pod)
             render_tenant_pod(values, docs)
         elif find(docs, "StatefulSet") is None:
             fail(name, "mode: single renders no StatefulSet")

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::admission::AdmissionConfig;
 
@@ -203,10 +203,15 @@ pub struct KubernetesNodes {
     /// The tenant volume's storage class; absent: the cluster's default.
     #[serde(default)]
     pub storage_class: Option<String>,
+    /// A Ready tenant pod made from an older template (its `codex-fleet.io/template-hash` is
+    /// not the current one) is deleted once this edge has seen it this long, even while busy,
+    /// and recreated on the next session; unset: it keeps running until it idles out.
+    #[serde(default)]
+    pub max_pod_age_secs: Option<u64>,
 }
 
 /// `[tenants.kubernetes]`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantKubernetes {
     /// Overrides the template's container resources.
@@ -215,7 +220,7 @@ pub struct TenantKubernetes {
 }
 
 /// `[tenants.kubernetes.resources]`: Kubernetes quantities, e.g. `cpu = "500m"`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PodResources {
     /// `requests`
@@ -458,7 +463,7 @@ impl TryFrom<RawLimits> for Limits {
 }
 
 /// `[[tenants]]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenant {
     /// Short id: `[a-z0-9_-]{1,32}`; names directories and metric labels.
@@ -1058,6 +1063,9 @@ impl Config {
                     "nodes.kubernetes.namespace {ns:?} is not a valid namespace name"
                 ));
             }
+        }
+        if k.max_pod_age_secs == Some(0) {
+            return bad("nodes.kubernetes.max_pod_age_secs must be positive (or unset)".into());
         }
         if k.link_port == 0 || k.start_timeout_secs == 0 {
             return bad(

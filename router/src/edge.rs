@@ -35,6 +35,7 @@ mod relay;
 use crate::auth::AuthError;
 use crate::config::Config;
 use crate::credentials::{Credentials, Lease};
+use crate::jsonrpc::RequestId;
 use relay::{Relay, Waited};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
 
@@ -57,6 +58,16 @@ pub const NODE_STARTING_CODE: u16 = 1013;
 /// Its reason.
 pub const NODE_STARTING_REASON: &str =
     "codex-fleet: the tenant's node is still starting; retry after retryAfterMs";
+/// Close code for a session whose tenant's node the backend cannot start (1011), and its
+/// reason; the `-32001` answers carry the cause.
+pub const NODE_START_FAILED_CODE: u16 = 1011;
+/// Its reason.
+pub const NODE_START_FAILED_REASON: &str =
+    "codex-fleet: the tenant's node cannot start; the error's data.cause says why";
+/// How long a session refused with `nodeStartFailed` before its first request waits for it.
+const START_FAILED_LINGER: Duration = Duration::from_secs(2);
+/// How long a session refused with `nodeStartFailed` is told to wait (an operator must act).
+const NODE_START_FAILED_RETRY: Duration = Duration::from_secs(30);
 
 /// The link to one node.
 pub(crate) type Link = WebSocketStream<TlsStream<TcpStream>>;
@@ -150,6 +161,14 @@ pub enum LinkError {
         node: String,
         /// When to try again.
         retry_after: Duration,
+    },
+    /// The backend cannot start the tenant's node (the API server refused it for good).
+    #[error("node {node} cannot start: {cause}")]
+    StartFailed {
+        /// The node (pod).
+        node: String,
+        /// Why, for the client (never a secret).
+        cause: String,
     },
 }
 
@@ -372,6 +391,12 @@ impl Edge {
                         node: who.node.clone(),
                         retry_after: kube.retry_after(),
                     }),
+                    Err(e @ crate::kube::StartError::Refused { .. }) => {
+                        Err(LinkError::StartFailed {
+                            node: who.node.clone(),
+                            cause: e.to_string(),
+                        })
+                    }
                 }
             }
         }
@@ -379,6 +404,8 @@ impl Edge {
 
     /// Opens a session's link to its tenant's node.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        // A node that did not or cannot start is counted by the backend
+        // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
         let target = self.target(who).await?;
         let started = tokio::time::Instant::now();
         let result = tokio::time::timeout(self.connect_timeout, self.open(who, &target, client))
@@ -399,7 +426,9 @@ impl Edge {
             Err(LinkError::Session { .. }) => {}
             Err(e) => {
                 let reason = match e {
-                    LinkError::Unreachable { .. } | LinkError::Starting { .. } => "unreachable",
+                    LinkError::Unreachable { .. }
+                    | LinkError::Starting { .. }
+                    | LinkError::StartFailed { .. } => "unreachable",
                     LinkError::Refused { .. } | LinkError::Session { .. } => "refused",
                 };
                 self.metrics
@@ -598,6 +627,12 @@ impl Edge {
                         NODE_STARTING_CODE,
                         NODE_STARTING_REASON,
                     ),
+                    LinkError::StartFailed { .. } => (
+                        crate::admission::Reason::NodeStartFailed,
+                        NODE_START_FAILED_RETRY,
+                        NODE_START_FAILED_CODE,
+                        NODE_START_FAILED_REASON,
+                    ),
                     _ => (
                         crate::admission::Reason::NodeUnavailable,
                         Duration::from_secs(2),
@@ -611,9 +646,24 @@ impl Edge {
                     reason,
                     retry_after,
                 );
-                return relay
-                    .refuse(pending, |id| r.to_error_response(id), code, text)
-                    .await;
+                // A start that cannot succeed is answered with its cause; a refusal can come
+                // before the client's first request has arrived, so that request is waited for
+                // (briefly) rather than the session closed bare.
+                let (cause, linger) = match &e {
+                    LinkError::StartFailed { cause, .. } => {
+                        (Some(cause.clone()), Some(START_FAILED_LINGER))
+                    }
+                    _ => (None, None),
+                };
+                let answer = |id: &RequestId| match &cause {
+                    Some(cause) => {
+                        let mut data = r.to_error_data();
+                        data["cause"] = json!(cause);
+                        proto::error::overloaded_response(id, data)
+                    }
+                    None => r.to_error_response(id),
+                };
+                return relay.refuse(pending, answer, linger, code, text).await;
             }
         };
         self.relay_pending(relay, link, who, pending).await;

@@ -460,7 +460,8 @@ fn refusal_scopes(reason: crate::admission::Reason) -> &'static [crate::admissio
         | Reason::NoWorkerAvailable
         | Reason::WorkerUnreachable
         | Reason::NodeUnavailable
-        | Reason::NodeStarting => &[Scope::Worker],
+        | Reason::NodeStarting
+        | Reason::NodeStartFailed => &[Scope::Worker],
     }
 }
 

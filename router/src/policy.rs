@@ -134,7 +134,7 @@ pub enum Mode {
 
 /// `[tenants.policy]` as written; unset keys take the defaults of
 /// [`HostAccessPolicy::defaults`].
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyConfig {
     /// `fs/*` and other named-file methods.

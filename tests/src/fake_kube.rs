@@ -1,8 +1,11 @@
 //! An in-process fake Kubernetes API server for the kubernetes nodes backend (issue 13), on
 //! loopback, plain HTTP, speaking the real wire format of what the backend uses: create, get,
 //! delete, list and watch (`?watch=true`, JSON lines) of pods and persistentvolumeclaims, with
-//! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete, and
-//! `410 Gone` for a watch from a compacted `resourceVersion`.
+//! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete,
+//! `410 Gone` for a watch from a compacted `resourceVersion`, and `403 Forbidden` for a claim
+//! created while the storage quota is full (before the exists check, as a real one answers);
+//! pod creates can be refused 403 (PodSecurity), 422 (invalid) or 429 (too many requests);
+//! pods can stay Pending unschedulable or fail their image pull (ErrImagePull, ImagePullBackOff).
 //!
 //! Its "kubelet" runs each created pod as a real process: [`PodInfo`] (the pod's name, its own
 //! loopback address 127.0.0.N, its container args, its volume claim) goes to the test's
@@ -37,6 +40,8 @@ pub struct PodInfo {
     pub ip: Ipv4Addr,
     /// The `node` container's args.
     pub args: Vec<String>,
+    /// The `node` container's `env` (name, value), as a kubelet sets it.
+    pub env: Vec<(String, String)>,
     /// The claim of its `home` volume.
     pub claim: String,
 }
@@ -94,6 +99,16 @@ struct Store {
     fail_next: usize,
     /// Pods the kubelet does not start (their process "hangs" in Pending).
     hold: bool,
+    /// The namespace's storage quota is used up: every claim create is 403 Forbidden, the
+    /// existing claim's too (quota admission runs before the exists check, as a real API
+    /// server's does).
+    storage_quota_full: bool,
+    /// The next this many pod creates are answered with this status (admission refusing them).
+    pod_create_refusals: Option<(u16, usize)>,
+    /// New pods cannot pull their image: ErrImagePull, then ImagePullBackOff, no process.
+    pull_failures: bool,
+    /// The API server is down: every request is answered 503 (its pods run on).
+    outage: bool,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -107,6 +122,8 @@ struct Inner {
     watches: Mutex<CancellationToken>,
     kubelet: Kubelet,
     requests: Mutex<Vec<String>>,
+    /// Events written (`events.k8s.io/v1`).
+    events_log: Mutex<Vec<Value>>,
 }
 
 /// The fake API server.
@@ -246,6 +263,7 @@ impl FakeKube {
             watches: Mutex::new(CancellationToken::new()),
             kubelet,
             requests: Mutex::new(Vec::new()),
+            events_log: Mutex::new(Vec::new()),
         });
         let stop = CancellationToken::new();
         let (inner2, stop2) = (inner.clone(), stop.clone());
@@ -324,6 +342,19 @@ impl FakeKube {
             .clone()
     }
 
+    /// The Events written so far about object `name`: (type, reason, note).
+    pub fn events_about(&self, name: &str) -> Vec<(String, String, String)> {
+        let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
+        self.inner
+            .events_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter(|e| e["regarding"]["name"] == name)
+            .map(|e| (s(&e["type"]), s(&e["reason"]), s(&e["note"])))
+            .collect()
+    }
+
     /// The next `n` API requests are answered 500.
     pub fn fail_next(&self, n: usize) {
         self.inner.store().fail_next = n;
@@ -350,6 +381,39 @@ impl FakeKube {
     /// New pods stay Pending and unschedulable, with no process, while held (a full cluster).
     pub fn hold_pods(&self, hold: bool) {
         self.inner.store().hold = hold;
+    }
+
+    /// The namespace's storage quota is (or is no longer) used up: creating any claim, an
+    /// existing one included, is answered 403 Forbidden.
+    pub fn storage_quota_full(&self, full: bool) {
+        self.inner.store().storage_quota_full = full;
+    }
+
+    /// The next `n` pod creates are refused with `code`, as admission or validation would:
+    /// 403 (PodSecurity), 422 (invalid), 429 (too many requests), others as 500s are.
+    pub fn refuse_pod_creates(&self, code: u16, n: usize) {
+        self.inner.store().pod_create_refusals = Some((code, n));
+    }
+
+    /// The API server goes down (every request 503, open watches end) or comes back; the pods
+    /// and their processes run on, as a control-plane outage leaves them.
+    pub fn outage(&self, down: bool) {
+        self.inner.store().outage = down;
+        if down {
+            let mut w = self
+                .inner
+                .watches
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            w.cancel();
+            *w = CancellationToken::new();
+        }
+    }
+
+    /// New pods cannot pull their image (or, with false, can again): they stay Pending with
+    /// ErrImagePull, then ImagePullBackOff, as a kubelet reports a missing image.
+    pub fn fail_image_pulls(&self, fail: bool) {
+        self.inner.store().pull_failures = fail;
     }
 
     /// Report `ip` as the podIP of pod `name` (a lying or confused kubelet).
@@ -392,12 +456,20 @@ async fn handle(
         .push(format!("{} {}", req.method(), req.uri()));
     {
         let mut s = inner.store();
+        if s.outage {
+            return status(503, "ServiceUnavailable", "the API server is down");
+        }
         if s.fail_next > 0 {
             s.fail_next -= 1;
             return status(500, "InternalError", "injected failure");
         }
     }
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if let ["apis", "events.k8s.io", "v1", "namespaces", _ns, "events", rest @ ..] =
+        parts.as_slice()
+    {
+        return event(&inner, req.method().clone(), rest.first().copied(), req).await;
+    }
     let (kind, name) = match parts.as_slice() {
         ["api", "v1", "namespaces", _ns, resource] => (Kind::of(resource), None),
         ["api", "v1", "namespaces", _ns, resource, name] => (Kind::of(resource), Some(*name)),
@@ -458,11 +530,67 @@ async fn handle(
     }
 }
 
+/// `events.k8s.io/v1` Events: created (POST) and, for a repeated one, patched (a merge patch
+/// of its series), as kube's event recorder writes them.
+async fn event(
+    inner: &Arc<Inner>,
+    method: Method,
+    name: Option<&str>,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let Ok(body) = req.into_body().collect().await.map(|b| b.to_bytes()) else {
+        return status(400, "BadRequest", "no body");
+    };
+    let Ok(ev) = serde_json::from_slice::<Value>(&body) else {
+        return status(400, "BadRequest", "not JSON");
+    };
+    let mut events = inner
+        .events_log
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    match (method, name) {
+        (Method::POST, None) => {
+            events.push(ev.clone());
+            respond(201, &ev)
+        }
+        (Method::PATCH, Some(name)) => {
+            match events.iter_mut().find(|e| e["metadata"]["name"] == name) {
+                Some(e) => {
+                    e["series"] = ev["series"].clone();
+                    respond(200, e)
+                }
+                None => status(404, "NotFound", &format!("{name} not found")),
+            }
+        }
+        _ => status(405, "MethodNotAllowed", "method not allowed"),
+    }
+}
+
 fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
     let Some(name) = object["metadata"]["name"].as_str().map(str::to_owned) else {
         return status(422, "Invalid", "metadata.name is required");
     };
     let mut s = inner.store();
+    if kind == Kind::Pod {
+        if let Some((code, n)) = s.pod_create_refusals.filter(|(_, n)| *n > 0) {
+            s.pod_create_refusals = Some((code, n - 1));
+            return refusal(code, &name);
+        }
+    }
+    if kind == Kind::Pvc && s.storage_quota_full {
+        let size = object["spec"]["resources"]["requests"]["storage"]
+            .as_str()
+            .unwrap_or("0")
+            .to_owned();
+        return status(
+            403,
+            "Forbidden",
+            &format!(
+                "persistentvolumeclaims \"{name}\" is forbidden: exceeded quota: storage, \
+                 requested: requests.storage={size}, used: requests.storage=100Gi, limited: requests.storage=100Gi"
+            ),
+        );
+    }
     if s.objects.contains_key(&key(kind, &name)) {
         return status(409, "AlreadyExists", &format!("{name} already exists"));
     }
@@ -470,6 +598,7 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
     object["metadata"]["uid"] = json!(uid);
     object["metadata"]["creationTimestamp"] = json!("2026-12-01T00:00:00Z");
     let mut info = None;
+    let mut pull_backoff = None;
     match kind {
         Kind::Pod => {
             s.pod_creates += 1;
@@ -488,6 +617,19 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                         .collect()
                 })
                 .unwrap_or_default();
+            let env: Vec<(String, String)> = c["env"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|e| {
+                            Some((
+                                e["name"].as_str()?.to_owned(),
+                                e["value"].as_str()?.to_owned(),
+                            ))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
             let claim = object["spec"]["volumes"]
                 .as_array()
                 .and_then(|vs| vs.iter().find(|v| v["name"] == "home"))
@@ -503,12 +645,22 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                     "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                     "message": "0/3 nodes are available: 3 Insufficient cpu.",
                 });
+            } else if s.pull_failures {
+                let image = object["spec"]["containers"][0]["image"].clone();
+                object["status"]["containerStatuses"] = json!([{
+                    "name": "node", "image": image, "imageID": "", "ready": false,
+                    "restartCount": 0,
+                    "state": { "waiting": { "reason": "ErrImagePull",
+                        "message": format!("failed to pull and unpack image {image}: not found") } },
+                }]);
+                pull_backoff = Some((name.clone(), uid.clone(), image));
             } else {
                 info = Some(PodInfo {
                     name: name.clone(),
                     tenant,
                     ip,
                     args,
+                    env,
                     claim,
                 });
             }
@@ -520,6 +672,19 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
     }
     let object = inner.emit(&mut s, kind, "ADDED", object);
     s.objects.insert(key(kind, &name), object.clone());
+    if let Some((name, uid, image)) = pull_backoff {
+        // The kubelet retries the pull, fails again and backs off.
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            inner.set_status(&name, &uid, |st| {
+                st["containerStatuses"][0]["state"]["waiting"] = json!({
+                    "reason": "ImagePullBackOff",
+                    "message": format!("Back-off pulling image {image}"),
+                });
+            });
+        });
+    }
     if let Some(info) = info {
         let stop = CancellationToken::new();
         s.running.insert(name.clone(), stop.clone());
@@ -527,6 +692,41 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
         tokio::spawn(kubelet(inner.clone(), info, uid, stop));
     }
     respond(201, &object)
+}
+
+/// A pod create refused as a real API server refuses one, by status: 403 (PodSecurity
+/// admission), 422 (validation), 429 (priority and fairness), 500 and others (an error).
+fn refusal(code: u16, name: &str) -> Response<Body> {
+    match code {
+        403 => status(
+            403,
+            "Forbidden",
+            &format!(
+                "pods \"{name}\" is forbidden: violates PodSecurity \"restricted:latest\": \
+                 allowPrivilegeEscalation != false (container \"node\" must set \
+                 securityContext.allowPrivilegeEscalation=false)"
+            ),
+        ),
+        422 => status(
+            422,
+            "Invalid",
+            &format!(
+                "Pod \"{name}\" is invalid: spec.containers[0].resources.requests: Invalid value: \
+                 \"8\": must be less than or equal to cpu limit of 4"
+            ),
+        ),
+        429 => {
+            let mut r = status(
+                429,
+                "TooManyRequests",
+                "Too many requests, please try again later.",
+            );
+            r.headers_mut()
+                .insert("retry-after", hyper::header::HeaderValue::from_static("1"));
+            r
+        }
+        code => status(code, "InternalError", "injected failure"),
+    }
 }
 
 fn delete(inner: &Arc<Inner>, kind: Kind, name: &str, uid: Option<String>) -> Response<Body> {

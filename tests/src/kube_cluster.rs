@@ -38,6 +38,8 @@ pub struct Cluster {
     pub edge_config: PathBuf,
     /// Every pod's link port (on its own address).
     pub link_port: u16,
+    /// Every pod's admin port (on its own address).
+    pub admin_port: u16,
 }
 
 pub struct Options {
@@ -47,6 +49,13 @@ pub struct Options {
     pub worker_idle_secs: u64,
     /// The first this many pods crash at start (exit 3) instead of running a node.
     pub crashing_pods: usize,
+    /// Extra lines for a tenant's `[[tenants]]` entry in the edges' file (its own settings,
+    /// which reach its pod through the edge).
+    pub tenant_toml: Vec<(&'static str, &'static str)>,
+    /// A tenant's `max_workers` (default 1).
+    pub max_workers: Vec<(&'static str, usize)>,
+    /// `nodes.kubernetes.max_pod_age_secs`.
+    pub max_pod_age_secs: Option<u64>,
 }
 
 impl Default for Options {
@@ -58,6 +67,9 @@ impl Default for Options {
             // Long enough that no node exits while a test still uses it.
             worker_idle_secs: 300,
             crashing_pods: 0,
+            tenant_toml: Vec::new(),
+            max_workers: Vec::new(),
+            max_pod_age_secs: None,
         }
     }
 }
@@ -73,14 +85,23 @@ impl Cluster {
             o.worker_idle_secs
         ));
         for t in &o.tenants {
-            b = b.tenant_pool(t, 0, 1);
+            let max = o
+                .max_workers
+                .iter()
+                .find(|(id, _)| id == t)
+                .map_or(1, |(_, m)| *m);
+            b = b.tenant_pool(t, 0, max);
+            for (_, lines) in o.tenant_toml.iter().filter(|(id, _)| id == t) {
+                b = b.tenant_toml(lines);
+            }
         }
         let files = b.prepare().await?;
         let dir = files.dir.path().to_owned();
         let base = std::fs::read_to_string(&files.config)?;
         let link = crate::write_link_pki(&dir, &[SERVER_NAME])?;
         // The node config the chart mounts in every tenant pod: no tenants (`--tenant` names
-        // the one it serves), its link and admin on the pod's own address.
+        // the one it serves, and the edge puts that tenant's own entry in the pod's env), its
+        // link and admin on the pod's own address.
         let tenants_at = base.find("[[tenants]]").unwrap_or(base.len());
         let node_base = base[..tenants_at]
             .replace(&q(&dir.join("tls.crt")), &q(&link.join("node.crt")))
@@ -135,6 +156,7 @@ impl Cluster {
             let log = std::fs::File::create(pods_dir.join(format!("{}-{}.log", pod.name, pod.ip)))?;
             let mut cmd = tokio::process::Command::new(fleet_bin());
             cmd.args(&args)
+                .envs(pod.env.iter().map(|(k, v)| (k, v)))
                 .env("CODEX_FLEET_LOG", "warn")
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
@@ -149,6 +171,10 @@ impl Cluster {
             (Some(w), Some(d)) if w < d => format!("{}{}", &base[..w], &base[d..]),
             _ => base.clone(),
         };
+        let max_age = o
+            .max_pod_age_secs
+            .map(|s| format!("max_pod_age_secs = {s}\n"))
+            .unwrap_or_default();
         let edge_text = edge_base
             + &format!(
                 "\n[nodes]\nbackend = \"kubernetes\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
@@ -161,7 +187,8 @@ impl Cluster {
                 fake.url(),
                 q(&template),
                 o.start_timeout_secs,
-            );
+            )
+            + &max_age;
         let edge_config = dir.join("edge.toml");
         std::fs::write(&edge_config, edge_text)?;
         let mut c = Cluster {
@@ -170,6 +197,7 @@ impl Cluster {
             edges: Vec::new(),
             edge_config,
             link_port,
+            admin_port,
         };
         for _ in 0..o.edges {
             c.add_edge().await?;
@@ -222,6 +250,15 @@ impl Cluster {
                 .any(|c| c["type"] == "Ready" && c["status"] == "True")
         });
         Some((p["status"]["phase"].as_str()?.to_owned(), ready))
+    }
+
+    /// A pod's admin address (its `/metrics`, `/readyz`), once it has a podIP.
+    pub fn pod_admin(&self, pod: &str) -> Option<SocketAddr> {
+        let ip: std::net::Ipv4Addr = self.fake.pod(pod)?["status"]["podIP"]
+            .as_str()?
+            .parse()
+            .ok()?;
+        Some(SocketAddr::from((ip, self.admin_port)))
     }
 
     pub fn pod_log(&self, pod: &str) -> String {

@@ -159,6 +159,58 @@ async fn the_first_session_creates_the_volume_and_the_pod_and_runs_a_turn() -> a
     Ok(())
 }
 
+/// Issue 23 item 1 (DESIGN decision 17): a tenant's own `[[tenants]]` settings reach the node
+/// the edge starts for it, through the pod the edge creates; the node config every pod mounts
+/// has no tenants, and no pod carries a credential or another tenant's entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_own_settings_reach_its_node_and_nothing_of_another() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        max_workers: vec![("acme", 7), ("beta", 2)],
+        tenant_toml: vec![("acme", "[tenants.policy]\ncommand_exec = \"deny\"")],
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let _a = c.client(0, "acme").await?;
+    let _b = c.client(0, "beta").await?;
+    for (tenant, other, want) in [("acme", "beta", 7.0), ("beta", "acme", 2.0)] {
+        let pod = format!("codex-fleet-node-{tenant}");
+        let admin = c.pod_admin(&pod).context("podIP")?;
+        let m = http_get(admin, "/metrics").await?.1;
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_tenant_limit",
+                &[("tenant", tenant), ("limit", "max_workers")]
+            ),
+            want,
+            "{tenant}'s node does not run with its own max_workers: {m}"
+        );
+        assert!(
+            !m.contains(&format!("tenant=\"{other}\"")),
+            "{tenant}'s node knows {other}: {m}"
+        );
+        // Think as a hostile tenant with a shell in its pod: all it can read of the spec is
+        // its own entry; no token digest (its own or another's), no other tenant.
+        let spec = c.fake.pod(&pod).context("pod")?.to_string();
+        assert!(!spec.contains(other), "{other} in {tenant}'s pod: {spec}");
+        for t in ["acme", "beta"] {
+            let digest = router::auth::token_digest_hex(&c.files.token(t));
+            assert!(!spec.contains(&digest), "{t}'s token digest in {pod}");
+        }
+    }
+    let acme = c.fake.pod("codex-fleet-node-acme").context("pod")?;
+    let env = &acme["spec"]["containers"][0]["env"];
+    let entry = env
+        .as_array()
+        .and_then(|e| e.iter().find(|v| v["name"] == "CODEX_FLEET_TENANT_ENTRY"))
+        .context("the entry in the pod's env")?;
+    let entry: Value = serde_json::from_str(entry["value"].as_str().context("value")?)?;
+    assert_eq!(entry["policy"]["command_exec"], "deny", "{entry}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
@@ -241,6 +293,11 @@ async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_
     assert!(
         c.fake.pvc_exists("codex-fleet-home-acme"),
         "the volume went with the pod"
+    );
+    let evs = events_with(&c, "codex-fleet-node-acme", &["Created", "Culled"]).await;
+    assert!(
+        evs.iter().any(|(ty, r, _)| ty == "Normal" && r == "Culled"),
+        "{evs:?}"
     );
     assert!(c
         .fake
@@ -338,6 +395,237 @@ async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_with_1012_and_i
     Ok(())
 }
 
+/// Issue 23 item 3: with the namespace's storage quota used up, creating a claim that exists is
+/// 403 Forbidden (quota admission before the exists check); a tenant whose volume exists still
+/// starts: the edge looks the claim up first and takes a 403 on an existing one as existing.
+/// Also the closing note's number for a replaced pod: its start to ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 15,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the quota fills").await?;
+    let first = metric(
+        &c.metrics(0).await?,
+        "codex_fleet_node_start_seconds_sum",
+        &[],
+    );
+    c.fake.storage_quota_full(true);
+    assert!(c.fake.delete_pod("codex-fleet-node-acme"));
+    let close = a.recv_close_frame(Duration::from_secs(10)).await?;
+    assert_eq!(
+        close.context("a close frame")?.0,
+        router::edge::NODE_LOST_CODE
+    );
+    let t0 = Instant::now();
+    let mut b = c.client(0, "acme").await?;
+    let answered = t0.elapsed();
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "after the quota filled").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    assert_eq!(c.fake.pvc_creates(), 1);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "api")]
+        ),
+        0.0,
+        "{m}"
+    );
+    let replaced = metric(&m, "codex_fleet_node_start_seconds_sum", &[]) - first;
+    eprintln!(
+        "measured: a replaced pod (same volume) to ready {replaced:.2} s (edge's node_start_seconds); \
+         session to the answer of initialize {answered:?}"
+    );
+    Ok(())
+}
+
+/// Waits for Events about `pod` with these reasons (in any order, at least once each).
+async fn events_with(c: &Cluster, pod: &str, reasons: &[&str]) -> Vec<(String, String, String)> {
+    let all = || {
+        let evs = c.fake.events_about(pod);
+        reasons
+            .iter()
+            .all(|r| evs.iter().any(|(_, reason, _)| reason == r))
+    };
+    let _seen = wait_until(Duration::from_secs(10), all).await;
+    c.fake.events_about(pod)
+}
+
+/// The first request of a session whose tenant's node cannot start, and the close that follows.
+async fn refused_start(c: &Cluster, tenant: &str) -> anyhow::Result<(Value, Duration, u16)> {
+    refused_start_after(c, tenant, Duration::ZERO).await
+}
+
+/// [`refused_start`] with the first request sent `delay` after the upgrade (the refusal may
+/// come before it).
+async fn refused_start_after(
+    c: &Cluster,
+    tenant: &str,
+    delay: Duration,
+) -> anyhow::Result<(Value, Duration, u16)> {
+    let mut a =
+        Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token(tenant))).await?;
+    tokio::time::sleep(delay).await;
+    let started = Instant::now();
+    a.send(&json!({ "id": 1, "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
+        .await?;
+    let answer = a.wait_for(|v| v["id"] == 1).await?;
+    let took = started.elapsed();
+    let close = a.recv_close_frame(Duration::from_secs(5)).await?;
+    Ok((answer, took, close.context("a close frame")?.0))
+}
+
+/// Issue 23 item 4: an API error no retry can mend (403 from PodSecurity admission or a full
+/// quota, 422 invalid) ends the session's wait at once with `-32001` scope `worker`, reason
+/// `nodeStartFailed` and the cause, counted by reason; a transient one (429) is retried and the
+/// session is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        start_timeout_secs: 30,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let digests: Vec<String> = ["acme", "beta"]
+        .iter()
+        .map(|t| router::auth::token_digest_hex(&c.files.token(t)))
+        .collect();
+    // The 422's first request is sent after the refusal: it still gets the answer with the
+    // cause, not a bare close.
+    for (code, reason, needle, delay) in [
+        (403, "forbidden", "PodSecurity", 0),
+        (422, "invalid", "Invalid value", 300),
+    ] {
+        c.fake.refuse_pod_creates(code, usize::MAX);
+        let (answer, took, close) =
+            refused_start_after(&c, "acme", Duration::from_millis(delay)).await?;
+        assert_eq!(answer["error"]["code"], -32001, "{answer}");
+        assert_eq!(answer["error"]["data"]["scope"], "worker", "{answer}");
+        assert_eq!(
+            answer["error"]["data"]["reason"], "nodeStartFailed",
+            "{answer}"
+        );
+        let cause = answer["error"]["data"]["cause"]
+            .as_str()
+            .context("a cause")?;
+        assert!(
+            cause.contains(needle) && cause.contains(&code.to_string()),
+            "{answer}"
+        );
+        for d in &digests {
+            assert!(
+                !answer.to_string().contains(d.as_str()),
+                "a digest in {answer}"
+            );
+        }
+        assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+        // `kubectl get events` says why too.
+        let said = |e: &(String, String, String)| {
+            e.0 == "Warning" && e.1 == "FailedCreate" && e.2.contains(needle)
+        };
+        let seen = wait_until(Duration::from_secs(10), || {
+            c.fake
+                .events_about("codex-fleet-node-acme")
+                .iter()
+                .any(said)
+        })
+        .await;
+        assert!(seen, "{:?}", c.fake.events_about("codex-fleet-node-acme"));
+        // Not the 30 s start timeout: at once (generous bound, not a timing claim).
+        assert!(
+            took < Duration::from_secs(15),
+            "{code} answered after {took:?}"
+        );
+        eprintln!("measured: a {code} create answered nodeStartFailed after {took:?}");
+        let m = c.metrics(0).await?;
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_node_start_failures_total",
+                &[("reason", reason)]
+            ),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_node_start_failures_total",
+                &[("reason", "timeout")]
+            ),
+            0.0,
+            "{m}"
+        );
+    }
+    // A full storage quota refuses a tenant that has no volume yet: that too is said at once.
+    c.fake.refuse_pod_creates(403, 0);
+    c.fake.storage_quota_full(true);
+    let (answer, took, _) = refused_start(&c, "beta").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStartFailed",
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["data"]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("exceeded quota")),
+        "{answer}"
+    );
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    c.fake.storage_quota_full(false);
+    // Transient: 429 three times, then the pod is created and the session served (the backend
+    // retries with back-off and jitter; kube's own retry is off, so the deadline holds).
+    let posts = |c: &Cluster| {
+        c.fake
+            .requests()
+            .iter()
+            .filter(|r| r.starts_with("POST /api/v1/namespaces/codex/pods"))
+            .count()
+    };
+    let before = posts(&c);
+    c.fake.refuse_pod_creates(429, 3);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "after the 429s").await?;
+    assert_eq!(
+        posts(&c) - before,
+        4,
+        "three refused creates and one that succeeded"
+    );
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "api")]
+        ),
+        3.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "forbidden")]
+        ),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(c.fake.pod_creates(), 1);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
@@ -350,6 +638,19 @@ async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> 
     let thread = a.start_thread().await?;
     turn(&mut a, &thread, "second pod lucky").await?;
     assert_eq!(c.fake.pod_creates(), 2, "the failed pod was replaced once");
+    // Events on the pod (issue 23 item 4): created, failed before ready, replaced, created.
+    let evs = events_with(
+        &c,
+        "codex-fleet-node-acme",
+        &["Created", "StartFailed", "Replaced"],
+    )
+    .await;
+    let reasons: Vec<&str> = evs.iter().map(|(_, r, _)| r.as_str()).collect();
+    assert_eq!(
+        reasons,
+        ["Created", "StartFailed", "Replaced", "Created"],
+        "{evs:?}"
+    );
     let m = c.metrics(0).await?;
     assert_eq!(
         metric(
@@ -409,14 +710,16 @@ async fn api_errors_and_an_expired_watch_are_survived() -> anyhow::Result<()> {
         close.context("a close frame")?.0,
         router::edge::NODE_LOST_CODE
     );
-    let unready = wait_until_async(Duration::from_secs(20), || async {
+    // The edge stays Ready (it has listed once; DESIGN decision 17) and says the API server
+    // is failing.
+    let reported = wait_until_async(Duration::from_secs(20), || async {
         c.readyz(0)
             .await
-            .is_ok_and(|(s, r)| s == 503 && r["edge"]["apiReachable"] == false)
+            .is_ok_and(|(s, r)| s == 200 && r["edge"]["apiReachable"] == false)
     })
     .await;
     assert!(
-        unready,
+        reported,
         "/readyz did not report the failing API server: {:?}",
         c.readyz(0).await
     );
@@ -522,6 +825,243 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
         c.fake.pod_creates(),
         1,
         "a waiting tenant's pod is created once"
+    );
+    // A start timeout is a start failure, never an unreachable node (CodexFleetNodeUnreachable
+    // is critical and means a node that runs cannot be reached).
+    let unreachable: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("codex_fleet_link_errors_total{") && l.contains("unreachable"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        unreachable, 0.0,
+        "a start timeout counted as unreachable: {m}"
+    );
+    let evs = events_with(&c, "codex-fleet-node-acme", &["Created", "StartTimeout"]).await;
+    assert!(
+        evs.iter()
+            .any(|(ty, r, _)| ty == "Warning" && r == "StartTimeout"),
+        "{evs:?}"
+    );
+    Ok(())
+}
+
+/// Issue 23 item 5: a pod Pending past the start timeout (here unschedulable until the cluster
+/// has room) is deleted and recreated at the tenant's next session, counted as `stuck`; pods
+/// carry the template hash label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_stuck_pending_past_the_start_timeout_is_replaced() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 3,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    c.fake.hold_pods(true);
+    let (answer, _, _) = refused_start(&c, "acme").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStarting",
+        "{answer}"
+    );
+    // The cluster has room again, but the held pod stays Pending (as a pod bound to nothing
+    // does until the scheduler retries it, or forever with a fixed template): replaced.
+    c.fake.hold_pods(false);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "on the replacement").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "stuck")]
+        ),
+        1.0,
+        "{m}"
+    );
+    let pod = c.fake.pod("codex-fleet-node-acme").context("pod")?;
+    let hash = pod["metadata"]["labels"]["codex-fleet.io/template-hash"]
+        .as_str()
+        .context("a template hash label")?;
+    assert_eq!(hash.len(), 10, "{hash}");
+    Ok(())
+}
+
+/// Issue 23 item 5: a pod whose image cannot be pulled (ImagePullBackOff) ends the waiting
+/// session at once with `nodeStartFailed` and the kubelet's reason, and is deleted, so the next
+/// session (after a fix) gets a new pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        start_timeout_secs: 30,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    c.fake.fail_image_pulls(true);
+    let (answer, took, close) = refused_start(&c, "acme").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStartFailed",
+        "{answer}"
+    );
+    let cause = answer["error"]["data"]["cause"]
+        .as_str()
+        .context("a cause")?;
+    assert!(cause.contains("ImagePullBackOff"), "{answer}");
+    assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+    assert!(took < Duration::from_secs(15), "answered after {took:?}");
+    eprintln!("measured: ImagePullBackOff answered nodeStartFailed after {took:?}");
+    let gone = wait_until(Duration::from_secs(10), || c.fake.pod_names().is_empty()).await;
+    assert!(gone, "the pod that cannot pull was not deleted");
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "image")]
+        ),
+        1.0,
+        "{m}"
+    );
+    // The image is fixed: the next session gets a new pod and is served.
+    c.fake.fail_image_pulls(false);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "after the fix").await?;
+    assert_eq!(c.fake.pod_creates(), 2);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "image")]
+        ),
+        1.0,
+        "{m}"
+    );
+    Ok(())
+}
+
+/// Issue 23 item 7 (DESIGN decision 17): with the API server down, an edge stays Ready and
+/// serves every tenant whose pod its watch cache shows Ready; `/readyz` reports the API server
+/// separately; only a new start waits (and is refused `nodeStarting`), until it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_outage_delays_new_starts_never_running_tenants() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        start_timeout_secs: 4,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the outage").await?;
+    a.close().await;
+    c.fake.outage(true);
+    let reported = wait_until_async(Duration::from_secs(20), || async {
+        c.readyz(0).await.is_ok_and(|(s, r)| {
+            s == 200 && r["edge"]["apiReachable"] == false && r["edge"]["servingFromCache"] == true
+        })
+    })
+    .await;
+    assert!(reported, "during the outage: {:?}", c.readyz(0).await);
+    // acme's pod is Ready in the cache: a new session is served, a turn runs.
+    let mut b = c.client(0, "acme").await?;
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "during the outage").await?;
+    // beta has no pod: its start waits for the API server, and is refused when it does not come.
+    let (answer, _, _) = refused_start(&c, "beta").await?;
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStarting",
+        "{answer}"
+    );
+    let (status, _) = c.readyz(0).await?;
+    assert_eq!(status, 200, "the edge left the Service during the outage");
+    // Back: the edge relists and beta starts.
+    c.fake.outage(false);
+    let back = wait_until_async(Duration::from_secs(30), || async {
+        c.readyz(0).await.is_ok_and(|(s, r)| {
+            s == 200 && r["edge"]["apiReachable"] == true && r["edge"]["servingFromCache"] == false
+        })
+    })
+    .await;
+    assert!(back, "after the outage: {:?}", c.readyz(0).await);
+    let mut d = c.client(0, "beta").await?;
+    let t = d.start_thread().await?;
+    turn(&mut d, &t, "after the outage").await?;
+    Ok(())
+}
+
+/// Issue 23 items 1 and 5: a tenant's edited entry reaches its node. The edge reloads, the
+/// running pod is now of an older template (its hash label differs), and with
+/// `max_pod_age_secs` it is replaced although busy: its session closes 1012, the next one gets
+/// a new pod that serves the new settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_of_an_older_template_is_replaced_past_max_pod_age() -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        max_pod_age_secs: Some(3),
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "on the old template").await?;
+    let pod = "codex-fleet-node-acme";
+    let first = c.fake.pod(pod).context("pod")?;
+    // Past max_pod_age_secs, but of the current template: kept.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        c.fake.pod(pod).context("pod")?["metadata"]["uid"],
+        first["metadata"]["uid"]
+    );
+    // The tenant's entry changes (max_workers 1 → 2) and the edge reloads.
+    let text = std::fs::read_to_string(&c.edge_config)?;
+    assert_eq!(text.matches("max_workers = 1\n").count(), 1, "{text}");
+    std::fs::write(
+        &c.edge_config,
+        text.replace("max_workers = 1\n", "max_workers = 2\n"),
+    )?;
+    c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;
+    let close = a.recv_close_frame(Duration::from_secs(20)).await?;
+    assert_eq!(
+        close.context("a close frame")?.0,
+        router::edge::NODE_LOST_CODE
+    );
+    let mut b = c.client(0, "acme").await?;
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "on the new template").await?;
+    let second = c.fake.pod(pod).context("pod")?;
+    assert_ne!(second["metadata"]["uid"], first["metadata"]["uid"]);
+    let label = |p: &Value| p["metadata"]["labels"]["codex-fleet.io/template-hash"].clone();
+    assert_ne!(label(&second), label(&first));
+    let m = http_get(c.pod_admin(pod).context("podIP")?, "/metrics")
+        .await?
+        .1;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_limit",
+            &[("tenant", "acme"), ("limit", "max_workers")]
+        ),
+        2.0,
+        "{m}"
+    );
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "outdated")]
+        ),
+        1.0,
+        "{m}"
     );
     Ok(())
 }

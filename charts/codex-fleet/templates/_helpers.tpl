@@ -79,16 +79,27 @@ values are not printed in float notation.
 
 {{/* Kubernetes' grace period: longer than codex-fleet's whole drain (turns, interrupt, sessions, workers). */}}
 {{- define "codex-fleet.terminationGrace" -}}
-{{- $stop := .Values.workers.stop_grace_secs | default 10 | int64 }}
-{{- $turns := .Values.drain.timeout_secs | default 300 | int64 }}
-{{- $settle := .Values.drain.settle_secs | default 5 | int64 }}
+{{- include "codex-fleet.graceOf" (dict "root" . "v" .Values.terminationGracePeriodSeconds "key" "terminationGracePeriodSeconds") }}
+{{- end }}
+
+{{/* A tenant node pod's: the node drains as serve does (same [drain] and workers), so the same rule. */}}
+{{- define "codex-fleet.tenantTerminationGrace" -}}
+{{- include "codex-fleet.graceOf" (dict "root" . "v" .Values.tenantPod.terminationGracePeriodSeconds "key" "tenantPod.terminationGracePeriodSeconds") }}
+{{- end }}
+
+{{/* (dict "root" . "v" VALUE "key" NAME): VALUE, or the drain + 10 s when null; refused when not longer than the drain. */}}
+{{- define "codex-fleet.graceOf" -}}
+{{- $v := .root.Values }}
+{{- $stop := $v.workers.stop_grace_secs | default 10 | int64 }}
+{{- $turns := $v.drain.timeout_secs | default 300 | int64 }}
+{{- $settle := $v.drain.settle_secs | default 5 | int64 }}
 {{- $drain := add (max $turns $settle) $stop 16 }}
-{{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
+{{- if kindIs "invalid" .v }}
 {{- add $drain 10 }}
-{{- else if le (.Values.terminationGracePeriodSeconds | int64) $drain }}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be longer than the drain: max(drain.timeout_secs, drain.settle_secs) + workers.stop_grace_secs + 16 = %d" .Values.terminationGracePeriodSeconds $drain) }}
+{{- else if le (.v | int64) $drain }}
+{{- fail (printf "%s (%v) must be longer than the drain: max(drain.timeout_secs, drain.settle_secs) + workers.stop_grace_secs + 16 = %d" .key .v $drain) }}
 {{- else }}
-{{- .Values.terminationGracePeriodSeconds | int64 }}
+{{- .v | int64 }}
 {{- end }}
 {{- end }}
 
@@ -145,7 +156,8 @@ app.kubernetes.io/component: tenant-node
 {{- end }}
 
 {{/* The tenant nodes' config.toml (ConfigMap <fullname>-node-config): one tenant per pod, given by
-`codex-fleet node --tenant <id>`; no [[tenants]]. */}}
+`codex-fleet node --tenant <id>`; no [[tenants]] (the edge puts the tenant's own entry in its pod's
+env, CODEX_FLEET_TENANT_ENTRY, without credentials). */}}
 {{- define "codex-fleet.nodeConfig" -}}
 # Rendered by the codex-fleet chart: the config of every tenant node pod. The edge starts each
 # pod with `node --config <this> --tenant <id> --exit-when-idle`.
@@ -169,6 +181,16 @@ addr = "0.0.0.0:9464"
 [drain]
 {{- include "codex-fleet.toml.int" (dict "k" "settle_secs" "v" .Values.drain.settle_secs) }}
 {{- include "codex-fleet.toml.int" (dict "k" "timeout_secs" "v" .Values.drain.timeout_secs) }}
+
+{{- /* The session audit is the node's (it owns sessions, approvals, threads): always on,
+tenantPod.audit.path ("-": stdout, the pod's log) with audit.queue and audit.max_file_bytes. */}}
+
+[audit]
+{{- include "codex-fleet.toml.str" (dict "k" "path" "v" (.Values.tenantPod.audit.path | default "-")) }}
+{{- with .Values.audit }}
+{{- include "codex-fleet.toml.int" (dict "k" "queue" "v" .queue) }}
+{{- include "codex-fleet.toml.int" (dict "k" "max_file_bytes" "v" .max_file_bytes) }}
+{{- end }}
 {{- end }}
 
 {{/* The edge's read-only mounts: wss TLS, the link's client certificate, the tenant pod template. */}}

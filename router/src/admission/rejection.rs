@@ -63,6 +63,9 @@ pub enum Reason {
     NodeUnavailable,
     /// The tenant's node (its pod, on Kubernetes) is still starting.
     NodeStarting,
+    /// The tenant's node cannot be started (the API server refused its pod or volume for a
+    /// reason a retry cannot change; the error's `data.cause` says which).
+    NodeStartFailed,
 }
 
 impl Scope {
@@ -79,7 +82,7 @@ impl Scope {
 
 impl Reason {
     /// Every reason, so each series exists (at zero) from the start.
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 15] = [
         Reason::HandshakeRateLimited,
         Reason::ConnectionRateLimited,
         Reason::TenantRateLimited,
@@ -94,6 +97,7 @@ impl Reason {
         Reason::FleetWorkerLimit,
         Reason::NodeUnavailable,
         Reason::NodeStarting,
+        Reason::NodeStartFailed,
     ];
 
     /// The wire spelling, e.g. `"tenantRateLimited"`.
@@ -113,6 +117,7 @@ impl Reason {
             Reason::FleetWorkerLimit => "fleetWorkerLimit",
             Reason::NodeUnavailable => "nodeUnavailable",
             Reason::NodeStarting => "nodeStarting",
+            Reason::NodeStartFailed => "nodeStartFailed",
         }
     }
 }

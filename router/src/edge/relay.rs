@@ -393,22 +393,48 @@ where
     }
 
     /// The node could not take the session: each held request is answered with `answer`,
-    /// then the client is closed with `code` and `reason`.
+    /// then the client is closed with `code` and `reason`. With `linger`, a session that held
+    /// no request yet waits that long for its first one and answers it too, so the client learns
+    /// why rather than seeing a bare close.
     pub(super) async fn refuse(
         mut self,
         pending: Vec<Message>,
         answer: impl Fn(&RequestId) -> String,
+        linger: Option<Duration>,
         code: u16,
         reason: &str,
     ) {
+        let mut answered = false;
         for m in pending {
             self.out.bytes.release(Out::len_of(&m));
             if let Message::Text(text) = &m {
                 if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(text) {
+                    answered = true;
                     if self.out.push(answer(&id).into()).is_err() {
                         break;
                     }
                 }
+            }
+        }
+        if let (false, Some(linger)) = (answered, linger) {
+            let rx = &mut self.rx;
+            let first = tokio::time::timeout(linger, async {
+                while let Some(Ok(m)) = rx.next().await {
+                    match m {
+                        Message::Text(text) => {
+                            if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(&text) {
+                                return Some(id);
+                            }
+                        }
+                        Message::Close(_) => return None,
+                        _ => {}
+                    }
+                }
+                None
+            })
+            .await;
+            if let Ok(Some(id)) = first {
+                let _queued = self.out.push(answer(&id).into());
             }
         }
         self.finish(Ending::close(code, reason), async {}).await;

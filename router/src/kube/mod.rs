@@ -23,10 +23,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use ::kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use ::kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use ::kube::runtime::watcher::{self, Event};
 use ::kube::runtime::WatchStreamExt;
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeClaim, Pod};
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
@@ -39,15 +40,35 @@ use spec::{Names, Template, TENANT_LABEL};
 
 /// Pod phases, each a series of `codex_fleet_tenant_pods` from the start.
 pub const PHASES: [&str; 5] = ["Pending", "Running", "Succeeded", "Failed", "Unknown"];
-/// Why a node did not start.
-pub const START_FAILURES: [&str; 3] = ["timeout", "failed", "api"];
-/// Why a tenant's previous pod ended, when a new one is created for it.
-pub const RECREATIONS: [&str; 4] = ["idle", "evicted", "failed", "deleted"];
+/// Why a node did not start: `timeout`; `failed` (the pod failed before ready); `api` (a
+/// transient API error, retried); `forbidden` (403: quota or PodSecurity admission) and
+/// `invalid` (400/404/422: a spec the API server refuses), which end the start at once.
+/// `image`: the pod's image cannot be pulled (ImagePullBackOff, InvalidImageName).
+pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", "invalid", "image"];
+/// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
+/// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
+/// by an edge) besides what ends a pod by itself.
+/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`.
+pub const RECREATIONS: [&str; 7] = [
+    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated",
+];
+/// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
+/// told why), so a fixed image in the values reaches the tenant's next pod.
+const PULL_FAILURES: [&str; 3] = ["ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"];
 /// How long a waiting session sleeps between looks when the watch says nothing (a missed
 /// event, an API error being retried).
 const RECHECK: Duration = Duration::from_millis(500);
-/// Back-off between failed creates while a session waits.
-const CREATE_BACKOFF: Duration = Duration::from_millis(500);
+/// Back-off between creates failed by a transient API error while a session waits: doubling
+/// from the first to the most, each with up to half again of random jitter, so the edges
+/// refused together do not return together.
+const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
+const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How often pods of an older template are looked for (`max_pod_age_secs`).
+const SWEEP: Duration = Duration::from_secs(1);
+/// How long the readiness probe waits for the API server.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest cause a refused client is told (the API server's message, bounded).
+const CAUSE_MAX: usize = 300;
 
 /// Where a tenant's node is, for the link.
 #[derive(Debug, Clone)]
@@ -64,6 +85,89 @@ pub enum StartError {
     /// The pod was not ready within `start_timeout_secs`.
     #[error("the tenant's node is still starting after {0:?}")]
     Timeout(Duration),
+    /// The API server refused the tenant's volume or pod for a reason retrying cannot change
+    /// (a full quota, PodSecurity admission, an invalid spec).
+    #[error("the tenant's node cannot start ({reason}): {cause}")]
+    Refused {
+        /// `forbidden` or `invalid` (a series of `codex_fleet_node_start_failures_total`).
+        reason: &'static str,
+        /// What the API server said, bounded and without control characters.
+        cause: String,
+    },
+}
+
+/// What a failed API request means for a waiting session.
+#[derive(Debug, PartialEq, Eq)]
+enum Failure {
+    /// Retrying may succeed (5xx, 429, 401, a connection error, a timeout).
+    Transient,
+    /// It will not (`forbidden`: 403; `invalid`: 400, 404, 422), with its cause.
+    Permanent(&'static str, String),
+}
+
+/// Sorts an API error: what a retry can change and what it cannot.
+fn classify(e: &::kube::Error) -> Failure {
+    match e {
+        ::kube::Error::Api(s) => {
+            let reason = match s.code {
+                403 => "forbidden",
+                400 | 404 | 422 => "invalid",
+                _ => return Failure::Transient,
+            };
+            Failure::Permanent(reason, cause(&format!("{} {}", s.code, s.message)))
+        }
+        // Connection errors, timeouts, an answer that did not parse: another try may do.
+        _ => Failure::Transient,
+    }
+}
+
+/// Why a tenant's volume or pod was not created.
+#[derive(Debug, thiserror::Error)]
+enum CreateError {
+    /// The API server's answer, or no answer.
+    #[error("{0}")]
+    Api(#[from] ::kube::Error),
+    /// The spec could not be built from the template (our side: no retry mends it).
+    #[error("the tenant's pod spec: {0:#}")]
+    Spec(anyhow::Error),
+    /// No answer within the session's deadline.
+    #[error("no answer from the API server before the start timeout")]
+    Timeout,
+}
+
+impl CreateError {
+    fn failure(&self) -> Failure {
+        match self {
+            CreateError::Api(e) => classify(e),
+            CreateError::Spec(e) => Failure::Permanent("invalid", cause(&format!("{e:#}"))),
+            CreateError::Timeout => Failure::Transient,
+        }
+    }
+}
+
+/// An API server's message as a client may read it: control characters as spaces, at most
+/// [`CAUSE_MAX`] bytes (cut on a character boundary, marked).
+fn cause(message: &str) -> String {
+    let clean: String = message
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if clean.len() <= CAUSE_MAX {
+        return clean;
+    }
+    let mut end = CAUSE_MAX;
+    while !clean.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &clean[..end])
+}
+
+/// The next back-off after `prev` (none yet: the first), with its jitter.
+fn create_backoff(prev: Option<Duration>) -> (Duration, Duration) {
+    use rand::Rng;
+    let base = prev.map_or(CREATE_BACKOFF_FIRST, |p| (p * 2).min(CREATE_BACKOFF_MAX));
+    let jitter_ms = rand::rng().random_range(0..=base.as_millis() as u64 / 2);
+    (base, base + Duration::from_millis(jitter_ms))
 }
 
 /// The backend's metrics (names fixed by the chart's alerts and dashboard).
@@ -109,7 +213,7 @@ impl KubeMetrics {
             start_failures: IntCounterVec::new(
                 Opts::new(
                     "codex_fleet_node_start_failures_total",
-                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api.",
+                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api (transient API errors, retried), forbidden and invalid (refused by the API server, not retried).",
                 ),
                 &["reason"],
             )?,
@@ -163,6 +267,10 @@ struct PodView {
     deleting: bool,
     unschedulable: bool,
     evicted: bool,
+    /// Its image cannot be pulled: the kubelet's reason and message.
+    pull_failure: Option<String>,
+    /// Its `codex-fleet.io/template-hash` label.
+    template_hash: Option<String>,
 }
 
 impl PodView {
@@ -184,6 +292,29 @@ impl PodView {
                 c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
             }),
             evicted: status.and_then(|s| s.reason.as_deref()) == Some("Evicted"),
+            template_hash: pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(spec::TEMPLATE_HASH_LABEL))
+                .cloned(),
+            pull_failure: status
+                .and_then(|s| s.container_statuses.as_deref())
+                .unwrap_or(&[])
+                .iter()
+                .filter_map(|c| c.state.as_ref()?.waiting.as_ref())
+                .find(|w| {
+                    w.reason
+                        .as_deref()
+                        .is_some_and(|r| PULL_FAILURES.contains(&r))
+                })
+                .map(|w| {
+                    format!(
+                        "{}: {}",
+                        w.reason.as_deref().unwrap_or(""),
+                        w.message.as_deref().unwrap_or("")
+                    )
+                }),
         }
     }
 
@@ -214,6 +345,11 @@ struct State {
     ended: HashMap<String, &'static str>,
     /// Pods (uid) this edge is deleting.
     deleting: HashSet<String>,
+    /// Pods (uid) this edge deletes to replace them, and why (for the recreation counter).
+    replacing: HashMap<String, &'static str>,
+    /// When this edge first saw each pod (uid): a pod Pending longer than the start timeout is
+    /// stuck.
+    first_seen: HashMap<String, Instant>,
 }
 
 /// The backend.
@@ -225,14 +361,21 @@ pub struct KubeNodes {
     api_url: String,
     template: Template,
     tenants: RwLock<HashMap<String, Tenant>>,
+    /// Each tenant's current template hash (what its next pod is made from).
+    hashes: RwLock<HashMap<String, String>>,
     state: Mutex<State>,
     changes: tokio::sync::watch::Sender<u64>,
-    /// The watch has listed every tenant pod at least once.
+    /// The watch has listed every tenant pod and follows them (false again after `410 Gone`
+    /// until it has listed anew).
     synced: AtomicBool,
+    /// The watch has listed every tenant pod at least once: the view can serve tenants.
+    listed_once: AtomicBool,
     /// The last look at the API server (the prober's) got an answer.
     reachable: AtomicBool,
     last_error: Mutex<Option<String>>,
     metrics: KubeMetrics,
+    /// Writes Kubernetes Events about tenant pods (`kubectl describe pod` shows them).
+    events: Recorder,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -258,6 +401,10 @@ impl KubeNodes {
                 anyhow::anyhow!("no nodes.kubernetes.api_url and not in a cluster: {e}")
             })?,
         };
+        // kube's own retry of 429/503/504 (up to 15 times, delays growing to minutes) would hold
+        // a session's create, and the readiness probe, far past the start timeout while the API
+        // server is down: the backend retries itself, within the session's deadline.
+        kcfg.default_retry = false;
         let namespace = spec::namespace(&k).unwrap_or_else(|| kcfg.default_namespace.clone());
         kcfg.default_namespace = namespace.clone();
         let api_url = kcfg.cluster_url.to_string();
@@ -266,17 +413,28 @@ impl KubeNodes {
         let client = ::kube::Client::try_from(kcfg)?;
         let metrics = KubeMetrics::register(registry)?;
         let (changes, _) = tokio::sync::watch::channel(0);
+        let events = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "codex-fleet-edge".into(),
+                // The edge's pod name (the hostname in a pod), else kube's own default.
+                instance: std::env::var("HOSTNAME").ok(),
+            },
+        );
         let nodes = KubeNodes {
             pods: Api::namespaced(client.clone(), &namespace),
             pvcs: Api::namespaced(client, &namespace),
+            events,
             settings: k,
             namespace,
             api_url,
             template,
             tenants: RwLock::new(HashMap::new()),
+            hashes: RwLock::new(HashMap::new()),
             state: Mutex::new(State::default()),
             changes,
             synced: AtomicBool::new(false),
+            listed_once: AtomicBool::new(false),
             reachable: AtomicBool::new(true),
             last_error: Mutex::new(None),
             metrics,
@@ -288,8 +446,17 @@ impl KubeNodes {
     /// Puts a configuration's tenants in force (their pod specs and requests gauges).
     pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
         let mut tenants = HashMap::new();
+        let mut hashes = HashMap::new();
         for t in &cfg.tenants {
             let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, t)?;
+            if let Some(h) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(spec::TEMPLATE_HASH_LABEL))
+            {
+                hashes.insert(t.id.clone(), h.clone());
+            }
             for (resource, v) in spec::requests(&pod) {
                 self.metrics
                     .requests
@@ -298,6 +465,7 @@ impl KubeNodes {
             }
             tenants.insert(t.id.clone(), t.clone());
         }
+        *self.hashes.write().unwrap_or_else(PoisonError::into_inner) = hashes;
         let old = std::mem::replace(
             &mut *self.tenants.write().unwrap_or_else(PoisonError::into_inner),
             tenants,
@@ -341,6 +509,7 @@ impl KubeNodes {
         let deadline = Instant::now() + timeout;
         let mut changes = self.changes.subscribe();
         let mut created_here = false;
+        let mut backoff: Option<Duration> = None;
         loop {
             let (view, shared) = {
                 let s = lock(&self.state);
@@ -366,20 +535,71 @@ impl KubeNodes {
                     }
                 }
                 Some(v) if v.ended() && !v.deleting => self.delete_ended(tenant, &v).await,
-                Some(_) => {} // starting, or going away: the watch will tell
-                None => {
-                    if let Err(e) = self.create(tenant).await {
-                        self.metrics
-                            .start_failures
-                            .with_label_values(&["api"])
-                            .inc();
-                        tracing::warn!(tenant, error = %e, "cannot create the tenant's pod; retrying");
-                        self.note_error(format!("create: {e}"));
-                        tokio::time::sleep(CREATE_BACKOFF).await;
-                    } else {
-                        created_here = true;
-                    }
+                Some(v) if v.pull_failure.is_some() && !v.deleting => {
+                    let cause = cause(v.pull_failure.as_deref().unwrap_or(""));
+                    self.metrics
+                        .start_failures
+                        .with_label_values(&["image"])
+                        .inc();
+                    tracing::warn!(tenant, %cause, "the tenant's pod cannot pull its image; deleting it");
+                    self.note_error(format!("image: {cause}"));
+                    self.event(tenant, Some(&v.uid), true, "ImagePullFailed", cause.clone());
+                    self.replace(tenant, &v, "image").await;
+                    return Err(StartError::Refused {
+                        reason: "image",
+                        cause,
+                    });
                 }
+                Some(v) if self.stuck(&v) => {
+                    tracing::warn!(tenant, pod = %self.pod_name(tenant), ?timeout, "the tenant's pod is Pending past the start timeout; replacing it");
+                    self.replace(tenant, &v, "stuck").await;
+                }
+                Some(_) => {} // starting, or going away: the watch will tell
+                None => match tokio::time::timeout(
+                    deadline.saturating_duration_since(Instant::now()),
+                    self.create(tenant),
+                )
+                .await
+                .unwrap_or(Err(CreateError::Timeout))
+                {
+                    Ok(()) => created_here = true,
+                    Err(e) => match e.failure() {
+                        Failure::Permanent(reason, cause) => {
+                            self.metrics
+                                .start_failures
+                                .with_label_values(&[reason])
+                                .inc();
+                            tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
+                            self.note_error(format!("create: {e}"));
+                            let action = if reason == "forbidden" {
+                                "CreateForbidden"
+                            } else {
+                                "CreateInvalid"
+                            };
+                            self.event_of(
+                                tenant,
+                                None,
+                                true,
+                                "FailedCreate",
+                                action,
+                                cause.clone(),
+                            );
+                            return Err(StartError::Refused { reason, cause });
+                        }
+                        Failure::Transient => {
+                            self.metrics
+                                .start_failures
+                                .with_label_values(&["api"])
+                                .inc();
+                            let (base, sleep) = create_backoff(backoff);
+                            backoff = Some(base);
+                            tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
+                            self.note_error(format!("create: {e}"));
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            tokio::time::sleep(sleep.min(left)).await;
+                        }
+                    },
+                },
             }
             let now = Instant::now();
             if now >= deadline {
@@ -393,6 +613,14 @@ impl KubeNodes {
                     ?timeout,
                     "the tenant's node is not ready in time"
                 );
+                let uid = lock(&self.state).pods.get(tenant).map(|v| v.uid.clone());
+                self.event(
+                    tenant,
+                    uid.as_deref(),
+                    true,
+                    "StartTimeout",
+                    format!("not ready within nodes.kubernetes.start_timeout_secs ({timeout:?}); the waiting session was refused nodeStarting"),
+                );
                 return Err(StartError::Timeout(timeout));
             }
             let wait = (deadline - now).min(RECHECK);
@@ -402,7 +630,7 @@ impl KubeNodes {
 
     /// Creates the tenant's volume claim (once) and pod; `AlreadyExists` is success for both
     /// (another edge, or an earlier session, created them).
-    async fn create(&self, tenant: &str) -> Result<(), ::kube::Error> {
+    async fn create(&self, tenant: &str) -> Result<(), CreateError> {
         let t = self
             .tenants
             .read()
@@ -412,18 +640,19 @@ impl KubeNodes {
         let Some(t) = t else {
             return Ok(());
         };
-        let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
-            .map_err(|e| ::kube::Error::Service(e.into()))?;
-        match self.pvcs.create(&PostParams::default(), &pvc).await {
-            Ok(_) => tracing::info!(tenant, "created the tenant's volume claim"),
-            Err(e) if already_exists(&e) => {}
-            Err(e) => return Err(e),
-        }
+        self.ensure_claim(tenant).await?;
         let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, &t)
-            .map_err(|e| ::kube::Error::Service(e.into()))?;
+            .map_err(CreateError::Spec)?;
         match self.pods.create(&PostParams::default(), &pod).await {
             Ok(created) => {
                 tracing::info!(tenant, pod = %self.pod_name(tenant), "created the tenant's pod");
+                self.event(
+                    tenant,
+                    created.metadata.uid.as_deref(),
+                    false,
+                    "Created",
+                    "created by an edge for the tenant's session".into(),
+                );
                 let mut s = lock(&self.state);
                 s.created.insert(tenant.to_owned(), Instant::now());
                 if let Some(reason) = s.ended.remove(tenant) {
@@ -441,9 +670,84 @@ impl KubeNodes {
                     "the tenant's pod exists already (another edge created it)"
                 );
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         Ok(())
+    }
+
+    /// The tenant's volume claim exists: looked up first, created when it does not. A create
+    /// answered `409 AlreadyExists` (another edge won) or `403 Forbidden` for a claim that does
+    /// exist is success: with the namespace's storage quota used up, quota admission refuses
+    /// even the create of an existing claim, before any exists check, and that must not stop
+    /// a tenant whose volume is there from starting.
+    async fn ensure_claim(&self, tenant: &str) -> Result<(), CreateError> {
+        let pvc = spec::tenant_pvc(&self.template, &self.settings, &self.namespace, tenant)
+            .map_err(CreateError::Spec)?;
+        let name = pvc.metadata.name.clone().unwrap_or_default();
+        if self.pvcs.get_opt(&name).await?.is_some() {
+            return Ok(());
+        }
+        match self.pvcs.create(&PostParams::default(), &pvc).await {
+            Ok(_) => tracing::info!(tenant, "created the tenant's volume claim"),
+            Err(e) if already_exists(&e) => {}
+            Err(::kube::Error::Api(s)) if s.code == 403 => {
+                if self.pvcs.get_opt(&name).await?.is_none() {
+                    return Err(::kube::Error::Api(s).into());
+                }
+                tracing::info!(
+                    tenant,
+                    "the volume claim exists (its create was refused: {})",
+                    s.message
+                );
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Whether a pod has been Pending (unscheduled, or its volume or image not there) for
+    /// longer than the start timeout, as this edge has seen it.
+    fn stuck(&self, v: &PodView) -> bool {
+        let timeout = Duration::from_secs(self.settings.start_timeout_secs);
+        v.phase == "Pending"
+            && !v.deleting
+            && lock(&self.state)
+                .first_seen
+                .get(&v.uid)
+                .is_some_and(|at| at.elapsed() > timeout)
+    }
+
+    /// Ready pods made from an older template than their tenant's current one (a changed
+    /// template or entry), seen by this edge for longer than `max_pod_age_secs`.
+    fn outdated(&self) -> Vec<(String, PodView)> {
+        let Some(max) = self.settings.max_pod_age_secs.map(Duration::from_secs) else {
+            return Vec::new();
+        };
+        let hashes = self.hashes.read().unwrap_or_else(PoisonError::into_inner);
+        let s = lock(&self.state);
+        s.pods
+            .iter()
+            .filter(|(t, v)| {
+                v.ready
+                    && !v.deleting
+                    && !s.deleting.contains(&v.uid)
+                    && v.template_hash.is_some()
+                    && hashes
+                        .get(*t)
+                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                    && s.first_seen
+                        .get(&v.uid)
+                        .is_some_and(|at| at.elapsed() > max)
+            })
+            .map(|(t, v)| (t.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
+    /// volume); `why` is counted when the new pod is created.
+    async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
+        lock(&self.state).replacing.insert(v.uid.clone(), why);
+        self.delete_ended(tenant, v).await;
     }
 
     /// Deletes a completed or failed pod so a new one can be created (only that pod: a uid
@@ -465,15 +769,83 @@ impl KubeNodes {
                 tracing::info!(tenant, pod = %name, phase = %v.phase, "deleted the tenant's ended pod");
                 if v.phase == "Succeeded" {
                     self.metrics.culls.inc();
+                    self.event(
+                        tenant,
+                        Some(&v.uid),
+                        false,
+                        "Culled",
+                        "the node exited when idle; deleted (its volume stays for the next session)".into(),
+                    );
+                } else {
+                    let why = lock(&self.state)
+                        .replacing
+                        .get(&v.uid)
+                        .copied()
+                        .unwrap_or_else(|| v.end_reason());
+                    self.event(
+                        tenant,
+                        Some(&v.uid),
+                        true,
+                        "Replaced",
+                        format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
+                    );
                 }
             }
             Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => {
                 tracing::warn!(tenant, pod = %name, error = %e, "cannot delete the ended pod");
                 self.note_error(format!("delete: {e}"));
-                lock(&self.state).deleting.remove(&v.uid);
+                let mut s = lock(&self.state);
+                s.deleting.remove(&v.uid);
+                s.replacing.remove(&v.uid);
             }
         }
+    }
+
+    /// Writes an Event about the tenant's pod (by name, and uid when known), in the
+    /// background: an Event is for `kubectl describe`, never a reason to delay a session.
+    ///
+    /// kube's recorder makes a repeat of the same (reason, action, pod) within minutes a series
+    /// of the first Event (count and time, the first note), so `action` tells apart what must
+    /// not merge (a 403 and a 422).
+    fn event(&self, tenant: &str, uid: Option<&str>, warning: bool, reason: &str, note: String) {
+        self.event_of(tenant, uid, warning, reason, reason, note);
+    }
+
+    fn event_of(
+        &self,
+        tenant: &str,
+        uid: Option<&str>,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let reference = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(self.pod_name(tenant)),
+            namespace: Some(self.namespace.clone()),
+            uid: uid.filter(|u| !u.is_empty()).map(str::to_owned),
+            ..ObjectReference::default()
+        };
+        let ev = KubeEvent {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        let recorder = self.events.clone();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                tracing::debug!(error = %e, reason = %ev.reason, "cannot write a tenant pod event");
+            }
+        });
     }
 
     fn note_error(&self, e: String) {
@@ -516,6 +888,9 @@ impl KubeNodes {
             return;
         };
         let v = PodView::of(pod);
+        s.first_seen
+            .entry(v.uid.clone())
+            .or_insert_with(Instant::now);
         if v.ready {
             if let Some(at) = s.created.remove(&tenant) {
                 self.metrics
@@ -527,6 +902,13 @@ impl KubeNodes {
                 .start_failures
                 .with_label_values(&["failed"])
                 .inc();
+            self.event(
+                &tenant,
+                Some(&v.uid),
+                true,
+                "StartFailed",
+                "the node ended before it was ready (see its log)".into(),
+            );
         }
         s.pods.insert(tenant, v);
     }
@@ -535,8 +917,10 @@ impl KubeNodes {
     fn gone(&self, s: &mut State, tenant: &str) {
         if let Some(v) = s.pods.remove(tenant) {
             tracing::info!(tenant, phase = %v.phase, "the tenant's pod is gone");
-            s.ended.insert(tenant.to_owned(), v.end_reason());
+            let why = s.replacing.remove(&v.uid).unwrap_or_else(|| v.end_reason());
+            s.ended.insert(tenant.to_owned(), why);
             s.deleting.remove(&v.uid);
+            s.first_seen.remove(&v.uid);
             s.created.remove(tenant);
         }
     }
@@ -573,6 +957,7 @@ impl KubeNodes {
                     self.gone(&mut s, &t);
                 }
                 self.synced.store(true, Ordering::Release);
+                self.listed_once.store(true, Ordering::Release);
                 *lock(&self.last_error) = None;
             }
         }
@@ -594,7 +979,24 @@ impl KubeNodes {
             let mut events = watcher::watcher(api, cfg)
                 .backoff(WatchBackoff::default())
                 .boxed();
-            while let Some(ev) = events.next().await {
+            let mut sweep = tokio::time::interval(SWEEP);
+            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let ev = tokio::select! {
+                    ev = events.next() => match ev {
+                        Some(ev) => ev,
+                        None => return,
+                    },
+                    _ = sweep.tick() => {
+                        let Some(nodes) = this.upgrade() else { return };
+                        for (tenant, v) in nodes.outdated() {
+                            tracing::info!(tenant, pod = %nodes.pod_name(&tenant), "the tenant's pod is of an older template and past max_pod_age_secs; replacing it");
+                            let n = nodes.clone();
+                            tokio::spawn(async move { n.replace(&tenant, &v, "outdated").await });
+                        }
+                        continue;
+                    }
+                };
                 let Some(nodes) = this.upgrade() else { return };
                 match ev {
                     Ok(ev) => {
@@ -619,19 +1021,26 @@ impl KubeNodes {
     /// Asks the API server for one tenant pod, for `/readyz`: whether it answers.
     pub async fn probe(&self) {
         let lp = ListParams::default().labels(TENANT_LABEL).limit(1);
-        match self.pods.list(&lp).await {
-            Ok(_) => self.reachable.store(true, Ordering::Release),
-            Err(e) => {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.pods.list(&lp)).await {
+            Ok(Ok(_)) => self.reachable.store(true, Ordering::Release),
+            Err(_) => {
+                self.reachable.store(false, Ordering::Release);
+                self.note_error(format!("probe: no answer within {PROBE_TIMEOUT:?}"));
+            }
+            Ok(Err(e)) => {
                 self.reachable.store(false, Ordering::Release);
                 self.note_error(format!("probe: {e}"));
             }
         }
     }
 
-    /// `/readyz` detail; ready once the watch has listed the tenant pods and while the API
-    /// server answers.
+    /// `/readyz` detail; ready once the watch has listed the tenant pods, and from then on
+    /// whether or not the API server answers (DESIGN decision 17: the API server is not the
+    /// data path): a tenant whose pod the view shows Ready is served from it, only new starts
+    /// wait. `apiReachable` and `watchSynced` say how current the view is.
     pub fn readiness(&self) -> (bool, serde_json::Value) {
         let synced = self.synced.load(Ordering::Acquire);
+        let listed_once = self.listed_once.load(Ordering::Acquire);
         let reachable = self.reachable.load(Ordering::Acquire);
         let error = lock(&self.last_error).clone();
         let s = lock(&self.state);
@@ -646,13 +1055,14 @@ impl KubeNodes {
             })
             .collect();
         (
-            synced && reachable,
+            listed_once,
             json!({
                 "backend": "kubernetes",
                 "apiServer": self.api_url,
                 "namespace": self.namespace,
                 "watchSynced": synced,
                 "apiReachable": reachable,
+                "servingFromCache": listed_once && !(synced && reachable),
                 "lastError": error,
                 "tenantPods": pods,
             }),
@@ -695,4 +1105,60 @@ impl ::kube::runtime::utils::Backoff for WatchBackoff {
 
 fn already_exists(e: &::kube::Error) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == 409)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16, message: &str) -> ::kube::Error {
+        ::kube::Error::Api(Box::new(
+            serde_json::from_value::<::kube::core::Status>(json!({
+                "status": "Failure", "message": message, "reason": "", "code": code,
+            }))
+            .expect("a Status"),
+        ))
+    }
+
+    #[test]
+    fn api_errors_are_sorted_into_what_a_retry_can_change_and_what_it_cannot() {
+        let quota = "pods \"codex-fleet-node-acme\" is forbidden: exceeded quota: compute";
+        assert_eq!(
+            classify(&api(403, quota)),
+            Failure::Permanent("forbidden", format!("403 {quota}"))
+        );
+        for code in [400, 404, 422] {
+            assert!(
+                matches!(classify(&api(code, "x")), Failure::Permanent("invalid", _)),
+                "{code}"
+            );
+        }
+        for code in [401, 408, 429, 500, 502, 503, 504] {
+            assert_eq!(classify(&api(code, "x")), Failure::Transient, "{code}");
+        }
+        // A cause is bounded and cannot break a line.
+        let long = format!("line\none\r{}", "é".repeat(400));
+        let Failure::Permanent(_, c) = classify(&api(422, &long)) else {
+            panic!("permanent");
+        };
+        assert!(!c.contains('\n') && !c.contains('\r'), "{c}");
+        assert!(c.len() <= CAUSE_MAX + '…'.len_utf8(), "{}", c.len());
+        assert!(c.ends_with('…'));
+    }
+
+    #[test]
+    fn the_create_backoff_doubles_to_its_bound_with_jitter() {
+        let mut prev = None;
+        let mut bases = Vec::new();
+        for _ in 0..8 {
+            let (base, sleep) = create_backoff(prev);
+            assert!(
+                sleep >= base && sleep <= base + base / 2,
+                "{base:?} {sleep:?}"
+            );
+            bases.push(base.as_millis());
+            prev = Some(base);
+        }
+        assert_eq!(bases, [250, 500, 1000, 2000, 4000, 5000, 5000, 5000]);
+    }
 }

@@ -12,12 +12,18 @@ use crate::config::{Config, KubernetesNodes, Tenant};
 
 /// The label that names a pod's or volume's tenant (the watch selects on it).
 pub const TENANT_LABEL: &str = "codex-fleet.io/tenant";
+/// The label of a tenant pod that names what it was made from: a hash of its spec (the
+/// template, the tenant's entry and resources), so pods of an old template can be found.
+pub const TEMPLATE_HASH_LABEL: &str = "codex-fleet.io/template-hash";
 /// Where the node config's `workers.state_dir` is in the pod (the tenant volume).
 pub const HOME_MOUNT: &str = "/var/lib/codex-fleet";
 /// The node config the chart mounts into every tenant pod.
 pub const NODE_CONFIG: &str = "/etc/codex-fleet/node/config.toml";
 /// The one container of a tenant pod.
 pub const CONTAINER: &str = "node";
+/// The environment variable that carries the tenant's own `[[tenants]]` entry (JSON, without
+/// credentials) to its node: `codex-fleet node --tenant ID` serves the tenant with it.
+pub const TENANT_ENTRY_ENV: &str = "CODEX_FLEET_TENANT_ENTRY";
 /// Where the service account's namespace is mounted in a pod.
 const SA_NAMESPACE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
@@ -93,6 +99,32 @@ fn labels(template: &Template, tenant: &str) -> serde_json::Map<String, Value> {
     labels
 }
 
+/// The tenant's entry as its node needs it (DESIGN decision 17: settings travel with the
+/// tenant), as one line of JSON: every key of the edge's `[[tenants]]` entry except what only an
+/// edge uses — the credentials (`token_sha256`, `token_files`: a node never authenticates a
+/// client; and a tenant with a shell in its pod reads this), the pod's own `kubernetes` table and
+/// `node`. Unset keys are left out, so the node applies its defaults as for a file.
+pub fn node_entry(tenant: &Tenant) -> anyhow::Result<String> {
+    let mut t = tenant.clone();
+    t.token_sha256.clear();
+    t.token_files.clear();
+    t.kubernetes = None;
+    t.node = None;
+    let mut v = serde_json::to_value(&t).context("tenant entry")?;
+    if let Some(o) = v.as_object_mut() {
+        o.remove("token_sha256");
+        o.remove("token_files");
+    }
+    fn prune(v: &mut Value) {
+        if let Some(o) = v.as_object_mut() {
+            o.retain(|_, x| !x.is_null());
+            o.values_mut().for_each(prune);
+        }
+    }
+    prune(&mut v);
+    Ok(v.to_string())
+}
+
 /// The tenant's volume claim: ReadWriteOnce, `storage_size`, `storage_class`.
 pub fn tenant_pvc(
     template: &Template,
@@ -117,8 +149,8 @@ pub fn tenant_pvc(
     serde_json::from_value(v).context("tenant volume claim")
 }
 
-/// The tenant's pod: the template with its name, labels, args, home volume, model Secret and
-/// (when the tenant sets them) resources.
+/// The tenant's pod: the template with its name, labels, args, its entry ([`node_entry`]),
+/// home volume, model Secret and (when the tenant sets them) resources.
 pub fn tenant_pod(
     template: &Template,
     k: &KubernetesNodes,
@@ -165,6 +197,13 @@ pub fn tenant_pod(
     let mut mounts: Vec<Value> = mounts.into_iter().filter(|m| m["name"] != "home").collect();
     mounts.push(json!({ "name": "home", "mountPath": HOME_MOUNT }));
     c["volumeMounts"] = json!(mounts);
+    let env = c["env"].as_array().cloned().unwrap_or_default();
+    let mut env: Vec<Value> = env
+        .into_iter()
+        .filter(|e| e["name"] != TENANT_ENTRY_ENV)
+        .collect();
+    env.push(json!({ "name": TENANT_ENTRY_ENV, "value": node_entry(tenant)? }));
+    c["env"] = json!(env);
     let env_from = c["envFrom"].as_array().cloned().unwrap_or_default();
     let mut env_from: Vec<Value> = env_from
         .into_iter()
@@ -183,7 +222,18 @@ pub fn tenant_pod(
             }
         }
     }
+    let hash = spec_hash(&json!([v["spec"], v["metadata"]["annotations"]]));
+    v["metadata"]["labels"][TEMPLATE_HASH_LABEL] = json!(hash);
     serde_json::from_value(v).context("tenant pod")
+}
+
+/// The first 10 hex digits of the SHA-256 of a pod's spec and annotations as JSON (keys in
+/// order: serde_json's maps are sorted), a valid label value. The annotations count so that a
+/// template can carry a checksum of what its pods mount (the chart's node config).
+fn spec_hash(spec: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = hex::encode(Sha256::digest(spec.to_string().as_bytes()));
+    digest[..10].to_owned()
 }
 
 /// The requests of a tenant's pod as numbers: `cpu` in cores, `memory` in bytes.
@@ -323,6 +373,18 @@ token_sha256 = ["{}"]
             c["envFrom"],
             json!([{ "secretRef": { "name": "codex-fleet-model-acme", "optional": true } }])
         );
+        // The tenant's own entry travels in the pod; no credential does.
+        let env = c["env"].as_array().expect("env");
+        assert_eq!(env.len(), 1, "{env:?}");
+        assert_eq!(env[0]["name"], TENANT_ENTRY_ENV);
+        let entry: Value =
+            serde_json::from_str(env[0]["value"].as_str().expect("a value")).expect("JSON");
+        assert_eq!(entry["id"], "acme");
+        assert_eq!(entry["max_workers"], 4);
+        assert!(
+            !pod.to_string().contains(&"ab".repeat(32)),
+            "a token digest in the pod"
+        );
         assert!(c["volumeMounts"]
             .as_array()
             .expect("mounts")
@@ -334,6 +396,69 @@ token_sha256 = ["{}"]
         let typed: Pod = serde_json::from_value(pod.clone()).expect("a Pod");
         assert_eq!(requests(&typed).get("memory"), Some(&1_073_741_824.0));
         assert_eq!(requests(&typed).get("cpu"), Some(&0.25));
+    }
+
+    #[test]
+    fn a_tenants_pod_carries_its_own_settings_and_nothing_of_another_tenant() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("pod.json");
+        std::fs::write(&path, TEMPLATE).expect("write");
+        let beta_digest = "cd".repeat(32);
+        let text = edge(
+            &path,
+            &format!(
+                "max_workers = 7\nconfig_overrides = [\"model=\\\"o3\\\"\"]\n\
+                 token_files = [\"/etc/codex-fleet/tokens/acme\"]\n\
+                 [tenants.policy]\nprocess = \"deny\"\n\n\
+                 [[tenants]]\nid = \"beta\"\ntoken_sha256 = [\"{beta_digest}\"]\nmax_workers = 2\n"
+            ),
+            "",
+        );
+        let cfg = Config::parse(&text).expect("valid");
+        let list = render(&cfg, "acme").expect("render");
+        let pod = list["items"][1].to_string();
+        for secret in [
+            beta_digest.as_str(),
+            &"ab".repeat(32),
+            "/etc/codex-fleet/tokens",
+        ] {
+            assert!(!pod.contains(secret), "{secret} in acme's pod: {pod}");
+        }
+        assert!(!pod.contains("beta"), "another tenant in acme's pod: {pod}");
+        let c = &list["items"][1]["spec"]["containers"][0];
+        let entry: Value =
+            serde_json::from_str(c["env"][0]["value"].as_str().expect("the entry")).expect("JSON");
+        assert_eq!(
+            entry,
+            json!({
+                "id": "acme", "max_workers": 7, "min_workers": 0,
+                "config_overrides": ["model=\"o3\""], "allowed_origins": [],
+                "close_on_expiry": true, "workspace_roots": [],
+                "policy": { "process": "deny" },
+            })
+        );
+    }
+
+    #[test]
+    fn the_template_hash_label_changes_with_the_template_or_the_tenants_entry() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("pod.json");
+        std::fs::write(&path, TEMPLATE).expect("write");
+        let hash = |tenant: &str| {
+            let cfg = Config::parse(&edge(&path, tenant, "")).expect("valid");
+            let list = render(&cfg, "acme").expect("render");
+            list["items"][1]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
+                .as_str()
+                .expect("a hash label")
+                .to_owned()
+        };
+        let first = hash("");
+        assert_eq!(first.len(), 10);
+        assert!(first.chars().all(|c| c.is_ascii_hexdigit()), "{first}");
+        assert_eq!(hash(""), first, "the same spec, the same hash");
+        assert_ne!(hash("max_workers = 7"), first, "the tenant's entry changed");
+        std::fs::write(&path, TEMPLATE.replace("codex-fleet:1", "codex-fleet:2")).expect("write");
+        assert_ne!(hash(""), first, "the template changed");
     }
 
     #[test]
@@ -349,6 +474,7 @@ token_sha256 = ["{}"]
             ("", "name_prefix = \"Codex\"", "name_prefix"),
             ("", "storage_size = \"lots\"", "storage_size"),
             ("", "start_timeout_secs = 0", "start_timeout_secs"),
+            ("", "max_pod_age_secs = 0", "max_pod_age_secs"),
             ("", "api_url = \"not a url\"", "api_url"),
             (
                 "[tenants.kubernetes.resources]\nrequests = { cpu = \"fast\" }",
