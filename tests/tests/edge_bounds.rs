@@ -7,11 +7,15 @@
 //! The edges under test get their own `[limits]` (the nodes keep the defaults), so that what is
 //! measured is the edge's own bound, never the node's.
 
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
 use e2e::kube_cluster::{Cluster, Options};
-use e2e::{fleet_bin, metric_at, rss_kib, wait_until_async, Client, FleetProcess, Split, Upgrade};
+use e2e::{
+    fleet_bin, metric_at, rss_kib, wait_until_async, Client, FleetBuilder, FleetProcess, Split,
+    Upgrade,
+};
 use router::admission::FLOOD_CLOSE_REASON;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -496,6 +500,138 @@ async fn a_session_waiting_for_its_pod_is_bounded_and_ends_with_its_credential(
     assert_eq!(
         close,
         Some((1008, router::session::REVOKED_REASON.to_owned()))
+    );
+    Ok(())
+}
+
+/// The issue-22 flood against `target`: tenant A builds a thread of `turns` 1 MB prompts, then
+/// 12 sessions with a 4 KiB receive window send 40 `thread/read includeTurns` each and never
+/// read, while tenant B's `thread/list` round trips are timed for `window`. Returns the peak RSS
+/// growth (KiB) and a line of what was measured.
+async fn unread_flood_rss(
+    target: &FleetProcess,
+    ca: &Path,
+    token_a: &str,
+    token_b: &str,
+    turns: usize,
+    window: Duration,
+) -> anyhow::Result<(u64, String)> {
+    let pid = target.pid().context("pid")?;
+    let mut a = Client::connect(&target.url(), ca, Some(token_a)).await?;
+    a.initialize("builder").await?;
+    let thread = a.start_thread().await?;
+    let prompt = "x".repeat(1_000_000);
+    for _ in 0..turns {
+        a.start_turn(&thread, &prompt).await?;
+        a.until_turn_completed(&thread).await?;
+    }
+    let id = a
+        .send_request(
+            "thread/read",
+            json!({ "threadId": thread, "includeTurns": true }),
+        )
+        .await?;
+    let answer = a.wait_for(|v| v["id"] == id).await?;
+    let answer_mib = answer.to_string().len() as f64 / 1048576.0;
+    let mut b = Client::connect(&target.url(), ca, Some(token_b)).await?;
+    b.initialize("calm").await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let base = rss_kib(pid).context("rss")?;
+    let mut held = Vec::new();
+    for _ in 0..12 {
+        let mut c =
+            Client::connect_small_window(target.addr, &target.url(), ca, Some(token_a), 4096)
+                .await?;
+        let mut tries = 0;
+        loop {
+            match c.initialize("unread").await {
+                Ok(_) => break,
+                // A worker still busy with the builder's turns sheds with -32001.
+                Err(e) if e.to_string().contains("-32001") && tries < 100 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        held.push(c);
+    }
+    for c in &mut held {
+        for _ in 0..40 {
+            c.send_request(
+                "thread/read",
+                json!({ "threadId": thread, "includeTurns": true }),
+            )
+            .await?;
+        }
+    }
+    let started = Instant::now();
+    let mut peak = 0;
+    let mut rtts = Vec::new();
+    while started.elapsed() < window {
+        peak = peak.max(rss_kib(pid).unwrap_or(0).saturating_sub(base));
+        let t = Instant::now();
+        b.request("thread/list", json!({})).await?;
+        rtts.push(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rtts.sort();
+    let after = rss_kib(pid).unwrap_or(0).saturating_sub(base);
+    drop(held);
+    let text = format!(
+        "answer {answer_mib:.1} MiB; RSS peak +{} MiB, at the end +{} MiB; calm tenant median {:?} max {:?}",
+        peak / 1024,
+        after / 1024,
+        rtts[rtts.len() / 2],
+        rtts[rtts.len() - 1]
+    );
+    Ok((peak, text))
+}
+
+/// Decision 16, measured side by side: the same unread flood (the issue's: a 12 MiB thread, 12
+/// unread sessions x 40 reads), with the default bounds, costs an edge about what it costs
+/// `serve` — not the gigabytes of the old relay, which queued every answer. Both stay bounded by
+/// the same keys; the calm tenant is served throughout on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unread_flood_costs_an_edge_what_it_costs_serve() -> anyhow::Result<()> {
+    let window = Duration::from_secs(30);
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .tenant("beta")
+        .prepare()
+        .await?;
+    let serve = FleetProcess::spawn(&files).await?;
+    let (serve_peak, serve_out) = unread_flood_rss(
+        &serve,
+        &files.ca,
+        &files.token("acme"),
+        &files.token("beta"),
+        6,
+        window,
+    )
+    .await?;
+    drop(serve);
+    let s = Split::start(&[("acme", "n1"), ("beta", "n2")], 1, "").await?;
+    let (edge_peak, edge_out) = unread_flood_rss(
+        &s.edges[0],
+        &s.files.ca,
+        &s.token("acme"),
+        &s.token("beta"),
+        6,
+        window,
+    )
+    .await?;
+    eprintln!("measured: serve: {serve_out}");
+    eprintln!("measured: edge:  {edge_out}");
+    eprintln!(
+        "measured: edge / serve peak growth: {:.2}",
+        edge_peak as f64 / serve_peak.max(1) as f64
+    );
+    assert!(
+        edge_peak <= 2 * serve_peak + 64 * 1024,
+        "the edge grew {} MiB under the flood, serve {} MiB",
+        edge_peak / 1024,
+        serve_peak / 1024
     );
     Ok(())
 }
