@@ -124,6 +124,11 @@ struct Inner {
     requests: Mutex<Vec<String>>,
     /// Events written (`events.k8s.io/v1`).
     events_log: Mutex<Vec<Value>>,
+    /// Pod creates held until this many have arrived (see [`FakeKube::gather_pod_creates`]):
+    /// (needed, arrived).
+    gather: Mutex<Option<(usize, usize)>>,
+    /// Wakes the held pod creates once they are gathered.
+    gathered: tokio::sync::Notify,
 }
 
 /// The fake API server.
@@ -264,6 +269,8 @@ impl FakeKube {
             kubelet,
             requests: Mutex::new(Vec::new()),
             events_log: Mutex::new(Vec::new()),
+            gather: Mutex::new(None),
+            gathered: tokio::sync::Notify::new(),
         });
         let stop = CancellationToken::new();
         let (inner2, stop2) = (inner.clone(), stop.clone());
@@ -389,6 +396,17 @@ impl FakeKube {
         self.inner.store().storage_quota_full = full;
     }
 
+    /// The next `n` pod creates are held until all `n` have arrived (at most 10 s), then served
+    /// in arrival order: racing creators of one pod all reach the API server, as they do when
+    /// neither has seen the other's pod yet, and all but the first get `409 AlreadyExists`.
+    pub fn gather_pod_creates(&self, n: usize) {
+        *self
+            .inner
+            .gather
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some((n, 0));
+    }
+
     /// The next `n` pod creates are refused with `code`, as admission or validation would:
     /// 403 (PodSecurity), 422 (invalid), 429 (too many requests), others as 500s are.
     pub fn refuse_pod_creates(&self, code: u16, n: usize) {
@@ -512,6 +530,9 @@ async fn handle(
             let Ok(object) = serde_json::from_slice::<Value>(&body) else {
                 return status(400, "BadRequest", "not JSON");
             };
+            if kind == Kind::Pod {
+                gather(&inner).await;
+            }
             create(&inner, kind, object)
         }
         (Method::DELETE, Some(name)) => {
@@ -563,6 +584,32 @@ async fn event(
             }
         }
         _ => status(405, "MethodNotAllowed", "method not allowed"),
+    }
+}
+
+/// Holds a pod create while [`FakeKube::gather_pod_creates`] waits for more of them.
+async fn gather(inner: &Inner) {
+    let woken = inner.gathered.notified();
+    tokio::pin!(woken);
+    woken.as_mut().enable();
+    let complete = {
+        let mut g = inner.gather.lock().unwrap_or_else(PoisonError::into_inner);
+        match g.as_mut() {
+            None => return,
+            Some((needed, arrived)) => {
+                *arrived += 1;
+                let complete = *arrived >= *needed;
+                if complete {
+                    *g = None;
+                }
+                complete
+            }
+        }
+    };
+    if complete {
+        inner.gathered.notify_waiters();
+    } else {
+        let _in_time = tokio::time::timeout(Duration::from_secs(10), woken).await;
     }
 }
 

@@ -222,7 +222,9 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
         c.synced(0).await && c.synced(1).await,
         "watches never synced"
     );
-    // Both sessions arrive before either edge has seen a pod: both create, one gets 409.
+    // Both sessions arrive before either edge has seen a pod: both create, one gets 409. The
+    // fake holds the first create until the second arrives, so the race is run every time.
+    c.fake.gather_pod_creates(2);
     let (a, b) = tokio::join!(c.client(0, "acme"), c.client(1, "acme"));
     let (mut a, mut b) = (a?, b?);
     let posts = c
@@ -231,6 +233,7 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
         .iter()
         .filter(|r| r.starts_with("POST /api/v1/namespaces/codex/pods"))
         .count();
+    assert_eq!(posts, 2, "both racing edges tried to create the pod");
     assert_eq!(c.fake.pod_creates(), 1, "one pod, whoever won");
     assert_eq!(c.fake.pod_names(), vec!["codex-fleet-node-acme".to_owned()]);
     assert_eq!(c.fake.pvc_creates(), 1);
