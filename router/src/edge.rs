@@ -77,6 +77,8 @@ pub struct Edge {
     table: RwLock<Table>,
     backend: Backend,
     tls: TlsConnector,
+    /// The client certificate the link presents, as its files hold it now (renewed in place).
+    link_cert: Arc<crate::tls::CertFiles>,
     connect_timeout: Duration,
     max_message_bytes: usize,
     reach: RwLock<HashMap<String, Option<String>>>,
@@ -230,7 +232,7 @@ impl Edge {
             .nodes
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
-        let tls = crate::tls::client_config_mutual(
+        let (tls, link_cert) = crate::tls::client_config_mutual(
             &nodes_cfg.ca,
             &nodes_cfg.client_cert,
             &nodes_cfg.client_key,
@@ -238,7 +240,7 @@ impl Edge {
         let metrics = LinkMetrics::register(registry)?;
         if nodes_cfg.backend == crate::config::NodesBackend::Kubernetes {
             let kube = crate::kube::KubeNodes::build(cfg, registry)?;
-            return Edge::finish(cfg, Backend::Kubernetes(kube), tls, metrics);
+            return Edge::finish(cfg, Backend::Kubernetes(kube), (tls, link_cert), metrics);
         }
         let mut nodes = HashMap::new();
         for n in &nodes_cfg.static_nodes {
@@ -263,13 +265,13 @@ impl Edge {
                 metrics.errors.with_label_values(&[name, reason]);
             }
         }
-        Edge::finish(cfg, Backend::Static(nodes), tls, metrics)
+        Edge::finish(cfg, Backend::Static(nodes), (tls, link_cert), metrics)
     }
 
     fn finish(
         cfg: &Config,
         backend: Backend,
-        tls: Arc<rustls::ClientConfig>,
+        (tls, link_cert): (Arc<rustls::ClientConfig>, Arc<crate::tls::CertFiles>),
         metrics: LinkMetrics,
     ) -> anyhow::Result<Arc<Edge>> {
         let nodes_cfg = cfg
@@ -283,6 +285,7 @@ impl Edge {
             }),
             backend,
             tls: TlsConnector::from(tls),
+            link_cert,
             connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
             max_message_bytes: cfg.limits.max_message_bytes,
             reach: RwLock::new(HashMap::new()),
@@ -290,6 +293,12 @@ impl Edge {
         };
         edge.reload(cfg)?;
         Ok(Arc::new(edge))
+    }
+
+    /// The files of the link's client certificate, for the server to watch: a pair renewed in
+    /// place is presented by the next link.
+    pub fn link_cert(&self) -> Arc<crate::tls::CertFiles> {
+        self.link_cert.clone()
     }
 
     /// Puts a configuration's tokens and tenant→node map in force (the nodes themselves are

@@ -210,10 +210,16 @@ impl Server {
             closing,
         } = self.events.clone();
         let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
+        // Certificates renewed in place are used by the next handshake: the listener's, and an
+        // edge's link client certificate (cert-manager renews both before they expire).
+        let reloads = tls::reload_counter(&self.registry)?;
         let _cert_watch = self
             .cert_files
             .clone()
-            .spawn_watch(tls::CERT_POLL, &self.registry)?;
+            .spawn_watch(tls::CERT_POLL, reloads.clone());
+        let _link_cert_watch = self
+            .edge()
+            .map(|edge| edge.link_cert().spawn_watch(tls::CERT_POLL, reloads));
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();

@@ -195,6 +195,27 @@ impl ResolvesServerCert for CertFiles {
     }
 }
 
+/// The edge's side of the link presents the pair in force too: a certificate renewed in place
+/// (cert-manager renews before expiry) is what the next link's handshake presents.
+impl rustls::client::ResolvesClientCert for CertFiles {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[rustls::SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        Some(
+            self.serving
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        )
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
 impl CertFiles {
     /// Loads the pair; fails when it is unreadable or the key is not the certificate's.
     pub fn load(cert: &Path, key: &Path) -> Result<Arc<CertFiles>, TlsError> {
@@ -226,42 +247,46 @@ impl CertFiles {
     }
 
     /// Checks the files every `every` until dropped; each reload is logged and counted in
-    /// [`TLS_RELOADS`] (registered on `registry`).
+    /// `reloads` ([`reload_counter`]).
     pub fn spawn_watch(
         self: Arc<Self>,
         every: Duration,
-        registry: &Registry,
-    ) -> Result<tokio_util::task::AbortOnDropHandle<()>, prometheus::Error> {
-        let reloads = IntCounterVec::new(
-            Opts::new(
-                TLS_RELOADS,
-                "Listener certificate reloads after the files changed, by result (ok, invalid).",
-            ),
-            &["result"],
-        )?;
-        registry.register(Box::new(reloads.clone()))?;
-        for result in ["ok", "invalid"] {
-            reloads.with_label_values(&[result]);
-        }
-        Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-            async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    match self.check() {
-                        Ok(false) => {}
-                        Ok(true) => {
-                            reloads.with_label_values(&["ok"]).inc();
-                            tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded; new handshakes use it");
-                        }
-                        Err(e) => {
-                            reloads.with_label_values(&["invalid"]).inc();
-                            tracing::error!(error = %e, "TLS certificate files changed but are not a valid pair; the previous certificate keeps serving");
-                        }
+        reloads: IntCounterVec,
+    ) -> tokio_util::task::AbortOnDropHandle<()> {
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match self.check() {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        reloads.with_label_values(&["ok"]).inc();
+                        tracing::info!(cert = %self.cert.display(), "TLS certificate reloaded; new handshakes use it");
+                    }
+                    Err(e) => {
+                        reloads.with_label_values(&["invalid"]).inc();
+                        tracing::error!(cert = %self.cert.display(), error = %e, "TLS certificate files changed but are not a valid pair; the previous certificate stays in use");
                     }
                 }
-            },
-        )))
+            }
+        }))
     }
+}
+
+/// [`TLS_RELOADS`], registered on `registry`, both results at zero: every watched pair (the
+/// listener's, and an edge's link client certificate) counts into it.
+pub fn reload_counter(registry: &Registry) -> Result<IntCounterVec, prometheus::Error> {
+    let reloads = IntCounterVec::new(
+        Opts::new(
+            TLS_RELOADS,
+            "TLS certificate reloads after the files changed (the listener's, an edge's link client certificate), by result (ok, invalid).",
+        ),
+        &["result"],
+    )?;
+    registry.register(Box::new(reloads.clone()))?;
+    for result in ["ok", "invalid"] {
+        reloads.with_label_values(&[result]);
+    }
+    Ok(reloads)
 }
 
 /// The pair of PEM texts as rustls serves it; the key must be the certificate's.
@@ -276,17 +301,19 @@ fn certified_key(
     Ok(CertifiedKey::from_der(certs, key, &provider)?)
 }
 
-/// The edge's side of the link: trusts only `ca` for nodes and presents `cert`.
+/// The edge's side of the link: trusts only `ca` for nodes and presents `cert`, as the files
+/// hold it now (see [`CertFiles::check`]; the caller watches the returned files).
 pub fn client_config_mutual(
     ca: &Path,
     cert: &Path,
     key: &Path,
-) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+) -> Result<(Arc<rustls::ClientConfig>, Arc<CertFiles>), TlsError> {
     install_crypto_provider();
+    let files = CertFiles::load(cert, key)?;
     let cfg = rustls::ClientConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
         .with_root_certificates(root_store(ca)?)
-        .with_client_auth_cert(load_certs(cert)?, load_key(key)?)?;
-    Ok(Arc::new(cfg))
+        .with_client_cert_resolver(files.clone());
+    Ok((Arc::new(cfg), files))
 }
 
 /// Every certificate of a PEM bundle, as trust anchors.
@@ -321,10 +348,6 @@ fn parse_certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, 
         return Err(TlsError::NoCertificate(path.display().to_string()));
     }
     Ok(certs)
-}
-
-fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    parse_key(path, &read(path)?)
 }
 
 fn parse_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {

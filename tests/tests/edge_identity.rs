@@ -206,7 +206,7 @@ async fn to_node(port: u16, ca: &Path, cert: &Path, key: &Path) -> anyhow::Resul
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
     router::tls::install_crypto_provider();
-    let config = router::tls::client_config_mutual(ca, cert, key)?;
+    let (config, _files) = router::tls::client_config_mutual(ca, cert, key)?;
     let mut req = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
         format!("wss://localhost:{port}/"),
     )?;

@@ -3,13 +3,16 @@
 //! sessions whose token it removed (1008), while other tenants' relayed sessions go on; a node's
 //! refusal reaches the client through the edge as the same HTTP answer; a refusal for an
 //! unreachable node carries `Retry-After`, and the edge's `/readyz` names the node and its
-//! tenants. Real processes on loopback: `codex-fleet node` with real workers, `codex-fleet serve`
+//! tenants; a link client certificate renewed in place is what the edge presents next. Real processes on loopback: `codex-fleet node` with real workers, `codex-fleet serve`
 //! with `[nodes]`, mutual TLS on the link.
 
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, wait_until_async, Client, Split, Upgrade};
+use e2e::{
+    agent_text, fleet_bin, metric_at, reply_text, wait_until_async, Client, FleetProcess, Split,
+    Upgrade,
+};
 use nix::sys::signal::Signal;
 use serde_json::json;
 
@@ -204,5 +207,134 @@ async fn an_unreachable_node_is_refused_with_retry_after_and_named_in_readyz() -
     // beta's node is fine.
     let mut beta = s.client(0, "beta").await?;
     a_turn(&mut beta, "beta while n1 is down").await?;
+    Ok(())
+}
+
+/// A link CA of the test's own, and leaf certificates of chosen lifetimes.
+struct LinkPki {
+    ca: String,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl LinkPki {
+    fn new() -> anyhow::Result<LinkPki> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+        let mut ca = CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "rotating link CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let key = KeyPair::generate()?;
+        let cert = ca.self_signed(&key)?;
+        Ok(LinkPki {
+            ca: cert.pem(),
+            issuer: rcgen::Issuer::new(ca, key),
+        })
+    }
+
+    /// (cert PEM, key PEM) for `names` with extended key usage `eku`, valid until `lifetime`
+    /// from now.
+    fn leaf(
+        &self,
+        names: &[&str],
+        eku: rcgen::ExtendedKeyUsagePurpose,
+        lifetime: Duration,
+    ) -> anyhow::Result<(String, String)> {
+        let mut params = rcgen::CertificateParams::new(
+            names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>(),
+        )?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "rotating leaf");
+        params.use_authority_key_identifier_extension = true;
+        params.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![eku];
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+        let epoch = rcgen::date_time_ymd(1970, 1, 1);
+        params.not_before = epoch + now.saturating_sub(Duration::from_secs(60));
+        params.not_after = epoch + now + lifetime;
+        let key = rcgen::KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+}
+
+/// Writes a PEM file as the link's files are written (private).
+fn write_pem(path: &std::path::Path, pem: &str) -> anyhow::Result<()> {
+    router::fsutil::write_private(path, pem)?;
+    Ok(())
+}
+
+/// DESIGN decision 17 and issue 23: cert-manager renews the link certificates in place before
+/// they expire. An edge whose client certificate expires in seconds presents, once the files
+/// hold a renewed pair, the renewed one: links work again without a restart, and the reload is
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Result<()> {
+    let mut s = Split::start(&[("acme", "n1")], 1, "").await?;
+    // A fresh link PKI in the link's files: the nodes are restarted on it, a new edge starts
+    // with a client certificate that expires in 8 s.
+    let pki = LinkPki::new()?;
+    let link = s.link.clone();
+    let (node_crt, node_key) = pki.leaf(
+        &["localhost", "127.0.0.1"],
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        Duration::from_secs(86_400),
+    )?;
+    let lifetime = Duration::from_secs(8);
+    let (edge_crt, edge_key) = pki.leaf(
+        &["codex-fleet-edge"],
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        lifetime,
+    )?;
+    let expires = tokio::time::Instant::now() + lifetime;
+    write_pem(&link.join("ca.pem"), &pki.ca)?;
+    write_pem(&link.join("node.crt"), &node_crt)?;
+    write_pem(&link.join("node.key"), &node_key)?;
+    write_pem(&link.join("edge.crt"), &edge_crt)?;
+    write_pem(&link.join("edge.key"), &edge_key)?;
+    for i in 0..s.nodes.len() {
+        drop(s.nodes[i].process.take());
+        s.start_node(i).await?;
+    }
+    let edge = FleetProcess::spawn_role(
+        &fleet_bin(),
+        "serve",
+        &s.files.dir.path().join("edge0.toml"),
+        |_| {},
+    )
+    .await?;
+    let mut before = edge.client(&s.files, &s.token("acme")).await?;
+    before.request("thread/loaded/list", json!({})).await?;
+    before.close().await;
+
+    // Past its end, the certificate opens no link: the node refuses it, the client gets 503.
+    tokio::time::sleep_until(expires + Duration::from_secs(1)).await;
+    match Client::try_connect(&edge.url(), &s.files.ca, Some(&s.token("acme"))).await? {
+        Upgrade::Refused { status, body, .. } => assert_eq!(status, 503, "{body}"),
+        Upgrade::Open(_) => panic!("a link opened with an expired client certificate"),
+    }
+
+    // Renewed in place (a new key too): the next links present it.
+    let (renewed_crt, renewed_key) = pki.leaf(
+        &["codex-fleet-edge"],
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        Duration::from_secs(86_400),
+    )?;
+    write_pem(&link.join("edge.key"), &renewed_key)?;
+    write_pem(&link.join("edge.crt"), &renewed_crt)?;
+    let reloaded = wait_until_async(Duration::from_secs(15), || async {
+        matches!(
+            Client::try_connect(&edge.url(), &s.files.ca, Some(&s.token("acme"))).await,
+            Ok(Upgrade::Open(_))
+        )
+    })
+    .await;
+    assert!(reloaded, "the edge never presented the renewed certificate");
+    let mut after = edge.client(&s.files, &s.token("acme")).await?;
+    let thread = a_turn(&mut after, "after the renewal").await?;
+    assert!(!thread.is_empty());
+    let ok = metric_at(edge.admin, router::tls::TLS_RELOADS, &[("result", "ok")]).await?;
+    assert!(ok >= 1.0, "reloads counted: {ok}");
     Ok(())
 }

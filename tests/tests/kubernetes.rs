@@ -1127,7 +1127,7 @@ async fn a_tenants_session_never_reaches_another_tenants_pod() -> anyhow::Result
 /// header); `None` when upgraded, else the HTTP status of the refusal.
 async fn link_to(addr: SocketAddr, link: &Path, tenant: &str) -> anyhow::Result<Option<u16>> {
     router::tls::install_crypto_provider();
-    let config = router::tls::client_config_mutual(
+    let (config, _files) = router::tls::client_config_mutual(
         &link.join("ca.pem"),
         &link.join("edge.crt"),
         &link.join("edge.key"),

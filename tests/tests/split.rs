@@ -39,7 +39,7 @@ async fn straight_to_node(
 ) -> anyhow::Result<Straight> {
     router::tls::install_crypto_provider();
     let config = match cert {
-        Some((cert, key)) => router::tls::client_config_mutual(ca, cert, key)?,
+        Some((cert, key)) => router::tls::client_config_mutual(ca, cert, key)?.0,
         None => {
             let mut roots = rustls::RootCertStore::empty();
             for c in router::tls::load_certs(ca)? {

@@ -77,7 +77,8 @@ async fn main() -> anyhow::Result<()> {
         &link.join("ca.pem"),
         &link.join("edge.crt"),
         &link.join("edge.key"),
-    )?;
+    )?
+    .0;
     let socket = split.files.dir.path().join("n1/sockets/acme/0.sock");
 
     // A thread with one turn, made through the edge.
