@@ -193,22 +193,17 @@ fn read_all(thread: &str) -> Value {
 /// Opens `n` sessions of `tenant` with a 4 KiB receive window, each sending `reads` requests
 /// for the whole thread and never reading their answers.
 async fn unread_flood(
-    s: &Split,
-    edge: &FleetProcess,
+    target: &FleetProcess,
+    ca: &Path,
+    token: &str,
     thread: &str,
     n: usize,
     reads: usize,
 ) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::new();
     for _ in 0..n {
-        let mut c = Client::connect_small_window(
-            edge.addr,
-            &edge.url(),
-            &s.files.ca,
-            Some(&s.token("acme")),
-            4096,
-        )
-        .await?;
+        let mut c =
+            Client::connect_small_window(target.addr, &target.url(), ca, Some(token), 4096).await?;
         // The node's worker may still be busy with an earlier wave (its own in-flight cap).
         let mut tries = 0;
         loop {
@@ -349,7 +344,7 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
     for wave in 1..=2u32 {
         let before = metric(&edge, "codex_fleet_sessions_closed_total", &slow).await?;
         let started = Instant::now();
-        held.extend(unread_flood(&s, &edge, &thread, 12, 40).await?);
+        held.extend(unread_flood(&edge, &s.files.ca, &s.token("acme"), &thread, 12, 40).await?);
         let edge_ref = &edge;
         let peak = watch_rss(
             pid,
@@ -402,7 +397,7 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
     );
 
     // A session that stops reading learns why it was closed, as from serve.
-    let mut one = unread_flood(&s, &edge, &thread, 1, 40).await?;
+    let mut one = unread_flood(&edge, &s.files.ca, &s.token("acme"), &thread, 1, 40).await?;
     let before = metric(&edge, "codex_fleet_sessions_closed_total", &slow).await?;
     let closed = wait_until_async(Duration::from_secs(60), || async {
         metric(&edge, "codex_fleet_sessions_closed_total", &slow)
@@ -537,34 +532,7 @@ async fn unread_flood_rss(
     b.initialize("calm").await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let base = rss_kib(pid).context("rss")?;
-    let mut held = Vec::new();
-    for _ in 0..12 {
-        let mut c =
-            Client::connect_small_window(target.addr, &target.url(), ca, Some(token_a), 4096)
-                .await?;
-        let mut tries = 0;
-        loop {
-            match c.initialize("unread").await {
-                Ok(_) => break,
-                // A worker still busy with the builder's turns sheds with -32001.
-                Err(e) if e.to_string().contains("-32001") && tries < 100 => {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        held.push(c);
-    }
-    for c in &mut held {
-        for _ in 0..40 {
-            c.send_request(
-                "thread/read",
-                json!({ "threadId": thread, "includeTurns": true }),
-            )
-            .await?;
-        }
-    }
+    let held = unread_flood(target, ca, token_a, &thread, 12, 40).await?;
     let started = Instant::now();
     let mut peak = 0;
     let mut rtts = Vec::new();

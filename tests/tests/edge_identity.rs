@@ -157,49 +157,6 @@ async fn any_subject_reaches_the_node_exactly_with_the_client_s_address() -> any
     Ok(())
 }
 
-/// A CA and leaf certificates of chosen extended key usages.
-struct Pki {
-    ca: String,
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-}
-
-impl Pki {
-    fn new() -> anyhow::Result<Pki> {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-        let mut ca = CertificateParams::new(Vec::<String>::new())?;
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(DnType::CommonName, "test link CA");
-        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate()?;
-        let cert = ca.self_signed(&key)?;
-        Ok(Pki {
-            ca: cert.pem(),
-            issuer: rcgen::Issuer::new(ca, key),
-        })
-    }
-
-    /// (cert PEM, key PEM) for `names` with extended key usages `eku` (none: no extension).
-    fn leaf(
-        &self,
-        names: &[&str],
-        eku: Vec<rcgen::ExtendedKeyUsagePurpose>,
-    ) -> anyhow::Result<(String, String)> {
-        let mut params = rcgen::CertificateParams::new(
-            names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>(),
-        )?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "test leaf");
-        params.use_authority_key_identifier_extension = true;
-        params.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = eku;
-        let key = rcgen::KeyPair::generate()?;
-        let cert = params.signed_by(&key, &self.issuer)?;
-        Ok((cert.pem(), key.serialize_pem()))
-    }
-}
-
 /// Straight to a node's port with a client certificate, as an edge would: the node's first
 /// answer (to `initialize`), or the error that ended the connection.
 async fn to_node(port: u16, ca: &Path, cert: &Path, key: &Path) -> anyhow::Result<String> {
@@ -240,8 +197,9 @@ async fn to_node(port: u16, ca: &Path, cert: &Path, key: &Path) -> anyhow::Resul
 async fn a_link_certificate_without_client_auth_is_refused() -> anyhow::Result<()> {
     use rcgen::ExtendedKeyUsagePurpose as Eku;
     let mut s = Split::start(&[("acme", "n1"), ("beta", "n2")], 0, "").await?;
-    let pki = Pki::new()?;
-    let (node_cert, node_key) = pki.leaf(&["localhost", "127.0.0.1"], vec![Eku::ServerAuth])?;
+    let pki = e2e::pki::TestPki::new()?;
+    let (node_cert, node_key) =
+        pki.leaf(&["localhost", "127.0.0.1"], vec![Eku::ServerAuth], None)?;
     let dir = s.link.clone();
     let write = |name: &str, pem: &str| router::fsutil::write_private(&dir.join(name), pem);
     write("ca.pem", &pki.ca)?;
@@ -252,7 +210,7 @@ async fn a_link_certificate_without_client_auth_is_refused() -> anyhow::Result<(
         ("server", vec![Eku::ServerAuth]),
         ("client", vec![Eku::ClientAuth]),
     ] {
-        let (cert, key) = pki.leaf(&["codex-fleet-edge"], eku)?;
+        let (cert, key) = pki.leaf(&["codex-fleet-edge"], eku, None)?;
         write(&format!("{name}.crt"), &cert)?;
         write(&format!("{name}.key"), &key)?;
     }

@@ -210,55 +210,6 @@ async fn an_unreachable_node_is_refused_with_retry_after_and_named_in_readyz() -
     Ok(())
 }
 
-/// A link CA of the test's own, and leaf certificates of chosen lifetimes.
-struct LinkPki {
-    ca: String,
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-}
-
-impl LinkPki {
-    fn new() -> anyhow::Result<LinkPki> {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-        let mut ca = CertificateParams::new(Vec::<String>::new())?;
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(DnType::CommonName, "rotating link CA");
-        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate()?;
-        let cert = ca.self_signed(&key)?;
-        Ok(LinkPki {
-            ca: cert.pem(),
-            issuer: rcgen::Issuer::new(ca, key),
-        })
-    }
-
-    /// (cert PEM, key PEM) for `names` with extended key usage `eku`, valid until `lifetime`
-    /// from now.
-    fn leaf(
-        &self,
-        names: &[&str],
-        eku: rcgen::ExtendedKeyUsagePurpose,
-        lifetime: Duration,
-    ) -> anyhow::Result<(String, String)> {
-        let mut params = rcgen::CertificateParams::new(
-            names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>(),
-        )?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "rotating leaf");
-        params.use_authority_key_identifier_extension = true;
-        params.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![eku];
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
-        let epoch = rcgen::date_time_ymd(1970, 1, 1);
-        params.not_before = epoch + now.saturating_sub(Duration::from_secs(60));
-        params.not_after = epoch + now + lifetime;
-        let key = rcgen::KeyPair::generate()?;
-        let cert = params.signed_by(&key, &self.issuer)?;
-        Ok((cert.pem(), key.serialize_pem()))
-    }
-}
-
 /// Writes a PEM file as the link's files are written (private).
 fn write_pem(path: &std::path::Path, pem: &str) -> anyhow::Result<()> {
     router::fsutil::write_private(path, pem)?;
@@ -274,18 +225,18 @@ async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Res
     let mut s = Split::start(&[("acme", "n1")], 1, "").await?;
     // A fresh link PKI in the link's files: the nodes are restarted on it, a new edge starts
     // with a client certificate that expires in 8 s.
-    let pki = LinkPki::new()?;
+    let pki = e2e::pki::TestPki::new()?;
     let link = s.link.clone();
     let (node_crt, node_key) = pki.leaf(
         &["localhost", "127.0.0.1"],
-        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-        Duration::from_secs(86_400),
+        vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth],
+        None,
     )?;
     let lifetime = Duration::from_secs(8);
     let (edge_crt, edge_key) = pki.leaf(
         &["codex-fleet-edge"],
-        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        lifetime,
+        vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        Some(lifetime),
     )?;
     let expires = tokio::time::Instant::now() + lifetime;
     write_pem(&link.join("ca.pem"), &pki.ca)?;
@@ -318,8 +269,8 @@ async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Res
     // Renewed in place (a new key too): the next links present it.
     let (renewed_crt, renewed_key) = pki.leaf(
         &["codex-fleet-edge"],
-        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        Duration::from_secs(86_400),
+        vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth],
+        Some(Duration::from_secs(86_400)),
     )?;
     write_pem(&link.join("edge.key"), &renewed_key)?;
     write_pem(&link.join("edge.crt"), &renewed_crt)?;
