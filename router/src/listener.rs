@@ -361,7 +361,7 @@ impl Conn {
             tenant_queue_bytes: self.tenant_queue_bytes,
             shutdown: self.shutdown.clone(),
         };
-        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %who.subject);
+        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %crate::untrusted::Untrusted::text(&who.subject));
         let audit = self.audit.clone();
         let client = self.addr.0;
         self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {

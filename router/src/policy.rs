@@ -510,7 +510,7 @@ impl HostAccessPolicy {
         if let Some(key) = obj.keys().find(|k| {
             rules::looks_like_path(k) && !rules::checked_keys(rule.checks).any(|c| c == k.as_str())
         }) {
-            tracing::debug!(method, key, "unknown path-like params field");
+            tracing::debug!(method, key = %crate::untrusted::Untrusted::text(key), "unknown path-like params field");
             return Err(format!("has a field the policy does not know: `{key}`").into());
         }
         let mut changed = false;

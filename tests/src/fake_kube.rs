@@ -376,6 +376,11 @@ impl FakeKube {
             // Lists from now on are newer than anything forgotten.
             s.rv += 1;
         }
+        self.end_watches();
+    }
+
+    /// Ends every open watch (clients relist or resume from their last resourceVersion).
+    fn end_watches(&self) {
         let mut w = self
             .inner
             .watches
@@ -418,13 +423,7 @@ impl FakeKube {
     pub fn outage(&self, down: bool) {
         self.inner.store().outage = down;
         if down {
-            let mut w = self
-                .inner
-                .watches
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            w.cancel();
-            *w = CancellationToken::new();
+            self.end_watches();
         }
     }
 
