@@ -835,8 +835,9 @@ pub fn processes_running(exe: &Path) -> Vec<i32> {
         .collect()
 }
 
-/// Pids of live processes whose CODEX_HOME lies under `dir` (the workers of one test fleet).
-pub fn workers_under(dir: &Path) -> Vec<i32> {
+/// Pids of every live process whose CODEX_HOME lies under `dir`: the workers of one test fleet
+/// and whatever they started (the check that nothing of a fleet outlived it).
+pub fn processes_under(dir: &Path) -> Vec<i32> {
     let needle = format!("CODEX_HOME={}", dir.display());
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -851,6 +852,35 @@ pub fn workers_under(dir: &Path) -> Vec<i32> {
             }) && process_alive(*pid)
         })
         .collect()
+}
+
+/// Pids of the workers of one test fleet: of [`processes_under`], the process-group leaders whose
+/// parent is not one of them. A worker runs in its own group, started by the fleet; what a worker
+/// starts (app-server's helpers, a command's shell) inherits CODEX_HOME but has a worker as its
+/// parent, and is not a worker.
+pub fn workers_under(dir: &Path) -> Vec<i32> {
+    let all = processes_under(dir);
+    all.iter()
+        .copied()
+        .filter(|&pid| {
+            let Some((ppid, pgid)) = parent_and_group(pid) else {
+                return false;
+            };
+            pgid == pid && !all.contains(&ppid)
+        })
+        .collect()
+}
+
+/// The parent pid and the process group of `pid`, from `/proc/<pid>/stat`.
+fn parent_and_group(pid: i32) -> Option<(i32, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let _state = fields.next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    let pgid = fields.next()?.parse().ok()?;
+    Some((ppid, pgid))
 }
 
 impl Client {

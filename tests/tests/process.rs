@@ -46,7 +46,7 @@ async fn sigterm_stops_every_worker_and_exits_zero() -> anyhow::Result<()> {
     assert!(status.success(), "codex-fleet exited with {status:?}");
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(workers_under(files.dir.path()).is_empty());
+    assert!(e2e::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -62,7 +62,7 @@ async fn sigkill_leaves_no_worker_behind() -> anyhow::Result<()> {
         left.is_empty(),
         "workers outlived a SIGKILLed codex-fleet: {left:?}"
     );
-    assert!(workers_under(files.dir.path()).is_empty());
+    assert!(e2e::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -184,7 +184,7 @@ async fn sigint_drains_like_sigterm() -> anyhow::Result<()> {
     assert!(status.success(), "{status:?}: {}", proc.stderr());
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(workers_under(files.dir.path()).is_empty());
+    assert!(e2e::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -205,7 +205,7 @@ async fn a_second_sigterm_exits_at_once_with_130() -> anyhow::Result<()> {
     assert_eq!(status.code(), Some(130), "{status:?}: {}", proc.stderr());
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(workers_under(files.dir.path()).is_empty());
+    assert!(e2e::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 

@@ -56,11 +56,14 @@ fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
 
 /// Issue 4 test 6: nothing started by codex-fleet runs any more, and no socket file remains.
 async fn assert_clean(state: &Path, sockets: &BTreeSet<PathBuf>) {
-    let gone = wait_until(Duration::from_secs(10), || workers_under(state).is_empty()).await;
+    let gone = wait_until(Duration::from_secs(10), || {
+        e2e::processes_under(state).is_empty()
+    })
+    .await;
     assert!(
         gone,
         "processes outlived codex-fleet: {:?}",
-        workers_under(state)
+        e2e::processes_under(state)
     );
     let now = socket_files(state);
     let left: Vec<_> = sockets
