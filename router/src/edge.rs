@@ -77,8 +77,9 @@ pub struct Edge {
     table: RwLock<Table>,
     backend: Backend,
     tls: TlsConnector,
-    /// The client certificate the link presents, as its files hold it now (renewed in place).
-    link_cert: Arc<crate::tls::CertFiles>,
+    /// The link's client pair and node CA bundle, as their files hold them now (renewed in
+    /// place).
+    link_files: crate::tls::Watched,
     connect_timeout: Duration,
     max_message_bytes: usize,
     reach: RwLock<HashMap<String, Option<String>>>,
@@ -232,7 +233,7 @@ impl Edge {
             .nodes
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
-        let (tls, link_cert) = crate::tls::client_config_mutual(
+        let (tls, link_files) = crate::tls::client_config_mutual(
             &nodes_cfg.ca,
             &nodes_cfg.client_cert,
             &nodes_cfg.client_key,
@@ -240,7 +241,7 @@ impl Edge {
         let metrics = LinkMetrics::register(registry)?;
         if nodes_cfg.backend == crate::config::NodesBackend::Kubernetes {
             let kube = crate::kube::KubeNodes::build(cfg, registry)?;
-            return Edge::finish(cfg, Backend::Kubernetes(kube), (tls, link_cert), metrics);
+            return Edge::finish(cfg, Backend::Kubernetes(kube), (tls, link_files), metrics);
         }
         let mut nodes = HashMap::new();
         for n in &nodes_cfg.static_nodes {
@@ -265,13 +266,13 @@ impl Edge {
                 metrics.errors.with_label_values(&[name, reason]);
             }
         }
-        Edge::finish(cfg, Backend::Static(nodes), (tls, link_cert), metrics)
+        Edge::finish(cfg, Backend::Static(nodes), (tls, link_files), metrics)
     }
 
     fn finish(
         cfg: &Config,
         backend: Backend,
-        (tls, link_cert): (Arc<rustls::ClientConfig>, Arc<crate::tls::CertFiles>),
+        (tls, link_files): (Arc<rustls::ClientConfig>, crate::tls::Watched),
         metrics: LinkMetrics,
     ) -> anyhow::Result<Arc<Edge>> {
         let nodes_cfg = cfg
@@ -285,7 +286,7 @@ impl Edge {
             }),
             backend,
             tls: TlsConnector::from(tls),
-            link_cert,
+            link_files,
             connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
             max_message_bytes: cfg.limits.max_message_bytes,
             reach: RwLock::new(HashMap::new()),
@@ -295,10 +296,10 @@ impl Edge {
         Ok(Arc::new(edge))
     }
 
-    /// The files of the link's client certificate, for the server to watch: a pair renewed in
-    /// place is presented by the next link.
-    pub fn link_cert(&self) -> Arc<crate::tls::CertFiles> {
-        self.link_cert.clone()
+    /// The link's TLS files, for the server to watch: a client pair renewed in place is presented
+    /// by the next link, a CA bundle renewed in place checks the next node's certificate.
+    pub fn link_files(&self) -> crate::tls::Watched {
+        self.link_files.clone()
     }
 
     /// Puts a configuration's tokens and tenant→node map in force (the nodes themselves are

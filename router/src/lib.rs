@@ -65,8 +65,9 @@ pub struct Server {
     metrics: RouterMetrics,
     registry: Registry,
     tls: tokio_rustls::TlsAcceptor,
-    /// The listener's certificate files, watched for rotation while running.
-    cert_files: Arc<tls::CertFiles>,
+    /// The listener's TLS files (its pair; a node's edge CA too), watched for rotation while
+    /// running.
+    tls_files: tls::Watched,
     /// The audit log.
     audit: audit::Audit,
     warnings: Vec<String>,
@@ -92,11 +93,16 @@ impl Server {
     /// Loads TLS material, resolves the worker program and builds every tenant's pool
     /// (workers listed as `min_workers` start in the background).
     pub fn build(cfg: Config, registry: Registry) -> anyhow::Result<Server> {
-        let (tls, cert_files) = match &cfg.node {
+        let (tls, tls_files) = match &cfg.node {
             Some(node) => {
                 tls::server_config_mutual(&cfg.listen.tls_cert, &cfg.listen.tls_key, &node.edge_ca)?
             }
-            None => tls::server_config_reloading(&cfg.listen.tls_cert, &cfg.listen.tls_key)?,
+            None => {
+                let (tls, pair) =
+                    tls::server_config_reloading(&cfg.listen.tls_cert, &cfg.listen.tls_key)?;
+                let pair: Arc<dyn tls::Reload> = pair;
+                (tls, vec![pair])
+            }
         };
         let metrics = RouterMetrics::register(&registry)?;
         let audit = audit::Audit::start(&cfg.audit, &registry)?;
@@ -151,7 +157,7 @@ impl Server {
             metrics,
             registry,
             tls: tokio_rustls::TlsAcceptor::from(tls),
-            cert_files,
+            tls_files,
             audit,
             warnings,
             reloader: Arc::new(reloader),
@@ -210,16 +216,15 @@ impl Server {
             closing,
         } = self.events.clone();
         let _pruner = self.admission.spawn_pruner(ADMISSION_PRUNE_EVERY);
-        // Certificates renewed in place are used by the next handshake: the listener's, and an
-        // edge's link client certificate (cert-manager renews both before they expire).
+        // Certificates and CA bundles renewed in place are used by the next handshake: the
+        // listener's pair, a node's edge CA, an edge's link client pair and node CA
+        // (cert-manager renews them before they expire).
         let reloads = tls::reload_counter(&self.registry)?;
-        let _cert_watch = self
-            .cert_files
-            .clone()
-            .spawn_watch(tls::CERT_POLL, reloads.clone());
-        let _link_cert_watch = self
-            .edge()
-            .map(|edge| edge.link_cert().spawn_watch(tls::CERT_POLL, reloads));
+        let mut watched = self.tls_files.clone();
+        if let Some(edge) = self.edge() {
+            watched.extend(edge.link_files());
+        }
+        let _tls_watch = tls::spawn_watch(watched, tls::CERT_POLL, reloads);
         let admin_stop = CancellationToken::new();
         let tracker = TaskTracker::new();
         let admin_tracker = TaskTracker::new();

@@ -3,6 +3,7 @@
 
 pub mod fake_kube;
 pub mod kube_cluster;
+pub mod link;
 pub mod pki;
 
 use std::net::SocketAddr;
