@@ -1,5 +1,6 @@
-//! Session unit tests: server-request id mapping, and property tests of the frame classifier
-//! and id rewriting over pseudo-random input (issue 5, test 7).
+//! Session unit tests: server-request id mapping, property tests of the frame classifier and id
+//! rewriting over pseudo-random input, and whole sessions in memory (paused time, fake worker
+//! legs): bad frames, floods, approvals, and the order in which workers' frames reach the client.
 
 use super::server_requests::{Withdrawn, MAX_APPROVALS, MAX_SERVER_REQUESTS};
 use super::*;
@@ -440,12 +441,12 @@ mod approvals {
     use tokio::sync::mpsc as chan;
 
     /// A fake worker: what the test writes is what the session reads from that worker's leg.
-    struct FakeWorker {
+    pub(super) struct FakeWorker {
         id: WorkerId,
         tx: chan::UnboundedSender<LegEvent>,
     }
 
-    fn fake_worker(n: u32) -> (FakeWorker, legs::LegFrames) {
+    pub(super) fn fake_worker(n: u32) -> (FakeWorker, legs::LegFrames) {
         let (tx, rx) = chan::unbounded_channel();
         let frames = Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|e| (e, rx))
@@ -455,12 +456,12 @@ mod approvals {
     }
 
     impl FakeWorker {
-        fn send(&self, v: Value) {
+        pub(super) fn send(&self, v: Value) {
             let text = v.to_string();
             self.tx.send(LegEvent::Frame(self.id, text.into())).unwrap();
         }
 
-        fn approval(&self, id: i64, thread: &str) {
+        pub(super) fn approval(&self, id: i64, thread: &str) {
             self.send(json!({
                 "id": id,
                 "method": "item/commandExecution/requestApproval",
@@ -681,5 +682,84 @@ mod approvals {
         assert!(s.by_session.contains_key(&first), "the approval stays");
         assert_eq!(s.by_session.len(), MAX_SERVER_REQUESTS);
         assert_eq!(s.approvals(), 1);
+    }
+}
+
+/// What workers send reaches the client in each worker's order, once each, however the session
+/// batches its writes: the property the hot-path work (issue 25) and the move (issue 24) must keep.
+mod order {
+    use super::approvals::fake_worker;
+    use super::in_memory::start_with;
+    use super::*;
+    use serde_json::Value;
+
+    const OPEN: &str = "conn_fps = 100000\nconn_burst = 100000";
+
+    fn completed(thread: &str, item: &str) -> Value {
+        json!({
+            "method": "item/completed",
+            "params": { "threadId": thread, "turnId": "turn-1", "item": { "id": item } },
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_worker_s_frames_reach_the_client_in_its_order_exactly_once() {
+        let (w1, leg1) = fake_worker(1);
+        let (w2, leg2) = fake_worker(2);
+        let mut h = start_with(OPEN, "", vec![leg1, leg2]).await;
+        const N: usize = 600;
+        for n in 0..N {
+            w1.send(completed("th-1", &format!("{n}")));
+            w2.send(completed("th-2", &format!("{n}")));
+        }
+        let mut got: HashMap<String, Vec<usize>> = HashMap::new();
+        for _ in 0..2 * N {
+            let v = h.next().await;
+            let thread = v["params"]["threadId"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let item = v["params"]["item"]["id"]
+                .as_str()
+                .and_then(|s| s.parse().ok());
+            got.entry(thread)
+                .or_default()
+                .push(item.unwrap_or(usize::MAX));
+        }
+        let want: Vec<usize> = (0..N).collect();
+        assert_eq!(
+            got.get("th-1"),
+            Some(&want),
+            "worker 1's frames in order, once each"
+        );
+        assert_eq!(
+            got.get("th-2"),
+            Some(&want),
+            "worker 2's frames in order, once each"
+        );
+        assert!(h.from_session.try_recv().is_err(), "nothing more");
+    }
+
+    /// A server request is rewritten to the session's id on its way, and keeps its place among
+    /// the notifications around it.
+    #[tokio::test(start_paused = true)]
+    async fn a_rewritten_server_request_keeps_its_place_among_notifications() {
+        let (w1, leg1) = fake_worker(1);
+        let mut h = start_with(OPEN, "", vec![leg1]).await;
+        w1.send(completed("th-1", "before"));
+        w1.approval(41, "th-1");
+        w1.send(completed("th-1", "after"));
+        assert_eq!(h.next().await["params"]["item"]["id"], "before");
+        let asked = h.next().await;
+        assert_eq!(
+            asked["method"], "item/commandExecution/requestApproval",
+            "{asked}"
+        );
+        assert!(asked["id"].is_i64(), "{asked}");
+        assert_ne!(
+            asked["id"], 41,
+            "the worker's id is not the session's: {asked}"
+        );
+        assert_eq!(h.next().await["params"]["item"]["id"], "after");
     }
 }

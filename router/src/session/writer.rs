@@ -187,3 +187,178 @@ impl Session {
         self.out.lock().len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The client writer alone, in memory: order, batching and flushes, byte accounting, a socket
+    //! that stops taking, the close frame. What the hot-path work (fewer copies, shared frames,
+    //! other batch sizes) must keep.
+
+    use std::pin::Pin;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+
+    use super::*;
+
+    /// A client socket that records what it takes and its flushes, and takes at most `room`
+    /// frames before it stops (Pending) until given more.
+    #[derive(Default)]
+    struct Socket {
+        taken: Vec<Message>,
+        /// How many frames were taken when each flush happened.
+        flushes: Vec<usize>,
+        room: Option<usize>,
+        waker: Option<std::task::Waker>,
+    }
+
+    impl Sink<Message> for Socket {
+        type Error = WsError;
+
+        fn poll_ready(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            if self.room == Some(0) {
+                self.waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            Poll::Ready(Ok(()))
+        }
+
+        fn start_send(mut self: Pin<&mut Self>, msg: Message) -> Result<(), WsError> {
+            if let Some(room) = self.room.as_mut() {
+                *room -= 1;
+            }
+            self.taken.push(msg);
+            Ok(())
+        }
+
+        fn poll_flush(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Result<(), WsError>> {
+            let n = self.taken.len();
+            self.flushes.push(n);
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    fn texts(msgs: &[Message]) -> Vec<String> {
+        msgs.iter()
+            .map(|m| match m {
+                Message::Text(t) => t.to_string(),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    /// A queue of `capacity` frames, bounded at `bound` bytes; and the bytes account.
+    fn queue(capacity: usize, bound: usize) -> (Out, Arc<QueueBytes>) {
+        let bytes = QueueBytes::new(Arc::new(AtomicUsize::new(0)), bound, bound);
+        (Out::new(capacity, bytes.clone()), bytes)
+    }
+
+    /// Queues `text` as the session does: counted in bytes, then pushed.
+    fn queue_text(out: &Out, bytes: &QueueBytes, text: String) -> bool {
+        if !bytes.try_add(text.len()) {
+            return false;
+        }
+        let n = text.len();
+        let pushed = out.lock().push(Message::text(text));
+        if !pushed {
+            bytes.release(n);
+        }
+        pushed
+    }
+
+    #[tokio::test]
+    async fn frames_leave_in_order_in_batches_with_one_flush_each_and_give_their_bytes_back() {
+        let (out, bytes) = queue(1000, 1 << 20);
+        let sent: Vec<String> = (0..150).map(|n| format!("{{\"n\":{n}}}")).collect();
+        for t in &sent {
+            assert!(queue_text(&out, &bytes, t.clone()));
+        }
+        assert!(bytes.session() > 0);
+        let mut socket = Socket::default();
+        let mut writes = 0;
+        while out.busy() {
+            assert_eq!(out.write(&mut socket).await.unwrap(), Written::Flushed);
+            writes += 1;
+        }
+        assert_eq!(texts(&socket.taken), sent, "every frame once, in order");
+        // 150 frames: 64 + 64 + 22, each batch flushed once.
+        assert_eq!(socket.flushes, vec![64, 128, 150]);
+        assert_eq!(writes, 3);
+        assert_eq!(bytes.session(), 0, "written frames give their bytes back");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_socket_that_stops_taking_keeps_the_rest_queued_counted_and_in_order() {
+        let (out, bytes) = queue(1000, 1 << 20);
+        for n in 0..10 {
+            assert!(queue_text(&out, &bytes, format!("f{n}")));
+        }
+        let mut socket = Socket {
+            room: Some(4),
+            ..Socket::default()
+        };
+        // The socket takes four and stops: the write is pending, and cancelling it loses nothing.
+        let pending = tokio::time::timeout(Duration::from_millis(50), out.write(&mut socket)).await;
+        assert!(
+            pending.is_err(),
+            "a socket that takes nothing more holds the write"
+        );
+        assert_eq!(texts(&socket.taken), ["f0", "f1", "f2", "f3"]);
+        assert_eq!(out.lock().len(), 6);
+        assert_eq!(
+            bytes.session(),
+            6 * 2,
+            "what is still queued is still counted"
+        );
+        // Unflushed frames are flushed on the next write, before more goes out.
+        socket.room = None;
+        out.finish(&mut socket).await;
+        let want: Vec<String> = (0..10).map(|n| format!("f{n}")).collect();
+        assert_eq!(texts(&socket.taken), want, "nothing lost or repeated");
+        assert_eq!(bytes.session(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_bounds_refuse_the_next_frame_and_a_slow_client_s_close_skips_its_queue() {
+        // In frames: the third of a two-frame queue is refused.
+        let (out, bytes) = queue(2, 1 << 20);
+        assert!(queue_text(&out, &bytes, "a".into()));
+        assert!(queue_text(&out, &bytes, "b".into()));
+        assert!(!queue_text(&out, &bytes, "c".into()));
+        assert_eq!(bytes.session(), 2, "a refused frame is not counted");
+        // In bytes: a frame over the byte bound is refused even with frames to spare.
+        let (small, small_bytes) = queue(100, 10);
+        assert!(queue_text(&small, &small_bytes, "12345678".into()));
+        assert!(!queue_text(&small, &small_bytes, "123".into()));
+
+        // A close for a slow client drops what is queued (its bytes too) and goes next.
+        let frame = |reason: &str| CloseFrame {
+            code: CloseCode::Policy,
+            reason: reason.into(),
+        };
+        out.lock().close(frame("too slow"), true);
+        assert_eq!(bytes.session(), 0);
+        let mut socket = Socket::default();
+        assert_eq!(out.write(&mut socket).await.unwrap(), Written::Closed);
+        assert_eq!(socket.taken.len(), 1);
+        assert!(matches!(&socket.taken[0], Message::Close(Some(f)) if f.reason == "too slow"));
+        assert!(!out.busy(), "nothing is written after the close frame");
+
+        // A close otherwise follows what is queued.
+        let (out, bytes) = queue(10, 1 << 20);
+        assert!(queue_text(&out, &bytes, "last words".into()));
+        out.lock().close(frame("bye"), false);
+        let mut socket = Socket::default();
+        out.finish(&mut socket).await;
+        assert_eq!(texts(&socket.taken)[0], "last words");
+        assert!(matches!(&socket.taken[1], Message::Close(Some(f)) if f.reason == "bye"));
+    }
+}
