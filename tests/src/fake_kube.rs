@@ -92,8 +92,12 @@ struct Store {
     next_ip: u8,
     pod_creates: usize,
     pvc_creates: usize,
-    /// Pod name → stops its process.
-    running: HashMap<String, CancellationToken>,
+    /// Deletes with `gracePeriodSeconds: 0` of a pod that existed.
+    force_deletes: usize,
+    /// Pod name → its process's controls (while the kubelet runs it).
+    running: HashMap<String, PodCtl>,
+    /// The processes of force-deleted pods on lost machines (killed when the fake stops).
+    frozen: Vec<CancellationToken>,
     /// Pod name → a podIP to report instead of its own (a hostile test).
     ip_override: HashMap<String, Ipv4Addr>,
     fail_next: usize,
@@ -109,6 +113,18 @@ struct Store {
     pull_failures: bool,
     /// The API server is down: every request is answered 503 (its pods run on).
     outage: bool,
+}
+
+/// What the API server and the tests can do to a running pod's process.
+#[derive(Clone, Default)]
+struct PodCtl {
+    /// SIGKILL (grace period over, force delete, eviction).
+    kill: CancellationToken,
+    /// SIGTERM (a graceful delete).
+    term: CancellationToken,
+    /// Its machine is lost: the process is SIGSTOPped, the kubelet reports nothing more and
+    /// carries out no more deletes (the pod stays Terminating until force-deleted).
+    lost: CancellationToken,
 }
 
 fn key(kind: Kind, name: &str) -> (u8, String) {
@@ -144,6 +160,9 @@ impl Drop for FakeKube {
         self.stop.cancel();
         let s = self.inner.store();
         for t in s.running.values() {
+            t.kill.cancel();
+        }
+        for t in &s.frozen {
             t.cancel();
         }
     }
@@ -335,6 +354,11 @@ impl FakeKube {
         self.inner.store().pod_creates
     }
 
+    /// Force deletes (`gracePeriodSeconds: 0`) of a pod so far.
+    pub fn force_deletes(&self) -> usize {
+        self.inner.store().force_deletes
+    }
+
     /// Successful claim creations so far.
     pub fn pvc_creates(&self) -> usize {
         self.inner.store().pvc_creates
@@ -450,13 +474,42 @@ impl FakeKube {
             });
         }
         if let Some(stop) = stop {
-            stop.cancel();
+            stop.kill.cancel();
         }
     }
 
-    /// Deletes a pod as `kubectl delete pod` would (its process is killed).
+    /// Deletes a pod as `kubectl delete pod` does: gracefully, with the pod's own
+    /// `terminationGracePeriodSeconds` (see [`delete`]).
     pub fn delete_pod(&self, name: &str) -> bool {
-        delete(&self.inner, Kind::Pod, name, None).status() == StatusCode::OK
+        delete(&self.inner, Kind::Pod, name, None, None).status() == StatusCode::OK
+    }
+
+    /// Deletes a pod with this grace period (`kubectl delete --grace-period=N`; 0 with
+    /// `--force` removes it at once, whatever its machine does).
+    pub fn delete_pod_with_grace(&self, name: &str, grace: u64) -> bool {
+        delete(&self.inner, Kind::Pod, name, None, Some(grace)).status() == StatusCode::OK
+    }
+
+    /// The pod's machine is lost (powered off, partitioned): its process is frozen (SIGSTOP:
+    /// its connections stay open and answer nothing, as to a machine that is gone), its kubelet
+    /// reports nothing more, and the node lifecycle controller marks it not Ready (`Ready`
+    /// False, as `MarkPodsNotReady` does; the Node's own Ready is what goes Unknown). A delete
+    /// then leaves it Terminating for good (no kubelet confirms it) until it is force-deleted.
+    pub fn lose_machine(&self, name: &str) -> bool {
+        let Some(ctl) = self.inner.store().running.get(name).cloned() else {
+            return false;
+        };
+        ctl.lost.cancel();
+        true
+    }
+
+    /// Whether the pod's process has been signalled SIGTERM (a graceful delete reached it).
+    pub fn terminated(&self, name: &str) -> bool {
+        self.inner
+            .store()
+            .running
+            .get(name)
+            .is_some_and(|c| c.term.is_cancelled())
     }
 }
 
@@ -541,10 +594,12 @@ async fn handle(
                 .await
                 .map(|b| b.to_bytes())
                 .unwrap_or_default();
-            let uid = serde_json::from_slice::<Value>(&body)
-                .ok()
-                .and_then(|v| v["preconditions"]["uid"].as_str().map(str::to_owned));
-            delete(&inner, kind, name, uid)
+            let options = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+            let uid = options["preconditions"]["uid"].as_str().map(str::to_owned);
+            let grace = options["gracePeriodSeconds"]
+                .as_u64()
+                .or_else(|| q.get("gracePeriodSeconds").and_then(|g| g.parse().ok()));
+            delete(&inner, kind, name, uid, grace)
         }
         _ => status(405, "MethodNotAllowed", "method not allowed"),
     }
@@ -732,10 +787,10 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
         });
     }
     if let Some(info) = info {
-        let stop = CancellationToken::new();
-        s.running.insert(name.clone(), stop.clone());
+        let ctl = PodCtl::default();
+        s.running.insert(name.clone(), ctl.clone());
         drop(s);
-        tokio::spawn(kubelet(inner.clone(), info, uid, stop));
+        tokio::spawn(kubelet(inner.clone(), info, uid, ctl));
     }
     respond(201, &object)
 }
@@ -775,9 +830,23 @@ fn refusal(code: u16, name: &str) -> Response<Body> {
     }
 }
 
-fn delete(inner: &Arc<Inner>, kind: Kind, name: &str, uid: Option<String>) -> Response<Body> {
+/// A delete as a real API server does it. A claim, a pod never started (Pending, no process)
+/// or one whose process has ended goes at once (DELETED). A running pod is deleted gracefully:
+/// `deletionTimestamp` (now + the grace period) and `deletionGracePeriodSeconds` are set
+/// (MODIFIED), its process gets SIGTERM, and the pod goes (DELETED) when the process exits, or
+/// when the grace period ends and the kubelet has SIGKILLed it. The grace period: the request's
+/// `gracePeriodSeconds`, else the pod's `spec.terminationGracePeriodSeconds`, else 30; 0 is a
+/// force delete (at once, whatever the kubelet does). A pod Terminating keeps its name (a create
+/// of it gets 409); a pod on a lost machine stays Terminating until force-deleted.
+fn delete(
+    inner: &Arc<Inner>,
+    kind: Kind,
+    name: &str,
+    uid: Option<String>,
+    grace: Option<u64>,
+) -> Response<Body> {
     let mut s = inner.store();
-    let Some(object) = s.objects.get(&key(kind, name)).cloned() else {
+    let Some(mut object) = s.objects.get(&key(kind, name)).cloned() else {
         return status(404, "NotFound", &format!("{name} not found"));
     };
     if let Some(uid) = uid {
@@ -785,12 +854,82 @@ fn delete(inner: &Arc<Inner>, kind: Kind, name: &str, uid: Option<String>) -> Re
             return status(409, "Conflict", "precondition failed: uid");
         }
     }
-    s.objects.remove(&key(kind, name));
-    if let Some(stop) = s.running.remove(name) {
-        stop.cancel();
+    let grace = grace
+        .or_else(|| object["spec"]["terminationGracePeriodSeconds"].as_u64())
+        .unwrap_or(30);
+    if kind == Kind::Pod && grace == 0 {
+        s.force_deletes += 1;
     }
-    let object = inner.emit(&mut s, kind, "DELETED", object);
-    respond(200, &object)
+    let ctl = if kind == Kind::Pod {
+        s.running.get(name).cloned()
+    } else {
+        None
+    };
+    match ctl {
+        Some(ctl) if grace > 0 => {
+            if object["metadata"]["deletionTimestamp"].is_null() {
+                object["metadata"]["deletionTimestamp"] = json!(rfc3339(
+                    std::time::SystemTime::now() + Duration::from_secs(grace)
+                ));
+                object["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+                object = inner.emit(&mut s, kind, "MODIFIED", object);
+                s.objects.insert(key(kind, name), object.clone());
+                drop(s);
+                ctl.term.cancel();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        // A lost machine's kubelet carries out nothing.
+                        () = tokio::time::sleep(Duration::from_secs(grace)) => {
+                            if !ctl.lost.is_cancelled() {
+                                ctl.kill.cancel();
+                            }
+                        }
+                        () = ctl.kill.cancelled() => {}
+                    }
+                });
+            }
+            respond(200, &object)
+        }
+        ctl => {
+            s.objects.remove(&key(kind, name));
+            if let Some(ctl) = ctl {
+                s.running.remove(name);
+                // A lost machine's process is out of reach: it stays frozen (until the fake
+                // stops), its connections open, as on a machine that is gone.
+                if ctl.lost.is_cancelled() {
+                    s.frozen.push(ctl.kill);
+                } else {
+                    ctl.kill.cancel();
+                }
+            }
+            let object = inner.emit(&mut s, kind, "DELETED", object);
+            respond(200, &object)
+        }
+    }
+}
+
+/// `2026-12-01T14:05:09Z`, as the API server writes times.
+fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 fn watch(
@@ -873,8 +1012,9 @@ fn watch(
 }
 
 /// Runs one pod: starts its process, reports Running, Ready from its `/readyz`, and how it
-/// ended.
-async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, stop: CancellationToken) {
+/// ended; carries out a graceful delete (SIGTERM, then SIGKILL at the end of the grace period,
+/// then the pod goes) and a lost machine (SIGSTOP, and nothing more is reported or done).
+async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
     let ip = info.ip.to_string();
     let started = (inner.kubelet)(&info).and_then(|(mut cmd, admin)| {
         cmd.kill_on_drop(true);
@@ -884,8 +1024,14 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, stop: Cancellati
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(pod = %info.name, error = %e, "fake kubelet: cannot start the pod");
+            inner.store().running.remove(&info.name);
             inner.set_status(&info.name, &uid, |st| st["phase"] = json!("Failed"));
             return;
+        }
+    };
+    let signal = |child: &tokio::process::Child, sig: nix::sys::signal::Signal| {
+        if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+            let _sent = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
         }
     };
     inner.set_status(&info.name, &uid, |st| {
@@ -893,12 +1039,34 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, stop: Cancellati
         st["podIP"] = json!(ip);
     });
     let mut ready = false;
+    let mut termed = false;
     let code = loop {
         tokio::select! {
             status = child.wait() => break status.ok().and_then(|s| s.code()),
-            () = stop.cancelled() => {
+            () = ctl.lost.cancelled() => {
+                signal(&child, nix::sys::signal::Signal::SIGSTOP);
+                // The node lifecycle controller's MarkPodsNotReady.
+                inner.set_status(&info.name, &uid, |st| {
+                    st["conditions"] = json!([
+                        { "type": "PodScheduled", "status": "True" },
+                        { "type": "Ready", "status": "False" },
+                    ]);
+                });
+                // The machine is gone: only the end of the fake ends the process.
+                ctl.kill.cancelled().await;
                 let _killed = child.kill().await;
                 return;
+            }
+            () = ctl.kill.cancelled() => {
+                let _killed = child.kill().await;
+                if termed {
+                    break None;
+                }
+                return;
+            }
+            () = ctl.term.cancelled(), if !termed => {
+                termed = true;
+                signal(&child, nix::sys::signal::Signal::SIGTERM);
             }
             () = tokio::time::sleep(Duration::from_millis(100)) => {
                 let now = matches!(crate::http_get(admin, "/readyz").await, Ok((200, _)));
@@ -914,7 +1082,18 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, stop: Cancellati
             }
         }
     };
-    inner.store().running.remove(&info.name);
+    let mut s = inner.store();
+    s.running.remove(&info.name);
+    // Deleted while it ran: it goes now that its process has ended.
+    if let Some(pod) = s.objects.get(&key(Kind::Pod, &info.name)).cloned() {
+        if pod["metadata"]["uid"] == uid.as_str() && !pod["metadata"]["deletionTimestamp"].is_null()
+        {
+            s.objects.remove(&key(Kind::Pod, &info.name));
+            inner.emit(&mut s, Kind::Pod, "DELETED", pod);
+            return;
+        }
+    }
+    drop(s);
     inner.set_status(&info.name, &uid, |st| {
         st["phase"] = json!(if code == Some(0) {
             "Succeeded"

@@ -56,6 +56,8 @@ pub struct Options {
     pub max_workers: Vec<(&'static str, usize)>,
     /// `nodes.kubernetes.max_pod_age_secs`.
     pub max_pod_age_secs: Option<u64>,
+    /// The template's `terminationGracePeriodSeconds` (unset: the API server's 30).
+    pub termination_grace_secs: Option<u64>,
 }
 
 impl Default for Options {
@@ -70,6 +72,7 @@ impl Default for Options {
             tenant_toml: Vec::new(),
             max_workers: Vec::new(),
             max_pod_age_secs: None,
+            termination_grace_secs: None,
         }
     }
 }
@@ -165,7 +168,11 @@ impl Cluster {
         });
         let fake = FakeKube::start(kubelet).await?;
         let template = dir.join("pod.json");
-        std::fs::write(&template, TEMPLATE)?;
+        let mut pod: Value = serde_json::from_str(TEMPLATE)?;
+        if let Some(grace) = o.termination_grace_secs {
+            pod["spec"]["terminationGracePeriodSeconds"] = grace.into();
+        }
+        std::fs::write(&template, pod.to_string())?;
         // An edge runs no worker: its file leaves `[workers]` out.
         let edge_base = match (base.find("[workers]\n"), base.find("[drain]\n")) {
             (Some(w), Some(d)) if w < d => format!("{}{}", &base[..w], &base[d..]),

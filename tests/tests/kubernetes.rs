@@ -339,7 +339,7 @@ async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_with_1012_and_is_recreated(
+async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_and_is_recreated(
 ) -> anyhow::Result<()> {
     let c = Cluster::start(Options::default()).await?;
     assert!(c.synced(0).await);
@@ -347,10 +347,12 @@ async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_with_1012_and_i
     let thread = a.start_thread().await?;
     turn(&mut a, &thread, "before the eviction").await?;
 
+    // `kubectl delete` is graceful: the node drains and closes its session 1001, passed
+    // through (kubernetes_lifecycle.rs has the drain in detail); a kubelet's eviction kills.
     assert!(c.fake.delete_pod("codex-fleet-node-acme"));
     let close = a.recv_close_frame(Duration::from_secs(10)).await?;
     let (code, reason) = close.context("a close frame")?;
-    assert_eq!(code, router::edge::NODE_LOST_CODE, "{reason}");
+    assert_eq!(code, 1001, "{reason}");
 
     let mut b = c.client(0, "acme").await?;
     b.request("thread/resume", json!({ "threadId": thread }))
@@ -420,11 +422,9 @@ async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> an
     );
     c.fake.storage_quota_full(true);
     assert!(c.fake.delete_pod("codex-fleet-node-acme"));
+    // A graceful delete: the node drains and closes its session 1001 (passed through).
     let close = a.recv_close_frame(Duration::from_secs(10)).await?;
-    assert_eq!(
-        close.context("a close frame")?.0,
-        router::edge::NODE_LOST_CODE
-    );
+    assert_eq!(close.context("a close frame")?.0, 1001);
     let t0 = Instant::now();
     let mut b = c.client(0, "acme").await?;
     let answered = t0.elapsed();
@@ -709,10 +709,7 @@ async fn api_errors_and_an_expired_watch_are_survived() -> anyhow::Result<()> {
     c.fake.expire_watches();
     assert!(c.fake.delete_pod("codex-fleet-node-acme"));
     let close = a.recv_close_frame(Duration::from_secs(10)).await?;
-    assert_eq!(
-        close.context("a close frame")?.0,
-        router::edge::NODE_LOST_CODE
-    );
+    assert_eq!(close.context("a close frame")?.0, 1001, "the node drains");
     // The edge stays Ready (it has listed once; DESIGN decision 17) and says the API server
     // is failing.
     let reported = wait_until_async(Duration::from_secs(20), || async {
@@ -1002,8 +999,8 @@ async fn an_api_server_outage_delays_new_starts_never_running_tenants() -> anyho
 
 /// Issue 23 items 1 and 5: a tenant's edited entry reaches its node. The edge reloads, the
 /// running pod is now of an older template (its hash label differs), and with
-/// `max_pod_age_secs` it is replaced although busy: its session closes 1012, the next one gets
-/// a new pod that serves the new settings.
+/// `max_pod_age_secs` it is replaced although busy: it is deleted (gracefully: its node drains
+/// and its session closes 1001), the next session gets a new pod that serves the new settings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_of_an_older_template_is_replaced_past_max_pod_age() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
@@ -1032,10 +1029,7 @@ async fn a_pod_of_an_older_template_is_replaced_past_max_pod_age() -> anyhow::Re
     )?;
     c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;
     let close = a.recv_close_frame(Duration::from_secs(20)).await?;
-    assert_eq!(
-        close.context("a close frame")?.0,
-        router::edge::NODE_LOST_CODE
-    );
+    assert_eq!(close.context("a close frame")?.0, 1001);
     let mut b = c.client(0, "acme").await?;
     b.request("thread/resume", json!({ "threadId": thread }))
         .await?;

@@ -1,0 +1,192 @@
+//! Issue 26: the kubernetes backend against a fake API server that deletes and loses pods as a
+//! cluster does ([`e2e::fake_kube`]): a delete is graceful (`deletionTimestamp`, the pod's grace
+//! period, SIGTERM to the node, SIGKILL when the grace period is over, the pod gone when its
+//! process is), a force delete is at once, a Terminating pod keeps its name, and a lost
+//! machine's pod stays Terminating until force-deleted. Each test checks what README's
+//! Kubernetes section promises for it, through real edges, real nodes and a real wss client.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use e2e::kube_cluster::{Cluster, Options};
+use e2e::{agent_text, reply_text, wait_until, wait_until_async, Client};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const POD: &str = "codex-fleet-node-acme";
+
+async fn turn(c: &mut Client, thread: &str, prompt: &str) -> anyhow::Result<()> {
+    c.start_turn(thread, prompt).await?;
+    let msgs = c.until_turn_completed(thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text(prompt)));
+    Ok(())
+}
+
+/// POSTs `body` to the fake API server; returns the status and the answer.
+async fn post(addr: SocketAddr, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+    let body = body.to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf);
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("a status line")?;
+    let answer = text
+        .split_once("\r\n\r\n")
+        .and_then(|(_, b)| serde_json::from_str(b.trim()).ok())
+        .unwrap_or(Value::Null);
+    Ok((code, answer))
+}
+
+fn uid(c: &Cluster) -> Option<Value> {
+    c.fake.pod(POD).map(|p| p["metadata"]["uid"].clone())
+}
+
+/// README (Kubernetes, "Culling"): `kubectl delete pod` (and an API eviction, a drain) is
+/// graceful: the pod is Terminating (its name still taken: a create gets 409), its node gets
+/// SIGTERM and drains — the running turn finishes, then the session closes 1001 "codex-fleet is
+/// shutting down", passed through by the edge — and the pod goes once the node has exited. A
+/// session that comes meanwhile waits and is served by the next pod, on the same volume. A
+/// force delete (`--grace-period=0 --force`) kills the node at once: 1012.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pod_finishes_its_turn_closes_1001_and_its_next_session_waits_for_it_to_go(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        termination_grace_secs: Some(20),
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the delete").await?;
+    let first = uid(&c).context("the pod")?;
+
+    let prompt = "SLOW3 a turn across the delete";
+    a.start_turn(&thread, prompt).await?;
+    a.notification("turn/started").await?;
+    assert!(c.fake.delete_pod(POD));
+    let pod = c
+        .fake
+        .pod(POD)
+        .context("a Terminating pod is still there")?;
+    assert!(
+        pod["metadata"]["deletionTimestamp"].is_string(),
+        "{:#}",
+        pod["metadata"]
+    );
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 20);
+    assert!(c.fake.terminated(POD), "no SIGTERM reached the node");
+    // Its name is taken while it terminates.
+    let template = c.fake.pod(POD).context("pod")?;
+    let mut again = json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": POD,
+        "labels": template["metadata"]["labels"] }, "spec": template["spec"] });
+    again["metadata"]["namespace"] = json!("codex");
+    let (code, answer) = post(c.fake.addr, "/api/v1/namespaces/codex/pods", &again).await?;
+    assert_eq!(
+        (code, answer["reason"].clone()),
+        (409, json!("AlreadyExists"))
+    );
+
+    // The edge has seen the delete once it sees the draining node not ready (the watch
+    // reports the two in that order); a session that comes now waits for the next pod.
+    let seen = wait_until_async(Duration::from_secs(10), || async {
+        c.readyz(0)
+            .await
+            .is_ok_and(|(_, r)| r["edge"]["tenantPods"]["acme"]["ready"] == false)
+    })
+    .await;
+    assert!(seen, "{:?}", c.readyz(0).await);
+    let (done, next) = tokio::join!(
+        async {
+            let msgs = a.until_turn_completed(&thread).await?;
+            let close = a.recv_close_frame(Duration::from_secs(20)).await?;
+            anyhow::Ok((msgs, close))
+        },
+        c.client(0, "acme")
+    );
+    let (msgs, close) = done?;
+    assert_eq!(
+        agent_text(&msgs),
+        Some(reply_text(prompt)),
+        "the running turn did not finish: {msgs:#?}"
+    );
+    let (code, reason) = close.context("a close frame")?;
+    assert_eq!(
+        (code, reason.as_str()),
+        (1001, "codex-fleet is shutting down")
+    );
+    let mut b = next?;
+    let second = uid(&c).context("the next pod")?;
+    assert_ne!(second, first);
+    assert_eq!(c.fake.pod_creates(), 2);
+    assert_eq!(c.fake.pvc_creates(), 1);
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "after the delete").await?;
+
+    // A force delete: gone at once, the node killed, the session closed 1012.
+    assert!(c.fake.delete_pod_with_grace(POD, 0));
+    assert!(c.fake.pod(POD).is_none());
+    let (code, _) = b
+        .recv_close_frame(Duration::from_secs(10))
+        .await?
+        .context("a close frame")?;
+    assert_eq!(code, router::edge::NODE_LOST_CODE);
+    let mut d = c.client(0, "acme").await?;
+    d.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut d, &thread, "after the force delete").await?;
+    assert_eq!(c.fake.pod_creates(), 3);
+    Ok(())
+}
+
+/// README (Kubernetes, "Culling"): a node that has not drained when its grace period is over
+/// is SIGKILLed by the kubelet: its sessions close 1012, and the pod goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_still_draining_at_the_end_of_its_grace_period_is_killed_and_closes_1012(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        termination_grace_secs: Some(2),
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "SLOW60 longer than the grace period")
+        .await?;
+    a.notification("turn/started").await?;
+    assert!(c.fake.delete_pod(POD));
+    assert!(c.fake.pod(POD).is_some(), "gone before its grace period");
+    let (code, reason) = a
+        .recv_close_frame(Duration::from_secs(20))
+        .await?
+        .context("a close frame")?;
+    assert_eq!(code, router::edge::NODE_LOST_CODE, "{reason}");
+    assert!(
+        wait_until(Duration::from_secs(10), || c.fake.pod(POD).is_none()).await,
+        "the killed pod was not removed"
+    );
+    let readyz_clear = wait_until_async(Duration::from_secs(10), || async {
+        c.readyz(0)
+            .await
+            .is_ok_and(|(_, r)| r["edge"]["tenantPods"] == json!({}))
+    })
+    .await;
+    assert!(readyz_clear, "{:?}", c.readyz(0).await);
+    Ok(())
+}
