@@ -190,3 +190,72 @@ async fn a_node_still_draining_at_the_end_of_its_grace_period_is_killed_and_clos
     assert!(readyz_clear, "{:?}", c.readyz(0).await);
     Ok(())
 }
+
+/// README (Kubernetes, "When a pod goes"): a machine lost (here its node frozen, SIGSTOP: its
+/// links open and silent, as to a machine that is gone) closes the tenant's sessions 1012 — the
+/// edge hears nothing from the link and gives up on it — and once Kubernetes deletes the pod
+/// (the taint manager) it stays Terminating for good, since no kubelet confirms it: the edge
+/// force-deletes it past its grace period and the tenant's next session gets a new pod on the
+/// same volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_machines_sessions_close_1012_and_its_pod_stuck_terminating_is_replaced(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        termination_grace_secs: Some(1),
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the machine is lost").await?;
+    let first = uid(&c).context("the pod")?;
+
+    let lost = tokio::time::Instant::now();
+    assert!(c.fake.lose_machine(POD));
+    let unready = wait_until_async(Duration::from_secs(10), || async {
+        c.readyz(0)
+            .await
+            .is_ok_and(|(_, r)| r["edge"]["tenantPods"]["acme"]["ready"] == false)
+    })
+    .await;
+    assert!(unready, "{:?}", c.readyz(0).await);
+    // The taint manager deletes the pod; no kubelet ever confirms it. The open session and a
+    // new one, together.
+    assert!(c.fake.delete_pod(POD));
+    let pod = c.fake.pod(POD).context("Terminating")?;
+    assert!(pod["metadata"]["deletionTimestamp"].is_string());
+    let deleted = tokio::time::Instant::now();
+    let (closed, next) = tokio::join!(
+        async {
+            let closed = a.recv_close_frame(Duration::from_secs(40)).await;
+            (closed, lost.elapsed())
+        },
+        async { (c.client(0, "acme").await, deleted.elapsed()) }
+    );
+    let ((closed, told), (next, served)) = (closed, next);
+    eprintln!(
+        "measured: machine lost to its session closed 1012 {told:?}; lost pod deleted (grace 1 s) \
+         to a new session initialized on a new pod {served:?}"
+    );
+    let (code, reason) = closed?.context("a close frame")?;
+    assert_eq!(code, router::edge::NODE_LOST_CODE, "{reason}");
+    let mut b = next?;
+    let second = uid(&c).context("a new pod")?;
+    assert_ne!(second, first);
+    assert_eq!(c.fake.force_deletes(), 1, "{:?}", c.fake.requests());
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "on a new machine").await?;
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        e2e::metric_in(
+            &m,
+            "codex_fleet_tenant_pod_recreations_total",
+            &[("reason", "lost")]
+        ),
+        1.0,
+        "{m}"
+    );
+    Ok(())
+}

@@ -48,6 +48,11 @@ pub const PENDING_CLOSE_REASON: &str = "too many messages while the tenant's nod
 const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 /// How long the closing frames may take to reach the client and the node.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// A link the node has sent nothing on for this long is pinged; one silent for
+/// [`LINK_SILENCE`] is lost (its machine gone, its process frozen: a TCP connection to a machine
+/// that is gone neither answers nor closes), and the client is closed 1012.
+const LINK_PING: Duration = Duration::from_secs(5);
+const LINK_SILENCE: Duration = Duration::from_secs(10);
 /// Frames from the node at least this large are queued as an exact-size copy.
 const COPY_ABOVE: usize = 64 << 10;
 /// Frames written to the client before one flush.
@@ -499,6 +504,9 @@ where
         tokio::pin!(credential_ended);
         let shutdown = self.shutdown.clone();
         let mut draining: Option<tokio::time::Instant> = None;
+        let mut heard = tokio::time::Instant::now();
+        let mut keepalive = tokio::time::interval_at(heard + LINK_PING, LINK_PING);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if let Some(deadline) = draining {
                 if self.in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -516,19 +524,36 @@ where
                     Ok(None) => {}
                     Err(ending) => return ending,
                 },
-                m = link_rx.next() => match m {
-                    Some(Ok(Message::Text(text))) => {
-                        if let Err(ending) = self.on_node_text(text) {
-                            return ending;
-                        }
+                m = link_rx.next() => {
+                    if matches!(m, Some(Ok(_))) {
+                        heard = tokio::time::Instant::now();
                     }
-                    Some(Ok(Message::Close(frame))) => return Ending::node_closed(frame),
-                    Some(Ok(_)) => {}
-                    Some(Err(_)) | None => return Ending::node_lost(),
-                },
+                    match m {
+                        Some(Ok(Message::Text(text))) => {
+                            if let Err(ending) = self.on_node_text(text) {
+                                return ending;
+                            }
+                        }
+                        Some(Ok(Message::Close(frame))) => return Ending::node_closed(frame),
+                        Some(Ok(_)) => {}
+                        Some(Err(_)) | None => return Ending::node_lost(),
+                    }
+                }
                 w = self.out.write(&mut self.tx), if writing => {
                     if w.is_err() {
                         return Ending::client_closed(None);
+                    }
+                }
+                _ = keepalive.tick() => {
+                    let silent = heard.elapsed();
+                    if silent >= LINK_SILENCE {
+                        tracing::warn!(?silent, "the node's link is silent (its machine lost?); closing the session");
+                        return Ending::node_lost();
+                    }
+                    if silent >= LINK_PING
+                        && link_tx.send(Message::Ping(Default::default())).await.is_err()
+                    {
+                        return Ending::node_lost();
                     }
                 }
                 end = &mut credential_ended => return Ending::ours(End::from(end)),

@@ -48,9 +48,11 @@ pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", 
 /// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
 /// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
 /// by an edge) besides what ends a pod by itself.
-/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`.
-pub const RECREATIONS: [&str; 7] = [
-    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated",
+/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`; `lost`: a pod left
+/// Terminating past its grace period (no kubelet confirms it: its machine is lost), force-deleted
+/// by an edge.
+pub const RECREATIONS: [&str; 8] = [
+    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated", "lost",
 ];
 /// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
 /// told why), so a fixed image in the values reaches the tenant's next pod.
@@ -65,6 +67,10 @@ const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How often pods of an older template are looked for (`max_pod_age_secs`).
 const SWEEP: Duration = Duration::from_secs(1);
+/// How long past its grace period a pod may stay Terminating before an edge force-deletes it:
+/// a kubelet removes a pod within seconds of killing it; one that does not is out of reach
+/// (its machine lost) and would keep the tenant's pod name taken for good.
+const FORCE_DELETE_AFTER: Duration = Duration::from_secs(10);
 /// How long the readiness probe waits for the API server.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest cause a refused client is told (the API server's message, bounded).
@@ -271,6 +277,8 @@ struct PodView {
     pull_failure: Option<String>,
     /// Its `codex-fleet.io/template-hash` label.
     template_hash: Option<String>,
+    /// Its `deletionGracePeriodSeconds`, while it is Terminating.
+    deletion_grace: Option<u64>,
 }
 
 impl PodView {
@@ -288,6 +296,10 @@ impl PodView {
                 .and_then(|s| s.pod_ip.as_deref())
                 .and_then(|ip| ip.parse().ok()),
             deleting: pod.metadata.deletion_timestamp.is_some(),
+            deletion_grace: pod
+                .metadata
+                .deletion_grace_period_seconds
+                .and_then(|g| u64::try_from(g).ok()),
             unschedulable: condition("PodScheduled").is_some_and(|c| {
                 c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
             }),
@@ -350,6 +362,9 @@ struct State {
     /// When this edge first saw each pod (uid): a pod Pending longer than the start timeout is
     /// stuck.
     first_seen: HashMap<String, Instant>,
+    /// When this edge first saw each pod (uid) Terminating (its own clock: no skew with the API
+    /// server's `deletionTimestamp`).
+    terminating_since: HashMap<String, Instant>,
 }
 
 /// The backend.
@@ -554,6 +569,10 @@ impl KubeNodes {
                     tracing::warn!(tenant, pod = %self.pod_name(tenant), ?timeout, "the tenant's pod is Pending past the start timeout; replacing it");
                     self.replace(tenant, &v, "stuck").await;
                 }
+                Some(v) if self.stranded(&v) => {
+                    tracing::warn!(tenant, pod = %self.pod_name(tenant), "the tenant's pod is still Terminating past its grace period (no kubelet confirms it: its machine is lost); force-deleting it");
+                    self.force_delete(tenant, &v).await;
+                }
                 Some(_) => {} // starting, or going away: the watch will tell
                 None => match tokio::time::timeout(
                     deadline.saturating_duration_since(Instant::now()),
@@ -715,6 +734,52 @@ impl KubeNodes {
                 .first_seen
                 .get(&v.uid)
                 .is_some_and(|at| at.elapsed() > timeout)
+    }
+
+    /// Whether a pod has been Terminating, as this edge has seen it, for longer than its grace
+    /// period and [`FORCE_DELETE_AFTER`]: no kubelet carries its deletion out.
+    fn stranded(&self, v: &PodView) -> bool {
+        let grace = Duration::from_secs(v.deletion_grace.unwrap_or(30));
+        v.deleting
+            && lock(&self.state)
+                .terminating_since
+                .get(&v.uid)
+                .is_some_and(|at| at.elapsed() > grace + FORCE_DELETE_AFTER)
+    }
+
+    /// Force-deletes (grace period 0) a pod stranded Terminating, so the tenant's next pod can
+    /// take its name (only that pod: uid precondition); counted as recreation `lost`.
+    async fn force_delete(&self, tenant: &str, v: &PodView) {
+        if lock(&self.state).replacing.insert(v.uid.clone(), "lost") == Some("lost") {
+            return;
+        }
+        let name = self.pod_name(tenant);
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(v.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.pods.delete(&name, &dp).await {
+            Ok(_) => {
+                tracing::info!(tenant, pod = %name, "force-deleted the tenant's pod stranded Terminating");
+                self.event(
+                    tenant,
+                    Some(&v.uid),
+                    true,
+                    "ForceDeleted",
+                    "Terminating past its grace period with no kubelet to confirm it (its machine is lost); force-deleted, a new one is created for the next session".into(),
+                );
+            }
+            Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => {
+                tracing::warn!(tenant, pod = %name, error = %e, "cannot force-delete the stranded pod");
+                self.note_error(format!("delete: {e}"));
+                lock(&self.state).replacing.remove(&v.uid);
+            }
+        }
     }
 
     /// Ready pods made from an older template than their tenant's current one (a changed
@@ -891,6 +956,11 @@ impl KubeNodes {
         s.first_seen
             .entry(v.uid.clone())
             .or_insert_with(Instant::now);
+        if v.deleting {
+            s.terminating_since
+                .entry(v.uid.clone())
+                .or_insert_with(Instant::now);
+        }
         if v.ready {
             if let Some(at) = s.created.remove(&tenant) {
                 self.metrics
@@ -921,6 +991,7 @@ impl KubeNodes {
             s.ended.insert(tenant.to_owned(), why);
             s.deleting.remove(&v.uid);
             s.first_seen.remove(&v.uid);
+            s.terminating_since.remove(&v.uid);
             s.created.remove(tenant);
         }
     }
