@@ -113,6 +113,14 @@ struct Store {
     pull_failures: bool,
     /// The API server is down: every request is answered 503 (its pods run on).
     outage: bool,
+    /// Every watch ends after at most this long (an API server's request timeout).
+    watch_cap: Option<Duration>,
+    /// New watch requests wait (up to 10 s) while set.
+    hold_watches: bool,
+    /// Watches open now (streaming).
+    open_watches: usize,
+    /// The resourceVersion of the last BOOKMARK sent.
+    last_bookmark: u64,
 }
 
 /// What the API server and the tests can do to a running pod's process.
@@ -145,6 +153,8 @@ struct Inner {
     gather: Mutex<Option<(usize, usize)>>,
     /// Wakes the held pod creates once they are gathered.
     gathered: tokio::sync::Notify,
+    /// Wakes held watch requests.
+    watches_released: tokio::sync::Notify,
 }
 
 /// The fake API server.
@@ -290,6 +300,7 @@ impl FakeKube {
             events_log: Mutex::new(Vec::new()),
             gather: Mutex::new(None),
             gathered: tokio::sync::Notify::new(),
+            watches_released: tokio::sync::Notify::new(),
         });
         let stop = CancellationToken::new();
         let (inner2, stop2) = (inner.clone(), stop.clone());
@@ -412,6 +423,44 @@ impl FakeKube {
             .unwrap_or_else(PoisonError::into_inner);
         w.cancel();
         *w = CancellationToken::new();
+    }
+
+    /// Caps every watch from now on at `cap` (as an API server's request timeout does; the
+    /// client's own `timeoutSeconds` is honoured too) and ends the open ones.
+    pub fn cap_watches(&self, cap: Duration) {
+        self.inner.store().watch_cap = Some(cap);
+        self.end_watches();
+    }
+
+    /// New watch requests wait while held (at most 10 s), so changes can fall between two
+    /// watches.
+    pub fn hold_watches(&self, hold: bool) {
+        self.inner.store().hold_watches = hold;
+        if !hold {
+            self.inner.watches_released.notify_waiters();
+        }
+    }
+
+    /// Watches streaming now.
+    pub fn open_watches(&self) -> usize {
+        self.inner.store().open_watches
+    }
+
+    /// The resourceVersion of the last BOOKMARK event sent (0: none).
+    pub fn last_bookmark(&self) -> u64 {
+        self.inner.store().last_bookmark
+    }
+
+    /// The current resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.inner.store().rv
+    }
+
+    /// Compacts the history as etcd does, without ending any watch: a watch (or a resumed one)
+    /// from before the current resourceVersion gets 410 Gone.
+    pub fn compact(&self) {
+        let mut s = self.inner.store();
+        s.compacted = s.rv.saturating_sub(1);
     }
 
     /// New pods stay Pending and unschedulable, with no process, while held (a full cluster).
@@ -551,6 +600,7 @@ async fn handle(
     let q = query(&req);
     match (req.method().clone(), name) {
         (Method::GET, None) if q.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+            hold_watch(&inner).await;
             watch(&inner, stop, kind, &q)
         }
         (Method::GET, None) => {
@@ -932,6 +982,34 @@ fn rfc3339(t: std::time::SystemTime) -> String {
     )
 }
 
+/// Counts an open watch while it lives.
+struct OpenWatch(Arc<Inner>);
+
+impl Drop for OpenWatch {
+    fn drop(&mut self) {
+        self.0.store().open_watches -= 1;
+    }
+}
+
+/// Holds a watch request while [`FakeKube::hold_watches`] is set (at most 10 s).
+async fn hold_watch(inner: &Inner) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let released = inner.watches_released.notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        if !inner.store().hold_watches {
+            return;
+        }
+        if tokio::time::timeout_at(deadline, released).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A watch: the history after `resourceVersion` (410 Gone when compacted), then live events,
+/// until `timeoutSeconds` or the fake's cap; with `allowWatchBookmarks=true`, a BOOKMARK of the
+/// last resourceVersion it has gone through ends it, as a real API server's does.
 fn watch(
     inner: &Arc<Inner>,
     stop: CancellationToken,
@@ -943,6 +1021,15 @@ fn watch(
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let selector = q.get("labelSelector").cloned();
+    let bookmarks = q.get("allowWatchBookmarks").is_some_and(|b| b == "true");
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_secs);
+    let timeout = match (timeout, inner.store().watch_cap) {
+        (Some(t), Some(c)) => Some(t.min(c)),
+        (t, c) => t.or(c),
+    };
     let (tx, rx) = mpsc::channel::<Bytes>(256);
     let line = |ty: &str, object: &Value| {
         Bytes::from(format!("{}\n", json!({ "type": ty, "object": object })))
@@ -968,6 +1055,7 @@ fn watch(
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
+    let inner = inner.clone();
     tokio::spawn(async move {
         if gone {
             let st = json!({
@@ -977,25 +1065,57 @@ fn watch(
             let _sent = tx.send(line("ERROR", &st)).await;
             return;
         }
+        inner.store().open_watches += 1;
+        let _open = OpenWatch(inner.clone());
+        // The last resourceVersion this watch has gone through (sent or not selected).
+        let mut seen = last;
         for e in backlog {
             if tx.send(line(e.ty, &e.object)).await.is_err() {
                 return;
             }
         }
+        let ends = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(86_400)));
+        tokio::pin!(ends);
         loop {
             tokio::select! {
                 biased;
                 () = ended.cancelled() => return,
                 () = stop.cancelled() => return,
                 e = live.recv() => match e {
-                    Ok(e) if e.rv > last && e.kind == kind && selects(selector.as_ref(), &e.object) => {
-                        if tx.send(line(e.ty, &e.object)).await.is_err() {
+                    Ok(e) if e.rv > last => {
+                        seen = seen.max(e.rv);
+                        if e.kind == kind && selects(selector.as_ref(), &e.object)
+                            && tx.send(line(e.ty, &e.object)).await.is_err()
+                        {
                             return;
                         }
                     }
                     Ok(_) => {}
                     Err(_) => return,
                 },
+                () = &mut ends => {
+                    // What has happened up to now goes first.
+                    while let Ok(e) = live.try_recv() {
+                        if e.rv > last {
+                            seen = seen.max(e.rv);
+                            if e.kind == kind && selects(selector.as_ref(), &e.object)
+                                && tx.send(line(e.ty, &e.object)).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                    }
+                    if bookmarks {
+                        let kind_name = match kind { Kind::Pod => "Pod", Kind::Pvc => "PersistentVolumeClaim" };
+                        let mark = json!({ "kind": kind_name, "apiVersion": "v1",
+                            "metadata": { "resourceVersion": seen.to_string() } });
+                        if tx.send(line("BOOKMARK", &mark)).await.is_ok() {
+                            let mut s = inner.store();
+                            s.last_bookmark = s.last_bookmark.max(seen);
+                        }
+                    }
+                    return;
+                }
             }
         }
     });

@@ -259,3 +259,83 @@ async fn a_lost_machines_sessions_close_1012_and_its_pod_stuck_terminating_is_re
     );
     Ok(())
 }
+
+fn count(c: &Cluster, watch: bool) -> usize {
+    c.fake
+        .requests()
+        .iter()
+        .filter(|r| {
+            // The readiness probe's list (`limit=1`) is no relist.
+            r.starts_with("GET /api/v1/namespaces/codex/pods?")
+                && r.contains("watch=true") == watch
+                && !r.contains("limit=1")
+        })
+        .count()
+}
+
+/// A real API server ends every watch (the client's `timeoutSeconds`, 290 s from kube, and its
+/// own request timeout) with a BOOKMARK of where it had got to. The edge resumes each time from
+/// the last resourceVersion it was told (so a compacted history behind it does not cost it a
+/// relist), and a change made while no watch is open reaches it with the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_resumes_its_watch_from_bookmarks_without_relisting_and_misses_nothing_between(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options::default()).await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the watches end").await?;
+    let lists = count(&c, false);
+    let watch_requests = c.fake.requests();
+    let first_watch = watch_requests
+        .iter()
+        .find(|r| r.contains("watch=true"))
+        .context("a watch")?;
+    assert!(
+        first_watch.contains("allowWatchBookmarks=true") && first_watch.contains("timeoutSeconds="),
+        "{first_watch}"
+    );
+    c.fake.cap_watches(Duration::from_secs(1));
+    for round in 0..3 {
+        // Other pods in the namespace move the resourceVersion past the edge's last pod
+        // event; only a bookmark tells the edge, and then the history behind it goes.
+        let other = json!({ "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": format!("unrelated-{round}"), "labels": { "app": "other" } },
+            "spec": { "containers": [] } });
+        let (code, _) = post(c.fake.addr, "/api/v1/namespaces/codex/pods", &other).await?;
+        assert_eq!(code, 201);
+        let rv = c.fake.resource_version();
+        assert!(
+            wait_until(Duration::from_secs(10), || c.fake.last_bookmark() >= rv).await,
+            "no bookmark past {rv}"
+        );
+        c.fake.compact();
+    }
+    // Two more watch ends after the last compaction, so the edge has resumed across it.
+    let watches = count(&c, true);
+    assert!(wait_until(Duration::from_secs(10), || count(&c, true) >= watches + 2).await);
+    // A change while no watch is open.
+    c.fake.hold_watches(true);
+    assert!(wait_until(Duration::from_secs(10), || c.fake.open_watches() == 0).await);
+    assert!(c.fake.delete_pod_with_grace(POD, 0));
+    c.fake.hold_watches(false);
+    let seen = wait_until_async(Duration::from_secs(10), || async {
+        c.readyz(0)
+            .await
+            .is_ok_and(|(_, r)| r["edge"]["tenantPods"] == json!({}))
+    })
+    .await;
+    assert!(seen, "the edge missed the delete: {:?}", c.readyz(0).await);
+    assert_eq!(
+        count(&c, false),
+        lists,
+        "the edge listed again: {:#?}",
+        c.fake.requests()
+    );
+    assert!(count(&c, true) >= watches + 3);
+    let mut b = c.client(0, "acme").await?;
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "after the watches ended").await?;
+    Ok(())
+}
