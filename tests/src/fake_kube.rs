@@ -13,6 +13,13 @@
 //! until the process runs, `Running` once it does, `Ready` while its `/readyz` answers 200,
 //! `Succeeded` when it exits 0, `Failed` otherwise. Tests can evict or delete pods, fail API
 //! requests with 500 and expire watches.
+//!
+//! As a cluster does (issue 26): objects live per namespace (a list, watch, get or delete sees
+//! its own namespace only); a delete is graceful (`deletionTimestamp`, the grace period, SIGTERM,
+//! SIGKILL when it is over, the pod gone once its process is; `gracePeriodSeconds: 0` forces it)
+//! and a Terminating pod keeps its name; a machine can be lost (SIGSTOP, Ready False, deletes
+//! never confirmed); watches end at `timeoutSeconds` or the fake's cap, with a BOOKMARK when
+//! asked for, and history can be compacted under open watches.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -29,11 +36,17 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+/// The namespace the test helpers ([`FakeKube::pod`], [`FakeKube::delete_pod`], …) mean: the
+/// test cluster's ([`crate::kube_cluster`]).
+pub const NAMESPACE: &str = "codex";
+
 /// A created pod, for the kubelet.
 #[derive(Debug, Clone)]
 pub struct PodInfo {
     /// metadata.name
     pub name: String,
+    /// metadata.namespace
+    pub namespace: String,
     /// Its tenant label.
     pub tenant: String,
     /// Its address (each pod its own 127.0.0.N).
@@ -135,8 +148,17 @@ struct PodCtl {
     lost: CancellationToken,
 }
 
-fn key(kind: Kind, name: &str) -> (u8, String) {
-    (kind as u8, name.to_owned())
+/// Objects are stored per namespace: `namespace/name`.
+fn key(kind: Kind, full: &str) -> (u8, String) {
+    (kind as u8, full.to_owned())
+}
+
+fn full(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
+fn short_of(full: &str) -> &str {
+    full.rsplit('/').next().unwrap_or(full)
 }
 
 struct Inner {
@@ -332,12 +354,17 @@ impl FakeKube {
         format!("http://{}", self.addr)
     }
 
-    /// A pod or claim, as the server has it.
+    /// A pod of [`NAMESPACE`], as the server has it.
     pub fn pod(&self, name: &str) -> Option<Value> {
+        self.pod_in(NAMESPACE, name)
+    }
+
+    /// A pod of `namespace`, as the server has it.
+    pub fn pod_in(&self, namespace: &str, name: &str) -> Option<Value> {
         self.inner
             .store()
             .objects
-            .get(&key(Kind::Pod, name))
+            .get(&key(Kind::Pod, &full(namespace, name)))
             .cloned()
     }
 
@@ -346,17 +373,18 @@ impl FakeKube {
         self.inner
             .store()
             .objects
-            .contains_key(&key(Kind::Pvc, name))
+            .contains_key(&key(Kind::Pvc, &full(NAMESPACE, name)))
     }
 
-    /// Names of the pods that exist.
+    /// Names of the pods of [`NAMESPACE`] that exist.
     pub fn pod_names(&self) -> Vec<String> {
+        let prefix = full(NAMESPACE, "");
         self.inner
             .store()
             .objects
             .keys()
             .filter(|(k, _)| *k == Kind::Pod as u8)
-            .map(|(_, n)| n.clone())
+            .filter_map(|(_, n)| n.strip_prefix(&prefix).map(str::to_owned))
             .collect()
     }
 
@@ -508,15 +536,18 @@ impl FakeKube {
 
     /// Report `ip` as the podIP of pod `name` (a lying or confused kubelet).
     pub fn override_ip(&self, name: &str, ip: Ipv4Addr) {
-        self.inner.store().ip_override.insert(name.into(), ip);
+        self.inner
+            .store()
+            .ip_override
+            .insert(full(NAMESPACE, name), ip);
     }
 
     /// Evicts a pod: its process is killed, it becomes Failed with reason Evicted.
     pub fn evict(&self, name: &str) {
-        let stop = self.inner.store().running.remove(name);
+        let stop = self.inner.store().running.remove(&full(NAMESPACE, name));
         if let Some(pod) = self.pod(name) {
             let uid = pod["metadata"]["uid"].as_str().unwrap_or("").to_owned();
-            self.inner.set_status(name, &uid, |st| {
+            self.inner.set_status(&full(NAMESPACE, name), &uid, |st| {
                 st["phase"] = json!("Failed");
                 st["reason"] = json!("Evicted");
                 st["conditions"] = json!([{ "type": "Ready", "status": "False" }]);
@@ -530,13 +561,22 @@ impl FakeKube {
     /// Deletes a pod as `kubectl delete pod` does: gracefully, with the pod's own
     /// `terminationGracePeriodSeconds` (see [`delete`]).
     pub fn delete_pod(&self, name: &str) -> bool {
-        delete(&self.inner, Kind::Pod, name, None, None).status() == StatusCode::OK
+        delete(&self.inner, Kind::Pod, &full(NAMESPACE, name), None, None).status()
+            == StatusCode::OK
     }
 
     /// Deletes a pod with this grace period (`kubectl delete --grace-period=N`; 0 with
     /// `--force` removes it at once, whatever its machine does).
     pub fn delete_pod_with_grace(&self, name: &str, grace: u64) -> bool {
-        delete(&self.inner, Kind::Pod, name, None, Some(grace)).status() == StatusCode::OK
+        delete(
+            &self.inner,
+            Kind::Pod,
+            &full(NAMESPACE, name),
+            None,
+            Some(grace),
+        )
+        .status()
+            == StatusCode::OK
     }
 
     /// The pod's machine is lost (powered off, partitioned): its process is frozen (SIGSTOP:
@@ -545,7 +585,13 @@ impl FakeKube {
     /// False, as `MarkPodsNotReady` does; the Node's own Ready is what goes Unknown). A delete
     /// then leaves it Terminating for good (no kubelet confirms it) until it is force-deleted.
     pub fn lose_machine(&self, name: &str) -> bool {
-        let Some(ctl) = self.inner.store().running.get(name).cloned() else {
+        let Some(ctl) = self
+            .inner
+            .store()
+            .running
+            .get(&full(NAMESPACE, name))
+            .cloned()
+        else {
             return false;
         };
         ctl.lost.cancel();
@@ -557,7 +603,7 @@ impl FakeKube {
         self.inner
             .store()
             .running
-            .get(name)
+            .get(&full(NAMESPACE, name))
             .is_some_and(|c| c.term.is_cancelled())
     }
 }
@@ -589,11 +635,14 @@ async fn handle(
     {
         return event(&inner, req.method().clone(), rest.first().copied(), req).await;
     }
-    let (kind, name) = match parts.as_slice() {
-        ["api", "v1", "namespaces", _ns, resource] => (Kind::of(resource), None),
-        ["api", "v1", "namespaces", _ns, resource, name] => (Kind::of(resource), Some(*name)),
+    let (ns, kind, name) = match parts.as_slice() {
+        ["api", "v1", "namespaces", ns, resource] => (ns.to_string(), Kind::of(resource), None),
+        ["api", "v1", "namespaces", ns, resource, name] => {
+            (ns.to_string(), Kind::of(resource), Some(full(ns, name)))
+        }
         _ => return status(404, "NotFound", "no such path"),
     };
+    let name = name.as_deref();
     let Some(kind) = kind else {
         return status(404, "NotFound", "no such resource");
     };
@@ -601,14 +650,17 @@ async fn handle(
     match (req.method().clone(), name) {
         (Method::GET, None) if q.get("watch").is_some_and(|w| w == "true" || w == "1") => {
             hold_watch(&inner).await;
-            watch(&inner, stop, kind, &q)
+            watch(&inner, stop, kind, &ns, &q)
         }
         (Method::GET, None) => {
             let s = inner.store();
+            let prefix = full(&ns, "");
             let items: Vec<Value> = s
                 .objects
                 .iter()
-                .filter(|((k, _), o)| *k == kind as u8 && selects(q.get("labelSelector"), o))
+                .filter(|((k, n), o)| {
+                    *k == kind as u8 && n.starts_with(&prefix) && selects(q.get("labelSelector"), o)
+                })
                 .map(|(_, o)| o.clone())
                 .collect();
             respond(
@@ -622,7 +674,7 @@ async fn handle(
         }
         (Method::GET, Some(name)) => match inner.store().objects.get(&key(kind, name)) {
             Some(o) => respond(200, o),
-            None => status(404, "NotFound", &format!("{name} not found")),
+            None => status(404, "NotFound", &format!("{} not found", short_of(name))),
         },
         (Method::POST, None) => {
             let body = match req.into_body().collect().await {
@@ -635,7 +687,7 @@ async fn handle(
             if kind == Kind::Pod {
                 gather(&inner).await;
             }
-            create(&inner, kind, object)
+            create(&inner, kind, &ns, object)
         }
         (Method::DELETE, Some(name)) => {
             let body = req
@@ -717,15 +769,25 @@ async fn gather(inner: &Inner) {
     }
 }
 
-fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
+fn create(inner: &Arc<Inner>, kind: Kind, ns: &str, mut object: Value) -> Response<Body> {
     let Some(name) = object["metadata"]["name"].as_str().map(str::to_owned) else {
         return status(422, "Invalid", "metadata.name is required");
     };
+    match object["metadata"]["namespace"].as_str() {
+        Some(other) if other != ns => return status(
+            400,
+            "BadRequest",
+            "the namespace of the provided object does not match the namespace sent on the request",
+        ),
+        _ => object["metadata"]["namespace"] = json!(ns),
+    }
+    let short = name;
+    let name = full(ns, &short);
     let mut s = inner.store();
     if kind == Kind::Pod {
         if let Some((code, n)) = s.pod_create_refusals.filter(|(_, n)| *n > 0) {
             s.pod_create_refusals = Some((code, n - 1));
-            return refusal(code, &name);
+            return refusal(code, &short);
         }
     }
     if kind == Kind::Pvc && s.storage_quota_full {
@@ -737,15 +799,15 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
             403,
             "Forbidden",
             &format!(
-                "persistentvolumeclaims \"{name}\" is forbidden: exceeded quota: storage, \
+                "persistentvolumeclaims \"{short}\" is forbidden: exceeded quota: storage, \
                  requested: requests.storage={size}, used: requests.storage=100Gi, limited: requests.storage=100Gi"
             ),
         );
     }
     if s.objects.contains_key(&key(kind, &name)) {
-        return status(409, "AlreadyExists", &format!("{name} already exists"));
+        return status(409, "AlreadyExists", &format!("{short} already exists"));
     }
-    let uid = format!("uid-{}-{}", name, s.rv + 1);
+    let uid = format!("uid-{}-{}", short, s.rv + 1);
     object["metadata"]["uid"] = json!(uid);
     object["metadata"]["creationTimestamp"] = json!("2026-12-01T00:00:00Z");
     let mut info = None;
@@ -807,7 +869,8 @@ fn create(inner: &Arc<Inner>, kind: Kind, mut object: Value) -> Response<Body> {
                 pull_backoff = Some((name.clone(), uid.clone(), image));
             } else {
                 info = Some(PodInfo {
-                    name: name.clone(),
+                    name: short.clone(),
+                    namespace: ns.to_owned(),
                     tenant,
                     ip,
                     args,
@@ -897,7 +960,7 @@ fn delete(
 ) -> Response<Body> {
     let mut s = inner.store();
     let Some(mut object) = s.objects.get(&key(kind, name)).cloned() else {
-        return status(404, "NotFound", &format!("{name} not found"));
+        return status(404, "NotFound", &format!("{} not found", short_of(name)));
     };
     if let Some(uid) = uid {
         if object["metadata"]["uid"] != uid.as_str() {
@@ -1014,6 +1077,7 @@ fn watch(
     inner: &Arc<Inner>,
     stop: CancellationToken,
     kind: Kind,
+    ns: &str,
     q: &HashMap<String, String>,
 ) -> Response<Body> {
     let from: u64 = q
@@ -1021,6 +1085,11 @@ fn watch(
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let selector = q.get("labelSelector").cloned();
+    // Only this namespace's objects, selected by the labels.
+    let ns = ns.to_owned();
+    let selects = move |sel: Option<&String>, o: &Value| {
+        o["metadata"]["namespace"] == ns.as_str() && selects(sel, o)
+    };
     let bookmarks = q.get("allowWatchBookmarks").is_some_and(|b| b == "true");
     let timeout = q
         .get("timeoutSeconds")
@@ -1136,6 +1205,7 @@ fn watch(
 /// then the pod goes) and a lost machine (SIGSTOP, and nothing more is reported or done).
 async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
     let ip = info.ip.to_string();
+    let name = full(&info.namespace, &info.name);
     let started = (inner.kubelet)(&info).and_then(|(mut cmd, admin)| {
         cmd.kill_on_drop(true);
         Ok((cmd.spawn()?, admin))
@@ -1144,8 +1214,8 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(pod = %info.name, error = %e, "fake kubelet: cannot start the pod");
-            inner.store().running.remove(&info.name);
-            inner.set_status(&info.name, &uid, |st| st["phase"] = json!("Failed"));
+            inner.store().running.remove(&name);
+            inner.set_status(&name, &uid, |st| st["phase"] = json!("Failed"));
             return;
         }
     };
@@ -1154,7 +1224,7 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
             let _sent = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
         }
     };
-    inner.set_status(&info.name, &uid, |st| {
+    inner.set_status(&name, &uid, |st| {
         st["phase"] = json!("Running");
         st["podIP"] = json!(ip);
     });
@@ -1166,7 +1236,7 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
             () = ctl.lost.cancelled() => {
                 signal(&child, nix::sys::signal::Signal::SIGSTOP);
                 // The node lifecycle controller's MarkPodsNotReady.
-                inner.set_status(&info.name, &uid, |st| {
+                inner.set_status(&name, &uid, |st| {
                     st["conditions"] = json!([
                         { "type": "PodScheduled", "status": "True" },
                         { "type": "Ready", "status": "False" },
@@ -1192,7 +1262,7 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
                 let now = matches!(crate::http_get(admin, "/readyz").await, Ok((200, _)));
                 if now != ready {
                     ready = now;
-                    inner.set_status(&info.name, &uid, |st| {
+                    inner.set_status(&name, &uid, |st| {
                         st["conditions"] = json!([
                             { "type": "PodScheduled", "status": "True" },
                             { "type": "Ready", "status": if now { "True" } else { "False" } },
@@ -1203,18 +1273,18 @@ async fn kubelet(inner: Arc<Inner>, info: PodInfo, uid: String, ctl: PodCtl) {
         }
     };
     let mut s = inner.store();
-    s.running.remove(&info.name);
+    s.running.remove(&name);
     // Deleted while it ran: it goes now that its process has ended.
-    if let Some(pod) = s.objects.get(&key(Kind::Pod, &info.name)).cloned() {
+    if let Some(pod) = s.objects.get(&key(Kind::Pod, &name)).cloned() {
         if pod["metadata"]["uid"] == uid.as_str() && !pod["metadata"]["deletionTimestamp"].is_null()
         {
-            s.objects.remove(&key(Kind::Pod, &info.name));
+            s.objects.remove(&key(Kind::Pod, &name));
             inner.emit(&mut s, Kind::Pod, "DELETED", pod);
             return;
         }
     }
     drop(s);
-    inner.set_status(&info.name, &uid, |st| {
+    inner.set_status(&name, &uid, |st| {
         st["phase"] = json!(if code == Some(0) {
             "Succeeded"
         } else {

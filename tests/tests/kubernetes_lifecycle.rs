@@ -339,3 +339,86 @@ async fn the_edge_resumes_its_watch_from_bookmarks_without_relisting_and_misses_
     turn(&mut b, &thread, "after the watches ended").await?;
     Ok(())
 }
+
+/// The API server keeps namespaces apart, and so must the edge: a pod in another namespace with
+/// the tenant pod's very name and labels (a hostile or mistaken one, Running and Ready, a real
+/// node of that tenant) is never routed to; the edge creates and serves the tenant's own pod in
+/// its namespace, and never calls the API server outside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> anyhow::Result<()> {
+    let c = Cluster::start(Options::default()).await?;
+    assert!(c.synced(0).await);
+    let out = std::process::Command::new(e2e::fleet_bin())
+        .args(["render-tenant-pod", "--config"])
+        .arg(&c.edge_config)
+        .args(["--tenant", "acme"])
+        .output()?;
+    assert!(out.status.success());
+    let list: Value = serde_json::from_slice(&out.stdout)?;
+    let mut hostile = list["items"][1].clone();
+    assert_eq!(hostile["metadata"]["name"], POD);
+    hostile["metadata"]["namespace"] = json!("evil");
+    for v in hostile["spec"]["volumes"]
+        .as_array_mut()
+        .context("volumes")?
+    {
+        if v["name"] == "home" {
+            v["persistentVolumeClaim"]["claimName"] = json!("evil-home");
+        }
+    }
+    let (code, _) = post(c.fake.addr, "/api/v1/namespaces/evil/pods", &hostile).await?;
+    assert_eq!(code, 201);
+    let ready = wait_until(Duration::from_secs(20), || {
+        c.fake.pod_in("evil", POD).is_some_and(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+    })
+    .await;
+    assert!(ready, "the hostile pod never got ready");
+    let hostile_ip = c.fake.pod_in("evil", POD).context("pod")?["status"]["podIP"]
+        .as_str()
+        .context("podIP")?
+        .parse::<std::net::Ipv4Addr>()?;
+
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "in my own namespace").await?;
+    let own = c
+        .fake
+        .pod(POD)
+        .context("the edge created no pod of its own")?;
+    assert_eq!(own["metadata"]["namespace"], "codex");
+    assert_ne!(own["status"]["podIP"], json!(hostile_ip.to_string()));
+    assert_eq!(
+        c.fake.pod_creates(),
+        2,
+        "the hostile pod and the tenant's own"
+    );
+    let accepted = |m: &str| e2e::metric_in(m, "codex_fleet_connections_accepted_total", &[]);
+    let hostile_m = e2e::http_get(SocketAddr::from((hostile_ip, c.admin_port)), "/metrics")
+        .await?
+        .1;
+    assert_eq!(
+        accepted(&hostile_m),
+        0.0,
+        "the edge linked to the hostile pod"
+    );
+    let own_m = e2e::http_get(c.pod_admin(POD).context("podIP")?, "/metrics")
+        .await?
+        .1;
+    assert!(accepted(&own_m) >= 1.0, "{own_m}");
+    let outside: Vec<String> = c
+        .fake
+        .requests()
+        .into_iter()
+        .filter(|r| !r.contains("/namespaces/codex/") && r != "POST /api/v1/namespaces/evil/pods")
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "the edge called outside its namespace: {outside:?}"
+    );
+    Ok(())
+}
