@@ -134,6 +134,10 @@ struct Store {
     open_watches: usize,
     /// The resourceVersion of the last BOOKMARK sent.
     last_bookmark: u64,
+    /// New claims are Pending (not bound to a volume) until [`FakeKube::bind_claim`].
+    claims_pending: bool,
+    /// Pods waiting for their claim (a claim's full name → the pods and their uids).
+    waiting_for_claim: Vec<(String, PodInfo, String)>,
 }
 
 /// What the API server and the tests can do to a running pod's process.
@@ -451,6 +455,29 @@ impl FakeKube {
             .unwrap_or_else(PoisonError::into_inner);
         w.cancel();
         *w = CancellationToken::new();
+    }
+
+    /// New claims are created Pending (no volume bound yet) while set; their pods stay Pending
+    /// and unschedulable until [`FakeKube::bind_claim`].
+    pub fn claims_pending(&self, pending: bool) {
+        self.inner.store().claims_pending = pending;
+    }
+
+    /// Binds claim `name` of [`NAMESPACE`] (its volume is provisioned): the pods waiting for it
+    /// are scheduled and started. False when there is no such claim.
+    pub fn bind_claim(&self, name: &str) -> bool {
+        let claim = full(NAMESPACE, name);
+        let mut s = self.inner.store();
+        let Some(mut pvc) = s.objects.get(&key(Kind::Pvc, &claim)).cloned() else {
+            return false;
+        };
+        if pvc["status"]["phase"] != "Bound" {
+            pvc["status"]["phase"] = json!("Bound");
+            let pvc = self.inner.emit(&mut s, Kind::Pvc, "MODIFIED", pvc);
+            s.objects.insert(key(Kind::Pvc, &claim), pvc);
+        }
+        schedule_waiting(&self.inner, &mut s, &claim);
+        true
     }
 
     /// Caps every watch from now on at `cap` (as an API server's request timeout does; the
@@ -853,7 +880,39 @@ fn create(inner: &Arc<Inner>, kind: Kind, ns: &str, mut object: Value) -> Respon
                 .as_str()
                 .unwrap_or("")
                 .to_owned();
-            if s.hold {
+            let claim_full = full(ns, &claim);
+            let unbound = if claim.is_empty() {
+                None
+            } else {
+                match s.objects.get(&key(Kind::Pvc, &claim_full)) {
+                    None => Some(format!(
+                        "0/3 nodes are available: persistentvolumeclaim \"{claim}\" not found. \
+                         preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling."
+                    )),
+                    Some(c) if c["status"]["phase"] != "Bound" => Some(format!(
+                        "0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims \
+                         (\"{claim}\"). preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling."
+                    )),
+                    Some(_) => None,
+                }
+            };
+            if let Some(message) = unbound {
+                // The scheduler places no pod whose claim is missing or unbound.
+                object["status"]["conditions"][0] = json!({
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": message,
+                });
+                let pod = PodInfo {
+                    name: short.clone(),
+                    namespace: ns.to_owned(),
+                    tenant,
+                    ip,
+                    args,
+                    env,
+                    claim,
+                };
+                s.waiting_for_claim.push((claim_full, pod, uid.clone()));
+            } else if s.hold {
                 object["status"]["conditions"][0] = json!({
                     "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                     "message": "0/3 nodes are available: 3 Insufficient cpu.",
@@ -881,11 +940,15 @@ fn create(inner: &Arc<Inner>, kind: Kind, ns: &str, mut object: Value) -> Respon
         }
         Kind::Pvc => {
             s.pvc_creates += 1;
-            object["status"] = json!({ "phase": "Bound" });
+            let phase = if s.claims_pending { "Pending" } else { "Bound" };
+            object["status"] = json!({ "phase": phase });
         }
     }
     let object = inner.emit(&mut s, kind, "ADDED", object);
     s.objects.insert(key(kind, &name), object.clone());
+    if kind == Kind::Pvc && object["status"]["phase"] == "Bound" {
+        schedule_waiting(inner, &mut s, &name);
+    }
     if let Some((name, uid, image)) = pull_backoff {
         // The kubelet retries the pull, fails again and backs off.
         let inner = inner.clone();
@@ -906,6 +969,34 @@ fn create(inner: &Arc<Inner>, kind: Kind, ns: &str, mut object: Value) -> Respon
         tokio::spawn(kubelet(inner.clone(), info, uid, ctl));
     }
     respond(201, &object)
+}
+
+/// Schedules the pods that waited for claim `claim` (full name), now Bound: PodScheduled, and
+/// their kubelet starts them.
+fn schedule_waiting(inner: &Arc<Inner>, s: &mut Store, claim: &str) {
+    let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut s.waiting_for_claim)
+        .into_iter()
+        .partition(|(c, _, _)| c == claim);
+    s.waiting_for_claim = later;
+    for (_, info, uid) in now {
+        let name = full(&info.namespace, &info.name);
+        let Some(mut pod) = s.objects.get(&key(Kind::Pod, &name)).cloned() else {
+            continue;
+        };
+        if pod["metadata"]["uid"] != uid.as_str() || !pod["metadata"]["deletionTimestamp"].is_null()
+        {
+            continue;
+        }
+        pod["status"]["conditions"] = json!([
+            { "type": "PodScheduled", "status": "True" },
+            { "type": "Ready", "status": "False" },
+        ]);
+        let pod = inner.emit(s, Kind::Pod, "MODIFIED", pod);
+        s.objects.insert(key(Kind::Pod, &name), pod);
+        let ctl = PodCtl::default();
+        s.running.insert(name, ctl.clone());
+        tokio::spawn(kubelet(inner.clone(), info, uid, ctl));
+    }
 }
 
 /// A pod create refused as a real API server refuses one, by status: 403 (PodSecurity

@@ -366,6 +366,15 @@ async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> any
             v["persistentVolumeClaim"]["claimName"] = json!("evil-home");
         }
     }
+    let claim = json!({ "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": { "name": "evil-home" }, "spec": {} });
+    let (code, _) = post(
+        c.fake.addr,
+        "/api/v1/namespaces/evil/persistentvolumeclaims",
+        &claim,
+    )
+    .await?;
+    assert_eq!(code, 201);
     let (code, _) = post(c.fake.addr, "/api/v1/namespaces/evil/pods", &hostile).await?;
     assert_eq!(code, 201);
     let ready = wait_until(Duration::from_secs(20), || {
@@ -414,11 +423,102 @@ async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> any
         .fake
         .requests()
         .into_iter()
-        .filter(|r| !r.contains("/namespaces/codex/") && r != "POST /api/v1/namespaces/evil/pods")
+        .filter(|r| {
+            !r.contains("/namespaces/codex/") && !r.starts_with("POST /api/v1/namespaces/evil/")
+        })
         .collect();
     assert!(
         outside.is_empty(),
         "the edge called outside its namespace: {outside:?}"
     );
+    Ok(())
+}
+
+fn unschedulable_message(c: &Cluster, pod: &str) -> Option<String> {
+    let p = c.fake.pod(pod)?;
+    let cond = p["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodScheduled")?
+        .clone();
+    (p["status"]["phase"] == "Pending"
+        && cond["status"] == "False"
+        && cond["reason"] == "Unschedulable")
+        .then(|| cond["message"].as_str().unwrap_or("").to_owned())
+}
+
+/// A pod whose volume claim is missing or not yet bound is not scheduled (Pending, PodScheduled
+/// False, Unschedulable, the message naming the claim). The tenant's session waits for it and is
+/// served once the claim binds; if it never binds within `start_timeout_secs`, the session's
+/// requests are answered `-32001` scope `worker`, reason `nodeStarting`, and it is closed 1013,
+/// as README's "Culling" says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_waits_for_its_claim_to_bind_and_a_claim_that_never_binds_times_the_start_out(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        start_timeout_secs: 8,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    // A pod whose claim does not exist is not scheduled either.
+    let orphan = json!({ "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "orphan", "labels": { "app": "other" } },
+        "spec": { "containers": [{ "name": "node", "image": "x" }],
+            "volumes": [{ "name": "home", "persistentVolumeClaim": { "claimName": "nowhere" } }] } });
+    let (code, _) = post(c.fake.addr, "/api/v1/namespaces/codex/pods", &orphan).await?;
+    assert_eq!(code, 201);
+    let message = unschedulable_message(&c, "orphan").context("orphan scheduled")?;
+    assert!(
+        message.contains("persistentvolumeclaim \"nowhere\" not found"),
+        "{message}"
+    );
+
+    c.fake.claims_pending(true);
+    let acme = async {
+        let mut a = c.client(0, "acme").await?;
+        let served = tokio::time::Instant::now();
+        let thread = a.start_thread().await?;
+        turn(&mut a, &thread, "once my volume is bound").await?;
+        anyhow::Ok(served)
+    };
+    let binder = async {
+        let pending = wait_until(Duration::from_secs(8), || {
+            unschedulable_message(&c, POD).is_some_and(|m| m.contains("codex-fleet-home-acme"))
+        })
+        .await;
+        assert!(pending, "{:?}", c.fake.pod(POD));
+        let bound = tokio::time::Instant::now();
+        assert!(c.fake.bind_claim("codex-fleet-home-acme"));
+        bound
+    };
+    let beta = async {
+        let mut b =
+            Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token("beta"))).await?;
+        b.send(
+            &json!({ "id": 1, "method": "initialize", "params": { "clientInfo": {
+            "name": "t", "title": null, "version": "0" } } }),
+        )
+        .await?;
+        let answer = b.wait_for(|v| v["id"] == 1).await?;
+        let close = b.recv_close_frame(Duration::from_secs(5)).await?;
+        anyhow::Ok((answer, close))
+    };
+    let (served, bound, refused) = tokio::join!(acme, binder, beta);
+    assert!(served? > bound, "served before its claim was bound");
+    let (answer, close) = refused?;
+    assert_eq!(answer["error"]["code"], -32001, "{answer}");
+    assert_eq!(answer["error"]["data"]["scope"], "worker", "{answer}");
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStarting",
+        "{answer}"
+    );
+    assert_eq!(
+        close.context("a close frame")?.0,
+        router::edge::NODE_STARTING_CODE
+    );
+    let message = unschedulable_message(&c, "codex-fleet-node-beta").context("beta's pod")?;
+    assert!(message.contains("codex-fleet-home-beta"), "{message}");
     Ok(())
 }
