@@ -298,10 +298,12 @@ async fn the_edge_resumes_its_watch_from_bookmarks_without_relisting_and_misses_
     c.fake.cap_watches(Duration::from_secs(1));
     for round in 0..3 {
         // Other pods in the namespace move the resourceVersion past the edge's last pod
-        // event; only a bookmark tells the edge, and then the history behind it goes.
+        // event; only a bookmark tells the edge, and then the history behind it goes. (Their
+        // claim does not exist: they stay Pending, nothing more happens to them.)
         let other = json!({ "apiVersion": "v1", "kind": "Pod",
             "metadata": { "name": format!("unrelated-{round}"), "labels": { "app": "other" } },
-            "spec": { "containers": [] } });
+            "spec": { "containers": [{ "name": "node", "image": "x" }],
+                "volumes": [{ "name": "home", "persistentVolumeClaim": { "claimName": "none" } }] } });
         let (code, _) = post(c.fake.addr, "/api/v1/namespaces/codex/pods", &other).await?;
         assert_eq!(code, 201);
         let rv = c.fake.resource_version();
