@@ -29,6 +29,9 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+mod https;
+pub use https::{write_service_account, write_token, HttpsApi, SERVICE_ACCOUNT_DIR};
+
 /// A created pod, for the kubelet.
 #[derive(Debug, Clone)]
 pub struct PodInfo {

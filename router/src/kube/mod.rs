@@ -570,7 +570,7 @@ impl KubeNodes {
                                 .with_label_values(&[reason])
                                 .inc();
                             tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
-                            self.note_error(format!("create: {e}"));
+                            self.note_error(format!("create: {}", chain(&e)));
                             let action = if reason == "forbidden" {
                                 "CreateForbidden"
                             } else {
@@ -594,7 +594,7 @@ impl KubeNodes {
                             let (base, sleep) = create_backoff(backoff);
                             backoff = Some(base);
                             tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
-                            self.note_error(format!("create: {e}"));
+                            self.note_error(format!("create: {}", chain(&e)));
                             let left = deadline.saturating_duration_since(Instant::now());
                             tokio::time::sleep(sleep.min(left)).await;
                         }
@@ -794,7 +794,7 @@ impl KubeNodes {
             Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => {
                 tracing::warn!(tenant, pod = %name, error = %e, "cannot delete the ended pod");
-                self.note_error(format!("delete: {e}"));
+                self.note_error(format!("delete: {}", chain(&e)));
                 let mut s = lock(&self.state);
                 s.deleting.remove(&v.uid);
                 s.replacing.remove(&v.uid);
@@ -1006,8 +1006,8 @@ impl KubeNodes {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "tenant pod watch: API error; retrying");
-                        nodes.note_error(format!("watch: {e}"));
+                        tracing::warn!(error = %chain(&e), "tenant pod watch: API error; retrying");
+                        nodes.note_error(format!("watch: {}", chain(&e)));
                         if matches!(e, watcher::Error::WatchError(ref s) if s.code == 410) {
                             // Its history is gone: not synced until it has listed again.
                             nodes.synced.store(false, Ordering::Release);
@@ -1029,7 +1029,7 @@ impl KubeNodes {
             }
             Ok(Err(e)) => {
                 self.reachable.store(false, Ordering::Release);
-                self.note_error(format!("probe: {e}"));
+                self.note_error(format!("probe: {}", chain(&e)));
             }
         }
     }
@@ -1101,6 +1101,23 @@ impl ::kube::runtime::utils::Backoff for WatchBackoff {
     fn reset(&mut self) {
         self.next = Self::FIRST;
     }
+}
+
+/// An error with its causes, outermost first: kube's connection errors say only "client
+/// error (Connect)" themselves, and the cause (a certificate the CA does not sign, a refused
+/// connection) is what an operator reading `/readyz` needs.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 fn already_exists(e: &::kube::Error) -> bool {
