@@ -258,10 +258,12 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
             if set(tenant_np["spec"]["policyTypes"]) != {"Ingress", "Egress"}:
                 fail(where, "tenant NetworkPolicy must restrict ingress and egress")
             first = tenant_np["spec"]["ingress"][0]
-            if first["ports"] != [{"port": link_port, "protocol": "TCP"}] or first["from"] != [
+            # The edges: the link, and the admin port they ask whether a node is idle (issue 23).
+            want_ports = [{"port": link_port, "protocol": "TCP"}, {"port": 9464, "protocol": "TCP"}]
+            if first["ports"] != want_ports or first["from"] != [
                 {"podSelector": {"matchLabels": edge_labels}}
             ]:
-                fail(where, f"tenant pods' ingress: edges on the link port only: {first}")
+                fail(where, f"tenant pods' ingress: edges on the link and admin ports only: {first}")
             for rule in tenant_np["spec"]["egress"]:
                 for peer in rule["to"]:
                     if "podSelector" in peer and "namespaceSelector" not in peer:

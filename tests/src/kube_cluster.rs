@@ -165,7 +165,12 @@ impl Cluster {
         });
         let fake = FakeKube::start(kubelet).await?;
         let template = dir.join("pod.json");
-        std::fs::write(&template, TEMPLATE)?;
+        // The readiness probe names the pods' admin port, as the chart's template does (the
+        // edge asks it whether a node is idle).
+        std::fs::write(
+            &template,
+            TEMPLATE.replace("\"port\":9464", &format!("\"port\":{admin_port}")),
+        )?;
         // An edge runs no worker: its file leaves `[workers]` out.
         let edge_base = match (base.find("[workers]\n"), base.find("[drain]\n")) {
             (Some(w), Some(d)) if w < d => format!("{}{}", &base[..w], &base[d..]),

@@ -48,9 +48,10 @@ pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", 
 /// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
 /// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
 /// by an edge) besides what ends a pod by itself.
-/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`.
-pub const RECREATIONS: [&str; 7] = [
-    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated",
+/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`; `upgraded`: one
+/// deleted at an idle moment of its node.
+pub const RECREATIONS: [&str; 8] = [
+    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated", "upgraded",
 ];
 /// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
 /// told why), so a fixed image in the values reaches the tenant's next pod.
@@ -65,6 +66,10 @@ const CREATE_BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How often pods of an older template are looked for (`max_pod_age_secs`).
 const SWEEP: Duration = Duration::from_secs(1);
+/// How often, at most, an edge asks the node of a pod of an older template whether it is idle,
+/// and how long it waits for the answer.
+const UPGRADE_LOOK: Duration = Duration::from_secs(2);
+const UPGRADE_ASK: Duration = Duration::from_secs(2);
 /// How long the readiness probe waits for the API server.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest cause a refused client is told (the API server's message, bounded).
@@ -179,6 +184,7 @@ pub struct KubeMetrics {
     start_seconds: Histogram,
     start_failures: IntCounterVec,
     culls: IntCounter,
+    upgrades: IntCounter,
     recreations: IntCounterVec,
     requests: GaugeVec,
 }
@@ -221,6 +227,10 @@ impl KubeMetrics {
                 "codex_fleet_tenant_pod_culls_total",
                 "Completed (idle-exited) tenant pods this edge deleted.",
             )?,
+            upgrades: IntCounter::new(
+                "codex_fleet_tenant_pod_upgrades_total",
+                "Tenant pods of an older template this edge deleted at an idle moment of their node (no session, running turn or loaded thread), so the next session gets the current template.",
+            )?,
             recreations: IntCounterVec::new(
                 Opts::new(
                     "codex_fleet_tenant_pod_recreations_total",
@@ -242,6 +252,7 @@ impl KubeMetrics {
         registry.register(Box::new(m.start_seconds.clone()))?;
         registry.register(Box::new(m.start_failures.clone()))?;
         registry.register(Box::new(m.culls.clone()))?;
+        registry.register(Box::new(m.upgrades.clone()))?;
         registry.register(Box::new(m.recreations.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         for p in PHASES {
@@ -350,6 +361,9 @@ struct State {
     /// When this edge first saw each pod (uid): a pod Pending longer than the start timeout is
     /// stuck.
     first_seen: HashMap<String, Instant>,
+    /// Pods (uid) of an older template: when this edge last asked their node whether it is
+    /// idle (an entry without a time: asking now).
+    upgrade_asked: HashMap<String, Option<Instant>>,
 }
 
 /// The backend.
@@ -360,6 +374,9 @@ pub struct KubeNodes {
     namespace: String,
     api_url: String,
     template: Template,
+    /// The tenant pods' admin port (the template's readiness probe's): where an edge asks a
+    /// node whether it is idle.
+    admin_port: Option<u16>,
     tenants: RwLock<HashMap<String, Tenant>>,
     /// Each tenant's current template hash (what its next pod is made from).
     hashes: RwLock<HashMap<String, String>>,
@@ -428,6 +445,7 @@ impl KubeNodes {
             settings: k,
             namespace,
             api_url,
+            admin_port: template.admin_port(),
             template,
             tenants: RwLock::new(HashMap::new()),
             hashes: RwLock::new(HashMap::new()),
@@ -511,22 +529,25 @@ impl KubeNodes {
         let mut created_here = false;
         let mut backoff: Option<Duration> = None;
         loop {
-            let (view, shared) = {
+            let (view, shared, replacing) = {
                 let s = lock(&self.state);
                 let view = s.pods.get(tenant).cloned();
+                let replacing = view
+                    .as_ref()
+                    .is_some_and(|v| s.replacing.contains_key(&v.uid));
                 // Another tenant's live pod at the same address: never dial it for this one.
                 let shared = view.as_ref().and_then(|v| v.ip).is_some_and(|ip| {
                     s.pods
                         .iter()
                         .any(|(t, o)| t != tenant && !o.ended() && o.ip == Some(ip))
                 });
-                (view, shared)
+                (view, shared, replacing)
             };
             match view {
                 Some(v) if shared => {
                     tracing::error!(tenant, ip = ?v.ip, "the tenant's pod reports another tenant's pod address; not dialling it");
                 }
-                Some(v) if v.ready && v.phase == "Running" && !v.deleting => {
+                Some(v) if v.ready && v.phase == "Running" && !v.deleting && !replacing => {
                     if let Some(ip) = v.ip {
                         return Ok(PodTarget {
                             pod: self.pod_name(tenant),
@@ -743,6 +764,68 @@ impl KubeNodes {
             .collect()
     }
 
+    /// Ready pods made from an older template than their tenant's current one whose node this
+    /// edge has not asked within [`UPGRADE_LOOK`] whether it is idle (marked as being asked).
+    fn upgradable(&self) -> Vec<(String, PodView, std::net::SocketAddr)> {
+        let Some(port) = self.admin_port else {
+            return Vec::new();
+        };
+        let hashes = self.hashes.read().unwrap_or_else(PoisonError::into_inner);
+        let mut s = lock(&self.state);
+        let live: HashSet<String> = s.pods.values().map(|v| v.uid.clone()).collect();
+        s.upgrade_asked.retain(|uid, _| live.contains(uid));
+        let due: Vec<(String, PodView, std::net::SocketAddr)> = s
+            .pods
+            .iter()
+            .filter(|(t, v)| {
+                v.ready
+                    && v.phase == "Running"
+                    && !v.deleting
+                    && !s.deleting.contains(&v.uid)
+                    && v.template_hash.is_some()
+                    && hashes
+                        .get(*t)
+                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                    && match s.upgrade_asked.get(&v.uid) {
+                        None => true,
+                        Some(None) => false,
+                        Some(Some(at)) => at.elapsed() >= UPGRADE_LOOK,
+                    }
+            })
+            .filter_map(|(t, v)| Some((t.clone(), v.clone(), SocketAddr::new(v.ip?, port))))
+            .collect();
+        for (_, v, _) in &due {
+            s.upgrade_asked.insert(v.uid.clone(), None);
+        }
+        due
+    }
+
+    /// Replaces a pod of an older template if its node is idle (by the idle cull's rule, see
+    /// [`idle::node_is_idle`]); a node that is busy or does not answer keeps its pod. This
+    /// edge's own sessions stop being given the pod before it is deleted; a session another
+    /// edge opens in between is closed by the node's drain, after any turn it started.
+    async fn replace_if_idle(&self, tenant: &str, v: &PodView, admin: SocketAddr) {
+        let idle = idle::node_is_idle(admin, UPGRADE_ASK).await;
+        lock(&self.state)
+            .upgrade_asked
+            .insert(v.uid.clone(), Some(Instant::now()));
+        match idle {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::debug!(tenant, error = %format!("{e:#}"), "cannot ask the node of an older template whether it is idle; keeping it");
+                return;
+            }
+        }
+        let current = lock(&self.state).pods.get(tenant).map(|p| p.uid.clone());
+        if current.as_deref() != Some(v.uid.as_str()) {
+            return;
+        }
+        tracing::info!(tenant, pod = %self.pod_name(tenant), "the tenant's pod is of an older template and its node is idle; replacing it");
+        self.metrics.upgrades.inc();
+        self.replace(tenant, v, "upgraded").await;
+    }
+
     /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
     /// volume); `why` is counted when the new pod is created.
     async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
@@ -782,12 +865,13 @@ impl KubeNodes {
                         .get(&v.uid)
                         .copied()
                         .unwrap_or_else(|| v.end_reason());
+                    // An upgrade is routine; a pod that failed is worth a warning.
                     self.event(
                         tenant,
                         Some(&v.uid),
-                        true,
+                        !matches!(why, "upgraded" | "outdated"),
                         "Replaced",
-                        format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
+                        replaced_note(why),
                     );
                 }
             }
@@ -994,6 +1078,10 @@ impl KubeNodes {
                             let n = nodes.clone();
                             tokio::spawn(async move { n.replace(&tenant, &v, "outdated").await });
                         }
+                        for (tenant, v, admin) in nodes.upgradable() {
+                            let n = nodes.clone();
+                            tokio::spawn(async move { n.replace_if_idle(&tenant, &v, admin).await });
+                        }
                         continue;
                     }
                 };
@@ -1067,6 +1155,15 @@ impl KubeNodes {
                 "tenantPods": pods,
             }),
         )
+    }
+}
+
+/// The note of a `Replaced` Event.
+fn replaced_note(why: &str) -> String {
+    match why {
+        "upgraded" => "made from an older template and its node idle (no session, running turn or loaded thread); deleted, the next session gets a pod of the current template".into(),
+        "outdated" => "made from an older template and older than max_pod_age_secs; deleted, the next session gets a pod of the current template".into(),
+        _ => format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
     }
 }
 
