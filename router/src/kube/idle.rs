@@ -57,8 +57,13 @@ const ADMIN_BODY_MAX: usize = 4 << 20;
 /// that cannot be read is an error: the caller keeps the pod.
 pub async fn node_is_idle(admin: std::net::SocketAddr, within: Duration) -> anyhow::Result<bool> {
     let look = async {
-        let metrics = admin_get(admin, "/metrics").await?;
+        // /readyz first: a node with a session has a loaded thread, mostly, and then its
+        // (larger) /metrics need not be read.
         let readyz = admin_get(admin, "/readyz").await?;
+        if !workers_idle(&readyz)? {
+            return Ok(false);
+        }
+        let metrics = admin_get(admin, "/metrics").await?;
         idle_from_admin(&metrics, &readyz)
     };
     tokio::time::timeout(within, look)
@@ -85,15 +90,21 @@ pub fn idle_from_admin(metrics: &str, readyz: &str) -> anyhow::Result<bool> {
         seen_sessions = true;
         sessions += value;
     }
+    let workers_idle = workers_idle(readyz)?;
+    if !seen_sessions {
+        anyhow::bail!("/metrics has no {}", crate::metrics::names::SESSIONS);
+    }
+    Ok(workers_idle && sessions == 0.0)
+}
+
+/// Whether a node's `/readyz` shows no running turn and no loaded thread.
+fn workers_idle(readyz: &str) -> anyhow::Result<bool> {
     let r: serde_json::Value =
         serde_json::from_str(readyz).map_err(|e| anyhow::anyhow!("/readyz is not JSON: {e}"))?;
     let tenants = r["tenants"]
         .as_array()
         .ok_or_else(|| anyhow::anyhow!("/readyz has no tenants"))?;
-    if !seen_sessions && !tenants.is_empty() {
-        anyhow::bail!("/metrics has no {}", crate::metrics::names::SESSIONS);
-    }
-    let mut busy = sessions > 0.0;
+    let mut busy = false;
     for t in tenants {
         for w in t["workers"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
             let count = |k: &str| {

@@ -836,9 +836,15 @@ impl KubeNodes {
     /// Deletes a completed or failed pod so a new one can be created (only that pod: a uid
     /// precondition keeps a newer pod of the same name safe).
     async fn delete_ended(&self, tenant: &str, v: &PodView) {
-        if !lock(&self.state).deleting.insert(v.uid.clone()) {
-            return;
-        }
+        // Why, read before the delete: the watch may see the pod gone (and forget why) before
+        // the delete's answer arrives.
+        let why = {
+            let mut s = lock(&self.state);
+            if !s.deleting.insert(v.uid.clone()) {
+                return;
+            }
+            s.replacing.get(&v.uid).copied()
+        };
         let name = self.pod_name(tenant);
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
@@ -860,11 +866,7 @@ impl KubeNodes {
                         "the node exited when idle; deleted (its volume stays for the next session)".into(),
                     );
                 } else {
-                    let why = lock(&self.state)
-                        .replacing
-                        .get(&v.uid)
-                        .copied()
-                        .unwrap_or_else(|| v.end_reason());
+                    let why = why.unwrap_or_else(|| v.end_reason());
                     // An upgrade is routine; a pod that failed is worth a warning.
                     self.event(
                         tenant,
