@@ -1263,6 +1263,26 @@ mod tests {
     }
 
     #[test]
+    fn an_error_is_written_with_its_causes_once_each() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (Connect)")]
+        struct Outer(#[source] std::io::Error);
+        #[derive(Debug, thiserror::Error)]
+        #[error("{0}")]
+        struct Same(#[source] std::io::Error);
+        let cert = || std::io::Error::other("invalid peer certificate: UnknownIssuer");
+        assert_eq!(
+            chain(&Outer(cert())),
+            "client error (Connect): invalid peer certificate: UnknownIssuer"
+        );
+        // A cause its error already repeats is not written twice.
+        assert_eq!(
+            chain(&Same(cert())),
+            "invalid peer certificate: UnknownIssuer"
+        );
+    }
+
+    #[test]
     fn the_create_backoff_doubles_to_its_bound_with_jitter() {
         let mut prev = None;
         let mut bases = Vec::new();
