@@ -258,10 +258,12 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
             if set(tenant_np["spec"]["policyTypes"]) != {"Ingress", "Egress"}:
                 fail(where, "tenant NetworkPolicy must restrict ingress and egress")
             first = tenant_np["spec"]["ingress"][0]
-            if first["ports"] != [{"port": link_port, "protocol": "TCP"}] or first["from"] != [
+            # The edges: the link, and the admin port they ask whether a node is idle (issue 23).
+            want_ports = [{"port": link_port, "protocol": "TCP"}, {"port": 9464, "protocol": "TCP"}]
+            if first["ports"] != want_ports or first["from"] != [
                 {"podSelector": {"matchLabels": edge_labels}}
             ]:
-                fail(where, f"tenant pods' ingress: edges on the link port only: {first}")
+                fail(where, f"tenant pods' ingress: edges on the link and admin ports only: {first}")
             for rule in tenant_np["spec"]["egress"]:
                 for peer in rule["to"]:
                     if "podSelector" in peer and "namespaceSelector" not in peer:
@@ -332,6 +334,41 @@ def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
         fail(where, f"TLSRoute backendRefs {refs}, want the wss Service on {port}")
     if route["spec"]["parentRefs"] != values["tlsRoute"]["parentRefs"]:
         fail(where, "TLSRoute parentRefs are not tlsRoute.parentRefs")
+
+
+def check_ingress(where: str, values: dict, docs: list[dict]) -> None:
+    """Issue 23 item 8: ingress renders an Ingress with TLS passthrough (ingress-nginx's
+    annotation) for ingress.host to the wss Service, without a tls section (the controller must
+    not terminate), and nothing when off."""
+    ing = find(docs, "Ingress")
+    want = values.get("ingress") or {}
+    if not want.get("enabled", False):
+        if ing:
+            fail(where, "an Ingress although ingress.enabled is false")
+        return
+    if not ing:
+        fail(where, "ingress.enabled renders no Ingress")
+        return
+    svc = find(docs, "Service", f"{RELEASE}-codex-fleet")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "wss")
+    annotations = ing["metadata"].get("annotations") or {}
+    if annotations.get("nginx.ingress.kubernetes.io/ssl-passthrough") != "true":
+        fail(where, f"Ingress without ssl-passthrough: {annotations}")
+    for k, v in (want.get("annotations") or {}).items():
+        if annotations.get(k) != v:
+            fail(where, f"Ingress annotation {k} is not ingress.annotations'")
+    if ing["spec"].get("ingressClassName") != want.get("className", "nginx"):
+        fail(where, f"ingressClassName {ing['spec'].get('ingressClassName')}, want ingress.className")
+    if "tls" in ing["spec"]:
+        fail(where, "Ingress has spec.tls: the controller would terminate TLS, not pass it through")
+    rules = ing["spec"]["rules"]
+    backends = [p["backend"] for r in rules for p in r["http"]["paths"]]
+    if [r["host"] for r in rules] != [want["host"]]:
+        fail(where, f"Ingress hosts {[r['host'] for r in rules]}, want [{want['host']}]")
+    if backends != [{"service": {"name": svc["metadata"]["name"], "port": {"number": port}}}]:
+        fail(where, f"Ingress backends {backends}, want the wss Service on {port}")
+    else:
+        print(f"  ok   Ingress: TLS passthrough for {want['host']} to {svc['metadata']['name']}:{port}")
 
 
 def check_resources(where: str, docs: list[dict]) -> None:
@@ -613,6 +650,8 @@ INVALID = [
     ("kubernetes-defaults", {"link": {"certManager": {"enabled": False}}}, "is required when link.certManager.enabled is false"),
     ("kubernetes-defaults", {"workers": {"state_dir": "/data"}}, "workers.state_dir must be /var/lib/codex-fleet"),
     ("kubernetes-defaults", {"tlsRoute": {"enabled": True}}, "tlsRoute.parentRefs is required"),
+    ("kubernetes-defaults", {"ingress": {"enabled": True}}, "ingress.host is required"),
+    ("single-defaults", {"ingress": {"enabled": True, "host": "Not A Host"}}, "/ingress/host"),
     ("kubernetes-defaults", {"tenantPod": {"terminationGracePeriodSeconds": 60}}, "tenantPod.terminationGracePeriodSeconds (60) must be longer than the drain"),
     ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
@@ -658,6 +697,7 @@ def main() -> int:
             validate(where, doc)
         print("  ok   lint, render; validated: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
         check_tls_route(name, values, docs)
+        check_ingress(name, values, docs)
         check_config(name, docs, values)
         check_resources(name, docs)
         check_mounts(name, docs)

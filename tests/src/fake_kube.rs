@@ -36,6 +36,9 @@ use serde_json::{json, Value};
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+mod https;
+pub use https::{write_service_account, write_token, HttpsApi, SERVICE_ACCOUNT_DIR};
+
 /// The namespace the test helpers ([`FakeKube::pod`], [`FakeKube::delete_pod`], …) mean: the
 /// test cluster's ([`crate::kube_cluster`]).
 pub const NAMESPACE: &str = "codex";

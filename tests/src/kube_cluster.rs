@@ -168,7 +168,11 @@ impl Cluster {
         });
         let fake = FakeKube::start(kubelet).await?;
         let template = dir.join("pod.json");
-        let mut pod: Value = serde_json::from_str(TEMPLATE)?;
+        // The readiness probe names the pods' admin port, as the chart's template does (the
+        // edge asks it whether a node is idle).
+        let mut pod: Value = serde_json::from_str(
+            &TEMPLATE.replace("\"port\":9464", &format!("\"port\":{admin_port}")),
+        )?;
         if let Some(grace) = o.termination_grace_secs {
             pod["spec"]["terminationGracePeriodSeconds"] = grace.into();
         }

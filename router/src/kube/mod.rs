@@ -48,11 +48,11 @@ pub const START_FAILURES: [&str; 6] = ["timeout", "failed", "api", "forbidden", 
 /// Why a tenant's previous pod ended, when a new one is created for it: `stuck` (Pending past
 /// the start timeout, deleted by an edge) and `image` (its image could not be pulled, deleted
 /// by an edge) besides what ends a pod by itself.
-/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`; `lost`: a pod left
-/// Terminating past its grace period (no kubelet confirms it: its machine is lost), force-deleted
-/// by an edge.
-pub const RECREATIONS: [&str; 8] = [
-    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated", "lost",
+/// `outdated`: a pod of an older template deleted past `max_pod_age_secs`; `upgraded`: one
+/// deleted at an idle moment of its node; `lost`: a pod left Terminating past its grace period
+/// (no kubelet confirms it: its machine is lost), force-deleted by an edge.
+pub const RECREATIONS: [&str; 9] = [
+    "idle", "evicted", "failed", "deleted", "stuck", "image", "outdated", "upgraded", "lost",
 ];
 /// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
 /// told why), so a fixed image in the values reaches the tenant's next pod.
@@ -71,6 +71,10 @@ const SWEEP: Duration = Duration::from_secs(1);
 /// a kubelet removes a pod within seconds of killing it; one that does not is out of reach
 /// (its machine lost) and would keep the tenant's pod name taken for good.
 const FORCE_DELETE_AFTER: Duration = Duration::from_secs(10);
+/// How often, at most, an edge asks the node of a pod of an older template whether it is idle,
+/// and how long it waits for the answer.
+const UPGRADE_LOOK: Duration = Duration::from_secs(2);
+const UPGRADE_ASK: Duration = Duration::from_secs(2);
 /// How long the readiness probe waits for the API server.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest cause a refused client is told (the API server's message, bounded).
@@ -185,6 +189,7 @@ pub struct KubeMetrics {
     start_seconds: Histogram,
     start_failures: IntCounterVec,
     culls: IntCounter,
+    upgrades: IntCounter,
     recreations: IntCounterVec,
     requests: GaugeVec,
 }
@@ -227,6 +232,10 @@ impl KubeMetrics {
                 "codex_fleet_tenant_pod_culls_total",
                 "Completed (idle-exited) tenant pods this edge deleted.",
             )?,
+            upgrades: IntCounter::new(
+                "codex_fleet_tenant_pod_upgrades_total",
+                "Tenant pods of an older template this edge deleted at an idle moment of their node (no session, running turn or loaded thread), so the next session gets the current template.",
+            )?,
             recreations: IntCounterVec::new(
                 Opts::new(
                     "codex_fleet_tenant_pod_recreations_total",
@@ -248,6 +257,7 @@ impl KubeMetrics {
         registry.register(Box::new(m.start_seconds.clone()))?;
         registry.register(Box::new(m.start_failures.clone()))?;
         registry.register(Box::new(m.culls.clone()))?;
+        registry.register(Box::new(m.upgrades.clone()))?;
         registry.register(Box::new(m.recreations.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         for p in PHASES {
@@ -365,6 +375,9 @@ struct State {
     /// When this edge first saw each pod (uid) Terminating (its own clock: no skew with the API
     /// server's `deletionTimestamp`).
     terminating_since: HashMap<String, Instant>,
+    /// Pods (uid) of an older template: when this edge last asked their node whether it is
+    /// idle (an entry without a time: asking now).
+    upgrade_asked: HashMap<String, Option<Instant>>,
 }
 
 /// The backend.
@@ -375,6 +388,9 @@ pub struct KubeNodes {
     namespace: String,
     api_url: String,
     template: Template,
+    /// The tenant pods' admin port (the template's readiness probe's): where an edge asks a
+    /// node whether it is idle.
+    admin_port: Option<u16>,
     tenants: RwLock<HashMap<String, Tenant>>,
     /// Each tenant's current template hash (what its next pod is made from).
     hashes: RwLock<HashMap<String, String>>,
@@ -443,6 +459,7 @@ impl KubeNodes {
             settings: k,
             namespace,
             api_url,
+            admin_port: template.admin_port(),
             template,
             tenants: RwLock::new(HashMap::new()),
             hashes: RwLock::new(HashMap::new()),
@@ -526,22 +543,25 @@ impl KubeNodes {
         let mut created_here = false;
         let mut backoff: Option<Duration> = None;
         loop {
-            let (view, shared) = {
+            let (view, shared, replacing) = {
                 let s = lock(&self.state);
                 let view = s.pods.get(tenant).cloned();
+                let replacing = view
+                    .as_ref()
+                    .is_some_and(|v| s.replacing.contains_key(&v.uid));
                 // Another tenant's live pod at the same address: never dial it for this one.
                 let shared = view.as_ref().and_then(|v| v.ip).is_some_and(|ip| {
                     s.pods
                         .iter()
                         .any(|(t, o)| t != tenant && !o.ended() && o.ip == Some(ip))
                 });
-                (view, shared)
+                (view, shared, replacing)
             };
             match view {
                 Some(v) if shared => {
                     tracing::error!(tenant, ip = ?v.ip, "the tenant's pod reports another tenant's pod address; not dialling it");
                 }
-                Some(v) if v.ready && v.phase == "Running" && !v.deleting => {
+                Some(v) if v.ready && v.phase == "Running" && !v.deleting && !replacing => {
                     if let Some(ip) = v.ip {
                         return Ok(PodTarget {
                             pod: self.pod_name(tenant),
@@ -589,7 +609,7 @@ impl KubeNodes {
                                 .with_label_values(&[reason])
                                 .inc();
                             tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
-                            self.note_error(format!("create: {e}"));
+                            self.note_error(format!("create: {}", chain(&e)));
                             let action = if reason == "forbidden" {
                                 "CreateForbidden"
                             } else {
@@ -613,7 +633,7 @@ impl KubeNodes {
                             let (base, sleep) = create_backoff(backoff);
                             backoff = Some(base);
                             tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
-                            self.note_error(format!("create: {e}"));
+                            self.note_error(format!("create: {}", chain(&e)));
                             let left = deadline.saturating_duration_since(Instant::now());
                             tokio::time::sleep(sleep.min(left)).await;
                         }
@@ -808,6 +828,68 @@ impl KubeNodes {
             .collect()
     }
 
+    /// Ready pods made from an older template than their tenant's current one whose node this
+    /// edge has not asked within [`UPGRADE_LOOK`] whether it is idle (marked as being asked).
+    fn upgradable(&self) -> Vec<(String, PodView, std::net::SocketAddr)> {
+        let Some(port) = self.admin_port else {
+            return Vec::new();
+        };
+        let hashes = self.hashes.read().unwrap_or_else(PoisonError::into_inner);
+        let mut s = lock(&self.state);
+        let live: HashSet<String> = s.pods.values().map(|v| v.uid.clone()).collect();
+        s.upgrade_asked.retain(|uid, _| live.contains(uid));
+        let due: Vec<(String, PodView, std::net::SocketAddr)> = s
+            .pods
+            .iter()
+            .filter(|(t, v)| {
+                v.ready
+                    && v.phase == "Running"
+                    && !v.deleting
+                    && !s.deleting.contains(&v.uid)
+                    && v.template_hash.is_some()
+                    && hashes
+                        .get(*t)
+                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                    && match s.upgrade_asked.get(&v.uid) {
+                        None => true,
+                        Some(None) => false,
+                        Some(Some(at)) => at.elapsed() >= UPGRADE_LOOK,
+                    }
+            })
+            .filter_map(|(t, v)| Some((t.clone(), v.clone(), SocketAddr::new(v.ip?, port))))
+            .collect();
+        for (_, v, _) in &due {
+            s.upgrade_asked.insert(v.uid.clone(), None);
+        }
+        due
+    }
+
+    /// Replaces a pod of an older template if its node is idle (by the idle cull's rule, see
+    /// [`idle::node_is_idle`]); a node that is busy or does not answer keeps its pod. This
+    /// edge's own sessions stop being given the pod before it is deleted; a session another
+    /// edge opens in between is closed by the node's drain, after any turn it started.
+    async fn replace_if_idle(&self, tenant: &str, v: &PodView, admin: SocketAddr) {
+        let idle = idle::node_is_idle(admin, UPGRADE_ASK).await;
+        lock(&self.state)
+            .upgrade_asked
+            .insert(v.uid.clone(), Some(Instant::now()));
+        match idle {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::debug!(tenant, error = %format!("{e:#}"), "cannot ask the node of an older template whether it is idle; keeping it");
+                return;
+            }
+        }
+        let current = lock(&self.state).pods.get(tenant).map(|p| p.uid.clone());
+        if current.as_deref() != Some(v.uid.as_str()) {
+            return;
+        }
+        tracing::info!(tenant, pod = %self.pod_name(tenant), "the tenant's pod is of an older template and its node is idle; replacing it");
+        self.metrics.upgrades.inc();
+        self.replace(tenant, v, "upgraded").await;
+    }
+
     /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
     /// volume); `why` is counted when the new pod is created.
     async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
@@ -818,9 +900,15 @@ impl KubeNodes {
     /// Deletes a completed or failed pod so a new one can be created (only that pod: a uid
     /// precondition keeps a newer pod of the same name safe).
     async fn delete_ended(&self, tenant: &str, v: &PodView) {
-        if !lock(&self.state).deleting.insert(v.uid.clone()) {
-            return;
-        }
+        // Why, read before the delete: the watch may see the pod gone (and forget why) before
+        // the delete's answer arrives.
+        let why = {
+            let mut s = lock(&self.state);
+            if !s.deleting.insert(v.uid.clone()) {
+                return;
+            }
+            s.replacing.get(&v.uid).copied()
+        };
         let name = self.pod_name(tenant);
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
@@ -842,24 +930,21 @@ impl KubeNodes {
                         "the node exited when idle; deleted (its volume stays for the next session)".into(),
                     );
                 } else {
-                    let why = lock(&self.state)
-                        .replacing
-                        .get(&v.uid)
-                        .copied()
-                        .unwrap_or_else(|| v.end_reason());
+                    let why = why.unwrap_or_else(|| v.end_reason());
+                    // An upgrade is routine; a pod that failed is worth a warning.
                     self.event(
                         tenant,
                         Some(&v.uid),
-                        true,
+                        !matches!(why, "upgraded" | "outdated"),
                         "Replaced",
-                        format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
+                        replaced_note(why),
                     );
                 }
             }
             Err(::kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => {
                 tracing::warn!(tenant, pod = %name, error = %e, "cannot delete the ended pod");
-                self.note_error(format!("delete: {e}"));
+                self.note_error(format!("delete: {}", chain(&e)));
                 let mut s = lock(&self.state);
                 s.deleting.remove(&v.uid);
                 s.replacing.remove(&v.uid);
@@ -1065,6 +1150,10 @@ impl KubeNodes {
                             let n = nodes.clone();
                             tokio::spawn(async move { n.replace(&tenant, &v, "outdated").await });
                         }
+                        for (tenant, v, admin) in nodes.upgradable() {
+                            let n = nodes.clone();
+                            tokio::spawn(async move { n.replace_if_idle(&tenant, &v, admin).await });
+                        }
                         continue;
                     }
                 };
@@ -1077,8 +1166,8 @@ impl KubeNodes {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "tenant pod watch: API error; retrying");
-                        nodes.note_error(format!("watch: {e}"));
+                        tracing::warn!(error = %chain(&e), "tenant pod watch: API error; retrying");
+                        nodes.note_error(format!("watch: {}", chain(&e)));
                         if matches!(e, watcher::Error::WatchError(ref s) if s.code == 410) {
                             // Its history is gone: not synced until it has listed again.
                             nodes.synced.store(false, Ordering::Release);
@@ -1100,7 +1189,7 @@ impl KubeNodes {
             }
             Ok(Err(e)) => {
                 self.reachable.store(false, Ordering::Release);
-                self.note_error(format!("probe: {e}"));
+                self.note_error(format!("probe: {}", chain(&e)));
             }
         }
     }
@@ -1141,6 +1230,15 @@ impl KubeNodes {
     }
 }
 
+/// The note of a `Replaced` Event.
+fn replaced_note(why: &str) -> String {
+    match why {
+        "upgraded" => "made from an older template and its node idle (no session, running turn or loaded thread); deleted, the next session gets a pod of the current template".into(),
+        "outdated" => "made from an older template and older than max_pod_age_secs; deleted, the next session gets a pod of the current template".into(),
+        _ => format!("the pod ended or cannot start ({why}); deleted, a new one is created for the next session"),
+    }
+}
+
 /// The watch's back-off on API errors: 200 ms doubling to 5 s, reset by every event. Shorter
 /// than kube's default (up to 30 s), so an edge is ready again soon after its API server is.
 struct WatchBackoff {
@@ -1172,6 +1270,23 @@ impl ::kube::runtime::utils::Backoff for WatchBackoff {
     fn reset(&mut self) {
         self.next = Self::FIRST;
     }
+}
+
+/// An error with its causes, outermost first: kube's connection errors say only "client
+/// error (Connect)" themselves, and the cause (a certificate the CA does not sign, a refused
+/// connection) is what an operator reading `/readyz` needs.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 fn already_exists(e: &::kube::Error) -> bool {
@@ -1215,6 +1330,26 @@ mod tests {
         assert!(!c.contains('\n') && !c.contains('\r'), "{c}");
         assert!(c.len() <= CAUSE_MAX + '…'.len_utf8(), "{}", c.len());
         assert!(c.ends_with('…'));
+    }
+
+    #[test]
+    fn an_error_is_written_with_its_causes_once_each() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (Connect)")]
+        struct Outer(#[source] std::io::Error);
+        #[derive(Debug, thiserror::Error)]
+        #[error("{0}")]
+        struct Same(#[source] std::io::Error);
+        let cert = || std::io::Error::other("invalid peer certificate: UnknownIssuer");
+        assert_eq!(
+            chain(&Outer(cert())),
+            "client error (Connect): invalid peer certificate: UnknownIssuer"
+        );
+        // A cause its error already repeats is not written twice.
+        assert_eq!(
+            chain(&Same(cert())),
+            "invalid peer certificate: UnknownIssuer"
+        );
     }
 
     #[test]

@@ -77,6 +77,27 @@ impl Template {
         }
         Ok(Template(v))
     }
+
+    /// The node's admin port, where the kubelet asks whether it is ready: the `node`
+    /// container's readiness probe's `httpGet` port (a number, or the name of one of its
+    /// ports). The edge asks the same port whether the node is idle.
+    pub fn admin_port(&self) -> Option<u16> {
+        let c = &self.0["spec"]["containers"][0];
+        let port = &c["readinessProbe"]["httpGet"]["port"];
+        if let Some(n) = port.as_u64() {
+            return u16::try_from(n).ok();
+        }
+        let name = port.as_str()?;
+        if let Ok(n) = name.parse() {
+            return Some(n);
+        }
+        c["ports"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["containerPort"].as_u64())
+            .and_then(|n| u16::try_from(n).ok())
+    }
 }
 
 /// The namespace tenant pods live in: the configured one, else the service account's.
@@ -437,6 +458,28 @@ token_sha256 = ["{}"]
                 "policy": { "process": "deny" },
             })
         );
+    }
+
+    #[test]
+    fn the_admin_port_is_the_readiness_probes_by_number_or_by_name() {
+        let with = |probe: &str, ports: &str| {
+            Template::parse(&format!(
+                r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"t"}},"spec":{{"containers":[{{"name":"node","image":"i","readinessProbe":{{"httpGet":{{"path":"/readyz","port":{probe}}}}},"ports":{ports}}}]}}}}"#
+            ))
+            .expect("a template")
+            .admin_port()
+        };
+        assert_eq!(with("9464", "[]"), Some(9464));
+        assert_eq!(with("\"9465\"", "[]"), Some(9465));
+        assert_eq!(
+            with("\"admin\"", r#"[{"name":"admin","containerPort":9466}]"#),
+            Some(9466)
+        );
+        assert_eq!(
+            with("\"other\"", r#"[{"name":"admin","containerPort":9466}]"#),
+            None
+        );
+        assert_eq!(with("70000", "[]"), None);
     }
 
     #[test]
