@@ -827,13 +827,27 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
 ) -> anyhow::Result<()> {
     let files = FleetBuilder::new()
         .tenant_pool("acme", 1, 3)
-        .workers_toml("max_workers = 6")
+        .workers_toml(&format!("max_workers = 6\n{}", e2e::FAST_FAULTS))
         .limits_toml("tenant_rps = 1\ntenant_burst = 12\nmax_active_turns_per_tenant = 4")
         .prepare()
         .await?;
     let fleet = e2e::FleetProcess::spawn(&files).await?;
     let mut c = fleet.client(&files, &files.token("acme")).await?;
     let thread = c.start_thread().await?;
+    // The workers' memory is sampled at each health ping (every second here): once it has been,
+    // top's MEMORY column has a number to show.
+    let memory = || {
+        e2e::metric_at(
+            fleet.admin,
+            "codex_fleet_worker_resident_bytes",
+            &[("tenant", "acme")],
+        )
+    };
+    let sampled = e2e::wait_until_async(Duration::from_secs(10), || async {
+        memory().await.is_ok_and(|b| b > 0.0)
+    })
+    .await;
+    assert!(sampled, "the worker's memory was never sampled");
     let mut gate = SampleGate::start(fleet.admin, 2).await?;
     let top = tokio::process::Command::new(e2e::fleet_bin())
         .args(["top", "--once", "--interval", "1", "--admin"])
@@ -882,8 +896,10 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
     // top is at its second sample, held: its interval is the time held, whatever its sleep.
     gate.until_accepted(2).await?;
     let held = interval_began.elapsed();
+    let memory_before = memory().await?;
     gate.release.notify_one();
     let out = tokio::time::timeout(Duration::from_secs(30), top.wait_with_output()).await??;
+    let memory_after = memory().await?;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -903,7 +919,17 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
         acme.contains("/4 ("),
         "active turns against the limit: {acme}"
     );
-    assert!(acme.contains("MiB"), "{acme}");
+    // What the binary exports, as top read it: one session, and the workers' memory as the
+    // gauge said just before or just after top's second sample (a ping may fall in between).
+    assert_eq!(top_column(acme, 1)?, 1.0, "sessions: {acme}");
+    let mib = |b: f64| (b / f64::from(1 << 20)).round();
+    let shown = top_column(acme, 6)?;
+    assert!(
+        shown > 0.0 && (shown == mib(memory_before) || shown == mib(memory_after)),
+        "MEMORY {shown} MiB, the gauge {} then {} MiB: {acme}",
+        mib(memory_before),
+        mib(memory_after)
+    );
     assert!(
         acme.contains(&format!("tenantRateLimited {refused}")),
         "the refusals of the interval, by reason: {acme}"
