@@ -67,7 +67,7 @@ const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
 /// Protocol errors in a row that end a session.
 const MAX_PROTOCOL_ERRORS: u32 = 32;
 /// After a 1009 close, how long the socket stays open (unread) before it is dropped.
-const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
+pub(crate) const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
 /// Leg frames handled in one go when they are ready together (one write and flush for all).
 const LEG_BURST: usize = 64;
 /// How long the closing frame may take to reach the client.
@@ -416,13 +416,14 @@ where
         };
         if drained {
             writer.await;
-            if end == End::TooBig {
-                // The rest of the oversized message is still unread and cannot be parsed away:
-                // give the client a moment to read the 1009 before our close resets the socket.
-                tokio::time::sleep(TOO_BIG_LINGER).await;
-            }
         } else {
             drain.await;
+        }
+        if end == End::TooBig {
+            // The rest of the oversized message is still unread and cannot be parsed away
+            // (whichever of the two ended first): give the client a moment to read the 1009
+            // before our close resets the socket.
+            tokio::time::sleep(TOO_BIG_LINGER).await;
         }
     };
     let _in_time = tokio::time::timeout(CLOSE_GRACE, closing).await;

@@ -193,7 +193,17 @@ pub fn report(
             .map_or("-".to_owned(), |d| format!("{:.0}%", 100.0 * d / secs));
         let turns = delta("codex_fleet_turns_started_total", &[("tenant", t)])
             .map_or("-".to_owned(), |d| format!("{:.1}", d * 60.0 / secs));
-        let tokens = delta("codex_fleet_model_tokens_total", &[("tenant", t)])
+        // The model's total: input and output. `cached_input` is part of `input` and
+        // `reasoning_output` part of `output`; adding them would count those tokens twice.
+        let tokens = ["input", "output"]
+            .iter()
+            .map(|kind| {
+                delta(
+                    "codex_fleet_model_tokens_total",
+                    &[("tenant", t), ("kind", kind)],
+                )
+            })
+            .sum::<Option<f64>>()
             .map_or("-".to_owned(), |d| format!("{:.0}", d * 3600.0 / secs));
         let refused: Vec<String> = now
             .label_values("codex_fleet_tenant_rejections_total", "reason")
@@ -306,6 +316,10 @@ codex_fleet_worker_largest_rss_bytes{tenant="acme"} 536870912
 codex_fleet_worker_cpu_seconds_total{tenant="acme"} 10
 codex_fleet_tenant_rejections_total{reason="activeTurnLimit",tenant="acme"} 5
 codex_fleet_turns_started_total{tenant="acme"} 10
+codex_fleet_model_tokens_total{kind="input",tenant="acme"} 1000
+codex_fleet_model_tokens_total{kind="cached_input",tenant="acme"} 400
+codex_fleet_model_tokens_total{kind="output",tenant="acme"} 70
+codex_fleet_model_tokens_total{kind="reasoning_output",tenant="acme"} 30
 "#;
 
     #[test]
@@ -324,6 +338,23 @@ codex_fleet_turns_started_total{tenant="acme"} 10
                 .replace(
                     "turns_started_total{tenant=\"acme\"} 10",
                     "turns_started_total{tenant=\"acme\"} 20",
+                )
+                // One model call more: 100 input (40 of them cached), 7 output (3 reasoning).
+                .replace(
+                    "kind=\"input\",tenant=\"acme\"} 1000",
+                    "kind=\"input\",tenant=\"acme\"} 1100",
+                )
+                .replace(
+                    "kind=\"cached_input\",tenant=\"acme\"} 400",
+                    "kind=\"cached_input\",tenant=\"acme\"} 440",
+                )
+                .replace(
+                    "kind=\"output\",tenant=\"acme\"} 70",
+                    "kind=\"output\",tenant=\"acme\"} 77",
+                )
+                .replace(
+                    "kind=\"reasoning_output\",tenant=\"acme\"} 30",
+                    "kind=\"reasoning_output\",tenant=\"acme\"} 33",
                 ),
         );
         let readyz = serde_json::json!({"ready": true, "draining": false, "reasons": []});
@@ -339,6 +370,9 @@ codex_fleet_turns_started_total{tenant="acme"} 10
         assert!(acme.contains("300 MiB"), "{acme}");
         assert!(acme.contains("50%"), "CPU: 5 s over 10 s: {acme}");
         assert!(acme.contains("60.0"), "turns per minute: {acme}");
+        // 107 tokens (input and output; the cached and reasoning ones are part of them) over
+        // 10 s.
+        assert!(acme.contains(" 38520 "), "tokens per hour: {acme}");
         assert!(acme.contains("activeTurnLimit 7"), "{acme}");
         assert!(
             text.contains("memory guard: largest worker 512 MiB of 1024 MiB (50%)"),

@@ -381,20 +381,38 @@ async fn one_deadline_covers_tls_and_the_request() -> anyhow::Result<()> {
     let config = config.replace("handshake_timeout_secs = 5", "handshake_timeout_secs = 2");
     std::fs::write(&files.config, config)?;
     let fleet = files.start().await?;
+    let deadline = Duration::from_secs(2);
     let accepted = Instant::now();
     let tcp = TcpStream::connect(fleet.addr).await?;
-    // 1.3 s before the TLS handshake and 1.5 s trickling the request: each is under the 2 s
-    // deadline, together they are well over it.
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    // Over half the deadline before the TLS handshake, then the request trickled until the
+    // deadline is half a second past, its last byte held back until then: each phase is under
+    // the deadline, together they are over it, however fast this machine is.
+    tokio::time::sleep(deadline * 6 / 10).await;
     let mut tls = tls_connect(tcp, &fleet.files.ca)
         .await
         .context("the TLS handshake fits in the deadline")?;
+    let handshaken = Instant::now();
     let req = upgrade_request("not-a-token");
-    for piece in req.as_bytes().chunks(req.len() / 10 + 1) {
+    let (body, last) = req.as_bytes().split_at(req.len() - 1);
+    let mut pieces = body.chunks(body.len() / 10 + 1);
+    let past = deadline + Duration::from_millis(500);
+    while accepted.elapsed() < past {
+        if let Some(piece) = pieces.next() {
+            if tls.write_all(piece).await.is_err() || tls.flush().await.is_err() {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let request_phase = handshaken.elapsed();
+    assert!(
+        request_phase < deadline,
+        "the request phase alone ({request_phase:?}) must be under the deadline"
+    );
+    for piece in pieces.chain([last]) {
         if tls.write_all(piece).await.is_err() || tls.flush().await.is_err() {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(150)).await;
     }
     let answer = read_answer(&mut tls, Duration::from_secs(10)).await?;
     assert_eq!(

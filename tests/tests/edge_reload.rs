@@ -245,7 +245,11 @@ async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Res
     write_pem(&link.join("edge.crt"), &edge_crt)?;
     write_pem(&link.join("edge.key"), &edge_key)?;
     for i in 0..s.nodes.len() {
-        drop(s.nodes[i].process.take());
+        // Reaped before the restart: a node killed on drop may still hold its port.
+        if let Some(mut old) = s.nodes[i].process.take() {
+            old.signal(Signal::SIGKILL)?;
+            old.wait(Duration::from_secs(10)).await?;
+        }
         s.start_node(i).await?;
     }
     let edge = FleetProcess::spawn_role(

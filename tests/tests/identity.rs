@@ -567,17 +567,21 @@ async fn still_serves(c: &mut Client) -> anyhow::Result<()> {
 async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()> {
     let fleet = fleet().await?;
     let exp_in = 4;
-    // Before the token is minted: its exp (whole seconds) is then at least exp_in - 1 away.
+    // Before the tokens are minted: their exp (whole seconds) is then at least exp_in - 1 away.
     let started = tokio::time::Instant::now();
-    let mut short = open(&fleet, &acme_jwt("short", exp_in)).await?;
-    // Tenant beta has close_on_expiry = false: its short JWT session stays.
+    // Tenant beta has close_on_expiry = false: its short JWT session stays. Its token expires a
+    // second before `short`'s, so when `short` is closed, `kept` has been expired for a second.
+    let kept_exp = now() + exp_in;
     let es = signed(
         Algorithm::ES256,
         "ec-a",
         "ec-a.pem",
-        &json!({"sub": "kept", "exp": now() + exp_in}),
+        &json!({"sub": "kept", "exp": kept_exp}),
     );
     let mut kept = open(&fleet, &es).await?;
+    let short_jwt = hs256(&json!({"sub": "short", "exp": kept_exp + 1,
+        "iss": "https://issuer.test", "aud": "codex-fleet"}));
+    let mut short = open(&fleet, &short_jwt).await?;
     let mut long = open(&fleet, &acme_jwt("long", 600)).await?;
     let mut token = open(&fleet, &fleet.files.token("acme")).await?;
     let frame = short.recv_close_frame(STEP).await?;
@@ -590,10 +594,18 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
     let took = started.elapsed();
     assert!(took >= Duration::from_secs(exp_in as u64 - 1), "{took:?}");
     assert!(took < Duration::from_secs(40), "{took:?}");
-    tokio::time::sleep(Duration::from_secs(2)).await;
     for c in [&mut kept, &mut long, &mut token] {
         still_serves(c).await?;
     }
+    // The session's end is counted as it finishes (after its close frame went out).
+    let expired = [("reason", "credential_expired")];
+    e2e::wait_until_async(Duration::from_secs(10), || async {
+        fleet
+            .metric("codex_fleet_sessions_closed_total", &expired)
+            .await
+            .is_ok_and(|n| n >= 1.0)
+    })
+    .await;
     assert_eq!(
         fleet
             .metric(
@@ -848,11 +860,22 @@ struct JwksServer {
     ca: std::path::PathBuf,
     jwks: std::sync::Arc<std::sync::Mutex<String>>,
     fetches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// When the last fetch's request arrived (after the fetch started at codex-fleet).
+    last_fetch: std::sync::Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     _dir: tempfile::TempDir,
     _task: tokio::task::JoinHandle<()>,
 }
 
 impl JwksServer {
+    /// Waits until codex-fleet may fetch again for an unknown `kid`: a second after its last
+    /// fetch started (which was before that fetch arrived here).
+    async fn until_refetch_allowed(&self) {
+        let last = *self.last_fetch.lock().expect("last fetch");
+        if let Some(at) = last {
+            tokio::time::sleep_until(at + Duration::from_secs(1)).await;
+        }
+    }
+
     async fn start(jwks: String) -> anyhow::Result<JwksServer> {
         use std::sync::atomic::Ordering;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -874,10 +897,11 @@ impl JwksServer {
         );
         let body = std::sync::Arc::new(std::sync::Mutex::new(jwks));
         let fetches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (b, f) = (body.clone(), fetches.clone());
+        let last_fetch = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (b, f, at) = (body.clone(), fetches.clone(), last_fetch.clone());
         let task = tokio::spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, b, f) = (acceptor.clone(), b.clone(), f.clone());
+                let (acceptor, b, f, at) = (acceptor.clone(), b.clone(), f.clone(), at.clone());
                 tokio::spawn(async move {
                     let Ok(mut tls) = acceptor.accept(tcp).await else {
                         return;
@@ -890,6 +914,7 @@ impl JwksServer {
                             Ok(n) => req.extend_from_slice(&buf[..n]),
                         }
                     }
+                    *at.lock().expect("last fetch") = Some(tokio::time::Instant::now());
                     f.fetch_add(1, Ordering::SeqCst);
                     let jwks = b.lock().expect("jwks").clone();
                     let resp = format!(
@@ -906,6 +931,7 @@ impl JwksServer {
             ca,
             jwks: body,
             fetches,
+            last_fetch,
             _dir: dir,
             _task: task,
         })
@@ -938,8 +964,8 @@ tenant = "beta"
     // The identity provider rotates: rsa-b replaces rsa-a. A token of the new key is accepted
     // at once (its unknown kid fetches the JWKS again), with no reload or restart.
     *idp.jwks.lock().expect("jwks") = jwks(&["rsa-b"]);
-    // Fetches for unknown kids are at most once a second per URL.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Fetches for unknown kids are at most once a second per URL: from the last one on.
+    idp.until_refetch_allowed().await;
     let b = signed(Algorithm::RS256, "rsa-b", "rsa-b.pem", &claims);
     let mut c = open(&fleet, &b).await?;
     still_serves(&mut c).await?;
@@ -950,11 +976,47 @@ tenant = "beta"
         .any(|e| e["event"] == "authentication.succeeded"
             && e["subject"] == "rita"
             && e["key_id"] == "jwt:remote:rsa-b"));
-    // A key the provider no longer publishes is unknown once the JWKS was fetched again.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A key the provider no longer publishes is unknown once the JWKS was fetched again: its
+    // kid is unknown, fetches once more, and is still refused.
+    idp.until_refetch_allowed().await;
+    let before = idp.fetches.load(std::sync::atomic::Ordering::SeqCst);
     assert_eq!(status(&upgrade(&fleet, Some(&a), None).await?), 401);
+    assert!(
+        idp.fetches.load(std::sync::atomic::Ordering::SeqCst) > before,
+        "the unknown kid fetched the JWKS again"
+    );
     assert_no_secrets(&fleet, &[])?;
     fleet.stop().await
+}
+
+/// Stops `p` (SIGKILL, reaped, so its port is free), points its config's audit log at
+/// `audit_to` instead of `audit_from`, and starts it again (`role`) with `CODEX_FLEET_LOG=debug`.
+async fn restart_with_own_audit(
+    mut p: e2e::FleetProcess,
+    role: &str,
+    config: &std::path::Path,
+    audit_from: &std::path::Path,
+    audit_to: &std::path::Path,
+) -> anyhow::Result<e2e::FleetProcess> {
+    p.signal(nix::sys::signal::Signal::SIGKILL)?;
+    p.wait(Duration::from_secs(10)).await?;
+    let text = std::fs::read_to_string(config)?;
+    let from = format!("path = {audit_from:?}");
+    anyhow::ensure!(text.contains(&from), "{} has no {from}", config.display());
+    std::fs::write(config, text.replace(&from, &format!("path = {audit_to:?}")))?;
+    e2e::FleetProcess::spawn_role(&e2e::fleet_bin(), role, config, |c| {
+        c.env("CODEX_FLEET_LOG", "debug");
+    })
+    .await
+}
+
+/// The audit events in `path`.
+fn events_in(path: &std::path::Path) -> anyhow::Result<Vec<Value>> {
+    std::fs::read_to_string(path)
+        .with_context(|| format!("{}", path.display()))?
+        .lines()
+        .map(|l| serde_json::from_str(l).map_err(Into::into))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -963,14 +1025,30 @@ async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_end
     let keys = tempfile::tempdir()?;
     let secret = keys.path().join("hs.secret");
     std::fs::write(&secret, SECRET)?;
-    let audit = keys.path().join("audit.jsonl");
+    let shared_audit = keys.path().join("audit.jsonl");
     // Split writes these tables into the edge's and the nodes' files alike (nodes skip the
     // issuers: they trust their edges).
     let extra = format!(
-        "max_connections = 10000\n[audit]\npath = {audit:?}\n[auth]\n[[auth.jwt]]\nname = \"shared\"\n\
+        "max_connections = 10000\n[audit]\npath = {shared_audit:?}\n[auth]\n[[auth.jwt]]\nname = \"shared\"\n\
          algorithm = \"HS256\"\nsecret_file = {secret:?}\ntenant = \"acme\"\n",
     );
-    let s = e2e::Split::start(&[("acme", "n1"), ("beta", "n2")], 1, &extra).await?;
+    let mut s = e2e::Split::start(&[("acme", "n1"), ("beta", "n2")], 1, &extra).await?;
+    // Each process its own audit log (so what the node records is the node's), and every
+    // process logging at debug (so no credential hides below the default level).
+    let audit_of = |name: &str| keys.path().join(format!("audit-{name}.jsonl"));
+    for i in 0..s.nodes.len() {
+        let old = s.nodes[i].process.take().context("node")?;
+        let (name, config) = (s.nodes[i].name.clone(), s.nodes[i].config.clone());
+        s.nodes[i].process = Some(
+            restart_with_own_audit(old, "node", &config, &shared_audit, &audit_of(&name)).await?,
+        );
+    }
+    let edge_config = s.files.dir.path().join("edge0.toml");
+    let old = s.edges.remove(0);
+    s.edges.push(
+        restart_with_own_audit(old, "serve", &edge_config, &shared_audit, &audit_of("edge"))
+            .await?,
+    );
     let started = tokio::time::Instant::now();
     let jwt = hs256(&json!({"sub": "edge-user", "exp": now() + 8}));
     let mut c = s.edges[0].client(&s.files, &jwt).await?;
@@ -985,28 +1063,56 @@ async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_end
         "the edge closes the relay at exp"
     );
     assert!(started.elapsed() >= Duration::from_secs(6));
-    // The node learnt the subject from the edge: its audit events name the person.
-    let text = std::fs::read_to_string(&audit)?;
-    let events: Vec<Value> = text
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    assert!(events
-        .iter()
-        .any(|e| e["event"] == "authentication.succeeded"
+    // The edge authenticated the JWT; the node learnt the subject from the edge: its own
+    // audit events name the person, on the thread it created.
+    let edge_events = events_in(&audit_of("edge"))?;
+    assert!(
+        edge_events
+            .iter()
+            .any(|e| e["event"] == "authentication.succeeded"
+                && e["subject"] == "edge-user"
+                && e["credential"] == "jwt"),
+        "{edge_events:#?}"
+    );
+    let node_events = events_in(&audit_of("n1"))?;
+    let named = |event: &str| {
+        node_events
+            .iter()
+            .any(|e| e["event"] == event && e["subject"] == "edge-user")
+    };
+    assert!(
+        named("session.initialized"),
+        "the node's session names the subject: {node_events:#?}"
+    );
+    assert!(
+        node_events.iter().any(|e| e["event"] == "thread.created"
             && e["subject"] == "edge-user"
-            && e["credential"] == "jwt"));
-    assert!(events.iter().any(|e| e["event"] == "thread.created"
-        && e["subject"] == "edge-user"
-        && e["thread"] == thread.as_str()));
-    // No credential in the audit log or in what the edge and the nodes wrote to stderr.
-    let mut logs = vec![("audit log".to_owned(), text)];
+            && e["thread"] == thread.as_str()),
+        "the node's thread.created names the subject: {node_events:#?}"
+    );
+    // The edge holds no thread: that event is the node's alone.
+    assert!(!edge_events.iter().any(|e| e["event"] == "thread.created"));
+    // No credential in any audit log or in what the edge and the nodes wrote to stderr.
+    let mut logs = Vec::new();
+    for name in ["edge", "n1", "n2"] {
+        logs.push((
+            format!("{name} audit log"),
+            std::fs::read_to_string(audit_of(name)).unwrap_or_default(),
+        ));
+    }
     logs.push(("edge stderr".to_owned(), s.edges[0].stderr()));
     for n in &s.nodes {
         if let Some(p) = &n.process {
             logs.push((format!("{} stderr", n.name), p.stderr()));
         }
     }
+    let debug_lines = logs
+        .iter()
+        .filter(|(name, _)| name.ends_with("stderr"))
+        .map(|(_, text)| text.lines().filter(|l| l.contains("DEBUG")).count())
+        .sum::<usize>();
+    eprintln!("measured: {debug_lines} DEBUG lines of stderr checked for credentials");
+    assert!(debug_lines > 0, "the processes did not log at debug");
     for (name, text) in &logs {
         for needle in ["eyJ", SECRET, &s.token("acme"), &s.token("beta")] {
             assert!(!text.contains(needle), "{name} holds a credential");

@@ -744,36 +744,162 @@ async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()
     fleet.stop().await
 }
 
-/// Issue 14: `codex-fleet top` answers the capacity questions from the admin endpoints, with
-/// the refusals and turns of the last interval.
+/// A TCP relay in front of an admin port that tells when each connection through it has ended,
+/// and holds connection number `hold` until released: `top --once` samples `/metrics` twice, and
+/// holding its second sample lets a test put exactly what it wants between the two.
+struct SampleGate {
+    addr: std::net::SocketAddr,
+    accepted: tokio::sync::watch::Receiver<usize>,
+    done: tokio::sync::watch::Receiver<usize>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl SampleGate {
+    async fn start(upstream: std::net::SocketAddr, hold: usize) -> anyhow::Result<SampleGate> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (done_tx, done) = tokio::sync::watch::channel(0usize);
+        let (accepted_tx, accepted) = tokio::sync::watch::channel(0usize);
+        let done_tx = std::sync::Arc::new(done_tx);
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let gate = release.clone();
+        let task = tokio::spawn(async move {
+            let mut n = 0;
+            while let Ok((mut client, _)) = listener.accept().await {
+                n += 1;
+                accepted_tx.send_replace(n);
+                let (done_tx, gate) = (done_tx.clone(), gate.clone());
+                tokio::spawn(async move {
+                    if n == hold {
+                        gate.notified().await;
+                    }
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                        let _copied = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                    }
+                    done_tx.send_modify(|d| *d += 1);
+                });
+            }
+        });
+        Ok(SampleGate {
+            addr,
+            accepted,
+            done,
+            release,
+            _task: task,
+        })
+    }
+
+    /// Waits until `n` connections have come to the gate.
+    async fn until_accepted(&mut self, n: usize) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(30), self.accepted.wait_for(|a| *a >= n))
+            .await
+            .context("top never came for its sample")??;
+        Ok(())
+    }
+
+    /// Waits until `n` connections through the gate have ended.
+    async fn until_done(&mut self, n: usize) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(30), self.done.wait_for(|d| *d >= n))
+            .await
+            .context("top's sample never came")??;
+        Ok(())
+    }
+}
+
+/// A column of a `top` tenant row: TENANT SESSIONS WORKERS(2) TURNS(2) MEMORY(2) CPU TURNS/MIN
+/// TOKENS/H refused….
+fn top_column(row: &str, index: usize) -> anyhow::Result<f64> {
+    let word = row
+        .split_whitespace()
+        .nth(index)
+        .with_context(|| format!("column {index} of {row:?}"))?;
+    word.parse()
+        .with_context(|| format!("column {index} of {row:?} is {word:?}"))
+}
+
+/// Issue 14: `codex-fleet top` answers the capacity questions from the admin endpoints of a
+/// running `codex-fleet serve` (the binary, so what top reads is what the binary exports): the
+/// tenants against their limits, and the turns, model tokens and refusals of the interval, read
+/// against the fleet's own counters over exactly the interval top measured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn top_shows_tenants_against_their_limits_and_who_is_refused() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
+async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
+) -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
         .tenant_pool("acme", 1, 3)
-        .workers_toml("max_workers = 6")
+        .workers_toml(&format!("max_workers = 6\n{}", e2e::FAST_FAULTS))
         .limits_toml("tenant_rps = 1\ntenant_burst = 12\nmax_active_turns_per_tenant = 4")
-        .start()
+        .prepare()
         .await?;
-    let mut c = fleet.client("acme").await?;
+    let fleet = e2e::FleetProcess::spawn(&files).await?;
+    let mut c = fleet.client(&files, &files.token("acme")).await?;
     let thread = c.start_thread().await?;
+    // The workers' memory is sampled at each health ping (every second here): once it has been,
+    // top's MEMORY column has a number to show.
+    let memory = || {
+        e2e::metric_at(
+            fleet.admin,
+            "codex_fleet_worker_resident_bytes",
+            &[("tenant", "acme")],
+        )
+    };
+    let sampled = e2e::wait_until_async(Duration::from_secs(10), || async {
+        memory().await.is_ok_and(|b| b > 0.0)
+    })
+    .await;
+    assert!(sampled, "the worker's memory was never sampled");
+    let mut gate = SampleGate::start(fleet.admin, 2).await?;
     let top = tokio::process::Command::new(e2e::fleet_bin())
-        .args(["top", "--once", "--interval", "3", "--admin"])
-        .arg(format!("http://{}", fleet.admin_addr))
+        .args(["top", "--once", "--interval", "1", "--admin"])
+        .arg(format!("http://{}", gate.addr))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    // Between top's two samples: a turn, and requests beyond the tenant's rate.
-    c.start_turn(&thread, "seen by top").await?;
-    c.until_turn_completed(&thread).await?;
+    // top has its first sample: what happens now is in its interval, and nothing else is.
+    gate.until_done(1).await?;
+    let interval_began = tokio::time::Instant::now();
+    let counters = || async {
+        let (status, text) = e2e::http_get(fleet.admin, "/metrics").await?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}");
+        let acme = [("tenant", "acme")];
+        let tokens: f64 = ["input", "output"]
+            .iter()
+            .map(|k| {
+                e2e::metric_in(
+                    &text,
+                    "codex_fleet_model_tokens_total",
+                    &[("tenant", "acme"), ("kind", k)],
+                )
+            })
+            .sum();
+        anyhow::Ok((
+            e2e::metric_in(&text, "codex_fleet_turns_started_total", &acme),
+            tokens,
+        ))
+    };
+    let (turns0, tokens0) = counters().await?;
+    for prompt in ["seen by top", "seen by top again"] {
+        c.start_turn(&thread, prompt).await?;
+        c.until_turn_completed(&thread).await?;
+    }
     let mut refused = 0;
     for _ in 0..20 {
         let r = c.call("thread/loaded/list", serde_json::json!({})).await?;
         refused += usize::from(r["error"]["data"]["reason"] == "tenantRateLimited");
     }
     assert!(refused > 0, "the burst was refused");
+    let (turns1, tokens1) = counters().await?;
+    let (turns, tokens) = (turns1 - turns0, tokens1 - tokens0);
+    assert_eq!(turns, 2.0);
+    assert!(tokens > 0.0, "the mock model reports usage");
+    // top is at its second sample, held: its interval is the time held, whatever its sleep.
+    gate.until_accepted(2).await?;
+    let held = interval_began.elapsed();
+    let memory_before = memory().await?;
+    gate.release.notify_one();
     let out = tokio::time::timeout(Duration::from_secs(30), top.wait_with_output()).await??;
+    let memory_after = memory().await?;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -793,13 +919,46 @@ async fn top_shows_tenants_against_their_limits_and_who_is_refused() -> anyhow::
         acme.contains("/4 ("),
         "active turns against the limit: {acme}"
     );
-    assert!(acme.contains("MiB"), "{acme}");
+    // What the binary exports, as top read it: one session, and the workers' memory as the
+    // gauge said just before or just after top's second sample (a ping may fall in between).
+    assert_eq!(top_column(acme, 1)?, 1.0, "sessions: {acme}");
+    let mib = |b: f64| (b / f64::from(1 << 20)).round();
+    let shown = top_column(acme, 6)?;
+    assert!(
+        shown > 0.0 && (shown == mib(memory_before) || shown == mib(memory_after)),
+        "MEMORY {shown} MiB, the gauge {} then {} MiB: {acme}",
+        mib(memory_before),
+        mib(memory_after)
+    );
     assert!(
         acme.contains(&format!("tenantRateLimited {refused}")),
         "the refusals of the interval, by reason: {acme}"
     );
+    // Turns per minute and tokens per hour share top's interval: their ratio is exact (to the
+    // rounding of turns per minute), whatever the interval was.
+    let per_min = top_column(acme, 9)?;
+    let per_hour = top_column(acme, 10)?;
+    let want = 60.0 * tokens / turns;
+    eprintln!(
+        "measured: top over ~{held:?}: {per_min} turns/min, {per_hour} tokens/h; the fleet's \
+         counters: {turns} turns, {tokens} tokens (input + output)"
+    );
+    // Printed as 40.0 and 1200: each is within half its last digit of the exact rate.
+    let rounding = want * (0.05 / per_min + 0.5 / per_hour) * 1.01;
+    assert!(
+        (per_hour / per_min - want).abs() <= rounding,
+        "tokens per hour / turns per minute = {}, the counters say {want}: {acme}",
+        per_hour / per_min
+    );
+    // And the interval top divided by is the one it was held for (from its first sample to
+    // the release), not some other span.
+    let secs = turns * 60.0 / per_min;
+    assert!(
+        secs >= held.as_secs_f64() * 0.95 && secs <= held.as_secs_f64() + 2.0,
+        "top's interval {secs:.2} s against {held:?} held"
+    );
     c.close().await;
-    fleet.stop().await
+    Ok(())
 }
 
 /// Issue 22 item 4, against the real app-server: an approval aborted by `turn/interrupt` is

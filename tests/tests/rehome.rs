@@ -282,9 +282,14 @@ async fn a_retired_worker_s_idle_thread_moves_without_a_word_to_its_clients() ->
         )
         .await?;
     assert!(exits >= 1.0, "the owner was retired by the memory guard");
-    // Nothing at all reached either client: read on until a later answer, so anything queued
-    // before it would show.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Nothing at all reached either client: once the move's echo window is over (what the
+    // resumes make the new worker say is held back until then), read on until a later answer,
+    // so anything queued before it would show.
+    let quiet = wait_until_async(Duration::from_secs(30), || async {
+        !fleet.tenant("acme").moves.quiet(&thread)
+    })
+    .await;
+    assert!(quiet, "the move's echo window never closed");
     for c in [&mut a, &mut b] {
         c.request("thread/loaded/list", json!({})).await?;
         let seen: Vec<&Value> = c.backlog.iter().collect();
@@ -462,4 +467,307 @@ async fn unknown_to(z: &mut Client, thread: &str, made_up: &str) -> anyhow::Resu
         "another tenant's thread must look unknown: {theirs} vs {unknown}"
     );
     Ok(())
+}
+
+// === The fallbacks (README "Threads outlive their worker") ===
+
+async fn outcome_is(fleet: &Fleet, outcome: &str) -> anyhow::Result<f64> {
+    fleet
+        .metric(
+            REHOMES,
+            &[("tenant", "acme"), ("cause", "crash"), ("outcome", outcome)],
+        )
+        .await
+}
+
+/// What a following session gets when its thread cannot move: `systemError`, then
+/// `thread/closed`, as a single app-server's death means for the thread; nothing of a re-homed
+/// thread's end (no `turn/completed` after it). Returns when the close arrived. With
+/// `served`, the session is then served again (another worker is ready).
+async fn closed_as_app_server_closes(
+    c: &mut Client,
+    thread: &str,
+    served: bool,
+) -> anyhow::Result<Instant> {
+    let status = c
+        .wait_for(|v| {
+            v["method"] == "thread/status/changed"
+                && v["params"]["threadId"] == thread
+                && v["params"]["status"]["type"] == "systemError"
+        })
+        .await
+        .context("systemError")?;
+    let _ = status;
+    c.wait_for(|v| is_closed(v, thread))
+        .await
+        .context("thread/closed")?;
+    let at = Instant::now();
+    if served {
+        c.request("thread/loaded/list", json!({})).await?;
+    }
+    Ok(at)
+}
+
+/// A fleet from `b` whose `workers.ready_timeout_secs` is `secs`.
+async fn with_ready_timeout(b: FleetBuilder, secs: u64) -> anyhow::Result<Fleet> {
+    let files = b.prepare().await?;
+    let text = std::fs::read_to_string(&files.config)?;
+    anyhow::ensure!(text.contains("ready_timeout_secs = 20\n"), "{text}");
+    let text = text.replace(
+        "ready_timeout_secs = 20\n",
+        &format!("ready_timeout_secs = {secs}\n"),
+    );
+    router::fsutil::write_private(&files.config, &text)?;
+    files.start().await
+}
+
+/// A thread that never ran a turn has no rollout on disk: the other worker's `thread/resume`
+/// fails, and the following session gets `systemError` and `thread/closed`, counted
+/// `resume_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_whose_resume_fails_closes_for_its_session_and_is_counted_resume_failed(
+) -> anyhow::Result<()> {
+    let fleet = two_ready_workers().await?;
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    closed_as_app_server_closes(&mut a, &thread, true).await?;
+    assert_eq!(outcome_is(&fleet, "resume_failed").await?, 1.0);
+    assert_eq!(outcome_is(&fleet, "no_worker").await?, 0.0);
+    assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
+    // Another worker was ready all along: it was the resume that failed, not the placement.
+    assert_eq!(e2e::ready_workers(&fleet, "acme"), 1);
+    a.close().await;
+    fleet.stop().await
+}
+
+/// The replacement worker starts but never answers `initialize` (a wrapper that sleeps once
+/// `hang` exists): the re-home waits `ready_timeout_secs` for a ready worker, then the
+/// following session gets `systemError` and `thread/closed`, counted `no_worker`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_worker_ready_within_ready_timeout_the_thread_closes_after_it() -> anyhow::Result<()>
+{
+    let ready_timeout = Duration::from_secs(5);
+    let dir = tempfile::Builder::new().prefix("cf-rehome").tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let hang = dir.path().join("hang");
+    let wrapper = dir.path().join("codex-wrapper");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n[ -e {hang} ] && exec sleep 600\nexec {codex} \"$@\"\n",
+            hang = hang.display(),
+            codex = e2e::codex_bin().display()
+        ),
+    )?;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    let fleet = with_ready_timeout(
+        FleetBuilder::new()
+            .tenant_pool("acme", 1, 1)
+            .tenant_toml(&format!(
+                "command = [{:?}, \"app-server\"]",
+                wrapper.display().to_string()
+            ))
+            .workers_toml(FAST),
+        ready_timeout.as_secs(),
+    )
+    .await?;
+    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "first").await?;
+    a.until_turn_completed(&thread).await?;
+    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    std::fs::write(&hang, "")?;
+    let killed = Instant::now();
+    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    // The replacement is started (and hangs) well before the deadline.
+    let replacement_started = wait_until_async(ready_timeout, || async {
+        fleet
+            .tenant("acme")
+            .pool
+            .workers()
+            .iter()
+            .any(|w| w.restarts >= 1 && w.state.as_str() == "starting" && w.pid.is_some())
+    })
+    .await;
+    assert!(replacement_started, "a replacement worker was started");
+    let closed = closed_as_app_server_closes(&mut a, &thread, false).await? - killed;
+    eprintln!(
+        "measured: no worker ready within {ready_timeout:?}: closed {closed:?} after the kill"
+    );
+    assert!(
+        closed >= ready_timeout,
+        "closed after {closed:?}, before ready_timeout_secs"
+    );
+    assert_eq!(outcome_is(&fleet, "no_worker").await?, 1.0);
+    assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
+    a.close().await;
+    fleet.stop().await
+}
+
+/// At the fleet's worker cap (`workers.max_workers = 1`), the slot acme's dead worker freed is
+/// taken by beta's waiting worker: acme's own slot waits for a fleet slot that does not come,
+/// and after `ready_timeout_secs` acme's following session gets `systemError` and
+/// `thread/closed`, counted `no_worker`. beta's worker is unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyhow::Result<()> {
+    let ready_timeout = Duration::from_secs(5);
+    // A restart backoff (1 s) far longer than beta's wake-up: beta takes the freed slot.
+    let fleet = with_ready_timeout(
+        FleetBuilder::new()
+            .tenant_pool("acme", 1, 1)
+            .tenant_pool("beta", 0, 1)
+            .workers_toml("max_workers = 1\nrestart_backoff_initial_ms = 1000"),
+        ready_timeout.as_secs(),
+    )
+    .await?;
+    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "first").await?;
+    a.until_turn_completed(&thread).await?;
+    // beta now wants a worker of its own, and waits for a fleet slot.
+    let text = std::fs::read_to_string(&fleet.files.config)?;
+    let (head, tail) = text.split_once("id = \"beta\"").context("beta")?;
+    let text = format!(
+        "{head}id = \"beta\"{}",
+        tail.replacen("min_workers = 0", "min_workers = 1", 1)
+    );
+    router::fsutil::write_private(&fleet.files.config, &text)?;
+    fleet.reloader.reload().await?;
+    let waiting = wait_until_async(Duration::from_secs(10), || async {
+        !fleet.tenant("beta").pool.workers().is_empty()
+    })
+    .await;
+    assert!(waiting, "beta's slot exists");
+    assert_eq!(
+        e2e::ready_workers(&fleet, "beta"),
+        0,
+        "beta has no fleet slot yet"
+    );
+
+    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let killed = Instant::now();
+    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    let closed = closed_as_app_server_closes(&mut a, &thread, false).await? - killed;
+    eprintln!("measured: at the fleet worker cap: closed {closed:?} after the kill");
+    assert!(
+        closed >= ready_timeout,
+        "closed after {closed:?}, before ready_timeout_secs"
+    );
+    assert_eq!(outcome_is(&fleet, "no_worker").await?, 1.0);
+    assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
+    assert_eq!(
+        e2e::ready_workers(&fleet, "beta"),
+        1,
+        "beta took the freed slot"
+    );
+    assert_eq!(e2e::ready_workers(&fleet, "acme"), 0);
+    a.close().await;
+    fleet.stop().await
+}
+
+/// A session of the tenant that does not follow the thread, but saw it go active through the
+/// tenant's broadcasts, is told it is idle when its worker dies mid-turn, and is told nothing of
+/// the turn's end or of a close: it sees as many idles as actives, the last an idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_not_following_the_thread_is_told_it_is_idle() -> anyhow::Result<()> {
+    let fleet = two_ready_workers().await?;
+    let mut a = fleet.client("acme").await?;
+    let mut c = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "first").await?;
+    a.until_turn_completed(&thread).await?;
+    // c's wire from here on, in order.
+    let mut seen: Vec<Value> = Vec::new();
+    async fn read_until(
+        c: &mut Client,
+        seen: &mut Vec<Value>,
+        mut done: impl FnMut(&Value) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + e2e::STEP;
+        loop {
+            let v = c
+                .recv_wire(deadline.saturating_duration_since(Instant::now()))
+                .await?;
+            let stop = done(&v);
+            seen.push(v);
+            if stop {
+                return Ok(());
+            }
+        }
+    }
+    seen.extend(c.backlog.drain(..));
+    let status_of = |v: &Value| -> Option<String> {
+        (v["method"] == "thread/status/changed" && v["params"]["threadId"] == thread.as_str()).then(
+            || {
+                v["params"]["status"]["type"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            },
+        )
+    };
+    // The first turn's statuses have reached c (they end in idle) before the counted ones.
+    if seen.iter().filter_map(status_of).next_back().as_deref() != Some("idle") {
+        read_until(&mut c, &mut seen, |v| {
+            status_of(v).as_deref() == Some("idle")
+        })
+        .await
+        .context("the first turn's idle")?;
+    }
+    seen.clear();
+    a.start_turn(&thread, "SLOW30 watched from aside").await?;
+    a.notification("turn/started").await?;
+    read_until(&mut c, &mut seen, |v| {
+        status_of(v).as_deref() == Some("active")
+    })
+    .await
+    .context("the other session saw the thread active")?;
+    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    a.until_turn_completed(&thread).await?;
+    until_rehomed(&fleet, "crash", 1.0).await?;
+    read_until(&mut c, &mut seen, |v| {
+        status_of(v).as_deref() == Some("idle")
+    })
+    .await
+    .context("the other session is told the thread is idle")?;
+    // Everything of the move has reached c once the echo window is over and a later answer came.
+    let quiet = wait_until_async(Duration::from_secs(30), || async {
+        !fleet.tenant("acme").moves.quiet(&thread)
+    })
+    .await;
+    assert!(quiet, "the move's echo window never closed");
+    let id = c.send_request("thread/loaded/list", json!({})).await?;
+    read_until(&mut c, &mut seen, |v| {
+        v["id"] == id && v.get("method").is_none()
+    })
+    .await?;
+    let statuses: Vec<String> = seen.iter().filter_map(status_of).collect();
+    eprintln!(
+        "measured: the other session's statuses of the thread from the turn on: {statuses:?}"
+    );
+    let count = |kind: &str| statuses.iter().filter(|s| *s == kind).count();
+    assert_eq!(
+        count("idle"),
+        count("active"),
+        "each active the session saw ends in an idle: {statuses:?}"
+    );
+    assert_eq!(statuses.last().map(String::as_str), Some("idle"));
+    // Nothing of the turn's end or of a close: the session does not follow the thread.
+    let about: Vec<&Value> = seen
+        .iter()
+        .filter(|m| m["params"]["threadId"] == thread.as_str())
+        .filter(|m| {
+            let method = m["method"].as_str().unwrap_or_default();
+            method == "thread/closed" || method == "error" || method == "turn/completed"
+        })
+        .collect();
+    assert!(about.is_empty(), "{about:#?}");
+    a.close().await;
+    c.close().await;
+    fleet.stop().await
 }

@@ -564,8 +564,38 @@ enum Wire {
 }
 
 /// How long a step waits for more after its last expected message: notifications that follow
-/// a step's answer (status changes after a turn) belong to it, not to the next step.
+/// a step's answer (status changes after a turn) belong to it, not to the next step. At least
+/// this; longer on a machine whose worker answers slowly today (see [`measure_settle`]).
 const SETTLE: Duration = Duration::from_millis(250);
+
+/// The quiet window every run of this process uses, once measured.
+static SETTLE_WINDOW: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+fn settle() -> Duration {
+    SETTLE_WINDOW.get().copied().unwrap_or(SETTLE)
+}
+
+/// Measures, once per process, how slowly the worker at `socket` answers now (the slowest of ten
+/// requests before `initialize`, which app-server refuses without touching any state), and sets
+/// the quiet window to twenty times that, never less than [`SETTLE`]: notifications that trail a
+/// step come later on a slower machine, and must not slide into the next step.
+async fn measure_settle(socket: &Path) -> anyhow::Result<()> {
+    if SETTLE_WINDOW.get().is_some() {
+        return Ok(());
+    }
+    let mut d = Direct::connect(socket).await?;
+    let mut slowest = Duration::ZERO;
+    for id in 0..10 {
+        let t = tokio::time::Instant::now();
+        d.call_raw(&json!({ "id": format!("settle-{id}"), "method": "thread/loaded/list" }))
+            .await?;
+        slowest = slowest.max(t.elapsed());
+    }
+    let window = SETTLE.max(slowest * 20);
+    eprintln!("measured: slowest worker round trip {slowest:?}; quiet window {window:?}");
+    let _set = SETTLE_WINDOW.set(window);
+    Ok(())
+}
 
 impl Wire {
     async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
@@ -583,7 +613,7 @@ impl Wire {
     }
 
     /// Reads until `done` holds for a message (answering server requests with `answer`), then
-    /// until the wire has been quiet for [`SETTLE`]; returns everything read, in order.
+    /// until the wire has been quiet for [`settle`]; returns everything read, in order.
     async fn until(
         &mut self,
         mut done: impl FnMut(&Value) -> bool,
@@ -604,7 +634,7 @@ impl Wire {
                 break;
             }
         }
-        while let Ok(v) = self.recv(SETTLE).await {
+        while let Ok(v) = self.recv(settle()).await {
             seen.push(v);
         }
         Ok(seen)
@@ -1073,6 +1103,7 @@ fn normalize_run(steps: &[(String, Vec<Value>)], dir: &Path) -> Vec<(String, Val
 async fn direct_run() -> anyhow::Result<Vec<(String, Value)>> {
     let fleet = acme(FleetBuilder::new(), 1).await?;
     let socket = worker_socket(&fleet, "acme", 0);
+    measure_settle(&socket).await?;
     let wire = |d: Direct| Run {
         wire: Wire::Direct(Box::new(d)),
         next_id: 1,

@@ -587,6 +587,7 @@ where
                 .with_label_values(&[end.label()])
                 .inc();
         }
+        let too_big = ending.end == Some(End::TooBig);
         if ending.skip_queue {
             out.drop_queue();
         }
@@ -611,6 +612,11 @@ where
             tokio::select! {
                 () = &mut writer => drain.await,
                 () = &mut drain => writer.await,
+            }
+            if too_big {
+                // As serve: the rest of the oversized message is unread, and closing now would
+                // reset the socket before the client reads the 1009.
+                tokio::time::sleep(crate::session::TOO_BIG_LINGER).await;
             }
         };
         let _in_time =
