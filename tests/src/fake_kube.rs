@@ -208,6 +208,13 @@ impl Drop for FakeKube {
 }
 
 impl Inner {
+    /// Ends every open watch (clients relist or resume from their last resourceVersion).
+    fn end_watches(&self) {
+        let mut w = self.watches.lock().unwrap_or_else(PoisonError::into_inner);
+        w.cancel();
+        *w = CancellationToken::new();
+    }
+
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -451,13 +458,7 @@ impl FakeKube {
 
     /// Ends every open watch (clients relist or resume from their last resourceVersion).
     fn end_watches(&self) {
-        let mut w = self
-            .inner
-            .watches
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        w.cancel();
-        *w = CancellationToken::new();
+        self.inner.end_watches();
     }
 
     /// New claims are created Pending (no volume bound yet) while set; their pods stay Pending

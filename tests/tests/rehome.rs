@@ -309,24 +309,33 @@ async fn a_retired_worker_s_idle_thread_moves_without_a_word_to_its_clients() ->
     fleet.stop().await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
-) -> anyhow::Result<()> {
-    // The tenant's only worker runs through a wrapper that refuses to start once `broken`
-    // exists, so after the crash no replacement ever becomes ready.
+/// A wrapper around the real codex that runs `instead` (a shell command) once its flag file
+/// exists: (its directory, the flag, the wrapper), for a worker that breaks on demand.
+fn codex_wrapper(
+    instead: &str,
+) -> anyhow::Result<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
     let dir = tempfile::Builder::new().prefix("cf-rehome").tempdir()?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let flag = dir.path().join("broken");
+    let flag = dir.path().join("flag");
     let wrapper = dir.path().join("codex-wrapper");
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/sh\n[ -e {flag} ] && exit 1\nexec {codex} \"$@\"\n",
+            "#!/bin/sh\n[ -e {flag} ] && {instead}\nexec {codex} \"$@\"\n",
             flag = flag.display(),
             codex = e2e::codex_bin().display()
         ),
     )?;
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    Ok((dir, flag, wrapper))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
+) -> anyhow::Result<()> {
+    // The tenant's only worker runs through a wrapper that refuses to start once `broken`
+    // exists, so after the crash no replacement ever becomes ready.
+    let (_dir, flag, wrapper) = codex_wrapper("exit 1")?;
     let fleet = FleetBuilder::new()
         .tenant_pool("acme", 1, 1)
         .tenant_toml(&format!(
@@ -549,19 +558,7 @@ async fn a_thread_whose_resume_fails_closes_for_its_session_and_is_counted_resum
 async fn with_no_worker_ready_within_ready_timeout_the_thread_closes_after_it() -> anyhow::Result<()>
 {
     let ready_timeout = Duration::from_secs(5);
-    let dir = tempfile::Builder::new().prefix("cf-rehome").tempdir()?;
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let hang = dir.path().join("hang");
-    let wrapper = dir.path().join("codex-wrapper");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\n[ -e {hang} ] && exec sleep 600\nexec {codex} \"$@\"\n",
-            hang = hang.display(),
-            codex = e2e::codex_bin().display()
-        ),
-    )?;
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    let (_dir, hang, wrapper) = codex_wrapper("exec sleep 600")?;
     let fleet = with_ready_timeout(
         FleetBuilder::new()
             .tenant_pool("acme", 1, 1)

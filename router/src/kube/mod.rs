@@ -776,11 +776,7 @@ impl KubeNodes {
         let name = self.pod_name(tenant);
         let dp = DeleteParams {
             grace_period_seconds: Some(0),
-            preconditions: Some(Preconditions {
-                uid: Some(v.uid.clone()),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
+            ..only_this_pod(&v.uid)
         };
         match self.pods.delete(&name, &dp).await {
             Ok(_) => {
@@ -910,13 +906,7 @@ impl KubeNodes {
             s.replacing.get(&v.uid).copied()
         };
         let name = self.pod_name(tenant);
-        let dp = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(v.uid.clone()),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
+        let dp = only_this_pod(&v.uid);
         match self.pods.delete(&name, &dp).await {
             Ok(_) => {
                 tracing::info!(tenant, pod = %name, phase = %v.phase, "deleted the tenant's ended pod");
@@ -1293,6 +1283,16 @@ fn already_exists(e: &::kube::Error) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == 409)
 }
 
+/// A delete of the pod with this uid only: a pod of the same name made since is left alone.
+fn only_this_pod(uid: &str) -> DeleteParams {
+    DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(uid.to_owned()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;

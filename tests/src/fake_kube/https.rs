@@ -58,13 +58,7 @@ impl HttpsApi {
     /// must authenticate anew at once rather than when its watch times out.
     pub fn accept_only(&self, tokens: &[&str]) {
         self.auth().accepted = tokens.iter().map(|t| (*t).to_owned()).collect();
-        let mut w = self
-            .inner
-            .watches
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        w.cancel();
-        *w = tokio_util::sync::CancellationToken::new();
+        self.inner.end_watches();
     }
 
     /// When a request first presented `token`.
