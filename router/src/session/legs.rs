@@ -287,4 +287,97 @@ mod tests {
         assert_eq!(a.session_used(), 0);
         assert_eq!(tenant.available_permits(), 150);
     }
+
+    /// A leg's socket pair in memory: (the worker's end, the frames the session reads, the
+    /// worker's exit, the leg's drop).
+    async fn leg_pair() -> (
+        worker::LegStream,
+        LegFrames,
+        oneshot::Sender<()>,
+        oneshot::Sender<()>,
+    ) {
+        use tokio_tungstenite::tungstenite::protocol::Role;
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let worker_end =
+            tokio_tungstenite::WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;
+        let leg_end =
+            tokio_tungstenite::WebSocketStream::from_raw_socket(ours, Role::Client, None).await;
+        let (_sink, stream) = leg_end.split();
+        let (exit, exited) = oneshot::channel::<()>();
+        let (drop_leg, dropped) = oneshot::channel();
+        let frames = read_frames(
+            WorkerId::new("t", 1, 1),
+            stream,
+            Box::pin(async move {
+                let _ = exited.await;
+            }),
+            dropped,
+        );
+        (worker_end, frames, exit, drop_leg)
+    }
+
+    fn text(e: Option<LegEvent>) -> String {
+        match e {
+            Some(LegEvent::Frame(_, t)) => t.to_string(),
+            other => panic!("a frame, not {other:?}"),
+        }
+    }
+
+    fn closed(e: Option<LegEvent>) -> String {
+        match e {
+            Some(LegEvent::Closed(_, why)) => why,
+            other => panic!("closed, not {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_leg_reads_text_frames_in_order_skips_others_and_ends_with_the_workers_close() {
+        let (mut worker, mut frames, _exit, _drop) = leg_pair().await;
+        worker.send(Message::text("one")).await.unwrap();
+        worker.send(Message::binary(vec![1, 2])).await.unwrap();
+        worker
+            .send(Message::Ping(Default::default()))
+            .await
+            .unwrap();
+        worker.send(Message::text("two")).await.unwrap();
+        worker.close(None).await.unwrap();
+        assert_eq!(text(frames.next().await), "one");
+        assert_eq!(
+            text(frames.next().await),
+            "two",
+            "binary and ping are skipped"
+        );
+        let why = closed(frames.next().await);
+        assert!(why.contains("worker closed the connection"), "{why}");
+        assert!(frames.next().await.is_none(), "nothing after Closed");
+    }
+
+    #[tokio::test]
+    async fn a_leg_ends_when_its_worker_exits_or_its_socket_ends() {
+        // The process exited with its socket still open: the leg says so.
+        let (_worker, mut frames, exit, _drop) = leg_pair().await;
+        exit.send(()).unwrap();
+        assert_eq!(closed(frames.next().await), "worker exited");
+        // The socket ended without a close frame.
+        let (worker, mut frames, _exit, _drop) = leg_pair().await;
+        drop(worker);
+        let why = closed(frames.next().await);
+        assert!(
+            why == "connection ended" || why.starts_with("read error"),
+            "{why}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_leg_ends_its_frames_without_a_word() {
+        let (mut worker, mut frames, _exit, drop_leg) = leg_pair().await;
+        worker.send(Message::text("before")).await.unwrap();
+        assert_eq!(text(frames.next().await), "before");
+        drop(drop_leg);
+        worker.send(Message::text("after")).await.unwrap();
+        assert!(
+            frames.next().await.is_none(),
+            "a dropped leg reports nothing more, not even Closed"
+        );
+    }
 }
