@@ -5,10 +5,12 @@
 # fail when not root, unless CODEX_FLEET_SKIP_ROOT_TESTS=1 skips them knowingly.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# The fast lane first: a formatting slip or a lint fails here, in the first minutes, before
-# anything is installed or any worker starts.
+# The fast lane first: a formatting slip, a lint or a unit test fails here, in the first
+# minutes, before anything is installed or any worker starts.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
+# Then every unit test (in-memory sessions, the config, the fake legs): needs no worker.
+cargo test --locked --workspace --exclude e2e --lib --bins
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
 # tests/tests/ops.rs checks the alert rules with promtool (Debian's prometheus package ships it).
@@ -29,7 +31,9 @@ cargo build --locked --bins
 bash ops/chart-check.sh
 # Every benchmark at a tiny size on the debug build just made: each must run and print its numbers.
 bash ops/bench/smoke.sh
-cargo test --locked --workspace --exclude e2e
+# The crates' own integration tests (some start the real worker) and doc tests.
+cargo test --locked --workspace --exclude e2e --test '*'
+cargo test --locked --workspace --exclude e2e --doc
 # End-to-end tests one at a time: several of them measure latency or timing against a baseline
 # taken in the same test, which other tests' real workers running at once would distort.
 cargo test --locked -p e2e -- --test-threads=1
