@@ -33,7 +33,7 @@ pub enum LegError {
         /// Socket path that was dialled.
         path: PathBuf,
         /// The worker that should listen there.
-        expected: crate::leg::Peer,
+        expected: crate::id::Peer,
         /// Who does.
         found: String,
     },

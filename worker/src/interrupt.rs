@@ -24,7 +24,7 @@ const READ_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 /// gives up at `deadline`.
 pub async fn interrupt_turns(
     socket: &Path,
-    peer: leg::Peer,
+    peer: crate::id::Peer,
     threads: &[String],
     deadline: Instant,
 ) -> usize {
@@ -43,7 +43,7 @@ pub async fn interrupt_turns(
 
 async fn interrupt_all(
     socket: &Path,
-    peer: leg::Peer,
+    peer: crate::id::Peer,
     threads: &[String],
 ) -> anyhow_like::Result<usize> {
     let ws = leg::connect(socket, peer, CONTROL_MAX_MESSAGE).await?;

@@ -5,32 +5,13 @@ use std::path::Path;
 use tokio::net::UnixStream;
 
 use crate::error::LegError;
+use crate::id::Peer;
 
 /// A WebSocket connection to one worker over its Unix socket.
 pub type LegStream = tokio_tungstenite::WebSocketStream<UnixStream>;
 
 /// The request URI of the upgrade; app-server upgrades any path and ignores the host.
 const LEG_URI: &str = "ws://localhost/";
-
-/// Who must be listening on a worker's socket: the worker process itself, under its uid.
-///
-/// The socket path lives in a folder the tenant's uid owns, so a tenant can point it anywhere
-/// (another tenant's worker, a listener of its own). Every connection checks the listener's
-/// credentials (`SO_PEERCRED`, taken by the kernel when the listener was created) before a single
-/// byte is sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer {
-    /// The worker's process id (it listens itself; app-server does not fork a listener).
-    pub pid: u32,
-    /// The uid the worker runs as.
-    pub uid: u32,
-}
-
-impl std::fmt::Display for Peer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "pid {} uid {}", self.pid, self.uid)
-    }
-}
 
 /// Opens a leg: connects to `socket_path`, checks that `expected` is the listener, and performs
 /// the WebSocket upgrade, with explicit message, frame and write-buffer limits derived from

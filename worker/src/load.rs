@@ -6,7 +6,7 @@ use std::time::Duration;
 use proto::event::Event;
 use serde::Deserialize;
 
-use crate::worker::WorkerId;
+use crate::id::WorkerId;
 #[cfg(test)]
 use serde_json::Value;
 use tokio::time::Instant;

@@ -3,7 +3,7 @@
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use tokio::time::Duration;
 
-use crate::supervisor::WorkerState;
+use crate::lifecycle::WorkerState;
 
 const STARTS_TOTAL: &str = "codex_fleet_worker_starts_total";
 const EXITS_TOTAL: &str = "codex_fleet_worker_exits_total";

@@ -19,10 +19,12 @@ use tracing::{error, info, info_span, warn, Instrument};
 use crate::control::ControlCommand;
 use crate::error::{ConfigError, PoolError};
 use crate::fleet::{FleetCap, FleetPermit};
+use crate::id::{intern_tenant, WorkerId};
 use crate::identity::{Rlimits, WorkerUser};
+pub use crate::lifecycle::WorkerState;
 use crate::metrics::WorkerMetrics;
 use crate::restart::RestartPolicy;
-use crate::worker::{self, intern_tenant, ExitReport, WorkerId};
+use crate::worker::{self, ExitReport};
 
 pub use self::state::Sizes;
 use self::state::{Pick, PoolState, Start};
@@ -250,47 +252,6 @@ fn slot_number(index: usize) -> u32 {
     u32::try_from(index).unwrap_or(u32::MAX)
 }
 
-/// The lifecycle state of a worker slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WorkerState {
-    /// Spawned (or about to be), not yet answering `initialize`.
-    Starting,
-    /// Initialized and passing health checks.
-    Ready,
-    /// SIGTERM sent; finishing running turns.
-    Draining,
-    /// Failed; waiting before the next start.
-    Backoff,
-    /// Crash-looped; held down for a cool-down.
-    Quarantined,
-    /// No process, none wanted.
-    Stopped,
-}
-
-impl WorkerState {
-    /// Every state, so each series exists (at zero) from the start.
-    pub const ALL: [WorkerState; 6] = [
-        WorkerState::Starting,
-        WorkerState::Ready,
-        WorkerState::Draining,
-        WorkerState::Backoff,
-        WorkerState::Quarantined,
-        WorkerState::Stopped,
-    ];
-
-    /// The `state` label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkerState::Starting => "starting",
-            WorkerState::Ready => "ready",
-            WorkerState::Draining => "draining",
-            WorkerState::Backoff => "backoff",
-            WorkerState::Quarantined => "quarantined",
-            WorkerState::Stopped => "stopped",
-        }
-    }
-}
-
 /// A snapshot of one slot, for `/readyz` detail and operators.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerInfo {
@@ -366,7 +327,7 @@ pub struct WorkerHandle {
     /// Its process id.
     pub pid: u32,
     /// Who must listen on `socket_path`: check it on every connection ([`crate::leg::connect`]).
-    pub peer: crate::leg::Peer,
+    pub peer: crate::id::Peer,
     /// Where to open legs ([`crate::leg::connect`]).
     pub socket_path: PathBuf,
     fault: Arc<Fault>,

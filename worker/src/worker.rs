@@ -5,9 +5,8 @@
 //! runtime worker thread (any async task), never from `spawn_blocking`, whose threads retire.
 //! Before exec it sets its resource limits and, when configured, drops to the tenant's uid/gid.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::fmt;
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
@@ -30,6 +29,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
 use crate::error::StartError;
+use crate::id::WorkerId;
 use crate::identity::{Rlimits, WorkerUser};
 use crate::leg;
 
@@ -45,61 +45,6 @@ const CONNECT_POLL: Duration = Duration::from_millis(10);
 const LIVE_PROBE: Duration = Duration::from_millis(200);
 /// How long to let the exit status and the last stderr lines arrive after a failed start.
 const EXIT_SETTLE: Duration = Duration::from_millis(300);
-
-/// Identifies one worker process: tenant, slot and the slot's start count. Displays as `acme#0.g3`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct WorkerId {
-    tenant: &'static str,
-    slot: u32,
-    generation: u32,
-}
-
-// === impl WorkerId ===
-
-impl WorkerId {
-    /// An id from its parts (the pool makes them; tests and simulators may too).
-    pub fn new(tenant: &'static str, slot: u32, generation: u32) -> Self {
-        Self {
-            tenant,
-            slot,
-            generation,
-        }
-    }
-
-    /// The tenant the worker belongs to.
-    pub fn tenant(&self) -> &'static str {
-        self.tenant
-    }
-
-    /// The slot within the tenant's pool (0-based).
-    pub fn slot(&self) -> u32 {
-        self.slot
-    }
-
-    /// How many processes this slot has started, this one included (0: none yet).
-    pub fn generation(&self) -> u32 {
-        self.generation
-    }
-}
-
-impl fmt::Display for WorkerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}.g{}", self.tenant, self.slot, self.generation)
-    }
-}
-
-/// Interns a configured tenant id so [`WorkerId`] can be `Copy`. Tenant ids come from configuration,
-/// so the set stays small.
-pub(crate) fn intern_tenant(tenant: &str) -> &'static str {
-    static INTERNED: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
-    let mut set = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(&known) = set.get(tenant) {
-        return known;
-    }
-    let leaked: &'static str = Box::leak(tenant.to_owned().into_boxed_str());
-    set.insert(leaked);
-    leaked
-}
 
 /// How a worker process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,8 +184,8 @@ impl WorkerProcess {
     }
 
     /// Who must listen on the worker's socket.
-    pub(crate) fn peer(&self) -> leg::Peer {
-        leg::Peer {
+    pub(crate) fn peer(&self) -> crate::id::Peer {
+        crate::id::Peer {
             pid: self.pid,
             uid: self.uid,
         }
@@ -541,7 +486,7 @@ impl StderrTail {
 /// Connects as soon as the socket accepts; retries while it is missing or refusing.
 async fn connect_when_listening(
     socket: &Path,
-    peer: leg::Peer,
+    peer: crate::id::Peer,
 ) -> Result<leg::LegStream, StartError> {
     loop {
         match leg::connect(socket, peer, CONTROL_MAX_MESSAGE).await {

@@ -13,11 +13,12 @@ use super::{Fault, Load, PoolEvent, Shared, WorkerState};
 use crate::control::{ControlCommand, ControlEnd, ControlLeg, Health, Observed, COMMAND_CAPACITY};
 use crate::error::StartError;
 use crate::fleet::FleetPermit;
+use crate::id::WorkerId;
 use crate::identity;
 use crate::load::{Lifecycle, ThreadView};
 use crate::metrics::ExitReason;
 use crate::restart::{RestartDecision, RestartTracker};
-use crate::worker::{self, Spawn, WorkerId, WorkerProcess};
+use crate::worker::{self, Spawn, WorkerProcess};
 
 /// How one worker process ended.
 struct Ended {

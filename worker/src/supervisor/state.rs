@@ -10,10 +10,11 @@ use super::{slot_number, Fault, Load, PoolConfig, WorkerHandle, WorkerInfo, Work
 use crate::control::ControlCommand;
 use crate::error::PoolError;
 use crate::fleet::FleetPermit;
-use crate::leg::Peer;
+use crate::id::Peer;
+use crate::id::WorkerId;
 use crate::load::{Lifecycle, Owners, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
-use crate::worker::{ExitReport, ProcessGroup, WorkerId};
+use crate::worker::{ExitReport, ProcessGroup};
 
 /// The process currently running in a slot.
 pub(super) struct Live {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::id::intern_tenant;
 
 #[test]
 fn worker_id_displays_tenant_slot_generation() {

@@ -16,7 +16,7 @@ fn cfg(max_workers: usize, fleet: &FleetCap) -> PoolConfig {
 
 fn state() -> PoolState {
     let metrics = WorkerMetrics::register(&prometheus::Registry::new()).unwrap();
-    PoolState::new(crate::worker::intern_tenant("st"), metrics)
+    PoolState::new(crate::id::intern_tenant("st"), metrics)
 }
 
 /// Adds a ready slot with a fake live worker.
@@ -29,7 +29,7 @@ fn ready(state: &mut PoolState) -> usize {
     state.slots[index].live = Some(Live {
         id: state.id(index),
         pid: 1,
-        peer: crate::leg::Peer { pid: 1, uid: 0 },
+        peer: crate::id::Peer { pid: 1, uid: 0 },
         fault: Arc::default(),
         group: ProcessGroup::inert(),
         exit,
