@@ -5,7 +5,8 @@
 //! - [`method`]: the methods codex-fleet acts on; everything else is forwarded untouched.
 //! - [`event`]: thread lifecycle and turn notifications, typed.
 //! - [`initialize`]: the `initialize` params codex-fleet sends.
-//! - [`error`]: the error codes and the error shapes codex-fleet answers with.
+//! - [`codes`]: the JSON-RPC error codes on the wire.
+//! - [`error`]: the error shapes codex-fleet answers with.
 //! - [`ws`]: the WebSocket limits of every leg.
 //! - [`names`]: tenant-id and socket-path rules.
 //! - [`placement`]: how a tenant's pool answers each client method as one app-server.
@@ -14,6 +15,7 @@
 #[doc(hidden)]
 pub mod arbitrary;
 pub mod client;
+pub mod codes;
 pub mod error;
 pub mod event;
 pub mod initialize;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::error::codes;
+use crate::codes;
 use crate::method::Method;
 
 /// A request id: app-server accepts integers and strings and echoes them verbatim.
