@@ -1459,7 +1459,7 @@ node = "n2"
             .contains("used twice"));
     }
 
-    /// The defaults README's Configuration table documents, for every key with a literal default:
+    /// The defaults docs/configuration.md's table documents, for every key with a literal default:
     /// a minimal file gets exactly those (not whatever `Default` says), and no documented literal
     /// default goes unchecked.
     #[test]
@@ -1610,7 +1610,7 @@ node = "n2"
             ("audit.queue", cfg.audit.queue.to_string()),
             ("audit.max_file_bytes", cfg.audit.max_file_bytes.to_string()),
         ];
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../docs/configuration.md");
         let documented: Vec<(String, String)> = readme
             .lines()
             .filter_map(|l| {
@@ -1638,8 +1638,8 @@ node = "n2"
             let doc = documented
                 .iter()
                 .find(|(k, _)| k == key)
-                .unwrap_or_else(|| panic!("README documents no default for {key}"));
-            assert_eq!(&doc.1, value, "README's default for {key}");
+                .unwrap_or_else(|| panic!("docs/configuration.md documents no default for {key}"));
+            assert_eq!(&doc.1, value, "docs/configuration.md's default for {key}");
         }
         // Every other documented default is not a literal (required, allocated, another key's).
         for (key, doc) in &documented {

@@ -166,13 +166,16 @@ fn thread_id_param(schema: &Value, variant: &Value) -> Option<bool> {
     has.then_some(required)
 }
 
-/// The rows of README's pool table: placement name → the methods its row lists.
+/// The rows of the pool table in docs/architecture.md: placement name → the methods its row lists.
 fn readme_rows() -> Vec<(String, String)> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+    let readme = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/architecture.md"
+    ))
+    .expect("docs/architecture.md");
     let start = readme
-        .find("### One app-server per tenant")
-        .expect("README has the section \"One app-server per tenant\"");
+        .find("## One app-server per tenant")
+        .expect("docs/architecture.md has the section \"One app-server per tenant\"");
     readme[start..]
         .lines()
         .skip(1)
@@ -187,7 +190,7 @@ fn readme_rows() -> Vec<(String, String)> {
 
 /// Issue 15: every client method of the pinned app-server is placed (how a tenant's pool answers
 /// it as one app-server), consistently with its params (a method naming a thread is routed by
-/// it), and README's table lists it in its placement's row: a codex upgrade that adds a method
+/// it), and the table of docs/architecture.md lists it in its placement's row: a codex upgrade that adds a method
 /// fails here until it is placed and documented.
 #[test]
 fn every_method_of_the_pinned_app_server_is_placed_and_documented() {
@@ -229,12 +232,12 @@ fn every_method_of_the_pinned_app_server_is_placed_and_documented() {
     );
     assert!(
         undocumented.is_empty(),
-        "methods missing from their row of README's \"One app-server per tenant\" table: {undocumented:?}"
+        "methods missing from their row of docs/architecture.md's \"One app-server per tenant\" table: {undocumented:?}"
     );
     for placement in Placement::ALL {
         assert!(
             rows.iter().any(|(name, _)| name == placement.as_str()),
-            "README has no row for {}",
+            "docs/architecture.md has no row for {}",
             placement.as_str()
         );
     }

@@ -218,21 +218,20 @@ fn the_chart_ships_the_same_rules_and_dashboard() {
     );
 }
 
-/// Config keys from the README's configuration table: `table.key` or `tenants[].key`.
-fn readme_config_keys() -> Vec<String> {
-    let readme = read("README.md");
-    let section = readme
-        .split("\n## Configuration")
-        .nth(1)
-        .and_then(|s| s.split("\n## ").next())
-        .expect("README has a Configuration section");
+/// Config keys from the configuration table (docs/configuration.md): `table.key` or
+/// `tenants[].key`.
+fn config_table_keys() -> Vec<String> {
+    let section = read("docs/configuration.md");
     let keys: Vec<String> = section
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split('`').next())
         .map(str::to_owned)
         .collect();
-    assert!(keys.len() > 20, "too few config keys in README: {keys:?}");
+    assert!(
+        keys.len() > 20,
+        "too few config keys in docs/configuration.md: {keys:?}"
+    );
     keys
 }
 
@@ -277,7 +276,7 @@ fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
 
 #[test]
 fn chart_values_and_configmap_cover_every_config_key() {
-    let keys = readme_config_keys();
+    let keys = config_table_keys();
     let values = yaml_keys(&read(&format!("{CHART}/values.yaml")));
     let configmap = read(&format!("{CHART}/templates/configmap.yaml"));
     let mut missing = Vec::new();
@@ -294,7 +293,7 @@ fn chart_values_and_configmap_cover_every_config_key() {
         }
         let (table, field) = key
             .split_once('.')
-            .unwrap_or_else(|| panic!("README key {key} has no table"));
+            .unwrap_or_else(|| panic!("docs/configuration.md key {key} has no table"));
         if !values.get(table).is_some_and(|t| t.contains(field)) {
             missing.push(format!("values.yaml: {table}.{field}"));
         }
