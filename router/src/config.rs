@@ -381,7 +381,8 @@ impl Default for Drain {
 }
 
 /// `[limits]`: message size, the client queue, and every rate and cap of admission control
-/// (decision 7; the admission keys are [`AdmissionConfig`]'s, flattened into this table).
+/// (docs/decisions/0007-admission-before-work.md; the admission keys are [`AdmissionConfig`]'s,
+/// flattened into this table).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "RawLimits")]
 pub struct Limits {
