@@ -5,13 +5,13 @@ For every values file in charts/codex-fleet/ci/: `helm lint --strict` and a real
 rendered object is validated against the Kubernetes OpenAPI schema (kubernetes-validate, strict:
 unknown fields are errors). CRDs it has no schema for (cert-manager, prometheus-operator) are
 skipped by name only. The tenant pod template (pod.json) is validated as a Pod and checked against
-the issue 13 contract, the edge and node config.toml are parsed as TOML, and values that must be
-refused (values.schema.json, the chart's own checks) are. When the built binary has
-`render-tenant-pod`, the pod it would create is validated as a Pod too, carries its tenant's
-own settings and no credential, and the node it would start is started and serves the tenant
-with those settings (issue 23); every rendered
-config.toml must pass the built binary's `check-config` (the edge's too: the binary has the
-kubernetes backend).
+the kubernetes backend's contract (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md), the
+edge and node config.toml are parsed as TOML, and values that must be refused (values.schema.json,
+the chart's own checks) are. When the built binary has `render-tenant-pod`, the pod it would create
+is validated as a Pod too, carries its tenant's own settings and no credential, and the node it
+would start is started and serves the tenant with those settings
+(docs/decisions/0017-settings-travel-with-the-tenant.md); every rendered config.toml must pass the
+built binary's `check-config` (the edge's too: the binary has the kubernetes backend).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ CRDS = {
     ("monitoring.coreos.com", "PrometheusRule"),
     ("gateway.networking.k8s.io", "TLSRoute"),
 }
-# The edge's Role, exactly as the contract (issue 13) gives it.
+# The edge's Role, exactly as the backend's contract gives it
+# (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md).
 ROLE_RULES = {
     "pods": {"get", "list", "watch", "create", "delete"},
     "persistentvolumeclaims": {"get", "list", "watch", "create"},
@@ -111,7 +112,8 @@ def find(docs: list[dict], kind: str, name: str | None = None) -> dict | None:
 
 
 def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dict:
-    """mode: kubernetes: the objects and shapes the issue 13 contract fixes. Returns pod.json."""
+    """mode: kubernetes: the objects and shapes the backend's contract fixes
+    (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md). Returns pod.json."""
     full = f"{RELEASE}-codex-fleet"
     pod_cm = find(docs, "ConfigMap", f"{full}-tenant-pod")
     node_cm = find(docs, "ConfigMap", f"{full}-node-config")
@@ -192,22 +194,22 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
         fail(where, "node config.toml: no [[tenants]], admin on 0.0.0.0:9464")
     if node.get("workers", {}).get("state_dir") != "/var/lib/codex-fleet":
         fail(where, "node config.toml: workers.state_dir must be the home mount")
-    # Issue 22: sessions live on the nodes, so the session audit is written there (stdout).
+    # Sessions live on the nodes, so the session audit is written there (stdout).
     want_audit = values.get("tenantPod", {}).get("audit", {}).get("path", "-")
     if node.get("audit", {}).get("path") != want_audit:
         fail(where, f"node config.toml: [audit] path {node.get('audit')}, want {want_audit!r}")
-    # Issue 22: one tenant cannot fill the machine's disk or take its CPU.
+    # One tenant cannot fill the machine's disk or take its CPU.
     if not volumes.get("tmp", {}).get("emptyDir", {}).get("sizeLimit"):
         fail(where, "pod.json: the /tmp emptyDir has no sizeLimit")
     limits = c.get("resources", {}).get("limits", {})
     for resource in ("cpu", "memory", "ephemeral-storage"):
         if resource not in limits:
             fail(where, f"pod.json: no {resource} limit on the node container")
-    # Issue 23 item 5: a changed node config changes the pods' template hash (the edge hashes
+    # A changed node config changes the pods' template hash (the edge hashes
     # the spec and annotations), so pods of the old one can be found and replaced.
     if not pod["metadata"].get("annotations", {}).get("checksum/node-config"):
         fail(where, "pod.json: no checksum/node-config annotation")
-    # Issue 23 item 6: an eviction never kills a node mid-drain (the edges' rule, for nodes).
+    # An eviction never kills a node mid-drain (the edges' rule, for nodes).
     if spec.get("terminationGracePeriodSeconds", 30) <= drain_secs(values):
         fail(where, f"pod.json: terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} "
                     f"is not longer than the node's drain ({drain_secs(values)} s)")
@@ -258,7 +260,8 @@ def check_kubernetes_contract(where: str, values: dict, docs: list[dict]) -> dic
             if set(tenant_np["spec"]["policyTypes"]) != {"Ingress", "Egress"}:
                 fail(where, "tenant NetworkPolicy must restrict ingress and egress")
             first = tenant_np["spec"]["ingress"][0]
-            # The edges: the link, and the admin port they ask whether a node is idle (issue 23).
+            # The edges: the link, and the admin port they ask whether a node is idle
+            # (docs/kubernetes.md).
             want_ports = [{"port": link_port, "protocol": "TCP"}, {"port": 9464, "protocol": "TCP"}]
             if first["ports"] != want_ports or first["from"] != [
                 {"podSelector": {"matchLabels": edge_labels}}
@@ -280,7 +283,7 @@ def drain_secs(values: dict) -> int:
 
 
 def check_cold_starts(where: str, values: dict, docs: list[dict], pod: dict) -> None:
-    """Issue 23 item 7: the pre-puller pulls the tenant pods' image where they may run; the
+    """The pre-puller pulls the tenant pods' image where they may run; the
     placeholders reserve a tenant pod's requests below its priority; neither gets a token."""
     full = f"{RELEASE}-codex-fleet"
     spec = pod.get("spec", {})
@@ -314,7 +317,7 @@ def check_cold_starts(where: str, values: dict, docs: list[dict], pod: dict) -> 
 
 
 def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
-    """Issue 23 item 8: tlsRoute renders a Gateway API TLSRoute v1 (Standard since 1.5; v1alpha2 is
+    """tlsRoute renders a Gateway API TLSRoute v1 (Standard since 1.5; v1alpha2 is
     gone from 1.6) that routes to the wss Service's port, and nothing when off."""
     route = find(docs, "TLSRoute")
     want = (values.get("tlsRoute") or {}).get("enabled", False)
@@ -337,7 +340,7 @@ def check_tls_route(where: str, values: dict, docs: list[dict]) -> None:
 
 
 def check_ingress(where: str, values: dict, docs: list[dict]) -> None:
-    """Issue 23 item 8: ingress renders an Ingress with TLS passthrough (ingress-nginx's
+    """ingress renders an Ingress with TLS passthrough (ingress-nginx's
     annotation) for ingress.host to the wss Service, without a tls section (the controller must
     not terminate), and nothing when off."""
     ing = find(docs, "Ingress")
@@ -372,7 +375,7 @@ def check_ingress(where: str, values: dict, docs: list[dict]) -> None:
 
 
 def check_resources(where: str, docs: list[dict]) -> None:
-    """Issue 23 item 6: every container, init containers included, has requests and a memory
+    """Every container, init containers included, has requests and a memory
     limit, so a namespace ResourceQuota without a LimitRange admits every pod."""
     for d in docs:
         if d.get("kind") not in ("Deployment", "StatefulSet", "DaemonSet"):
@@ -421,7 +424,7 @@ def config_files(config: dict) -> list[str]:
 
 
 def check_mounts(where: str, docs: list[dict]) -> None:
-    """Issue 23 item 8: every file config.toml names is mounted in the codex-fleet container
+    """Every file config.toml names is mounted in the codex-fleet container
     and in the init container that runs check-config on it."""
     full = f"{RELEASE}-codex-fleet"
     cm = find(docs, "ConfigMap", full)
@@ -500,7 +503,8 @@ def render_tenant_pod(values: dict, docs: list[dict]) -> None:
             if out.returncode != 0:
                 fail(where, f"exit {out.returncode}: {out.stderr.strip()}")
                 continue
-            # A v1 List of the volume claim and the pod, as the issue 13 contract says.
+            # A v1 List of the volume claim and the pod, as the backend's contract says
+            # (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md).
             docs_out = []
             for d in yaml.safe_load_all(out.stdout):
                 if d and d.get("kind") == "List":
@@ -532,7 +536,7 @@ def entry_of(pod: dict) -> dict | None:
 
 
 def check_tenant_entry(where: str, values: dict, tenant: dict, pod: dict) -> None:
-    """Issue 23 item 1: the pod carries its tenant's own settings, and no credential of any
+    """The pod carries its tenant's own settings, and no credential of any
     tenant nor anything of another tenant (a tenant has a shell in its pod)."""
     entry = entry_of(pod)
     if entry is None:
@@ -559,9 +563,10 @@ def free_port() -> int:
 
 
 def start_tenant_node(where: str, docs: list[dict], tenant: dict, pod: dict, tmp: Path) -> None:
-    """Issue 23 item 1, done when: the node the backend would start (the rendered pod's args and
-    env, the rendered node config with its paths and addresses moved onto this machine) serves
-    the tenant with the tenant's own settings, read from its /metrics."""
+    """Settings travel with the tenant (docs/decisions/0017-settings-travel-with-the-tenant.md): the
+    node the backend would start (the rendered pod's args and env, the rendered node config with its
+    paths and addresses moved onto this machine) serves the tenant with the tenant's own settings,
+    read from its /metrics."""
     binary, codex = fleet_binary(), os.environ.get("CODEX_BIN")
     if not binary or not codex:
         fail(where, "starting its node needs the built codex-fleet and CODEX_BIN")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Opt-in test against a real Kubernetes cluster (README, "Kubernetes: a node per tenant"): installs
-# the chart in mode: kubernetes into a fresh namespace, waits for the edges, then runs a real turn
-# with `codex exec --remote` through a port-forward to the wss Service; the tenant's node pod is
-# created on demand by an edge. Skipped, with a message, when KUBECONFIG is not set: CI has no
-# cluster, and nothing here has been run against one yet.
+# Opt-in test against a real Kubernetes cluster (docs/kubernetes.md, "Kubernetes: a node per
+# tenant"): installs the chart in mode: kubernetes into a fresh namespace, waits for the edges, then
+# runs a real turn with `codex exec --remote` through a port-forward to the wss Service; the
+# tenant's node pod is created on demand by an edge. Skipped, with a message, when KUBECONFIG is not
+# set: CI has no cluster, and nothing here has been run against one yet.
 #
 # Needs: helm, kubectl, cert-manager in the cluster (the link certificates), openssl, an image built
 # from ops/image/Dockerfile and pushed where the cluster pulls from (CODEX_FLEET_IMAGE=repo:tag),

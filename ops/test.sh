@@ -38,5 +38,5 @@ cargo test --locked --workspace --exclude e2e --doc
 # taken in the same test, which other tests' real workers running at once would distort.
 cargo test --locked -p e2e -- --test-threads=1
 # The opt-in real-cluster test: with KUBECONFIG set it installs the chart and runs a turn through
-# it (README, "Kubernetes: a node per tenant"); without, it says it skips.
+# it (docs/kubernetes.md, "Kubernetes: a node per tenant"); without, it says it skips.
 bash ops/k8s-smoke.sh

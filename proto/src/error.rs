@@ -14,8 +14,8 @@ pub const OVERLOADED_MESSAGE: &str = "Server overloaded; retry later.";
 pub const WORKER_EXITED_MESSAGE: &str = "The worker serving this request exited; retry.";
 
 /// app-server's answer to `thread/resume` when another process holds the thread's writer lock
-/// is a plain `-32600` with this in its message (facts §7); no structured field tells it apart,
-/// so this is the one place that reads app-server's English.
+/// is a plain `-32600` with this in its message (docs/app-server-facts.md §7); no structured field
+/// tells it apart, so this is the one place that reads app-server's English.
 pub const WRITER_CONFLICT: &str = "already has an active writer";
 
 /// Whether an error message is app-server's writer-lock conflict ([`WRITER_CONFLICT`]).

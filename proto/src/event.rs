@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::method::Method;
 use crate::rpc::{Frame, Message};
 
-/// `ThreadStatus.type` of a thread that is no longer loaded (facts §4).
+/// `ThreadStatus.type` of a thread that is no longer loaded (docs/app-server-facts.md §4).
 pub const STATUS_NOT_LOADED: &str = "notLoaded";
 /// `ThreadStatus.type` of a thread that runs a turn or waits on an approval or user input.
 pub const STATUS_ACTIVE: &str = "active";

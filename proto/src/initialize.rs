@@ -17,7 +17,8 @@ pub struct InitializeParams<'a> {
 /// `clientInfo`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClientInfo<'a> {
-    /// `name`: app-server adopts it as the originator unless it is a daemon name (facts §3).
+    /// `name`: app-server adopts it as the originator unless it is a daemon name
+    /// (docs/app-server-facts.md §3).
     #[serde(borrow)]
     pub name: std::borrow::Cow<'a, str>,
     /// `title`, sent as `null` when absent.

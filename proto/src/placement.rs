@@ -1,8 +1,8 @@
 //! How a tenant's pool of workers answers each client method of the pinned app-server, so that
-//! it answers as one app-server would (issue 15); README "One app-server per tenant" is this
-//! table in prose. Every client request of the pinned schema has a row
-//! (`router/tests/method_table.rs` checks it against the binary), so a new method has to be
-//! placed before it ships.
+//! it answers as one app-server would (docs/decisions/0013-parse-once-one-method-table.md);
+//! docs/architecture.md "One app-server per tenant" is this table in prose. Every client request of
+//! the pinned schema has a row (`router/tests/method_table.rs` checks it against the binary), so a
+//! new method has to be placed before it ships.
 
 /// Where a client request is answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,14 +29,14 @@ pub enum Placement {
     /// session's home leg stays while the session lives.
     Sticky,
     /// The home worker, but the answer or effect is that one process's own, so it differs from
-    /// one app-server's when a tenant has more workers (README lists these and why).
+    /// one app-server's when a tenant has more workers (docs/architecture.md lists these and why).
     ProcessLocal,
     /// Refused by every host-access policy.
     Refused,
 }
 
 impl Placement {
-    /// Every placement, in README order.
+    /// Every placement, in the order of docs/architecture.md's table.
     pub const ALL: [Placement; 9] = [
         Placement::Connection,
         Placement::Merged,
@@ -246,7 +246,7 @@ impl Placement {
         })
     }
 
-    /// The README's name for it.
+    /// Its name in docs/architecture.md's table.
     pub fn as_str(self) -> &'static str {
         match self {
             Placement::Connection => "connection",

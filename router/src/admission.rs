@@ -5,7 +5,8 @@
 //! [`ConnectionGuard`]), counters for connections and active turns, and a semaphore per worker
 //! that bounds the requests in flight on it. Every refusal is a [`Rejection`] that knows its
 //! scope, its reason and when to come back; the session turns it into a JSON-RPC `-32001`
-//! (or, at the upgrade, HTTP 429/503 with `Retry-After`). Decision 7 in DESIGN.md.
+//! (or, at the upgrade, HTTP 429/503 with `Retry-After`). See
+//! docs/decisions/0007-admission-before-work.md.
 //!
 //! Locks are plain `std::sync` locks held for a few map operations and never across an await.
 //!

@@ -381,7 +381,8 @@ impl Default for Drain {
 }
 
 /// `[limits]`: message size, the client queue, and every rate and cap of admission control
-/// (decision 7; the admission keys are [`AdmissionConfig`]'s, flattened into this table).
+/// (docs/decisions/0007-admission-before-work.md; the admission keys are [`AdmissionConfig`]'s,
+/// flattened into this table).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "RawLimits")]
 pub struct Limits {
@@ -1459,9 +1460,10 @@ node = "n2"
             .contains("used twice"));
     }
 
-    /// The defaults README's Configuration table documents, for every key with a literal default:
-    /// a minimal file gets exactly those (not whatever `Default` says), and no documented literal
-    /// default goes unchecked.
+    /// The defaults the docs' key tables document (docs/configuration.md, and the edge and node
+    /// keys in docs/architecture.md), for every key with a literal default: a minimal file gets
+    /// exactly those (not whatever `Default` says), and no documented literal default goes
+    /// unchecked.
     #[test]
     fn a_minimal_config_gets_the_documented_defaults() {
         let cfg = Config::parse(&minimal("")).expect("valid");
@@ -1610,9 +1612,13 @@ node = "n2"
             ("audit.queue", cfg.audit.queue.to_string()),
             ("audit.max_file_bytes", cfg.audit.max_file_bytes.to_string()),
         ];
-        let readme = include_str!("../../README.md");
-        let documented: Vec<(String, String)> = readme
-            .lines()
+        let docs = [
+            include_str!("../../docs/configuration.md"),
+            include_str!("../../docs/architecture.md"),
+        ];
+        let documented: Vec<(String, String)> = docs
+            .iter()
+            .flat_map(|d| d.lines())
             .filter_map(|l| {
                 let cells: Vec<&str> = l.split('|').map(str::trim).collect();
                 let key = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
@@ -1638,8 +1644,8 @@ node = "n2"
             let doc = documented
                 .iter()
                 .find(|(k, _)| k == key)
-                .unwrap_or_else(|| panic!("README documents no default for {key}"));
-            assert_eq!(&doc.1, value, "README's default for {key}");
+                .unwrap_or_else(|| panic!("the docs document no default for {key}"));
+            assert_eq!(&doc.1, value, "the docs' default for {key}");
         }
         // Every other documented default is not a literal (required, allocated, another key's).
         for (key, doc) in &documented {

@@ -1,5 +1,6 @@
-//! The edge role (issue 11): TLS, authentication and admission at the door, then each session
-//! relayed frame by frame over its own link to the node that holds its tenant.
+//! The edge role (docs/decisions/0014-two-roles-one-binary.md): TLS, authentication and admission
+//! at the door, then each session relayed frame by frame over its own link to the node that holds
+//! its tenant.
 //!
 //! The link is wss with mutual TLS (TLS 1.3): the edge trusts only `nodes.ca` for nodes and
 //! presents `nodes.client_cert`; a node accepts only edges whose certificate chains to its

@@ -1,14 +1,14 @@
 //! Accepts TLS connections, authenticates the WebSocket upgrade and hands each one to a session.
 //!
-//! Admission at the door (decision 7): the per-source-address handshake rate is checked right
-//! after `accept`, before any TLS work is started on the connection's behalf, so that a refused
-//! address cannot reach token checking at all. Its answer still has to be HTTP (429 with
-//! `Retry-After`, so a well-behaved client learns when to come back), and HTTP only exists inside
-//! TLS here, so a refused connection completes its TLS handshake (under the handshake timeout
-//! and the accept backstop) and gets 429. A failed authentication is charged to the source
-//! address's handshake rate once more, so guessing tokens is throttled twice as fast as
-//! connecting. The connection caps (per tenant, in total) need the tenant, so they apply after
-//! authentication and answer 503 with `Retry-After`. The admitted connection's
+//! Admission at the door (docs/decisions/0007-admission-before-work.md): the per-source-address
+//! handshake rate is checked right after `accept`, before any TLS work is started on the
+//! connection's behalf, so that a refused address cannot reach token checking at all. Its answer
+//! still has to be HTTP (429 with `Retry-After`, so a well-behaved client learns when to come
+//! back), and HTTP only exists inside TLS here, so a refused connection completes its TLS handshake
+//! (under the handshake timeout and the accept backstop) and gets 429. A failed authentication is
+//! charged to the source address's handshake rate once more, so guessing tokens is throttled twice
+//! as fast as connecting. The connection caps (per tenant, in total) need the tenant, so they apply
+//! after authentication and answer 503 with `Retry-After`. The admitted connection's
 //! [`ConnectionGuard`] lives as long as its session.
 //!
 //! Before the upgrade a connection gets one request and one deadline: every answer other than
@@ -297,7 +297,8 @@ impl Conn {
         };
         self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
         // The edge holds the connection caps itself, before the 101 and before any link
-        // (decision 16); the guard lives as long as the relayed session, waiting included.
+        // (docs/decisions/0016-every-hop-holds-like-serve.md); the guard lives as long as the
+        // relayed session, waiting included.
         let guard: ConnectionGuard = match self.admission.open_connection(&who.tenant) {
             Ok(g) => g,
             Err(r) => {

@@ -469,7 +469,7 @@ fn refusal_scopes(reason: crate::admission::Reason) -> &'static [crate::admissio
 mod tests {
     use super::*;
 
-    /// Issue 22 (6): the refusals panel reads 0, not "no data", before the first refusal.
+    /// The refusals panel reads 0, not "no data", before the first refusal.
     #[test]
     fn admission_refusals_exist_at_zero_before_the_first() {
         let registry = Registry::new();

@@ -1,14 +1,14 @@
 //! Host-access policy per tenant: allows, refuses or confines the methods that reach the
 //! worker's host (files, commands, processes, config, accounts, plugins, working directories).
 //!
-//! Defence in depth behind the per-tenant Unix uid (DESIGN.md decision 11), and the only
-//! barrier when tenants share a uid. The session asks [`HostAccessPolicy::check`] for every
-//! client request before routing it. Every method of the pinned app-server has a row in the
-//! table (see `policy/rules.rs`): open methods pass without their params being parsed, host
-//! methods take their class's mode, and a method with no row is never forwarded: it gets
-//! app-server's own answer to a method it does not know (`-32600 "Invalid request: unknown
-//! variant …"`), and the few methods app-server knows but codex-fleet does not serve are refused
-//! (policy `"unclassified"`).
+//! Defence in depth behind the per-tenant Unix uid
+//! (docs/decisions/0011-containment-by-the-os-first.md), and the only barrier when tenants share a
+//! uid. The session asks [`HostAccessPolicy::check`] for every client request before routing it.
+//! Every method of the pinned app-server has a row in the table (see `policy/rules.rs`): open
+//! methods pass without their params being parsed, host methods take their class's mode, and a
+//! method with no row is never forwarded: it gets app-server's own answer to a method it does not
+//! know (`-32600 "Invalid request: unknown variant …"`), and the few methods app-server knows but
+//! codex-fleet does not serve are refused (policy `"unclassified"`).
 //!
 //! A refusal is a JSON-RPC error with code [`HOST_ACCESS_DENIED`] (`-32003`), message
 //! `"Host access denied by policy: <method> <detail>"` and

@@ -1,20 +1,20 @@
 //! One client connection, bound to one tenant: relays JSON-RPC between the client and the
 //! tenant's workers through the session's legs, rewriting server-request ids on the way.
 //!
-//! Admission (decision 7) runs on every client frame, in the order the admission module gives:
-//! the connection's frame rate, then for requests the tenant's rates and turn cap, then the
-//! host-access policy and routing, then a slot among the worker's requests in flight. A request
-//! that finds the worker full parks: the session stops reading *this* client for at most
-//! `in_flight_wait_ms` while it keeps relaying worker output (which frees the session's own
-//! slots), then forwards the request or answers `-32001` with scope `worker`. Other sessions
-//! never wait on it: each session is its own task with its own legs.
+//! Admission (docs/decisions/0007-admission-before-work.md) runs on every client frame, in the
+//! order the admission module gives: the connection's frame rate, then for requests the tenant's
+//! rates and turn cap, then the host-access policy and routing, then a slot among the worker's
+//! requests in flight. A request that finds the worker full parks: the session stops reading *this*
+//! client for at most `in_flight_wait_ms` while it keeps relaying worker output (which frees the
+//! session's own slots), then forwards the request or answers `-32001` with scope `worker`. Other
+//! sessions never wait on it: each session is its own task with its own legs.
 //!
-//! Slow readers (decision 8): above the soft mark of the client queue, streaming deltas are
-//! dropped for this session only and counted (`item/completed` carries the whole item); at the
-//! hard mark (the queue full) the session closes with 1008. The queue is bounded twice, in
-//! frames and in bytes (`client_queue_bytes` per session, `tenant_queue_bytes` over all the
-//! tenant's sessions): a client that never reads answers echoing megabytes must not pin
-//! router memory, so either bound's half is a soft mark and either bound is a hard mark.
+//! Slow readers (docs/decisions/0008-bounded-everything.md): above the soft mark of the client
+//! queue, streaming deltas are dropped for this session only and counted (`item/completed` carries
+//! the whole item); at the hard mark (the queue full) the session closes with 1008. The queue is
+//! bounded twice, in frames and in bytes (`client_queue_bytes` per session, `tenant_queue_bytes`
+//! over all the tenant's sessions): a client that never reads answers echoing megabytes must not
+//! pin router memory, so either bound's half is a soft mark and either bound is a hard mark.
 //!
 //! Request ids: a request reusing the id of one still in flight, or using the id the router
 //! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first

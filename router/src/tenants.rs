@@ -35,7 +35,8 @@ pub struct Tenant {
     pub id: String,
     /// Its workers.
     pub pool: Arc<Pool>,
-    /// What its clients may do on the host (DESIGN decision 11, defence in depth).
+    /// What its clients may do on the host (docs/decisions/0011-containment-by-the-os-first.md,
+    /// defence in depth).
     pub policy: HostAccessPolicy,
     /// Where its clients may point host-access methods.
     pub roots: TenantRoots,

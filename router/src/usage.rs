@@ -1,5 +1,6 @@
-//! Who uses the fleet, and how much (issue 14): turns started and completed by final status,
-//! their duration, the model tokens each tenant spends, and approvals asked and answered.
+//! Who uses the fleet, and how much (docs/decisions/0010-observability-is-part-of-the-contract.md):
+//! turns started and completed by final status, their duration, the model tokens each tenant
+//! spends, and approvals asked and answered.
 //!
 //! Sessions see these events on their legs, and several sessions may follow one thread, so
 //! every event is counted once per tenant: a small bounded memory of what was counted

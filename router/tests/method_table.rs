@@ -1,7 +1,8 @@
 //! The host-access table must name every client method of the pinned app-server: the method
 //! list comes from the binary itself (`codex app-server generate-json-schema --experimental`),
 //! so a codex upgrade that adds a method fails here, naming it, instead of the method being
-//! refused in production without anyone having decided its class (DESIGN decision 13).
+//! refused in production without anyone having decided its class
+//! (docs/decisions/0013-parse-once-one-method-table.md).
 //!
 //! Needs `CODEX_BIN` (the pinned native binary); the test command always sets it.
 
@@ -54,7 +55,7 @@ fn generated_schema(file: &str) -> Value {
 #[test]
 fn every_method_of_the_pinned_app_server_has_a_rule() {
     let methods = methods(&generated_schema("ClientRequest.json"));
-    // 0.171 with --experimental has 189 (reference/codex-app-server-facts.md §1).
+    // 0.171 with --experimental has 189 (docs/app-server-facts.md §1).
     assert!(methods.len() > 150, "only {} methods", methods.len());
     let missing: Vec<&str> = methods
         .iter()
@@ -166,13 +167,16 @@ fn thread_id_param(schema: &Value, variant: &Value) -> Option<bool> {
     has.then_some(required)
 }
 
-/// The rows of README's pool table: placement name → the methods its row lists.
+/// The rows of the pool table in docs/architecture.md: placement name → the methods its row lists.
 fn readme_rows() -> Vec<(String, String)> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+    let readme = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/architecture.md"
+    ))
+    .expect("docs/architecture.md");
     let start = readme
-        .find("### One app-server per tenant")
-        .expect("README has the section \"One app-server per tenant\"");
+        .find("## One app-server per tenant")
+        .expect("docs/architecture.md has the section \"One app-server per tenant\"");
     readme[start..]
         .lines()
         .skip(1)
@@ -185,10 +189,11 @@ fn readme_rows() -> Vec<(String, String)> {
         .collect()
 }
 
-/// Issue 15: every client method of the pinned app-server is placed (how a tenant's pool answers
-/// it as one app-server), consistently with its params (a method naming a thread is routed by
-/// it), and README's table lists it in its placement's row: a codex upgrade that adds a method
-/// fails here until it is placed and documented.
+/// docs/decisions/0013-parse-once-one-method-table.md: every client method of the pinned app-server
+/// is placed (how a tenant's pool answers it as one app-server), consistently with its params (a
+/// method naming a thread is routed by it), and the table of docs/architecture.md lists it in its
+/// placement's row: a codex upgrade that adds a method fails here until it is placed and
+/// documented.
 #[test]
 fn every_method_of_the_pinned_app_server_is_placed_and_documented() {
     let schema = generated_schema("ClientRequest.json");
@@ -229,12 +234,12 @@ fn every_method_of_the_pinned_app_server_is_placed_and_documented() {
     );
     assert!(
         undocumented.is_empty(),
-        "methods missing from their row of README's \"One app-server per tenant\" table: {undocumented:?}"
+        "methods missing from their row of docs/architecture.md's \"One app-server per tenant\" table: {undocumented:?}"
     );
     for placement in Placement::ALL {
         assert!(
             rows.iter().any(|(name, _)| name == placement.as_str()),
-            "README has no row for {}",
+            "docs/architecture.md has no row for {}",
             placement.as_str()
         );
     }

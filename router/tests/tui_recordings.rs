@@ -1,8 +1,8 @@
 //! The real TUI must work through the host-access policy unchanged: every request of the
 //! recorded TUI sessions passes the default per-tenant-uid policy once its paths are the
 //! tenant's own. `data/tui-client-requests.jsonl` holds the client→server requests of the
-//! recordings in shared/reference/recordings (codex 0.171.0, ws and wss), so the suite does not
-//! depend on that folder.
+//! recordings made for docs/app-server-facts.md §6 (codex 0.171.0, ws and wss), so the suite does
+//! not depend on that folder.
 
 use std::path::PathBuf;
 

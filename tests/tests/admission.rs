@@ -1,6 +1,7 @@
-//! Admission control end to end (issue 5): rates and caps answer `-32001` with scope, reason
-//! and `retryAfterMs`; refusals at the door are HTTP 429/503 with `Retry-After`; bad input gets
-//! defined answers; a slow reader harms no one. Real workers, the mock model, small limits.
+//! Admission control end to end (docs/decisions/0007-admission-before-work.md): rates and caps
+//! answer `-32001` with scope, reason and `retryAfterMs`; refusals at the door are HTTP 429/503
+//! with `Retry-After`; bad input gets defined answers; a slow reader harms no one. Real workers,
+//! the mock model, small limits.
 //!
 //! Tests 2, 3 and 6 print what they measured (`--nocapture` shows it).
 

@@ -298,7 +298,7 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
         Arc::ptr_eq(&back.pool, &pool),
         "the re-added tenant must adopt the pool that still serves its old session"
     );
-    // The removal closed the old session (its tenant and token were gone, issue 12); it
+    // The removal closed the old session (its tenant and token were gone: docs/operations.md); it
     // held the pool until it had ended, so the re-added tenant took it back. New sessions work.
     assert_eq!(
         old.recv_close_frame(Duration::from_secs(30)).await?,

@@ -1,8 +1,9 @@
-//! The tenant boundary against hostile input (issue 9, items 2, 3 and 7): bytes queued towards
-//! a client that never reads are bounded; a connection before its upgrade gets one request and
-//! one deadline, and failed tokens are throttled; a duplicated or reserved request id is
-//! answered and frees no slot; pings count against the frame rate; codex-fleet raises its own
-//! open-files limit. Real TLS, real workers.
+//! The tenant boundary against hostile input (docs/decisions/0008-bounded-everything.md,
+//! docs/decisions/0012-trust-nothing-a-tenant-can-write.md): bytes queued towards a client that
+//! never reads are bounded; a connection before its upgrade gets one request and one deadline, and
+//! failed tokens are throttled; a duplicated or reserved request id is answered and frees no slot;
+//! pings count against the frame rate; codex-fleet raises its own open-files limit. Real TLS, real
+//! workers.
 //!
 //! `a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_served` prints the RSS
 //! growth and the other tenant's latency it measured (`--nocapture` shows it).
@@ -318,7 +319,8 @@ async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Resul
         let frame = json!({"method": "x/flood", "params": {"pad": pad}}).to_string();
         match tokio::time::timeout(Duration::from_secs(2), flood.send_text(&frame)).await {
             Ok(Ok(())) => sent += 1,
-            // Not read any more: the session holds no more, and keeps the client (README).
+            // Not read any more: the session holds no more, and keeps the client
+            // (docs/architecture.md, admission).
             Err(_) => {
                 held = true;
                 break;

@@ -185,7 +185,7 @@ async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> a
                     "TMPDIR",
                     "HOME",
                     "CODEX_HOME",
-                    // Set by codex-fleet itself: remote control off (README, Security).
+                    // Set by codex-fleet itself: remote control off (docs/security.md).
                     "CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED"
                 ]
                 .contains(&name),
@@ -387,9 +387,9 @@ async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
-/// Issue 22 item 5: RLIMIT_NPROC per tenant uid. A fork loop in tenant a's worker stops at a's
-/// `max_processes`, while tenant b's worker, under its own uid, still spawns as many as it likes;
-/// each worker shows its configured "Max processes".
+/// docs/decisions/0011-containment-by-the-os-first.md: RLIMIT_NPROC per tenant uid. A fork loop in
+/// tenant a's worker stops at a's `max_processes`, while tenant b's worker, under its own uid,
+/// still spawns as many as it likes; each worker shows its configured "Max processes".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_loop_stops_at_its_tenants_process_limit_and_the_neighbour_still_spawns(
 ) -> anyhow::Result<()> {

@@ -1,8 +1,8 @@
-//! Issue 22 item 1 (decision 16): an edge holds the bounds `serve` holds, itself, on its side of
-//! the link — bytes queued per session and per tenant, connection caps before the upgrade,
-//! frame rates with pings and pongs counted, and what a session waiting for its tenant's node
-//! may hold. Real processes on loopback (edges, nodes, workers, the mock model), real TLS on
-//! both hops; each test tries to cross a bound as a hostile tenant would.
+//! docs/decisions/0016-every-hop-holds-like-serve.md: an edge holds the bounds `serve` holds,
+//! itself, on its side of the link — bytes queued per session and per tenant, connection caps
+//! before the upgrade, frame rates with pings and pongs counted, and what a session waiting for its
+//! tenant's node may hold. Real processes on loopback (edges, nodes, workers, the mock model), real
+//! TLS on both hops; each test tries to cross a bound as a hostile tenant would.
 //!
 //! The edges under test get their own `[limits]` (the nodes keep the defaults), so that what is
 //! measured is the edge's own bound, never the node's.
@@ -271,7 +271,7 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
     let prompt_bytes: usize = 1_000_000;
     let s = Split::start(&[("acme", "n1"), ("beta", "n2")], 1, "").await?;
     // Bytes queued per session and per tenant, at the edge; one answer of the whole thread fits.
-    // (`EDGE_FLOOD_LIMITS=""` measures the defaults, `EDGE_FLOOD_TURNS=6` the issue's thread.)
+    // (`EDGE_FLOOD_LIMITS=""` measures the defaults, `EDGE_FLOOD_TURNS=6` a 12 MiB thread.)
     let limits = std::env::var("EDGE_FLOOD_LIMITS").unwrap_or_else(|_| {
         "max_message_bytes = 16777216\nclient_queue_bytes = 16777216\ntenant_queue_bytes = 33554432"
             .into()
@@ -556,10 +556,10 @@ async fn unread_flood_rss(
     Ok((peak, text))
 }
 
-/// Decision 16, measured side by side: the same unread flood (the issue's: a 12 MiB thread, 12
-/// unread sessions x 40 reads), with the default bounds, costs an edge about what it costs
-/// `serve` — not the gigabytes of the old relay, which queued every answer. Both stay bounded by
-/// the same keys; the calm tenant is served throughout on both.
+/// docs/decisions/0016-every-hop-holds-like-serve.md, measured side by side: the same unread flood
+/// (a 12 MiB thread, 12 unread sessions x 40 reads), with the default bounds, costs an
+/// edge about what it costs `serve` — not the gigabytes of the old relay, which queued every
+/// answer. Both stay bounded by the same keys; the calm tenant is served throughout on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unread_flood_costs_an_edge_what_it_costs_serve() -> anyhow::Result<()> {
     let window = Duration::from_secs(30);

@@ -1,6 +1,6 @@
-//! Issue 22 (items 2 and 3): identity that survives any subject, and logs a tenant cannot forge.
-//! Real processes on loopback: edges (`serve` with `[nodes]`) in front of `codex-fleet node`s
-//! with real workers, mutual TLS on the link, JWTs signed here.
+//! docs/decisions/0016-every-hop-holds-like-serve.md: identity that survives any subject, and logs
+//! a tenant cannot forge. Real processes on loopback: edges (`serve` with `[nodes]`) in front of
+//! `codex-fleet node`s with real workers, mutual TLS on the link, JWTs signed here.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -1,9 +1,9 @@
-//! README promises of edges and nodes that hold only if the edge passes the node's answers on
-//! unchanged: a node's refusal at its connection caps reaches the client as the same HTTP answer
-//! `serve` gives (status, `Retry-After`, body), the caps are exact however many edges the
-//! sessions come through, and the same size limits and close codes (1009 too big, 1008 for a
-//! flood or protocol errors) hold through both hops. Each answer through an edge is compared with
-//! what `serve` with the same `[limits]` answers. Real processes on loopback, real TLS on both
+//! Promises docs/architecture.md makes of edges and nodes that hold only if the edge passes the
+//! node's answers on unchanged: a node's refusal at its connection caps reaches the client as the
+//! same HTTP answer `serve` gives (status, `Retry-After`, body), the caps are exact however many
+//! edges the sessions come through, and the same size limits and close codes (1009 too big, 1008
+//! for a flood or protocol errors) hold through both hops. Each answer through an edge is compared
+//! with what `serve` with the same `[limits]` answers. Real processes on loopback, real TLS on both
 //! hops, real workers.
 
 use std::collections::BTreeMap;

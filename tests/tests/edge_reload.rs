@@ -1,10 +1,11 @@
-//! What README promises of an edge and its nodes that only a running pair can show: a SIGHUP
-//! on an edge puts new tokens and tenant→node assignments in force and closes the relayed
+//! What docs/architecture.md promises of an edge and its nodes that only a running pair can show: a
+//! SIGHUP on an edge puts new tokens and tenant→node assignments in force and closes the relayed
 //! sessions whose token it removed (1008), while other tenants' relayed sessions go on; a node's
 //! refusal reaches the client through the edge as the same HTTP answer; a refusal for an
-//! unreachable node carries `Retry-After`, and the edge's `/readyz` names the node and its
-//! tenants; a link client certificate renewed in place is what the edge presents next. Real processes on loopback: `codex-fleet node` with real workers, `codex-fleet serve`
-//! with `[nodes]`, mutual TLS on the link.
+//! unreachable node carries `Retry-After`, and the edge's `/readyz` names the node and its tenants;
+//! a link client certificate renewed in place is what the edge presents next. Real processes on
+//! loopback: `codex-fleet node` with real workers, `codex-fleet serve` with `[nodes]`, mutual TLS
+//! on the link.
 
 use std::time::Duration;
 
@@ -216,10 +217,10 @@ fn write_pem(path: &std::path::Path, pem: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// DESIGN decision 17 and issue 23: cert-manager renews the link certificates in place before
-/// they expire. An edge whose client certificate expires in seconds presents, once the files
-/// hold a renewed pair, the renewed one: links work again without a restart, and the reload is
-/// counted.
+/// docs/decisions/0017-settings-travel-with-the-tenant.md: cert-manager renews the link
+/// certificates in place before they expire. An edge whose client certificate expires in seconds
+/// presents, once the files hold a renewed pair, the renewed one: links work again without a
+/// restart, and the reload is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Result<()> {
     let mut s = Split::start(&[("acme", "n1")], 1, "").await?;

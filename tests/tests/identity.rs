@@ -1,7 +1,8 @@
-//! Identity and trust (issue 12), end to end over real wss with real workers: every credential
-//! kind runs a real turn (and the real `codex exec --remote` with a JWT), every bad credential is
-//! refused with 401 and counted by reason, a JWT session closes after its `exp`, a reload that
-//! removes a token closes its sessions and no other, and `Origin` needs the tenant's allowlist.
+//! Identity and trust (docs/security.md), end to end over real wss with real workers: every
+//! credential kind runs a real turn (and the real `codex exec --remote` with a JWT), every bad
+//! credential is refused with 401 and counted by reason, a JWT session closes after its `exp`, a
+//! reload that removes a token closes its sessions and no other, and `Origin` needs the tenant's
+//! allowlist.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -462,7 +463,7 @@ async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> any
     fleet.stop().await
 }
 
-/// Issue 22: an issuer with `tenants` names only those tenants: a token naming another (acme, a
+/// An issuer with `tenants` names only those tenants: a token naming another (acme, a
 /// tenant of static tokens and of another issuer) is 401 `jwt_tenant`, one naming beta is
 /// admitted.
 #[tokio::test]
@@ -501,7 +502,7 @@ async fn an_issuer_names_only_its_tenants() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
-/// Issue 22: an `exp` past any sane date (2^63, u64::MAX) is 401 `jwt_claims`, not a panic of
+/// An `exp` past any sane date (2^63, u64::MAX) is 401 `jwt_claims`, not a panic of
 /// the connection, and the server goes on serving.
 #[tokio::test]
 async fn an_absurd_exp_is_refused_and_the_server_goes_on() -> anyhow::Result<()> {

@@ -1,7 +1,7 @@
-//! Issue 13: the kubernetes nodes backend against an in-process fake API server
-//! ([`e2e::fake_kube`]) whose pods are real `codex-fleet node --tenant … --exit-when-idle`
-//! processes on their own loopback addresses (127.0.0.N), with real workers and the mock model,
-//! behind real `codex-fleet serve` edges and a real wss client.
+//! docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md: the kubernetes nodes backend against an
+//! in-process fake API server ([`e2e::fake_kube`]) whose pods are real `codex-fleet node --tenant …
+//! --exit-when-idle` processes on their own loopback addresses (127.0.0.N), with real workers and
+//! the mock model, behind real `codex-fleet serve` edges and a real wss client.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -159,9 +159,9 @@ async fn the_first_session_creates_the_volume_and_the_pod_and_runs_a_turn() -> a
     Ok(())
 }
 
-/// Issue 23 item 1 (DESIGN decision 17): a tenant's own `[[tenants]]` settings reach the node
-/// the edge starts for it, through the pod the edge creates; the node config every pod mounts
-/// has no tenants, and no pod carries a credential or another tenant's entry.
+/// docs/decisions/0017-settings-travel-with-the-tenant.md: a tenant's own `[[tenants]]` settings
+/// reach the node the edge starts for it, through the pod the edge creates; the node config every
+/// pod mounts has no tenants, and no pod carries a credential or another tenant's entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenants_own_settings_reach_its_node_and_nothing_of_another() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
@@ -400,7 +400,7 @@ async fn a_pod_deleted_or_evicted_mid_session_closes_its_clients_and_is_recreate
     Ok(())
 }
 
-/// Issue 23 item 3: with the namespace's storage quota used up, creating a claim that exists is
+/// With the namespace's storage quota used up, creating a claim that exists is
 /// 403 Forbidden (quota admission before the exists check); a tenant whose volume exists still
 /// starts: the edge looks the claim up first and takes a 403 on an existing one as existing.
 /// Also the closing note's number for a replaced pod: its start to ready.
@@ -487,7 +487,7 @@ async fn refused_start_after(
     Ok((answer, took, close.context("a close frame")?.0))
 }
 
-/// Issue 23 item 4: an API error no retry can mend (403 from PodSecurity admission or a full
+/// An API error no retry can mend (403 from PodSecurity admission or a full
 /// quota, 422 invalid) ends the session's wait at once with `-32001` scope `worker`, reason
 /// `nodeStartFailed` and the cause, counted by reason; a transient one (429) is retried and the
 /// session is served.
@@ -641,7 +641,7 @@ async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> 
     let thread = a.start_thread().await?;
     turn(&mut a, &thread, "second pod lucky").await?;
     assert_eq!(c.fake.pod_creates(), 2, "the failed pod was replaced once");
-    // Events on the pod (issue 23 item 4): created, failed before ready, replaced, created.
+    // Events on the pod: created, failed before ready, replaced, created.
     let evs = events_with(
         &c,
         "codex-fleet-node-acme",
@@ -710,8 +710,8 @@ async fn api_errors_and_an_expired_watch_are_survived() -> anyhow::Result<()> {
     assert!(c.fake.delete_pod("codex-fleet-node-acme"));
     let close = a.recv_close_frame(Duration::from_secs(10)).await?;
     assert_eq!(close.context("a close frame")?.0, 1001, "the node drains");
-    // The edge stays Ready (it has listed once; DESIGN decision 17) and says the API server
-    // is failing.
+    // The edge stays Ready (it has listed once;
+    // docs/decisions/0017-settings-travel-with-the-tenant.md) and says the API server is failing.
     let reported = wait_until_async(Duration::from_secs(20), || async {
         c.readyz(0)
             .await
@@ -846,7 +846,7 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
     Ok(())
 }
 
-/// Issue 23 item 5: a pod Pending past the start timeout (here unschedulable until the cluster
+/// A pod Pending past the start timeout (here unschedulable until the cluster
 /// has room) is deleted and recreated at the tenant's next session, counted as `stuck`; pods
 /// carry the template hash label.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -889,7 +889,7 @@ async fn a_pod_stuck_pending_past_the_start_timeout_is_replaced() -> anyhow::Res
     Ok(())
 }
 
-/// Issue 23 item 5: a pod whose image cannot be pulled (ImagePullBackOff) ends the waiting
+/// A pod whose image cannot be pulled (ImagePullBackOff) ends the waiting
 /// session at once with `nodeStartFailed` and the kubelet's reason, and is deleted, so the next
 /// session (after a fix) gets a new pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -945,9 +945,9 @@ async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced
     Ok(())
 }
 
-/// Issue 23 item 7 (DESIGN decision 17): with the API server down, an edge stays Ready and
-/// serves every tenant whose pod its watch cache shows Ready; `/readyz` reports the API server
-/// separately; only a new start waits (and is refused `nodeStarting`), until it is back.
+/// docs/decisions/0017-settings-travel-with-the-tenant.md: with the API server down, an edge stays
+/// Ready and serves every tenant whose pod its watch cache shows Ready; `/readyz` reports the API
+/// server separately; only a new start waits (and is refused `nodeStarting`), until it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_server_outage_delays_new_starts_never_running_tenants() -> anyhow::Result<()> {
     let c = Cluster::start(Options {
@@ -997,10 +997,11 @@ async fn an_api_server_outage_delays_new_starts_never_running_tenants() -> anyho
     Ok(())
 }
 
-/// Issue 23 items 1 and 5: a tenant's edited entry reaches its node. The edge reloads, the
-/// running pod is now of an older template (its hash label differs), and with
-/// `max_pod_age_secs` it is replaced although busy: it is deleted (gracefully: its node drains
-/// and its session closes 1001), the next session gets a new pod that serves the new settings.
+/// docs/decisions/0017-settings-travel-with-the-tenant.md: a tenant's edited entry reaches its
+/// node. The edge reloads, the running pod is now of an older template (its hash label differs),
+/// and with `max_pod_age_secs` it is replaced although busy: it is deleted (gracefully: its node
+/// drains and its session closes 1001), the next session gets a new pod that serves the new
+/// settings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_of_an_older_template_is_replaced_past_max_pod_age() -> anyhow::Result<()> {
     let c = Cluster::start(Options {

@@ -1,10 +1,10 @@
-//! Issue 23: an edge that reaches the API server the way an edge pod does. No `api_url`, no
-//! KUBECONFIG: `KUBERNETES_SERVICE_HOST`/`_PORT` in its environment and the service account's
-//! `token`, `ca.crt` and `namespace` at /var/run/secrets/kubernetes.io/serviceaccount, put
-//! there by a bind mount in a mount namespace of its own (so they are where kube-rs reads them,
-//! and nowhere else on the machine). The fake API server ([`e2e::fake_kube`]) speaks HTTPS with
-//! a test CA's certificate and answers 401 to any request without an accepted bearer token.
-//! Root only (the mount namespace).
+//! docs/decisions/0017-settings-travel-with-the-tenant.md: an edge that reaches the API server the
+//! way an edge pod does. No `api_url`, no KUBECONFIG: `KUBERNETES_SERVICE_HOST`/`_PORT` in its
+//! environment and the service account's `token`, `ca.crt` and `namespace` at
+//! /var/run/secrets/kubernetes.io/serviceaccount, put there by a bind mount in a mount namespace of
+//! its own (so they are where kube-rs reads them, and nowhere else on the machine). The fake API
+//! server ([`e2e::fake_kube`]) speaks HTTPS with a test CA's certificate and answers 401 to any
+//! request without an accepted bearer token. Root only (the mount namespace).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -125,7 +125,8 @@ async fn an_edge_in_a_pod_uses_its_service_account_over_https_and_outlives_a_tok
     api.accept_only(&["token-two"]);
     let rotated = Instant::now();
     // Until kube-rs reads the file again, the edge's requests are refused; it stays Ready and
-    // its tenant with a Ready pod is served (DESIGN decision 17), a new turn included.
+    // its tenant with a Ready pod is served
+    // (docs/decisions/0017-settings-travel-with-the-tenant.md), a new turn included.
     assert!(
         wait_until_async(Duration::from_secs(10), || async { api.refused() > 0 }).await,
         "the edge made no request with the old token after the rotation"

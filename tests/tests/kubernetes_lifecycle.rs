@@ -1,9 +1,10 @@
-//! Issue 26: the kubernetes backend against a fake API server that deletes and loses pods as a
-//! cluster does ([`e2e::fake_kube`]): a delete is graceful (`deletionTimestamp`, the pod's grace
-//! period, SIGTERM to the node, SIGKILL when the grace period is over, the pod gone when its
-//! process is), a force delete is at once, a Terminating pod keeps its name, and a lost
-//! machine's pod stays Terminating until force-deleted. Each test checks what README's
-//! Kubernetes section promises for it, through real edges, real nodes and a real wss client.
+//! docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md: the kubernetes backend against a fake
+//! API server that deletes and loses pods as a cluster does ([`e2e::fake_kube`]): a delete is
+//! graceful (`deletionTimestamp`, the pod's grace period, SIGTERM to the node, SIGKILL when the
+//! grace period is over, the pod gone when its process is), a force delete is at once, a
+//! Terminating pod keeps its name, and a lost machine's pod stays Terminating until force-deleted.
+//! Each test checks what docs/kubernetes.md promises for it, through real
+//! edges, real nodes and a real wss client.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -55,7 +56,7 @@ fn uid(c: &Cluster) -> Option<Value> {
     c.fake.pod(POD).map(|p| p["metadata"]["uid"].clone())
 }
 
-/// README (Kubernetes, "Culling"): `kubectl delete pod` (and an API eviction, a drain) is
+/// docs/kubernetes.md ("Culling"): `kubectl delete pod` (and an API eviction, a drain) is
 /// graceful: the pod is Terminating (its name still taken: a create gets 409), its node gets
 /// SIGTERM and drains — the running turn finishes, then the session closes 1001 "codex-fleet is
 /// shutting down", passed through by the edge — and the pod goes once the node has exited. A
@@ -154,7 +155,7 @@ async fn a_deleted_pod_finishes_its_turn_closes_1001_and_its_next_session_waits_
     Ok(())
 }
 
-/// README (Kubernetes, "Culling"): a node that has not drained when its grace period is over
+/// docs/kubernetes.md ("Culling"): a node that has not drained when its grace period is over
 /// is SIGKILLed by the kubelet: its sessions close 1012, and the pod goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_still_draining_at_the_end_of_its_grace_period_is_killed_and_closes_1012(
@@ -191,7 +192,7 @@ async fn a_node_still_draining_at_the_end_of_its_grace_period_is_killed_and_clos
     Ok(())
 }
 
-/// README (Kubernetes, "When a pod goes"): a machine lost (here its node frozen, SIGSTOP: its
+/// docs/kubernetes.md ("When a pod goes"): a machine lost (here its node frozen, SIGSTOP: its
 /// links open and silent, as to a machine that is gone) closes the tenant's sessions 1012 — the
 /// edge hears nothing from the link and gives up on it — and once Kubernetes deletes the pod
 /// (the taint manager) it stays Terminating for good, since no kubelet confirms it: the edge
@@ -453,7 +454,7 @@ fn unschedulable_message(c: &Cluster, pod: &str) -> Option<String> {
 /// False, Unschedulable, the message naming the claim). The tenant's session waits for it and is
 /// served once the claim binds; if it never binds within `start_timeout_secs`, the session's
 /// requests are answered `-32001` scope `worker`, reason `nodeStarting`, and it is closed 1013,
-/// as README's "Culling" says.
+/// as docs/kubernetes.md's "Culling" says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_waits_for_its_claim_to_bind_and_a_claim_that_never_binds_times_the_start_out(
 ) -> anyhow::Result<()> {

@@ -1,7 +1,8 @@
-//! Issue 23: a tenant pod made from an older template (its `codex-fleet.io/template-hash` is not
-//! the edge's current one) is replaced at its next idle moment (no session, no running turn, no
-//! loaded thread on its node), never while it serves; the next session lands on a pod of the
-//! current template. Against the fake API server, with real nodes and a real client.
+//! docs/decisions/0017-settings-travel-with-the-tenant.md: a tenant pod made from an older template
+//! (its `codex-fleet.io/template-hash` is not the edge's current one) is replaced at its next idle
+//! moment (no session, no running turn, no loaded thread on its node), never while it serves; the
+//! next session lands on a pod of the current template. Against the fake API server, with real
+//! nodes and a real client.
 
 use std::time::Duration;
 

@@ -1,10 +1,10 @@
-//! The link's CA rotates in place (issue 23): cert-manager reissues the link CA and the
-//! certificates it signs, and the edge (which checks nodes against `nodes.ca`) and the node (which
-//! checks edges against `node.edge_ca`) put the new bundle in force for the next handshake, with
-//! no restart: the old CA stops opening a node's port, open sessions are not touched, and a
-//! bundle that is not one is refused while the previous one stays. Real processes on loopback:
-//! `codex-fleet node` with a real worker, `codex-fleet serve` with `[nodes]`, mutual TLS on the
-//! link.
+//! The link's CA rotates in place (docs/decisions/0017-settings-travel-with-the-tenant.md):
+//! cert-manager reissues the link CA and the certificates it signs, and the edge (which checks
+//! nodes against `nodes.ca`) and the node (which checks edges against `node.edge_ca`) put the new
+//! bundle in force for the next handshake, with no restart: the old CA stops opening a node's port,
+//! open sessions are not touched, and a bundle that is not one is refused while the previous one
+//! stays. Real processes on loopback: `codex-fleet node` with a real worker, `codex-fleet serve`
+//! with `[nodes]`, mutual TLS on the link.
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,6 +1,6 @@
-//! DESIGN decision 10: the dashboards, alert rules and Helm chart use only what codex-fleet exports
-//! and configures. A real Prometheus scraping a running fleet is the judge of every expression;
-//! promtool checks and unit-tests the alert rules.
+//! docs/decisions/0010-observability-is-part-of-the-contract.md: the dashboards, alert rules and
+//! Helm chart use only what codex-fleet exports and configures. A real Prometheus scraping a
+//! running fleet is the judge of every expression; promtool checks and unit-tests the alert rules.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -218,21 +218,20 @@ fn the_chart_ships_the_same_rules_and_dashboard() {
     );
 }
 
-/// Config keys from the README's configuration table: `table.key` or `tenants[].key`.
-fn readme_config_keys() -> Vec<String> {
-    let readme = read("README.md");
-    let section = readme
-        .split("\n## Configuration")
-        .nth(1)
-        .and_then(|s| s.split("\n## ").next())
-        .expect("README has a Configuration section");
+/// Config keys from the configuration table (docs/configuration.md): `table.key` or
+/// `tenants[].key`.
+fn config_table_keys() -> Vec<String> {
+    let section = read("docs/configuration.md");
     let keys: Vec<String> = section
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split('`').next())
         .map(str::to_owned)
         .collect();
-    assert!(keys.len() > 20, "too few config keys in README: {keys:?}");
+    assert!(
+        keys.len() > 20,
+        "too few config keys in docs/configuration.md: {keys:?}"
+    );
     keys
 }
 
@@ -277,7 +276,7 @@ fn yaml_keys(text: &str) -> BTreeMap<String, BTreeSet<String>> {
 
 #[test]
 fn chart_values_and_configmap_cover_every_config_key() {
-    let keys = readme_config_keys();
+    let keys = config_table_keys();
     let values = yaml_keys(&read(&format!("{CHART}/values.yaml")));
     let configmap = read(&format!("{CHART}/templates/configmap.yaml"));
     let mut missing = Vec::new();
@@ -294,7 +293,7 @@ fn chart_values_and_configmap_cover_every_config_key() {
         }
         let (table, field) = key
             .split_once('.')
-            .unwrap_or_else(|| panic!("README key {key} has no table"));
+            .unwrap_or_else(|| panic!("docs/configuration.md key {key} has no table"));
         if !values.get(table).is_some_and(|t| t.contains(field)) {
             missing.push(format!("values.yaml: {table}.{field}"));
         }
@@ -343,7 +342,7 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_thread_rehomes_total{cause=\"crash\",outcome=\"rehomed\",tenant=\"acme\"}",
         "codex_fleet_thread_rehomes_total{cause=\"retired\",outcome=\"no_worker\",tenant=\"acme\"}",
         "codex_fleet_thread_rehome_duration_seconds_count{tenant=\"acme\"}",
-        // The refusals panel (issue 22): every scope and reason a refusal is counted under.
+        // The refusals panel: every scope and reason a refusal is counted under.
         "codex_fleet_admission_rejections_total{reason=\"tenantRateLimited\",scope=\"tenant\"}",
         "codex_fleet_admission_rejections_total{reason=\"tooManyConnections\",scope=\"fleet\"}",
         "codex_fleet_admission_rejections_total{reason=\"connectionRateLimited\",scope=\"connection\"}",
@@ -395,7 +394,7 @@ fn promtool_checks_the_rules_and_every_alert_has_a_unit_test_that_fires() {
     }
 }
 
-/// Issue 14: the configured limits are gauges, and each tenant's workers' memory and CPU are
+/// The configured limits are gauges, and each tenant's workers' memory and CPU are
 /// sampled from their process groups at every health ping.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_and_worker_resources_are_exported_per_tenant() -> anyhow::Result<()> {
@@ -534,7 +533,7 @@ fn both_sides_of_unless_are_queried() {
 }
 
 /// Every dashboard and alert expression, evaluated by a real Prometheus that scraped a fleet, an
-/// edge and a node, and an edge on the kubernetes backend (the fake API server, issue 13), after
+/// edge and a node, and an edge on the kubernetes backend (the fake API server), after
 /// real traffic, parses and returns data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheus(
@@ -657,7 +656,7 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     Ok(())
 }
 
-/// Issue 14: turns, their duration, tokens and approvals are counted once per tenant, however
+/// Turns, their duration, tokens and approvals are counted once per tenant, however
 /// many sessions follow the thread; a fork's restated usage is not counted again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()> {
@@ -818,7 +817,7 @@ fn top_column(row: &str, index: usize) -> anyhow::Result<f64> {
         .with_context(|| format!("column {index} of {row:?} is {word:?}"))
 }
 
-/// Issue 14: `codex-fleet top` answers the capacity questions from the admin endpoints of a
+/// `codex-fleet top` answers the capacity questions from the admin endpoints of a
 /// running `codex-fleet serve` (the binary, so what top reads is what the binary exports): the
 /// tenants against their limits, and the turns, model tokens and refusals of the interval, read
 /// against the fleet's own counters over exactly the interval top measured.
@@ -961,7 +960,7 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
     Ok(())
 }
 
-/// Issue 22 item 4, against the real app-server: an approval aborted by `turn/interrupt` is
+/// Against the real app-server: an approval aborted by `turn/interrupt` is
 /// withdrawn at the turn's end and audited so (a late answer to it is not a decision), and the
 /// `serverRequest/resolved` app-server sends after `turn/completed` still carries the session's
 /// id; the next approval, answered, is audited with its decision.

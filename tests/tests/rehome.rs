@@ -1,8 +1,8 @@
-//! Issue 16: threads outlive their worker. When the worker holding a thread ends (crash, hang,
-//! retirement), every session subscribed to the thread keeps it: the running turn ends as
-//! app-server leaves such a turn (`interrupted`, with the reason), the worker's prompts are
-//! resolved, the thread is resumed on another worker for each session, and the next turn
-//! streams to all of them. Real workers, real signals.
+//! docs/decisions/0009-faults-visible-and-contained.md: threads outlive their worker. When the
+//! worker holding a thread ends (crash, hang, retirement), every session subscribed to the thread
+//! keeps it: the running turn ends as app-server leaves such a turn (`interrupted`, with the
+//! reason), the worker's prompts are resolved, the thread is resumed on another worker for each
+//! session, and the next turn streams to all of them. Real workers, real signals.
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
@@ -478,7 +478,7 @@ async fn unknown_to(z: &mut Client, thread: &str, made_up: &str) -> anyhow::Resu
     Ok(())
 }
 
-// === The fallbacks (README "Threads outlive their worker") ===
+// === The fallbacks (docs/operations.md, "Threads outlive their worker") ===
 
 async fn outcome_is(fleet: &Fleet, outcome: &str) -> anyhow::Result<f64> {
     fleet

@@ -1,6 +1,6 @@
-//! Issue 11: edges in front of nodes. Real processes on loopback: `codex-fleet node` holding
-//! tenants with real workers, `codex-fleet serve` with `[nodes]` as edges, real TLS on both hops
-//! (mutual TLS on the link).
+//! docs/decisions/0014-two-roles-one-binary.md: edges in front of nodes. Real processes on
+//! loopback: `codex-fleet node` holding tenants with real workers, `codex-fleet serve` with
+//! `[nodes]` as edges, real TLS on both hops (mutual TLS on the link).
 
 use std::time::Duration;
 

@@ -32,7 +32,7 @@ fn ready_pid(fleet: &Fleet, tenant: &str) -> Option<u32> {
 }
 
 /// The socket files our workers use now: each slot's path and the `/tmp/codex-daemon-<uid>/…`
-/// socket it points to (facts §11).
+/// socket it points to (docs/app-server-facts.md §11).
 fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
     let mut out = BTreeSet::new();
     let Ok(tenants) = std::fs::read_dir(state.join("s/sockets")) else {
@@ -54,7 +54,8 @@ fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
     out
 }
 
-/// Issue 4 test 6: nothing started by codex-fleet runs any more, and no socket file remains.
+/// docs/decisions/0009-faults-visible-and-contained.md: nothing started by codex-fleet runs any
+/// more, and no socket file remains.
 async fn assert_clean(state: &Path, sockets: &BTreeSet<PathBuf>) {
     let gone = wait_until(Duration::from_secs(10), || {
         e2e::processes_under(state).is_empty()
@@ -128,7 +129,8 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
     let pid = ready_pid(&fleet, "acme").context("acme pid")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL)?;
-    // The turn ends (interrupted, with the reason); the thread is not closed (issue 16).
+    // The turn ends (interrupted, with the reason); the thread is not closed (docs/operations.md,
+    // "Threads outlive their worker").
     let ended = a.until_turn_completed(&a_thread).await?;
     let notified = killed.elapsed();
     assert_eq!(
@@ -528,8 +530,8 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     let t2 = c2.start_thread().await?;
     let old = Client::connect(&proc.url(), &files.ca, Some(&old_token)).await;
     assert!(old.is_err(), "the old token no longer authenticates");
-    // The session of the removed token was closed by the reload (issue 12); the new token's
-    // session serves.
+    // The session of the removed token was closed by the reload (docs/operations.md); the new
+    // token's session serves.
     assert_eq!(
         c.recv_close_frame(Duration::from_secs(30)).await?,
         Some((1008, router::session::REVOKED_REASON.to_owned()))
@@ -703,8 +705,8 @@ async fn a_reload_runs_hooks_applies_new_limits_and_closes_a_removed_tenants_ses
         e2e::Upgrade::Open(_) => panic!("the reloaded per-tenant cap of 1 was not applied"),
     }
     only.close().await;
-    // Its open session was closed by the reload (its token and tenant are gone, issue 12); its
-    // workers stop once the session has ended.
+    // Its open session was closed by the reload (its token and tenant are gone:
+    // docs/operations.md); its workers stop once the session has ended.
     assert_eq!(
         session.recv_close_frame(Duration::from_secs(30)).await?,
         Some((1008, router::session::REVOKED_REASON.to_owned()))

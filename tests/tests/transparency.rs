@@ -119,7 +119,7 @@ async fn direct_per_connection(socket: &Path) -> anyhow::Result<BTreeMap<String,
     Ok(counts)
 }
 
-/// Issue 15 item 1: a session whose threads live on both workers of its tenant gets the notifications
+/// A session whose threads live on both workers of its tenant gets the notifications
 /// app-server sends each newly initialized connection exactly as often as a direct client does:
 /// once, after its own initialize; those after the router's replayed initialize are dropped and
 /// counted.
@@ -182,7 +182,7 @@ async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Resu
     fleet.stop().await
 }
 
-/// Issue 15 item 4: malformed requests are invalid requests (`-32600`, as app-server answers them), not
+/// Malformed requests are invalid requests (`-32600`, as app-server answers them), not
 /// host-access refusals; a real refusal is still `-32003`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
@@ -222,7 +222,7 @@ async fn malformed_requests_are_invalid_not_refused() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
-/// Issue 22 item 6: a method app-server does not know gets app-server's own answer (`-32600`,
+/// A method app-server does not know gets app-server's own answer (`-32600`,
 /// its message word for word), before `initialize` as after, and never reaches a worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_methods_get_app_servers_own_answer_and_reach_no_worker() -> anyhow::Result<()> {
@@ -329,7 +329,7 @@ async fn two_worker_fleet() -> anyhow::Result<Fleet> {
     acme(FleetBuilder::new(), 2).await
 }
 
-/// Issue 15 item 2: `thread/loaded/list` lists the threads loaded on every worker of the tenant,
+/// `thread/loaded/list` lists the threads loaded on every worker of the tenant,
 /// sorted and paginated as one app-server pages its own (ids in order, `limit` ids a page,
 /// `nextCursor` the page's last id while more follow), and a bad cursor gets app-server's error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,7 +400,7 @@ async fn loaded_threads_are_listed_across_the_pool() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
-/// Issue 15 item 3: `thread/list` through codex-fleet reports each thread as the worker holding it
+/// `thread/list` through codex-fleet reports each thread as the worker holding it
 /// does (its live status and environments), in the order and with the cursors one app-server
 /// gives over the tenant's one CODEX_HOME.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -555,7 +555,7 @@ async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()
     fleet.stop().await
 }
 
-// === The transparency scenario (issue 15, Tests) ===
+// === The transparency scenario (docs/decisions/0013-parse-once-one-method-table.md) ===
 
 /// One client connection of the scenario: straight to a worker's socket, or through codex-fleet.
 enum Wire {
@@ -1009,7 +1009,7 @@ fn mask_digits_after(s: &str, marker: &str) -> String {
 ///   answers whose result names it, server requests — in the order they came, duplicates kept,
 ///   and beside it the thread's status changes in their own order. One thread lives on one
 ///   worker, so one app-server's order within a thread, and against its answers, must survive
-///   the pool (README "One app-server per tenant");
+///   the pool (docs/architecture.md, "One app-server per tenant");
 /// - `unthreaded`: notifications that name no thread, as a sorted list: two workers send them
 ///   in an order no single process reproduces.
 fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {

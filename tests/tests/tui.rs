@@ -1,4 +1,4 @@
-//! Issue 16 test 3: the real Codex TUI (`codex --remote`, driven in tmux) stays in its thread
+//! The real Codex TUI (`codex --remote`, driven in tmux) stays in its thread
 //! when the worker running its turn is killed, and its next prompt completes.
 
 use std::time::Duration;

@@ -19,7 +19,8 @@ use crate::error::ControlError;
 use crate::leg::LegStream;
 use crate::load::LoadedList;
 
-/// app-server does not adopt this client name as the process originator (facts §3, §11).
+/// app-server does not adopt this client name as the process originator (docs/app-server-facts.md
+/// §3, §11).
 pub const CLIENT_NAME: &str = "codex_app_server_daemon";
 /// Largest message accepted on a control leg (`thread/started` carries a whole thread summary).
 pub const CONTROL_MAX_MESSAGE: usize = 16 << 20;

@@ -1,5 +1,5 @@
 //! Who a worker runs as and what it may use: a per-tenant Unix uid/gid, resource limits, and the
-//! directories prepared for it (DESIGN 11).
+//! directories prepared for it (docs/decisions/0011-containment-by-the-os-first.md).
 
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -40,7 +40,8 @@ pub const EVENT_CAPACITY: usize = 256;
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Default [`PoolConfig::load_mark`].
 pub const DEFAULT_LOAD_MARK: usize = 4;
-/// Default [`PoolConfig::worker_idle`] (DESIGN 6: the same 30 minutes as thread unloading).
+/// Default [`PoolConfig::worker_idle`] (docs/decisions/0006-idle-unloading.md: the same 30 minutes
+/// as thread unloading).
 pub const DEFAULT_WORKER_IDLE: Duration = Duration::from_secs(1800);
 
 /// How to run one tenant's workers.

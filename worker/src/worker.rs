@@ -497,10 +497,10 @@ async fn connect_when_listening(
     }
 }
 
-/// Clears a leftover socket path (facts §11) before a spawn: a regular file, a symlink that is not
-/// this slot's own (a tenant may point the path anywhere), a dangling or stale link, or a dead socket
-/// would make the new worker exit 1. This slot's own live listener, or a directory, is an error.
-/// Only the path itself is unlinked: nothing a link points to is touched.
+/// Clears a leftover socket path (docs/app-server-facts.md §11) before a spawn: a regular file, a
+/// symlink that is not this slot's own (a tenant may point the path anywhere), a dangling or stale
+/// link, or a dead socket would make the new worker exit 1. This slot's own live listener, or a
+/// directory, is an error. Only the path itself is unlinked: nothing a link points to is touched.
 pub(crate) async fn clean_socket_path(path: &Path, uid: u32) -> Result<(), StartError> {
     let prepare = |source| StartError::Prepare {
         path: path.to_path_buf(),
@@ -537,9 +537,10 @@ pub(crate) async fn clean_socket_path(path: &Path, uid: u32) -> Result<(), Start
     }
 }
 
-/// After a worker is gone: removes what it leaves when killed (facts §11) — the socket path, and the
-/// `codex-daemon-<uid>/<sha256 of the path>` socket it links to with that socket's lock file — so
-/// no socket file outlives its worker. Best effort; a live listener is never touched.
+/// After a worker is gone: removes what it leaves when killed (docs/app-server-facts.md §11) — the
+/// socket path, and the `codex-daemon-<uid>/<sha256 of the path>` socket it links to with that
+/// socket's lock file — so no socket file outlives its worker. Best effort; a live listener is
+/// never touched.
 ///
 /// The socket folder and the daemon folder belong to the worker's uid, so everything in them is the
 /// tenant's to change. Nothing is followed: the link must name exactly the file app-server would

@@ -1,4 +1,4 @@
-//! Idle stop (DESIGN 6) against the real binary.
+//! Idle stop (docs/decisions/0006-idle-unloading.md) against the real binary.
 
 mod support;
 

@@ -1,4 +1,5 @@
-//! One relayed session at the edge, held to the bounds `serve` holds (decision 16).
+//! One relayed session at the edge, held to the bounds `serve` holds
+//! (docs/decisions/0016-every-hop-holds-like-serve.md).
 //!
 //! Everything a session costs the edge lives in one future, run by the session's own task: the
 //! client's socket, the link, the queue towards the client, the messages held while the

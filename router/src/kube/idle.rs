@@ -50,11 +50,12 @@ pub async fn until_idle(tenants: Arc<TenantRegistry>, admission: Arc<Admission>,
 /// The most of a node's `/metrics` or `/readyz` the edge reads.
 const ADMIN_BODY_MAX: usize = 4 << 20;
 
-/// What an edge asks a tenant pod's node (issue 23: a pod of an older template is replaced at
-/// its next idle moment): whether it is idle by [`is_idle`]'s rule, as its admin endpoint shows
-/// it to anyone who may scrape it. No session (`codex_fleet_sessions`, every edge's links
-/// counted) from `/metrics`, no running turn and no loaded thread from `/readyz`. An answer
-/// that cannot be read is an error: the caller keeps the pod.
+/// What an edge asks a tenant pod's node (docs/decisions/0017-settings-travel-with-the-tenant.md: a
+/// pod of an older template is replaced at its next idle moment): whether it is idle by
+/// [`is_idle`]'s rule, as its admin endpoint shows it to anyone who may scrape it. No session
+/// (`codex_fleet_sessions`, every edge's links counted) from `/metrics`, no running turn and no
+/// loaded thread from `/readyz`. An answer that cannot be read is an error: the caller keeps the
+/// pod.
 pub async fn node_is_idle(admin: std::net::SocketAddr, within: Duration) -> anyhow::Result<bool> {
     let look = async {
         // /readyz first: a node with a session has a loaded thread, mostly, and then its

@@ -1,5 +1,6 @@
-//! The `kubernetes` nodes backend (issue 13): each tenant's node is a pod of its own, with a
-//! volume of its own, created by the edge when the tenant first connects.
+//! The `kubernetes` nodes backend (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md): each
+//! tenant's node is a pod of its own, with a volume of its own, created by the edge when the tenant
+//! first connects.
 //!
 //! Names are derived from the tenant id ([`spec::Names`]), so the API server's name uniqueness
 //! is what guarantees a tenant at most one node: two edges racing both create the same pod, and
@@ -1185,9 +1186,10 @@ impl KubeNodes {
     }
 
     /// `/readyz` detail; ready once the watch has listed the tenant pods, and from then on
-    /// whether or not the API server answers (DESIGN decision 17: the API server is not the
-    /// data path): a tenant whose pod the view shows Ready is served from it, only new starts
-    /// wait. `apiReachable` and `watchSynced` say how current the view is.
+    /// whether or not the API server answers
+    /// (docs/decisions/0017-settings-travel-with-the-tenant.md: the API server is not the data
+    /// path): a tenant whose pod the view shows Ready is served from it, only new starts wait.
+    /// `apiReachable` and `watchSynced` say how current the view is.
     pub fn readiness(&self) -> (bool, serde_json::Value) {
         let synced = self.synced.load(Ordering::Acquire);
         let listed_once = self.listed_once.load(Ordering::Acquire);

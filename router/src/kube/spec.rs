@@ -120,11 +120,12 @@ fn labels(template: &Template, tenant: &str) -> serde_json::Map<String, Value> {
     labels
 }
 
-/// The tenant's entry as its node needs it (DESIGN decision 17: settings travel with the
-/// tenant), as one line of JSON: every key of the edge's `[[tenants]]` entry except what only an
-/// edge uses — the credentials (`token_sha256`, `token_files`: a node never authenticates a
-/// client; and a tenant with a shell in its pod reads this), the pod's own `kubernetes` table and
-/// `node`. Unset keys are left out, so the node applies its defaults as for a file.
+/// The tenant's entry as its node needs it (docs/decisions/0017-settings-travel-with-the-tenant.md:
+/// settings travel with the tenant), as one line of JSON: every key of the edge's `[[tenants]]`
+/// entry except what only an edge uses — the credentials (`token_sha256`, `token_files`: a node
+/// never authenticates a client; and a tenant with a shell in its pod reads this), the pod's own
+/// `kubernetes` table and `node`. Unset keys are left out, so the node applies its defaults as for
+/// a file.
 pub fn node_entry(tenant: &Tenant) -> anyhow::Result<String> {
     let mut t = tenant.clone();
     t.token_sha256.clear();

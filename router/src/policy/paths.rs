@@ -7,7 +7,7 @@
 //!
 //! Checks run before the worker acts, so a tenant that can also run commands could swap a
 //! checked file for a symlink in between; this is defence in depth, the per-tenant uid is the
-//! boundary (DESIGN.md decision 11).
+//! boundary (docs/decisions/0011-containment-by-the-os-first.md).
 
 use std::io;
 use std::path::{Component, Path, PathBuf};

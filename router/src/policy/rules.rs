@@ -2,9 +2,10 @@
 //! generate-json-schema --experimental`, 0.171), whether it reaches the host, its class, and
 //! every host path or sandbox field in its params.
 //!
-//! A method absent from this table is never forwarded (default-deny, DESIGN decision 12): a codex
-//! upgrade or a tenant's own worker `command` cannot bring a new method through unclassified.
-//! `router/tests/method_table.rs` keeps the table complete against the pinned binary's schema.
+//! A method absent from this table is never forwarded (default-deny,
+//! docs/decisions/0012-trust-nothing-a-tenant-can-write.md): a codex upgrade or a tenant's own
+//! worker `command` cannot bring a new method through unclassified. `router/tests/method_table.rs`
+//! keeps the table complete against the pinned binary's schema.
 
 use super::Class;
 

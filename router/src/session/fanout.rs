@@ -1,8 +1,9 @@
 //! Requests a tenant's pool answers as one app-server by asking every worker that holds threads
-//! and merging the answers (issue 15): `thread/loaded/list` is the union of the workers' loaded threads,
-//! sorted and paginated as one process sorts and paginates its own; `thread/list` is the home
-//! worker's page (every worker reads the one CODEX_HOME, so order and cursors agree), with each
-//! thread as the worker that has it loaded reports it (its live status and environments).
+//! and merging the answers (docs/decisions/0013-parse-once-one-method-table.md):
+//! `thread/loaded/list` is the union of the workers' loaded threads, sorted and paginated as one
+//! process sorts and paginates its own; `thread/list` is the home worker's page (every worker reads
+//! the one CODEX_HOME, so order and cursors agree), with each thread as the worker that has it
+//! loaded reports it (its live status and environments).
 //!
 //! The request is admitted once, as a single-leg request to the home leg (its worker slot and
 //! in-flight entry); the copies to the other workers carry the router's own id. The answer waits

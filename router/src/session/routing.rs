@@ -1,6 +1,7 @@
-//! Where a session's requests go (DESIGN 3, 4): the thread's owner, the least-loaded worker for
-//! new threads, or the home leg; legs opened on demand with the client's initialize replayed;
-//! and what responses teach the tenant table.
+//! Where a session's requests go (docs/decisions/0003-sessions-and-legs.md,
+//! docs/decisions/0004-the-tenant-table.md): the thread's owner, the least-loaded worker for new
+//! threads, or the home leg; legs opened on demand with the client's initialize replayed; and what
+//! responses teach the tenant table.
 
 use worker::WorkerId;
 
@@ -15,8 +16,8 @@ const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 const OWNER_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The notifications app-server sends a connection right after its `initialize` is answered,
-/// to that connection only (facts §3; seen on the pinned worker): on a leg whose initialize
-/// the router replayed, the client already had them.
+/// to that connection only (docs/app-server-facts.md §3; seen on the pinned worker): on a leg whose
+/// initialize the router replayed, the client already had them.
 pub(crate) const PER_CONNECTION: [&str; 2] = ["configWarning", "remoteControl/status/changed"];
 
 /// What a response teaches the tenant table.
@@ -62,9 +63,10 @@ pub(super) enum Target {
 // === impl Session: routing ===
 
 impl Session {
-    /// Routing (DESIGN 3, 4): thread-scoped requests go to the thread's owner, new threads to
-    /// the least-loaded worker, everything else (and unknown threads) to the home leg, so an
-    /// unknown id and another tenant's id get the same answer from the tenant's own worker.
+    /// Routing (docs/decisions/0003-sessions-and-legs.md, docs/decisions/0004-the-tenant-table.md):
+    /// thread-scoped requests go to the thread's owner, new threads to the least-loaded worker,
+    /// everything else (and unknown threads) to the home leg, so an unknown id and another tenant's
+    /// id get the same answer from the tenant's own worker.
     pub(super) fn target(&self, method: &Method<'_>, thread: Option<&str>) -> Target {
         match (method, thread) {
             (Method::Initialize, _) => Target::Home,

@@ -1,6 +1,6 @@
 //! Server→client request ids of one session: session-unique integers mapped to the worker that
-//! asked and the worker's own id (app-server numbers them per process, facts §5), with what an
-//! approval asked, kept for the audit record of its decision.
+//! asked and the worker's own id (app-server numbers them per process, docs/app-server-facts.md
+//! §5), with what an approval asked, kept for the audit record of its decision.
 //!
 //! A request is forgotten when it is resolved (`serverRequest/resolved`) and when its worker's
 //! leg closes. When its thread's turn ends on its worker it is withdrawn: no answer to it is

@@ -431,7 +431,7 @@ pub(super) mod in_memory {
     }
 }
 
-/// Issue 22 (4): approvals are forgotten when they are resolved, when their turn ends and when
+/// Approvals are forgotten when they are resolved, when their turn ends and when
 /// their worker is lost, so no decision goes unaudited however many prompts came before; at the
 /// bound of live prompts the session ends rather than forget one.
 mod approvals {
@@ -686,7 +686,7 @@ mod approvals {
 }
 
 /// What workers send reaches the client in each worker's order, once each, however the session
-/// batches its writes: the property the hot-path work (issue 25) and the move (issue 24) must keep.
+/// batches its writes: a property any rework of the hot path or of the modules must keep.
 mod order {
     use super::approvals::fake_worker;
     use super::in_memory::start_with;

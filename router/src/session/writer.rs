@@ -2,7 +2,7 @@
 //! itself, in batches with one flush per batch, whenever the client's socket takes them (the
 //! session loop polls [`OutQueue::poll_write`] beside its other work: no writer task, no
 //! channel, no wake-up per frame). The queue is bounded in frames and bytes, and a client too
-//! slow to keep it from filling is closed (decision 8).
+//! slow to keep it from filling is closed (docs/decisions/0008-bounded-everything.md).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

@@ -1,5 +1,6 @@
-//! What the edge→node hop adds (issue 11), side by side in one run: the same `thread/read` round
-//! trip (a thread with one turn) measured three ways, interleaved round by round:
+//! What the edge→node hop adds (docs/decisions/0014-two-roles-one-binary.md), side by side in one
+//! run: the same `thread/read` round trip (a thread with one turn) measured three ways, interleaved
+//! round by round:
 //!
 //! - `direct-unix`: WebSocket straight onto the node's worker's Unix socket;
 //! - `node`: wss onto the node itself with an edge's client certificate (one hop: what

@@ -21,7 +21,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// The goal of issue 10: turns per second through the fleet at least this share of direct.
+/// The goal (BENCHMARKS.md, bench 4): turns per second through the fleet at least this share of
+/// direct.
 const GOAL_RATIO: f64 = 0.7;
 
 #[derive(Parser, Debug, Clone)]

@@ -23,7 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-/// The goal of issue 10: notifications forwarded per second.
+/// The goal (BENCHMARKS.md, bench 2): notifications forwarded per second.
 const GOAL_PER_SEC: f64 = 100_000.0;
 
 #[derive(Parser, Debug, Clone)]

@@ -21,14 +21,14 @@
 //! (the turn takes 10× `sim.turn_ms`), `MANY<n>` (a reply of n 72-character words, room for
 //! that many more deltas). The reply text is `mock_model::reply_text`.
 //!
-//! Faithful subset (facts §1–§5, §11): one JSON-RPC message per text frame; invalid JSON is
-//! ignored; `-32600` for unknown methods, missing params, "Not initialized", "Already
-//! initialized"; one process-wide inbound queue of 128 answering `-32001` when full; broadcasts
-//! to initialized connections only; per-process integer server-request ids; idle unload with
-//! `thread/status/changed` notLoaded then `thread/closed`; SIGTERM drain (running turns finish,
-//! new thread/turn starts are refused, exit 0 without close frames; a second SIGTERM exits now).
-//! Simplifications: one turn at a time per thread (a second `turn/start` is refused), no writer
-//! locks across processes, threads live in memory only ("disk" is this process's memory).
+//! Faithful subset (docs/app-server-facts.md §1–§5, §11): one JSON-RPC message per text frame;
+//! invalid JSON is ignored; `-32600` for unknown methods, missing params, "Not initialized",
+//! "Already initialized"; one process-wide inbound queue of 128 answering `-32001` when full;
+//! broadcasts to initialized connections only; per-process integer server-request ids; idle unload
+//! with `thread/status/changed` notLoaded then `thread/closed`; SIGTERM drain (running turns
+//! finish, new thread/turn starts are refused, exit 0 without close frames; a second SIGTERM exits
+//! now). Simplifications: one turn at a time per thread (a second `turn/start` is refused), no
+//! writer locks across processes, threads live in memory only ("disk" is this process's memory).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -46,9 +46,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_tungstenite::tungstenite::Message;
 
 const VERSION: &str = "0.171.0-sim";
-/// The process-wide inbound queue (facts §2: `CHANNEL_CAPACITY = 128`).
+/// The process-wide inbound queue (docs/app-server-facts.md §2: `CHANNEL_CAPACITY = 128`).
 const INBOUND_CAPACITY: usize = 128;
-/// Per-connection outbound queue; a connection that lets it fill is disconnected (facts §2).
+/// Per-connection outbound queue; a connection that lets it fill is disconnected
+/// (docs/app-server-facts.md §2).
 const OUTBOUND_CAPACITY: usize = 32 * 1024;
 const INVALID_REQUEST: i64 = -32600;
 const OVERLOADED: i64 = -32001;
@@ -323,8 +324,9 @@ fn arm_unload(sim: &Arc<Sim>, thread: String, epoch: u64) {
             return;
         }
         t.loaded = false;
-        // Pending server requests of the thread are dropped (facts §4 step 2): the turn task's
-        // receiver sees the sender gone. Turns are not active here, so none are pending.
+        // Pending server requests of the thread are dropped (docs/app-server-facts.md §4 step 2):
+        // the turn task's receiver sees the sender gone. Turns are not active here, so none are
+        // pending.
         broadcast(
             &mut st,
             "thread/status/changed",
@@ -358,7 +360,8 @@ async fn main() {
     }
 }
 
-/// Binds the real socket in a private folder and makes `link` a symlink to it (facts §11).
+/// Binds the real socket in a private folder and makes `link` a symlink to it
+/// (docs/app-server-facts.md §11).
 fn bind(link: &Path) -> anyhow::Result<(UnixListener, PathBuf)> {
     let uid = nix::unistd::getuid();
     let dir = PathBuf::from(format!("/tmp/codex-sim-{uid}"));
