@@ -135,6 +135,18 @@ pub struct JwtIssuer {
     pub subject_claim: String,
 }
 
+impl JwtIssuer {
+    /// `algorithm` as the token library names it; `None` for any algorithm not accepted.
+    pub fn parsed_algorithm(&self) -> Option<jsonwebtoken::Algorithm> {
+        match self.algorithm.as_str() {
+            "HS256" => Some(jsonwebtoken::Algorithm::HS256),
+            "RS256" => Some(jsonwebtoken::Algorithm::RS256),
+            "ES256" => Some(jsonwebtoken::Algorithm::ES256),
+            _ => None,
+        }
+    }
+}
+
 /// `[node]`: this process is a node.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -909,7 +921,7 @@ impl Config {
                     j.name
                 ));
             }
-            let Some(alg) = crate::credentials::parse_algorithm(&j.algorithm) else {
+            let Some(alg) = j.parsed_algorithm() else {
                 return bad(format!(
                     "auth.jwt {:?}: algorithm {:?} is not HS256, RS256 or ES256",
                     j.name, j.algorithm

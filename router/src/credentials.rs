@@ -472,16 +472,6 @@ fn alg_name(a: Algorithm) -> &'static str {
     }
 }
 
-/// Parses `auth.jwt[].algorithm`.
-pub fn parse_algorithm(name: &str) -> Option<Algorithm> {
-    match name {
-        "HS256" => Some(Algorithm::HS256),
-        "RS256" => Some(Algorithm::RS256),
-        "ES256" => Some(Algorithm::ES256),
-        _ => None,
-    }
-}
-
 fn read_trimmed(path: &Path) -> anyhow::Result<String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
@@ -494,7 +484,7 @@ fn read_trimmed(path: &Path) -> anyhow::Result<String> {
 
 impl Issuer {
     fn build(c: &JwtIssuer) -> anyhow::Result<Issuer> {
-        let algorithm = parse_algorithm(&c.algorithm).ok_or_else(|| {
+        let algorithm = c.parsed_algorithm().ok_or_else(|| {
             anyhow::anyhow!(
                 "auth.jwt {:?}: unsupported algorithm {:?}",
                 c.name,

@@ -480,7 +480,7 @@ impl Edge {
         for (name, value) in identity {
             h.insert(name, value);
         }
-        let config = crate::listener::ws_config(self.max_message_bytes);
+        let config = proto::ws::client_config(self.max_message_bytes);
         match tokio_tungstenite::client_async_with_config(request, tls, Some(config)).await {
             Ok((ws, _)) => {
                 self.set_reach(node, None);

@@ -30,7 +30,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -564,7 +564,7 @@ impl Conn {
                 let ws = WebSocketStream::from_raw_socket(
                     TokioIo::new(upgraded),
                     Role::Server,
-                    Some(ws_config(max)),
+                    Some(proto::ws::client_config(max)),
                 )
                 .await;
                 serve(ws).await;
@@ -589,17 +589,6 @@ fn switching_protocols(accept: &str) -> Response<Full<Bytes>> {
         h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
     }
     resp
-}
-
-/// The WebSocket limits used on both sides of the router.
-pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
-    WebSocketConfig::default()
-        // tungstenite preallocates its read buffer (128 KiB by default) per connection; start
-        // small and let it grow for large frames.
-        .read_buffer_size(16 << 10)
-        .max_message_size(Some(max_message_bytes))
-        .max_frame_size(Some(max_message_bytes))
-        .max_write_buffer_size(max_message_bytes.saturating_mul(2).max(1 << 20))
 }
 
 /// `Sec-WebSocket-Key` of a valid upgrade request.

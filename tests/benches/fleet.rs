@@ -220,7 +220,7 @@ async fn bare_leg(
     let (ws, _) = tokio_tungstenite::client_async_with_config(
         "ws://localhost/",
         stream,
-        Some(worker::leg::ws_config(64 << 20)),
+        Some(worker::leg::leg_config(64 << 20)),
     )
     .await?;
     Ok(ws)

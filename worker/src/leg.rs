@@ -31,7 +31,7 @@ pub async fn connect(
     let (ws, _response) = tokio_tungstenite::client_async_with_config(
         LEG_URI,
         stream,
-        Some(ws_config(max_message_size)),
+        Some(leg_config(max_message_size)),
     )
     .await
     .map_err(|source| LegError::Handshake {
@@ -63,7 +63,7 @@ pub fn check_peer(stream: &UnixStream, socket_path: &Path, expected: Peer) -> Re
 }
 
 /// The WebSocket limits used for every leg (defined in the protocol core).
-pub use proto::ws::ws_config;
+pub use proto::ws::leg_config;
 
 #[cfg(test)]
 mod tests {
