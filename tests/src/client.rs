@@ -1,0 +1,413 @@
+//! Clients of a fleet, as a real client talks to it: the wss JSON-RPC [`Client`], the real
+//! `codex exec --remote`, plain HTTP on the admin port and raw HTTPS on the wss port.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
+
+use crate::process::codex_bin;
+use crate::wait::STEP;
+
+/// A JSON-RPC client over wss, as the protocol manual describes one.
+pub struct Client {
+    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    next_id: i64,
+    /// Messages received while waiting for something else, in order.
+    pub backlog: std::collections::VecDeque<Value>,
+}
+
+/// What an upgrade attempt got.
+pub enum Upgrade {
+    /// Upgraded.
+    Open(Box<Client>),
+    /// Refused with an HTTP answer.
+    Refused {
+        /// The status code.
+        status: u16,
+        /// `Retry-After` in seconds, when sent.
+        retry_after: Option<u64>,
+        /// The body.
+        body: String,
+    },
+}
+
+// === impl Client ===
+
+impl Client {
+    /// Opens the wss connection; `token` goes in `Authorization: Bearer`.
+    pub async fn connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Client> {
+        Client::connect_over(url, ca, token, None).await
+    }
+
+    /// Opens the wss connection over a TCP socket with a small receive buffer, so a client
+    /// that stops reading backs up into codex-fleet quickly.
+    pub async fn connect_small_window(
+        addr: SocketAddr,
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        rcvbuf: u32,
+    ) -> anyhow::Result<Client> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_recv_buffer_size(rcvbuf)?;
+        let tcp = socket.connect(addr).await?;
+        Client::connect_over(url, ca, token, Some(tcp)).await
+    }
+
+    /// One upgrade attempt: the client, or the refusal's status and `Retry-After`.
+    pub async fn try_connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Upgrade> {
+        match Client::connect(url, ca, token).await {
+            Ok(c) => Ok(Upgrade::Open(Box::new(c))),
+            Err(e) => match e.downcast::<tokio_tungstenite::tungstenite::Error>() {
+                Ok(tokio_tungstenite::tungstenite::Error::Http(resp)) => Ok(Upgrade::Refused {
+                    status: resp.status().as_u16(),
+                    retry_after: resp
+                        .headers()
+                        .get("retry-after")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse().ok()),
+                    body: String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default())
+                        .into_owned(),
+                }),
+                Ok(other) => Err(other.into()),
+                Err(e) => Err(e),
+            },
+        }
+    }
+
+    async fn connect_over(
+        url: &str,
+        ca: &Path,
+        token: Option<&str>,
+        tcp: Option<TcpStream>,
+    ) -> anyhow::Result<Client> {
+        let mut req = url.into_client_request()?;
+        if let Some(t) = token {
+            req.headers_mut()
+                .insert("authorization", format!("Bearer {t}").parse()?);
+        }
+        req.headers_mut()
+            .insert("x-codex-app-server-compression", "zstd-stream-v1".parse()?);
+        let connector = Connector::Rustls(client_tls(ca)?);
+        let connecting = async {
+            match tcp {
+                Some(tcp) => {
+                    tokio_tungstenite::client_async_tls_with_config(req, tcp, None, Some(connector))
+                        .await
+                }
+                None => {
+                    // Nagle off, as interactive clients want: with it, a request written right
+                    // after another small frame waits ~40 ms for the server's delayed ACK.
+                    tokio_tungstenite::connect_async_tls_with_config(
+                        req,
+                        None,
+                        true,
+                        Some(connector),
+                    )
+                    .await
+                }
+            }
+        };
+        let (ws, resp) = tokio::time::timeout(STEP, connecting)
+            .await
+            .context("connect timed out")??;
+        if resp
+            .headers()
+            .contains_key("x-codex-app-server-compression")
+        {
+            bail!("the router must not echo x-codex-app-server-compression");
+        }
+        Ok(Client {
+            ws,
+            next_id: 1,
+            backlog: Default::default(),
+        })
+    }
+
+    /// Sends a raw text frame.
+    pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
+        self.ws.send(Message::text(text)).await?;
+        Ok(())
+    }
+
+    /// Sends a binary frame.
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
+        self.ws.send(Message::binary(bytes)).await?;
+        Ok(())
+    }
+
+    /// Sends a WebSocket ping frame.
+    pub async fn send_ping(&mut self, payload: Vec<u8>) -> anyhow::Result<()> {
+        self.ws.send(Message::Ping(payload.into())).await?;
+        Ok(())
+    }
+
+    /// Sends a JSON value.
+    pub async fn send(&mut self, v: &Value) -> anyhow::Result<()> {
+        self.send_text(&v.to_string()).await
+    }
+
+    /// The next JSON message from the wire (not the backlog); errors on close or timeout.
+    pub async fn recv_wire(&mut self, within: Duration) -> anyhow::Result<Value> {
+        loop {
+            let frame = tokio::time::timeout(within, self.ws.next())
+                .await
+                .context("timed out waiting for a message")?;
+            match frame {
+                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(&t)?),
+                Some(Ok(Message::Close(c))) => bail!("connection closed: {c:?}"),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => bail!("read error: {e}"),
+                None => bail!("connection ended"),
+            }
+        }
+    }
+
+    /// Waits for the close frame (or end) and returns its code.
+    pub async fn recv_close(&mut self, within: Duration) -> anyhow::Result<Option<u16>> {
+        Ok(self.recv_close_frame(within).await?.map(|(code, _)| code))
+    }
+
+    /// Waits for the close frame (or end) and returns its code and reason; text frames on the
+    /// way go to the backlog.
+    pub async fn recv_close_frame(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<Option<(u16, String)>> {
+        loop {
+            let frame = tokio::time::timeout(within, self.ws.next())
+                .await
+                .context("timed out waiting for close")?;
+            match frame {
+                Some(Ok(Message::Close(c))) => {
+                    return Ok(c.map(|c| (u16::from(c.code), c.reason.to_string())))
+                }
+                Some(Ok(Message::Text(t))) => self.backlog.push_back(serde_json::from_str(&t)?),
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return Ok(None),
+            }
+        }
+    }
+
+    /// The next message matching `pred`, from the backlog first; others are kept in the backlog.
+    pub async fn wait_for(
+        &mut self,
+        mut pred: impl FnMut(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        if let Some(pos) = self.backlog.iter().position(&mut pred) {
+            return Ok(self.backlog.remove(pos).expect("position"));
+        }
+        let deadline = tokio::time::Instant::now() + STEP;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let v = self.recv_wire(left).await?;
+            if pred(&v) {
+                return Ok(v);
+            }
+            self.backlog.push_back(v);
+        }
+    }
+
+    /// The next notification named `method`.
+    pub async fn notification(&mut self, method: &str) -> anyhow::Result<Value> {
+        self.wait_for(|v| v["method"] == method && v.get("id").is_none())
+            .await
+            .with_context(|| format!("waiting for {method}"))
+    }
+
+    /// Sends a request and returns its response (result or error object).
+    pub async fn call(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        self.wait_for(|v| v["id"] == id && v.get("method").is_none())
+            .await
+            .with_context(|| format!("waiting for the answer to {method}"))
+    }
+
+    /// Sends a request and returns its result, failing on an error response.
+    pub async fn request(&mut self, method: &str, params: Value) -> anyhow::Result<Value> {
+        let resp = self.call(method, params).await?;
+        if let Some(e) = resp.get("error") {
+            bail!("{method} failed: {e}");
+        }
+        Ok(resp["result"].clone())
+    }
+
+    /// `initialize` + `initialized`, as the TUI does (string id "initialize").
+    pub async fn initialize(&mut self, name: &str) -> anyhow::Result<Value> {
+        self.send(&json!({
+            "id": "initialize",
+            "method": "initialize",
+            "params": {
+                "clientInfo": { "name": name, "title": null, "version": "0.0.1" },
+                "capabilities": { "experimentalApi": true }
+            }
+        }))
+        .await?;
+        let resp = self
+            .wait_for(|v| v["id"] == "initialize")
+            .await
+            .context("waiting for initialize")?;
+        if resp.get("error").is_some() {
+            bail!("initialize failed: {resp}");
+        }
+        self.send(&json!({ "method": "initialized" })).await?;
+        Ok(resp["result"].clone())
+    }
+
+    /// `thread/start` with defaults; returns the thread id.
+    pub async fn start_thread(&mut self) -> anyhow::Result<String> {
+        let r = self.request("thread/start", json!({})).await?;
+        r["thread"]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("thread/start without thread.id: {r}"))
+    }
+
+    /// `turn/start` with one text input; returns the turn id.
+    pub async fn start_turn(&mut self, thread: &str, text: &str) -> anyhow::Result<String> {
+        let r = self
+            .request(
+                "turn/start",
+                json!({
+                    "threadId": thread,
+                    "input": [{ "type": "text", "text": text, "text_elements": [] }]
+                }),
+            )
+            .await?;
+        r["turn"]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("turn/start without turn.id: {r}"))
+    }
+
+    /// Collects every message until `turn/completed` for `thread`; returns them in order.
+    pub async fn until_turn_completed(&mut self, thread: &str) -> anyhow::Result<Vec<Value>> {
+        let mut seen = Vec::new();
+        loop {
+            let v = self
+                .wait_for(|_| true)
+                .await
+                .context("waiting for turn/completed")?;
+            let done = v["method"] == "turn/completed" && v["params"]["threadId"] == thread;
+            seen.push(v);
+            if done {
+                return Ok(seen);
+            }
+        }
+    }
+
+    /// Sends a request without waiting for its answer; returns its id.
+    pub async fn send_request(&mut self, method: &str, params: Value) -> anyhow::Result<i64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(&json!({ "id": id, "method": method, "params": params }))
+            .await?;
+        Ok(id)
+    }
+
+    /// Closes the connection politely.
+    pub async fn close(mut self) {
+        let _closed = self.ws.close(None).await;
+    }
+}
+
+/// The text of the last completed agent message among `msgs`.
+pub fn agent_text(msgs: &[Value]) -> Option<String> {
+    msgs.iter()
+        .rev()
+        .filter(|m| m["method"] == "item/completed")
+        .find(|m| m["params"]["item"]["type"] == "agentMessage")
+        .and_then(|m| m["params"]["item"]["text"].as_str().map(str::to_owned))
+}
+
+/// Runs the real `codex exec --remote URL --remote-auth-token-env … PROMPT` with `token` in that
+/// variable, trusting the CA bundle `ca`, in a fresh CODEX_HOME; its output (within 90 s).
+pub async fn codex_exec_remote(
+    url: &str,
+    ca: &Path,
+    token: &str,
+    prompt: &str,
+) -> anyhow::Result<std::process::Output> {
+    let client_home = tempfile::tempdir()?;
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(codex_bin())
+            .args(["exec", "--skip-git-repo-check", "--remote", url])
+            .args(["--remote-auth-token-env", "CODEX_FLEET_TOKEN", prompt])
+            .env("SSL_CERT_FILE", ca)
+            .env("CODEX_FLEET_TOKEN", token)
+            .env("CODEX_HOME", client_home.path())
+            .current_dir(client_home.path())
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .context("codex exec did not finish within 90 s")??;
+    Ok(out)
+}
+
+/// A minimal HTTP/1.0 GET over loopback.
+pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("bad HTTP response: {text}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_owned();
+    Ok((status, body))
+}
+
+/// A rustls client configuration that trusts only `ca`.
+pub fn client_tls(ca: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    router::tls::install_crypto_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in router::tls::load_certs(ca)? {
+        roots.add(cert)?;
+    }
+    Ok(Arc::new(
+        rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    ))
+}
+
+/// Sends `request` (raw HTTP/1.1 text) over TLS to `addr` (trusting `ca`, SNI `localhost`) and
+/// returns everything the server sent until it closed, as text.
+pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connector = tokio_rustls::TlsConnector::from(client_tls(ca)?);
+    let tcp = TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    let mut tls = tokio::time::timeout(STEP, connector.connect(name, tcp))
+        .await
+        .context("TLS handshake timed out")??;
+    tls.write_all(request.as_bytes()).await?;
+    let mut buf = Vec::new();
+    // A server that answers and closes ends the read; one that keeps the connection open
+    // after its answer is read up to the timeout.
+    let _read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut buf)).await;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}

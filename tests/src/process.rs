@@ -1,0 +1,165 @@
+//! Processes a test runs and watches: the binaries under test, whether a pid lives, which pids
+//! belong to a fleet, stopping one, its memory, and the tests that need root.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::wait::wait_until;
+
+/// The pinned native codex binary; the test command installs it and sets `CODEX_BIN`.
+pub fn codex_bin() -> PathBuf {
+    match std::env::var_os("CODEX_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "CODEX_BIN is not set: run the suite with `bash ops/test.sh`, which installs the pinned \
+             @openai/codex and exports the native binary's path"
+        ),
+    }
+}
+
+/// The `codex-fleet` binary built next to this test (the test command builds it first).
+pub fn fleet_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CODEX_FLEET_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> → target/<profile>/codex-fleet
+    let candidate = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("codex-fleet"))
+        .expect("target dir");
+    assert!(
+        candidate.is_file(),
+        "{} is missing: run `cargo build --bins` first (ops/test.sh does)",
+        candidate.display()
+    );
+    candidate
+}
+
+/// Sends SIGSTOP to `pid` and waits (up to 5 s) until the kernel reports it stopped: the signal
+/// is delivered asynchronously, and a process may still answer a request or two after `kill`
+/// returns.
+pub async fn stop_process(pid: i32) -> anyhow::Result<()> {
+    use nix::sys::signal::{kill, Signal};
+    kill(nix::unistd::Pid::from_raw(pid), Signal::SIGSTOP)?;
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+            .unwrap_or(false)
+    };
+    anyhow::ensure!(
+        wait_until(Duration::from_secs(5), stopped).await,
+        "process {pid} never showed as stopped"
+    );
+    Ok(())
+}
+
+/// Whether a process exists (and is not a zombie).
+pub fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // state is the field after the parenthesised command name
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next());
+            state != Some("Z")
+        }
+        Err(_) => false,
+    }
+}
+
+/// Pids of processes whose executable is `exe`.
+pub fn processes_running(exe: &Path) -> Vec<i32> {
+    let Ok(target) = std::fs::canonicalize(exe) else {
+        return Vec::new();
+    };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == target)
+                && process_alive(*pid)
+        })
+        .collect()
+}
+
+/// Pids of every live process whose CODEX_HOME lies under `dir`: the workers of one test fleet
+/// and whatever they started (the check that nothing of a fleet outlived it).
+pub fn processes_under(dir: &Path) -> Vec<i32> {
+    let needle = format!("CODEX_HOME={}", dir.display());
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|b| *b == 0)
+                    .any(|kv| kv.starts_with(needle.as_bytes()))
+            }) && process_alive(*pid)
+        })
+        .collect()
+}
+
+/// Pids of the workers of one test fleet: of [`processes_under`], the process-group leaders whose
+/// parent is not one of them. A worker runs in its own group, started by the fleet; what a worker
+/// starts (app-server's helpers, a command's shell) inherits CODEX_HOME but has a worker as its
+/// parent, and is not a worker.
+pub fn workers_under(dir: &Path) -> Vec<i32> {
+    let all = processes_under(dir);
+    all.iter()
+        .copied()
+        .filter(|&pid| {
+            let Some((ppid, pgid)) = parent_and_group(pid) else {
+                return false;
+            };
+            pgid == pid && !all.contains(&ppid)
+        })
+        .collect()
+}
+
+/// The parent pid and the process group of `pid`, from `/proc/<pid>/stat`.
+fn parent_and_group(pid: i32) -> Option<(i32, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let _state = fields.next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    let pgid = fields.next()?.parse().ok()?;
+    Some((ppid, pgid))
+}
+
+/// Resident memory of a process in KiB (`VmRSS` of `/proc/<pid>/status`).
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The variable that lets a non-root run skip the tests that need root, explicitly.
+pub const SKIP_ROOT_TESTS: &str = "CODEX_FLEET_SKIP_ROOT_TESTS";
+
+/// Whether a test that needs root should run: true as root; without root it panics (so the test
+/// fails instead of passing unchecked) unless `CODEX_FLEET_SKIP_ROOT_TESTS=1` asks to skip it.
+pub fn root_or_explicit_skip(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var(SKIP_ROOT_TESTS).as_deref() == Ok("1") {
+        eprintln!("skipped ({SKIP_ROOT_TESTS}=1): {what} needs root");
+        return false;
+    }
+    panic!(
+        "{what} needs root and this run is not root: run the suite as root (e.g. `sudo -E bash \
+         ops/test.sh`), or set {SKIP_ROOT_TESTS}=1 to skip the root-only tests knowingly"
+    );
+}

@@ -1,0 +1,210 @@
+//! Edges in front of nodes, as real processes on loopback ([`Split`]), and the link's
+//! mutual-TLS material they share.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::client::{http_get, Client};
+use crate::fleet::{FleetBuilder, FleetFiles, FleetProcess};
+use crate::process::fleet_bin;
+
+/// Issue 11: edges in front of nodes, as real processes on loopback (see tests/tests/split.rs).
+/// Two nodes, some edges, tenants assigned to nodes; every process real.
+pub struct Split {
+    /// The base files: client CA, tokens, the mock model.
+    pub files: FleetFiles,
+    base: String,
+    /// The link's PEM files (`ca.pem`, `node.crt`, `node.key`, `edge.crt`, `edge.key`).
+    pub link: PathBuf,
+    /// The nodes `n1`, `n2`.
+    pub nodes: Vec<Node>,
+    /// The edges.
+    pub edges: Vec<FleetProcess>,
+    program: PathBuf,
+}
+
+/// One node of a [`Split`].
+pub struct Node {
+    /// `n1`, `n2`.
+    pub name: String,
+    /// Its link port.
+    pub port: u16,
+    /// Its config file.
+    pub config: PathBuf,
+    /// The running process.
+    pub process: Option<FleetProcess>,
+}
+
+/// Makes the link's mutual-TLS material (a CA, a node certificate for `node_names`, an edge
+/// client certificate) in `<dir>/link`: `ca.pem`, `node.crt`, `node.key`, `edge.crt`,
+/// `edge.key`. Returns that directory.
+pub fn write_link_pki(dir: &Path, node_names: &[&str]) -> anyhow::Result<PathBuf> {
+    let link = dir.join("link");
+    std::fs::create_dir(&link)?;
+    let pki = router::dev::generate_link_pki(node_names)?;
+    for (name, pem) in [
+        ("ca.pem", &pki.ca_pem),
+        ("node.crt", &pki.node_cert_pem),
+        ("node.key", &pki.node_key_pem),
+        ("edge.crt", &pki.edge_cert_pem),
+        ("edge.key", &pki.edge_key_pem),
+    ] {
+        router::fsutil::write_private(&link.join(name), pem)?;
+    }
+    Ok(link)
+}
+
+/// A loopback port free right now.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn toml_path(p: &Path) -> String {
+    serde_json::to_string(&p.display().to_string()).expect("string")
+}
+
+// === impl Split ===
+
+impl Split {
+    /// `tenants` as (id, node); nodes `n1`, `n2`; `edges` edges.
+    /// Starts the nodes, then `edges` edges.
+    pub async fn start(
+        tenants: &[(&str, &str)],
+        edges: usize,
+        limits: &str,
+    ) -> anyhow::Result<Split> {
+        Split::start_with(&fleet_bin(), tenants, edges, limits).await
+    }
+
+    /// Same, running `program` as codex-fleet.
+    pub async fn start_with(
+        program: &Path,
+        tenants: &[(&str, &str)],
+        edges: usize,
+        limits: &str,
+    ) -> anyhow::Result<Split> {
+        let root = nix::unistd::geteuid().is_root();
+        let mut b = FleetBuilder::new().limits_toml(limits);
+        for (i, (id, node)) in tenants.iter().enumerate() {
+            b = b
+                .tenant_pool(id, 1, 1)
+                .tenant_toml(&format!("node = {node:?}"));
+            if root {
+                // Two nodes on one machine: their tenants' uids must differ (each node remembers
+                // its own allocations).
+                b = b.tenant_toml(&format!("uid = {}", 64_000 + i));
+            }
+        }
+        let files = b.prepare().await?;
+        let base = std::fs::read_to_string(&files.config)?;
+        let link = write_link_pki(files.dir.path(), &["localhost", "127.0.0.1"])?;
+        let mut split = Split {
+            files,
+            base,
+            link,
+            nodes: Vec::new(),
+            edges: Vec::new(),
+            program: program.to_owned(),
+        };
+        for name in ["n1", "n2"] {
+            let node = split.node_config(name)?;
+            split.nodes.push(node);
+        }
+        for i in 0..split.nodes.len() {
+            split.start_node(i).await?;
+        }
+        for i in 0..edges {
+            let path = split.files.dir.path().join(format!("edge{i}.toml"));
+            std::fs::write(&path, split.edge_config())?;
+            split
+                .edges
+                .push(FleetProcess::spawn_role(&split.program, "serve", &path, |_| {}).await?);
+        }
+        Ok(split)
+    }
+
+    fn node_config(&self, name: &str) -> anyhow::Result<Node> {
+        let port = free_port()?;
+        let dir = self.files.dir.path();
+        let text = self
+            .base
+            .replacen(
+                "addr = \"127.0.0.1:0\"",
+                &format!("addr = \"127.0.0.1:{port}\""),
+                1,
+            )
+            .replace(
+                &toml_path(&dir.join("tls.crt")),
+                &toml_path(&self.link.join("node.crt")),
+            )
+            .replace(
+                &toml_path(&dir.join("tls.key")),
+                &toml_path(&self.link.join("node.key")),
+            )
+            .replace(&toml_path(&dir.join("s")), &toml_path(&dir.join(name)))
+            + &format!(
+                "\n[node]\nname = {name:?}\nedge_ca = {}\n",
+                toml_path(&self.link.join("ca.pem"))
+            );
+        let config = dir.join(format!("{name}.toml"));
+        std::fs::write(&config, text)?;
+        Ok(Node {
+            name: name.to_owned(),
+            port,
+            config,
+            process: None,
+        })
+    }
+
+    fn edge_config(&self) -> String {
+        // An edge runs no worker: its file leaves `[workers]` out.
+        let base = match (self.base.find("[workers]\n"), self.base.find("[drain]\n")) {
+            (Some(w), Some(d)) if w < d => format!("{}{}", &self.base[..w], &self.base[d..]),
+            _ => self.base.clone(),
+        };
+        let mut text = base
+            + &format!(
+                "\n[nodes]\nbackend = \"static\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
+                 probe_interval_secs = 1\nconnect_timeout_ms = 1000\n",
+                toml_path(&self.link.join("ca.pem")),
+                toml_path(&self.link.join("edge.crt")),
+                toml_path(&self.link.join("edge.key")),
+            );
+        for n in &self.nodes {
+            text += &format!(
+                "[[nodes.static]]\nname = {:?}\naddr = \"127.0.0.1:{}\"\nserver_name = \"localhost\"\n",
+                n.name, n.port
+            );
+        }
+        text
+    }
+
+    /// (Re)starts node `i` on its port.
+    pub async fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[i];
+        node.process =
+            Some(FleetProcess::spawn_role(&self.program, "node", &node.config, |_| {}).await?);
+        Ok(())
+    }
+
+    /// A tenant's token.
+    pub fn token(&self, tenant: &str) -> String {
+        self.files.token(tenant)
+    }
+
+    /// An initialized client of `tenant` through edge `edge`.
+    pub async fn client(&self, edge: usize, tenant: &str) -> anyhow::Result<Client> {
+        self.edges[edge]
+            .client(&self.files, &self.token(tenant))
+            .await
+    }
+
+    /// Edge `edge`'s `/readyz`.
+    pub async fn edge_readyz(&self, edge: usize) -> anyhow::Result<Value> {
+        let (_, body) = http_get(self.edges[edge].admin, "/readyz").await?;
+        Ok(serde_json::from_str(&body)?)
+    }
+}
