@@ -1,4 +1,5 @@
-//! An in-process fake Kubernetes API server for the kubernetes nodes backend (issue 13), on
+//! An in-process fake Kubernetes API server for the kubernetes nodes backend
+//! (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md), on
 //! loopback, plain HTTP, speaking the real wire format of what the backend uses: create, get,
 //! delete, list and watch (`?watch=true`, JSON lines) of pods and persistentvolumeclaims, with
 //! `resourceVersion`s, `409 AlreadyExists`, `404 NotFound`, a uid precondition on delete,
@@ -14,7 +15,7 @@
 //! `Succeeded` when it exits 0, `Failed` otherwise. Tests can evict or delete pods, fail API
 //! requests with 500 and expire watches.
 //!
-//! As a cluster does (issue 26): objects live per namespace (a list, watch, get or delete sees
+//! As a cluster does: objects live per namespace (a list, watch, get or delete sees
 //! its own namespace only); a delete is graceful (`deletionTimestamp`, the grace period, SIGTERM,
 //! SIGKILL when it is over, the pod gone once its process is; `gracePeriodSeconds: 0` forces it)
 //! and a Terminating pod keeps its name; a machine can be lost (SIGSTOP, Ready False, deletes

@@ -1,4 +1,5 @@
-//! A kubernetes-backend cluster for tests (issue 13): real `codex-fleet serve` edges with
+//! A kubernetes-backend cluster for tests
+//! (docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md): real `codex-fleet serve` edges with
 //! `[nodes] backend = "kubernetes"` against the in-process fake API server ([`crate::fake_kube`]),
 //! whose pods are real `codex-fleet node --tenant … --exit-when-idle` processes on their own
 //! loopback addresses, with the link's mutual TLS.

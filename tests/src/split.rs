@@ -9,7 +9,7 @@ use crate::client::{http_get, Client};
 use crate::fleet::{FleetBuilder, FleetFiles, FleetProcess};
 use crate::process::fleet_bin;
 
-/// Issue 11: edges in front of nodes, as real processes on loopback (see tests/tests/split.rs).
+/// Edges in front of nodes (docs/decisions/0014-two-roles-one-binary.md), as real processes on loopback (see tests/tests/split.rs).
 /// Two nodes, some edges, tenants assigned to nodes; every process real.
 pub struct Split {
     /// The base files: client CA, tokens, the mock model.

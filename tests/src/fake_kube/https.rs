@@ -1,4 +1,5 @@
-//! The fake API server as a pod sees the real one (issue 23): HTTPS with a certificate of a
+//! The fake API server as a pod sees the real one
+//! (docs/decisions/0017-settings-travel-with-the-tenant.md): HTTPS with a certificate of a
 //! test CA for `127.0.0.1` (what `KUBERNETES_SERVICE_HOST` names in a cluster is an IP too), and
 //! every request authenticated by `Authorization: Bearer <token>` against a set of accepted
 //! service-account tokens that a test rotates; anything else is answered `401 Unauthorized`
