@@ -117,6 +117,17 @@ pub struct SessionCtx {
     pub audit: crate::audit::Audit,
 }
 
+/// Where a request goes.
+#[derive(Debug)]
+enum Target {
+    /// The session's home leg (global methods, unknown threads).
+    Home,
+    /// The worker that owns the request's thread.
+    Owner(WorkerId),
+    /// The least-loaded worker of the tenant (new threads).
+    Place,
+}
+
 /// Why a session ended; decides the close frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {

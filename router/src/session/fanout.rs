@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 use worker::WorkerId;
 
-use super::routing::Target;
+use super::Target;
 use super::{End, Session};
 use crate::admission::{Reason, Scope};
 use crate::jsonrpc::{codes, Method, RequestId};

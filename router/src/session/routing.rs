@@ -6,7 +6,7 @@
 use worker::WorkerId;
 
 use super::legs::Leg;
-use super::{Answer, End, InFlight, Init, Session, REPLAY_INIT_ID};
+use super::{Answer, End, InFlight, Init, Session, Target, REPLAY_INIT_ID};
 use crate::admission::Reason;
 use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
@@ -47,17 +47,6 @@ impl Learn {
             _ => None,
         }
     }
-}
-
-/// Where a request goes.
-#[derive(Debug)]
-pub(super) enum Target {
-    /// The session's home leg (global methods, unknown threads).
-    Home,
-    /// The worker that owns the request's thread.
-    Owner(WorkerId),
-    /// The least-loaded worker of the tenant (new threads).
-    Place,
 }
 
 // === impl Session: routing ===
