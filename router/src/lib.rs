@@ -105,6 +105,7 @@ impl Server {
             }
         };
         let metrics = RouterMetrics::register(&registry)?;
+        session::metrics::init_series(&metrics);
         let audit = audit::Audit::start(&cfg.audit, &registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;
         // A node runs only its own tenants, an edge none (it relays them).

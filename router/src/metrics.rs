@@ -394,7 +394,8 @@ impl RouterMetrics {
         registry.register(Box::new(m.rehome_seconds.clone()))?;
         registry.register(Box::new(m.fanout_missing.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
-        // alerts then see 0, not "no data", before the first event.
+        // alerts then see 0, not "no data", before the first event (the session's own labels:
+        // `session::metrics::init_series`).
         for reason in ClientError::ALL {
             m.client_errors.with_label_values(&[reason.as_str()]);
         }
@@ -404,23 +405,10 @@ impl RouterMetrics {
         for refusal in crate::auth::AuthError::ALL {
             m.upgrades_refused.with_label_values(&[refusal.reason()]);
         }
-        for end in crate::session::End::ALL {
-            m.sessions_closed.with_label_values(&[end.label()]);
-        }
         for reason in crate::admission::Reason::ALL {
             for scope in refusal_scopes(reason) {
                 m.admission_rejections
                     .with_label_values(&[scope.as_str(), reason.as_str()]);
-            }
-        }
-        for method in crate::session::PER_CONNECTION {
-            m.replayed_notifications_dropped
-                .with_label_values(&[method]);
-        }
-        for merge in crate::session::FanOutMethod::ALL {
-            for why in crate::session::FanOutMissing::ALL {
-                m.fanout_missing
-                    .with_label_values(&[merge.as_str(), why.as_str()]);
             }
         }
         Ok(m)

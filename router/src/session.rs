@@ -24,6 +24,7 @@ mod audit;
 mod fanout;
 mod inbound;
 pub mod legs;
+pub(crate) mod metrics;
 mod rehome;
 mod relay;
 mod routing;

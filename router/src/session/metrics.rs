@@ -1,0 +1,23 @@
+//! The session's side of the router's metrics: the series whose labels only the session knows
+//! (how sessions end, which per-connection notifications a replay drops, what a fan-out misses)
+//! exist from the start, at zero, so dashboards and alerts read 0 rather than no data.
+
+use super::{End, FanOutMethod, FanOutMissing, PER_CONNECTION};
+use crate::metrics::RouterMetrics;
+
+/// Creates every session-labelled series of `m` at zero.
+pub(crate) fn init_series(m: &RouterMetrics) {
+    for end in End::ALL {
+        m.sessions_closed.with_label_values(&[end.label()]);
+    }
+    for method in PER_CONNECTION {
+        m.replayed_notifications_dropped
+            .with_label_values(&[method]);
+    }
+    for merge in FanOutMethod::ALL {
+        for why in FanOutMissing::ALL {
+            m.fanout_missing
+                .with_label_values(&[merge.as_str(), why.as_str()]);
+        }
+    }
+}
