@@ -21,3 +21,32 @@ pub(crate) fn init_series(m: &RouterMetrics) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every way a session ends is a series at zero before the first session ends.
+    #[test]
+    fn every_end_and_fan_out_miss_exists_at_zero() {
+        let registry = prometheus::Registry::new();
+        let m = RouterMetrics::register(&registry).unwrap();
+        init_series(&m);
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap();
+        for end in End::ALL {
+            let series = format!(
+                "{}{{reason=\"{}\"}} 0",
+                crate::metrics::names::SESSIONS_CLOSED,
+                end.label()
+            );
+            assert!(text.lines().any(|l| l == series), "{series} missing");
+        }
+        let misses = text
+            .lines()
+            .filter(|l| l.starts_with("codex_fleet_fanout_missing") && l.ends_with(" 0"))
+            .count();
+        assert_eq!(misses, FanOutMethod::ALL.len() * FanOutMissing::ALL.len());
+    }
+}
