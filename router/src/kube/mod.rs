@@ -810,13 +810,7 @@ impl KubeNodes {
         s.pods
             .iter()
             .filter(|(t, v)| {
-                v.ready
-                    && !v.deleting
-                    && !s.deleting.contains(&v.uid)
-                    && v.template_hash.is_some()
-                    && hashes
-                        .get(*t)
-                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                outdated(v, t, &hashes, &s.deleting)
                     && s.first_seen
                         .get(&v.uid)
                         .is_some_and(|at| at.elapsed() > max)
@@ -839,14 +833,8 @@ impl KubeNodes {
             .pods
             .iter()
             .filter(|(t, v)| {
-                v.ready
-                    && v.phase == "Running"
-                    && !v.deleting
-                    && !s.deleting.contains(&v.uid)
-                    && v.template_hash.is_some()
-                    && hashes
-                        .get(*t)
-                        .is_some_and(|h| v.template_hash.as_ref() != Some(h))
+                v.phase == "Running"
+                    && outdated(v, t, &hashes, &s.deleting)
                     && match s.upgrade_asked.get(&v.uid) {
                         None => true,
                         Some(None) => false,
@@ -1283,6 +1271,23 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 fn already_exists(e: &::kube::Error) -> bool {
     matches!(e, ::kube::Error::Api(s) if s.code == 409)
+}
+
+/// Whether `v`, `tenant`'s pod, is Ready, not being deleted, and made from an older template
+/// than the tenant's current one (`hashes`).
+fn outdated(
+    v: &PodView,
+    tenant: &str,
+    hashes: &HashMap<String, String>,
+    deleting: &HashSet<String>,
+) -> bool {
+    v.ready
+        && !v.deleting
+        && !deleting.contains(&v.uid)
+        && v.template_hash.is_some()
+        && hashes
+            .get(tenant)
+            .is_some_and(|h| v.template_hash.as_ref() != Some(h))
 }
 
 /// A delete of the pod with this uid only: a pod of the same name made since is left alone.
