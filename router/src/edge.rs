@@ -11,8 +11,8 @@
 //! [`NODE_LOST_CODE`].
 //!
 //! The edge holds no tenant state: its tokens come from the configuration, and where a tenant's
-//! node is comes from its nodes backend ([`Backend`]): a static tenant→node map, or on
-//! Kubernetes the tenant's own pod, started on demand ([`crate::kube`]). Any number of edges
+//! node runs is its nodes backend's answer (`Backend`): a static tenant→node map, or on
+//! Kubernetes the tenant's own pod, started on demand ([`crate::edge::kube`]). Any number of edges
 //! can run behind one load balancer.
 
 use std::collections::{HashMap, HashSet};
@@ -41,6 +41,7 @@ use relay::{Relay, Waited};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
 
 pub mod headers;
+pub mod kube;
 
 /// Link upgrade header: the tenant the client authenticated as.
 pub const TENANT_HEADER: &str = "x-codex-fleet-tenant";
@@ -104,7 +105,7 @@ enum Backend {
     /// Nodes named in the configuration, each tenant assigned to one (`tenants[].node`).
     Static(HashMap<String, Target>),
     /// A pod per tenant, created on demand (`[nodes.kubernetes]`).
-    Kubernetes(Arc<crate::kube::KubeNodes>),
+    Kubernetes(Arc<crate::edge::kube::KubeNodes>),
 }
 
 /// A client the edge admitted: its tenant, its node and who it is.
@@ -241,7 +242,7 @@ impl Edge {
         )?;
         let metrics = LinkMetrics::register(registry)?;
         if nodes_cfg.backend == crate::config::NodesBackend::Kubernetes {
-            let kube = crate::kube::KubeNodes::build(cfg, registry)?;
+            let kube = crate::edge::kube::KubeNodes::build(cfg, registry)?;
             return Edge::finish(cfg, Backend::Kubernetes(kube), (tls, link_files), metrics);
         }
         let mut nodes = HashMap::new();
@@ -398,11 +399,11 @@ impl Edge {
                         addr: pod.addr.to_string(),
                         server_name,
                     }),
-                    Err(crate::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
+                    Err(crate::edge::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
                         node: who.node.clone(),
                         retry_after: kube.retry_after(),
                     }),
-                    Err(e @ crate::kube::StartError::Refused { .. }) => {
+                    Err(e @ crate::edge::kube::StartError::Refused { .. }) => {
                         Err(LinkError::StartFailed {
                             node: who.node.clone(),
                             cause: e.to_string(),

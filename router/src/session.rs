@@ -674,7 +674,9 @@ impl Session {
                 self.audit_approval_withdrawn(asked, "worker_lost");
             }
             if let Some(thread) = w.thread {
-                self.to_client(crate::rehome::request_resolved_frame(&thread, w.sid))?;
+                self.to_client(crate::tenants::rehome::request_resolved_frame(
+                    &thread, w.sid,
+                ))?;
             }
         }
         self.moves_lost(worker)?;

@@ -13,7 +13,6 @@
 //! nothing but the API server.
 
 pub mod idle;
-pub mod node;
 pub mod quantity;
 pub mod spec;
 
