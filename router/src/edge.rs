@@ -32,6 +32,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 mod relay;
+mod upgrade;
 
 use crate::auth::AuthError;
 use crate::config::Config;

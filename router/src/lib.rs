@@ -8,6 +8,7 @@ pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod credentials;
+pub mod door;
 pub mod edge;
 pub mod fsutil;
 pub mod jsonrpc;
