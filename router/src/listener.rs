@@ -45,16 +45,17 @@ use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 use crate::untrusted::Untrusted;
 
-/// Where a listener's sessions run, and how its clients prove who they are.
+/// The role this listener serves ([`crate::config::Role`], with what the role runs on): where
+/// its sessions run, and how its clients prove who they are.
 #[derive(Clone)]
-pub enum Upstream {
-    /// Here; clients present a tenant's bearer token (`codex-fleet serve`).
-    Local,
-    /// Here, for edges (`codex-fleet node`): mutual TLS admitted the edge, and the link's
-    /// headers name the tenant ([`crate::edge::TENANT_HEADER`]).
-    Link,
-    /// On the tenants' nodes: this process is an edge and relays each session.
-    Nodes(Arc<crate::edge::Edge>),
+pub enum Role {
+    /// Sessions run here; clients present a tenant's credential (`codex-fleet serve`).
+    Embedded,
+    /// Sessions run here, for edges (`codex-fleet node`): mutual TLS admitted the edge, and the
+    /// link's headers name the tenant ([`crate::edge::TENANT_HEADER`]).
+    Node,
+    /// Sessions run on the tenants' nodes: this process is an edge and relays each one.
+    Edge(Arc<crate::edge::Edge>),
 }
 
 /// Everything the accept loop shares with connection tasks.
@@ -85,8 +86,8 @@ pub struct Listener {
     pub shutdown: CancellationToken,
     /// Tracks every connection task.
     pub tracker: TaskTracker,
-    /// Where sessions run.
-    pub upstream: Upstream,
+    /// The role served: where sessions run.
+    pub role: Role,
     /// The audit log.
     pub audit: crate::audit::Audit,
 }
@@ -108,7 +109,7 @@ struct Conn {
     /// this connection is answered 429.
     throttled: Option<Rejection>,
     refuse: CancellationToken,
-    upstream: Upstream,
+    role: Role,
 }
 
 // === impl Listener ===
@@ -141,8 +142,8 @@ impl Listener {
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
             // Edges are trusted peers of a node: their addresses carry many clients each.
-            let throttled = match this.upstream {
-                Upstream::Link => None,
+            let throttled = match this.role {
+                Role::Node => None,
                 _ => this.admission.check_handshake(addr.ip()).err(),
             };
             let conn = Arc::new(Conn {
@@ -161,7 +162,7 @@ impl Listener {
                 tenants: this.tenants.clone(),
                 throttled,
                 refuse: this.refuse.clone(),
-                upstream: this.upstream.clone(),
+                role: this.role.clone(),
             });
             let tls = this.tls.clone();
             let timeout = this.handshake_timeout;
@@ -262,9 +263,9 @@ impl Conn {
         let tenants = self.tenants.current();
         // The client's address: on a node, the one its edge saw (the link names it).
         let mut remote = self.door.addr;
-        let (tenant, lease, subject) = match &self.upstream {
-            Upstream::Nodes(edge) => return edge.upgrade(&self.door, req, &key, started).await,
-            Upstream::Link => {
+        let (tenant, lease, subject) = match &self.role {
+            Role::Edge(edge) => return edge.upgrade(&self.door, req, &key, started).await,
+            Role::Node => {
                 let who = match crate::edge::headers::read(req.headers(), self.door.addr) {
                     Ok(who) => who,
                     Err(e) => {
@@ -300,7 +301,7 @@ impl Conn {
                     }
                 }
             }
-            Upstream::Local => match tenants.credentials().admit(req.headers()).await {
+            Role::Embedded => match tenants.credentials().admit(req.headers()).await {
                 Ok(v) => {
                     tracing::info!(tenant = %v.tenant, subject = %Untrusted::text(&v.subject), kind = v.kind, key = %v.key_id, "authenticated");
                     self.door
