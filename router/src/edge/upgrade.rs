@@ -5,19 +5,34 @@
 //! relays the session frame by frame ([`super::relay`]). With a backend that starts nodes (a pod on
 //! Kubernetes) the client is upgraded at once and its session waits for the node.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{header, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
+use serde_json::json;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
 
-use super::{Admitted, Edge, Link, LinkError, RelayCtx};
+use super::relay::{Relay, Waited};
+use super::{
+    Admitted, Edge, Link, LinkError, RelayCtx, NODE_LOST_CODE, NODE_LOST_REASON,
+    NODE_STARTING_CODE, NODE_STARTING_REASON, NODE_START_FAILED_CODE, NODE_START_FAILED_REASON,
+};
 use crate::admission::{ConnectionGuard, Rejection};
 use crate::door::{switching_protocols, Door};
+use crate::jsonrpc::RequestId;
 
 /// How long a client whose tenant's node is unreachable is asked to wait.
 const NODE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a session refused with `nodeStartFailed` before its first request waits for it.
+const START_FAILED_LINGER: Duration = Duration::from_secs(2);
+/// How long a session refused with `nodeStartFailed` is told to wait (an operator must act).
+const NODE_START_FAILED_RETRY: Duration = Duration::from_secs(30);
 
 // === impl Edge ===
 
@@ -121,5 +136,111 @@ impl Edge {
             );
         });
         switching_protocols(&accept)
+    }
+
+    /// The session of an upgraded client whose node may still be starting: its messages are
+    /// held while the backend starts the node (up to its start timeout; bounded in messages
+    /// and bytes, and ended with the credential), then sent on, in order. A node that does not
+    /// start in time answers every held request with `-32001` (scope `worker`, reason
+    /// `nodeStarting`, `retryAfterMs`) and closes with [`NODE_STARTING_CODE`]; a node that
+    /// cannot be reached, with reason `nodeUnavailable`.
+    pub async fn wait_and_relay<C>(
+        &self,
+        client: WebSocketStream<C>,
+        who: &Admitted,
+        addr: SocketAddr,
+        ctx: RelayCtx,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut relay = Relay::new(client, ctx);
+        let (link, pending) = match relay.wait(self.connect(who, addr), &who.lease).await {
+            Waited::Linked(link, pending) => (link, pending),
+            Waited::Ended(ending) => return relay.end(ending).await,
+            Waited::Failed(e, pending) => {
+                let (reason, retry_after, code, text) = match &e {
+                    LinkError::Starting { retry_after, .. } => (
+                        crate::admission::Reason::NodeStarting,
+                        *retry_after,
+                        NODE_STARTING_CODE,
+                        NODE_STARTING_REASON,
+                    ),
+                    LinkError::StartFailed { .. } => (
+                        crate::admission::Reason::NodeStartFailed,
+                        NODE_START_FAILED_RETRY,
+                        NODE_START_FAILED_CODE,
+                        NODE_START_FAILED_REASON,
+                    ),
+                    _ => (
+                        crate::admission::Reason::NodeUnavailable,
+                        Duration::from_secs(2),
+                        NODE_LOST_CODE,
+                        NODE_LOST_REASON,
+                    ),
+                };
+                tracing::warn!(tenant = %who.tenant, error = %e, "session refused: no node");
+                let r = crate::admission::Rejection::cap(
+                    crate::admission::Scope::Worker,
+                    reason,
+                    retry_after,
+                );
+                // A start that cannot succeed is answered with its cause; a refusal can come
+                // before the client's first request has arrived, so that request is waited for
+                // (briefly) rather than the session closed bare.
+                let (cause, linger) = match &e {
+                    LinkError::StartFailed { cause, .. } => {
+                        (Some(cause.clone()), Some(START_FAILED_LINGER))
+                    }
+                    _ => (None, None),
+                };
+                let answer = |id: &RequestId| match &cause {
+                    Some(cause) => {
+                        let mut data = r.to_error_data();
+                        data["cause"] = json!(cause);
+                        proto::error::overloaded_response(id, data)
+                    }
+                    None => r.to_error_response(id),
+                };
+                return relay.refuse(pending, answer, linger, code, text).await;
+            }
+        };
+        self.relay_pending(relay, link, who, pending).await;
+    }
+
+    /// Relays one session between its client and its link until either ends (see the module
+    /// documentation for what each end means for the other; `edge/relay.rs` for its bounds).
+    pub async fn relay<C>(
+        &self,
+        client: WebSocketStream<C>,
+        link: Link,
+        who: &Admitted,
+        ctx: RelayCtx,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        self.relay_pending(Relay::new(client, ctx), link, who, Vec::new())
+            .await;
+    }
+
+    async fn relay_pending<C>(
+        &self,
+        relay: Relay<C>,
+        link: Link,
+        who: &Admitted,
+        pending: Vec<Message>,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let node = who.node.as_str();
+        let sessions = self.metrics.sessions.with_label_values(&[node]);
+        sessions.inc();
+        let relayed = |lost: bool| {
+            sessions.dec();
+            if lost {
+                self.metrics.errors.with_label_values(&[node, "lost"]).inc();
+                tracing::warn!(node, "link lost: the node went away mid-session");
+            }
+        };
+        relay.run(link, pending, &who.lease, relayed).await;
     }
 }

@@ -1,0 +1,313 @@
+//! The link: the mutual-TLS WebSocket from the edge to a tenant's node, one per session. Where
+//! the tenant's node is (the static map, or its pod), the TLS client side with the link's
+//! certificate, the upgrade request that names who the session is ([`super::headers`]), the
+//! prober that keeps `/readyz` true about each node, and the link metrics.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use http::HeaderValue;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Error as WsError;
+
+use super::{headers, Admitted, Backend, Edge, Link, Target};
+
+/// Why a link could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The node did not answer in time, or refused TCP or TLS.
+    #[error("node {node} unreachable: {reason}")]
+    Unreachable {
+        /// The node.
+        node: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The node answered the upgrade with an HTTP status (its admission, a tenant it does not
+    /// hold).
+    #[error("node {node} refused the session: HTTP {status}")]
+    Refused {
+        /// The node.
+        node: String,
+        /// The status.
+        status: u16,
+        /// Its `Retry-After`, when given.
+        retry_after: Option<HeaderValue>,
+        /// Its body.
+        body: String,
+    },
+    /// The session's identity cannot be carried on the link ([`headers::HeaderError`]): the
+    /// session's error, not the node's (no link error is counted, readiness is untouched).
+    #[error("node {node}: {source}")]
+    Session {
+        /// The node.
+        node: String,
+        /// What cannot be carried.
+        source: headers::HeaderError,
+    },
+    /// The tenant's node is not ready within the backend's start timeout.
+    #[error("node {node} still starting")]
+    Starting {
+        /// The node (pod).
+        node: String,
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The backend cannot start the tenant's node (the API server refused it for good).
+    #[error("node {node} cannot start: {cause}")]
+    StartFailed {
+        /// The node (pod).
+        node: String,
+        /// Why, for the client (never a secret).
+        cause: String,
+    },
+}
+
+/// Link metrics, by node.
+#[derive(Clone)]
+pub struct LinkMetrics {
+    /// Sessions relayed now, by node.
+    pub sessions: IntGaugeVec,
+    /// Link failures, by node and reason (`unreachable`, `refused`, `lost`).
+    pub errors: IntCounterVec,
+    /// Opening a link (TCP, TLS, upgrade), by node.
+    pub connect_seconds: HistogramVec,
+}
+
+impl LinkMetrics {
+    /// Every link failure reason.
+    pub const REASONS: [&'static str; 3] = ["unreachable", "refused", "lost"];
+
+    pub(super) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = LinkMetrics {
+            sessions: IntGaugeVec::new(
+                Opts::new(
+                    "codex_fleet_link_sessions",
+                    "Sessions this edge relays to each node.",
+                ),
+                &["node"],
+            )?,
+            errors: IntCounterVec::new(
+                Opts::new(
+                    "codex_fleet_link_errors_total",
+                    "Edge-to-node link failures, by node and reason.",
+                ),
+                &["node", "reason"],
+            )?,
+            connect_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "codex_fleet_link_connect_duration_seconds",
+                    "Opening a session's link to its node: TCP, mutual TLS and the upgrade.",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+                ]),
+                &["node"],
+            )?,
+        };
+        registry.register(Box::new(m.sessions.clone()))?;
+        registry.register(Box::new(m.errors.clone()))?;
+        registry.register(Box::new(m.connect_seconds.clone()))?;
+        Ok(m)
+    }
+}
+
+/// The host part of `host:port` (brackets of an IPv6 literal removed).
+pub(super) fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+// === impl Edge ===
+
+impl Edge {
+    /// Where the tenant's node is; on Kubernetes its pod, started if needed (the session
+    /// waits, up to the backend's start timeout).
+    pub(super) async fn target(&self, who: &Admitted) -> Result<Target, LinkError> {
+        match &self.backend {
+            Backend::Static(nodes) => nodes
+                .get(&who.node)
+                .map(|t| Target {
+                    addr: t.addr.clone(),
+                    server_name: t.server_name.clone(),
+                })
+                .ok_or_else(|| LinkError::Unreachable {
+                    node: who.node.clone(),
+                    reason: "unknown node".into(),
+                }),
+            Backend::Kubernetes(kube) => {
+                let server_name =
+                    ServerName::try_from(kube.server_name().to_owned()).map_err(|e| {
+                        LinkError::Unreachable {
+                            node: who.node.clone(),
+                            reason: format!("server name: {e}"),
+                        }
+                    })?;
+                match kube.locate(&who.tenant).await {
+                    Ok(pod) => Ok(Target {
+                        addr: pod.addr.to_string(),
+                        server_name,
+                    }),
+                    Err(crate::edge::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
+                        node: who.node.clone(),
+                        retry_after: kube.retry_after(),
+                    }),
+                    Err(e @ crate::edge::kube::StartError::Refused { .. }) => {
+                        Err(LinkError::StartFailed {
+                            node: who.node.clone(),
+                            cause: e.to_string(),
+                        })
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens a session's link to its tenant's node.
+    pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
+        // A node that did not or cannot start is counted by the backend
+        // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
+        let target = self.target(who).await?;
+        let started = tokio::time::Instant::now();
+        let result = tokio::time::timeout(self.connect_timeout, self.open(who, &target, client))
+            .await
+            .unwrap_or_else(|_| {
+                Err(LinkError::Unreachable {
+                    node: who.node.clone(),
+                    reason: format!("no link within {:?}", self.connect_timeout),
+                })
+            });
+        match &result {
+            Ok(_) => self
+                .metrics
+                .connect_seconds
+                .with_label_values(&[&who.node])
+                .observe(started.elapsed().as_secs_f64()),
+            // Not the node's failure: neither counted against it nor its readiness.
+            Err(LinkError::Session { .. }) => {}
+            Err(e) => {
+                let reason = match e {
+                    LinkError::Unreachable { .. }
+                    | LinkError::Starting { .. }
+                    | LinkError::StartFailed { .. } => "unreachable",
+                    LinkError::Refused { .. } | LinkError::Session { .. } => "refused",
+                };
+                self.metrics
+                    .errors
+                    .with_label_values(&[&who.node, reason])
+                    .inc();
+                if matches!(e, LinkError::Unreachable { .. }) {
+                    self.set_reach(&who.node, Some(e.to_string()));
+                }
+            }
+        }
+        result
+    }
+
+    pub(super) async fn open(
+        &self,
+        who: &Admitted,
+        target: &Target,
+        client: SocketAddr,
+    ) -> Result<Link, LinkError> {
+        let node = &who.node;
+        let unreachable = |reason: String| LinkError::Unreachable {
+            node: node.clone(),
+            reason,
+        };
+        // Before any connection: a session whose identity cannot travel is its own error.
+        let identity = headers::build(&who.tenant, &who.subject, client).map_err(|source| {
+            LinkError::Session {
+                node: node.clone(),
+                source,
+            }
+        })?;
+        let tls = self.tls_to(target).await.map_err(unreachable)?;
+        let mut request = format!("wss://{}/", target.addr)
+            .into_client_request()
+            .map_err(|e| unreachable(e.to_string()))?;
+        let h = request.headers_mut();
+        for (name, value) in identity {
+            h.insert(name, value);
+        }
+        let config = proto::ws::client_config(self.max_message_bytes);
+        match tokio_tungstenite::client_async_with_config(request, tls, Some(config)).await {
+            Ok((ws, _)) => {
+                self.set_reach(node, None);
+                Ok(ws)
+            }
+            Err(WsError::Http(resp)) => {
+                let body = resp
+                    .body()
+                    .as_ref()
+                    .map(|b| String::from_utf8_lossy(b).trim().to_owned())
+                    .unwrap_or_default();
+                Err(LinkError::Refused {
+                    node: node.clone(),
+                    status: resp.status().as_u16(),
+                    retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
+                    body,
+                })
+            }
+            Err(e) => Err(unreachable(e.to_string())),
+        }
+    }
+
+    pub(super) async fn tls_to(&self, target: &Target) -> Result<TlsStream<TcpStream>, String> {
+        let tcp = TcpStream::connect(&target.addr)
+            .await
+            .map_err(|e| format!("connect {}: {e}", target.addr))?;
+        let _nodelay = tcp.set_nodelay(true);
+        self.tls
+            .connect(target.server_name.clone(), tcp)
+            .await
+            .map_err(|e| format!("TLS with {}: {e}", target.addr))
+    }
+
+    pub(super) fn set_reach(&self, node: &str, error: Option<String>) {
+        self.reach
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(node.to_owned(), error);
+    }
+
+    /// Probes every node (TCP and mutual TLS) every `every`, for `/readyz`; stops when dropped.
+    pub fn spawn_prober(
+        self: &Arc<Self>,
+        every: Duration,
+    ) -> tokio_util::task::AbortOnDropHandle<()> {
+        let edge = Arc::downgrade(self);
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                let Some(e) = edge.upgrade() else { return };
+                let nodes = match &e.backend {
+                    Backend::Static(nodes) => nodes,
+                    Backend::Kubernetes(kube) => {
+                        let kube = kube.clone();
+                        drop(e);
+                        kube.probe().await;
+                        drop(kube);
+                        tokio::time::sleep(every).await;
+                        continue;
+                    }
+                };
+                for (name, target) in nodes {
+                    let outcome = tokio::time::timeout(e.connect_timeout, e.tls_to(target)).await;
+                    let error = match outcome {
+                        Ok(Ok(_tls)) => None,
+                        Ok(Err(reason)) => Some(reason),
+                        Err(_) => Some(format!("no TLS within {:?}", e.connect_timeout)),
+                    };
+                    e.set_reach(name, error);
+                }
+                drop(e);
+                tokio::time::sleep(every).await;
+            }
+        }))
+    }
+}
