@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs the pinned codex, checks formatting and lints,
 # builds the binary and runs every test (unit, crate and end-to-end with real workers).
-# Run it as root: the per-tenant uid tests (tests/tests/containment.rs, worker/tests/identity.rs)
+# Run it as root: the per-tenant uid tests (tests/tests/containment.rs, worker/tests/run_as.rs)
 # fail when not root, unless CODEX_FLEET_SKIP_ROOT_TESTS=1 skips them knowingly.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,4 +1,4 @@
-//! Per-tenant Unix identity and resource limits, against the real binary.
+//! Who a worker runs as (a per-tenant Unix uid) and its resource limits, against the real binary.
 
 mod support;
 

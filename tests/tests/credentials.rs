@@ -1,4 +1,4 @@
-//! Identity and trust (docs/security.md), end to end over real wss with real workers: every
+//! Credentials and trust (docs/security.md), end to end over real wss with real workers: every
 //! credential kind runs a real turn (and the real `codex exec --remote` with a JWT), every bad
 //! credential is refused with 401 and counted by reason, a JWT session closes after its `exp`, a
 //! reload that removes a token closes its sessions and no other, and `Origin` needs the tenant's
