@@ -265,42 +265,14 @@ impl Conn {
         let mut remote = self.door.addr;
         let (tenant, lease, subject) = match &self.role {
             Role::Edge(edge) => return edge.upgrade(&self.door, req, &key, started).await,
-            Role::Node => {
-                let who = match crate::edge::headers::read(req.headers(), self.door.addr) {
-                    Ok(who) => who,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "link refused: a malformed identity header");
-                        return self.door.plain(
-                            StatusCode::BAD_REQUEST,
-                            "link_header",
-                            &e.to_string(),
-                        );
-                    }
-                };
-                remote = who.client;
-                match who.tenant.as_deref().and_then(|id| tenants.get(id)) {
+            Role::Node => match crate::node::link::admit(&self.door, &tenants, req.headers()) {
+                Ok(linked) => {
+                    remote = linked.client;
                     // The edge holds the session's lease and closes it when its credential ends.
-                    Some(t) => {
-                        self.door.audit.record(
-                            "link.admitted",
-                            serde_json::json!({
-                                "tenant": t.id, "subject": who.subject,
-                                "remote": remote.to_string(), "edge": self.door.addr.to_string(),
-                            }),
-                        );
-                        (Some(t.clone()), Lease::unbounded(), who.subject)
-                    }
-                    None => {
-                        let named = who.tenant.as_deref().map(Untrusted::text);
-                        tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
-                        return self.door.plain(
-                            StatusCode::NOT_FOUND,
-                            "tenant_not_here",
-                            "the tenant is not on this node",
-                        );
-                    }
+                    (Some(linked.tenant), Lease::unbounded(), linked.subject)
                 }
-            }
+                Err(refused) => return *refused,
+            },
             Role::Embedded => match tenants.credentials().admit(req.headers()).await {
                 Ok(v) => {
                     tracing::info!(tenant = %v.tenant, subject = %Untrusted::text(&v.subject), kind = v.kind, key = %v.key_id, "authenticated");
