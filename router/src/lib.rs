@@ -138,10 +138,10 @@ impl Server {
             }));
         }
         // The audit log records every tenant's worker lifecycle, new tenants' after a reload.
-        audit.watch_workers(&tenants.current());
+        audit.watch_workers(tenants.current().iter().map(|t| (t.id.as_str(), &t.pool)));
         let (watcher, watched) = (audit.clone(), tenants.clone());
         reloader.on_reload(Box::new(move |_: &Config| {
-            watcher.watch_workers(&watched.current());
+            watcher.watch_workers(watched.current().iter().map(|t| (t.id.as_str(), &t.pool)));
         }));
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.
