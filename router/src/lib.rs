@@ -116,7 +116,15 @@ impl Server {
         let upstream = match cfg.role() {
             config::Role::Embedded => listener::Upstream::Local,
             config::Role::Node => listener::Upstream::Link,
-            config::Role::Edge => listener::Upstream::Nodes(edge::Edge::build(&cfg, &registry)?),
+            config::Role::Edge => listener::Upstream::Nodes(edge::Edge::build(
+                cfg.nodes
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?,
+                cfg.limits.max_message_bytes,
+                &cfg.tenants,
+                &cfg.auth,
+                &registry,
+            )?),
         };
         let reloader = Reloader::new(cfg.clone(), tenants.clone(), worker_metrics, &registry)?;
         let mut warnings = Vec::new();
@@ -132,7 +140,7 @@ impl Server {
             // A reload puts new tokens and tenant→node assignments in force at the edge.
             let edge = edge.clone();
             reloader.on_reload(Box::new(move |new: &Config| {
-                if let Err(e) = edge.reload(new) {
+                if let Err(e) = edge.reload(&new.tenants, &new.auth) {
                     tracing::error!(error = %e, "reload: the edge keeps its old tenants");
                 }
             }));

@@ -38,7 +38,9 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use worker::Pool;
 
-use crate::config::AuditConfig;
+pub mod config;
+
+use config::AuditConfig;
 
 /// Longest wait of a session for its approval decision to be written before it forwards it.
 pub const DECISION_WAIT: Duration = Duration::from_millis(500);
