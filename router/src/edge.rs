@@ -11,8 +11,8 @@
 //! [`NODE_LOST_CODE`].
 //!
 //! The edge holds no tenant state: its tokens come from the configuration, and where a tenant's
-//! node is comes from its nodes backend ([`Backend`]): a static tenant→node map, or on
-//! Kubernetes the tenant's own pod, started on demand ([`crate::kube`]). Any number of edges
+//! node runs is its nodes backend's answer (`Backend`): a static tenant→node map, or on
+//! Kubernetes the tenant's own pod, started on demand ([`crate::edge::kube`]). Any number of edges
 //! can run behind one load balancer.
 
 use std::collections::{HashMap, HashSet};
@@ -33,6 +33,7 @@ use tokio_tungstenite::WebSocketStream;
 
 pub mod config;
 mod relay;
+mod upgrade;
 
 use crate::auth::AuthError;
 use crate::config::Tenant;
@@ -44,6 +45,7 @@ use relay::{Relay, Waited};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
 
 pub mod headers;
+pub mod kube;
 
 /// Link upgrade header: the tenant the client authenticated as.
 pub const TENANT_HEADER: &str = "x-codex-fleet-tenant";
@@ -107,7 +109,7 @@ enum Backend {
     /// Nodes named in the configuration, each tenant assigned to one (`tenants[].node`).
     Static(HashMap<String, Target>),
     /// A pod per tenant, created on demand (`[nodes.kubernetes]`).
-    Kubernetes(Arc<crate::kube::KubeNodes>),
+    Kubernetes(Arc<crate::edge::kube::KubeNodes>),
 }
 
 /// A client the edge admitted: its tenant, its node and who it is.
@@ -250,7 +252,7 @@ impl Edge {
             let k = nodes_cfg.kubernetes.as_ref().ok_or_else(|| {
                 anyhow::anyhow!("the kubernetes backend needs [nodes.kubernetes]")
             })?;
-            Backend::Kubernetes(crate::kube::KubeNodes::build(k, tenants, registry)?)
+            Backend::Kubernetes(crate::edge::kube::KubeNodes::build(k, tenants, registry)?)
         } else {
             let mut nodes = HashMap::new();
             for n in &nodes_cfg.static_nodes {
@@ -403,11 +405,11 @@ impl Edge {
                         addr: pod.addr.to_string(),
                         server_name,
                     }),
-                    Err(crate::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
+                    Err(crate::edge::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
                         node: who.node.clone(),
                         retry_after: kube.retry_after(),
                     }),
-                    Err(e @ crate::kube::StartError::Refused { .. }) => {
+                    Err(e @ crate::edge::kube::StartError::Refused { .. }) => {
                         Err(LinkError::StartFailed {
                             node: who.node.clone(),
                             cause: e.to_string(),

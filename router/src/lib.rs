@@ -5,24 +5,21 @@ pub mod admin;
 pub mod admission;
 pub mod audit;
 pub mod auth;
+pub mod cli;
 pub mod config;
 pub mod credentials;
-pub mod dev;
+pub mod door;
 pub mod edge;
 pub mod fsutil;
-pub mod identity;
 pub mod jsonrpc;
-pub mod kube;
 pub mod listener;
 pub mod metrics;
+pub mod node;
 pub mod policy;
-pub mod rehome;
 pub mod reload;
-pub mod route;
 pub mod session;
 pub mod tenants;
 pub mod tls;
-pub mod top;
 pub mod untrusted;
 pub mod usage;
 
@@ -75,7 +72,7 @@ pub struct Server {
     events: ServerEvents,
     admission: Arc<admission::Admission>,
     /// Where sessions run (here, or on nodes when this process is an edge).
-    upstream: listener::Upstream,
+    role: listener::Role,
 }
 
 /// Moments of a shutdown, for tests and tools (each token is cancelled when it happens).
@@ -113,10 +110,10 @@ impl Server {
             &cfg.localized(),
             &worker_metrics,
         )?));
-        let upstream = match cfg.role() {
-            config::Role::Embedded => listener::Upstream::Local,
-            config::Role::Node => listener::Upstream::Link,
-            config::Role::Edge => listener::Upstream::Nodes(edge::Edge::build(
+        let role = match cfg.role() {
+            config::Role::Embedded => listener::Role::Embedded,
+            config::Role::Node => listener::Role::Node,
+            config::Role::Edge => listener::Role::Edge(edge::Edge::build(
                 cfg.nodes
                     .as_ref()
                     .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?,
@@ -136,7 +133,7 @@ impl Server {
         metrics.init_config(&cfg);
         let init_metrics = metrics.clone();
         reloader.on_reload(Box::new(move |new: &Config| init_metrics.init_config(new)));
-        if let listener::Upstream::Nodes(edge) = &upstream {
+        if let listener::Role::Edge(edge) = &role {
             // A reload puts new tokens and tenant→node assignments in force at the edge.
             let edge = edge.clone();
             reloader.on_reload(Box::new(move |new: &Config| {
@@ -171,7 +168,7 @@ impl Server {
             warnings,
             reloader: Arc::new(reloader),
             events: ServerEvents::default(),
-            upstream,
+            role,
         })
     }
 
@@ -265,7 +262,7 @@ impl Server {
                 refuse: refusing.clone(),
                 shutdown: closing.clone(),
                 tracker: tracker.clone(),
-                upstream: self.upstream.clone(),
+                role: self.role.clone(),
                 audit: self.audit.clone(),
             }
             .run(),
@@ -396,8 +393,8 @@ impl Server {
 
     /// The edge, when this process is one.
     pub fn edge(&self) -> Option<&Arc<edge::Edge>> {
-        match &self.upstream {
-            listener::Upstream::Nodes(edge) => Some(edge),
+        match &self.role {
+            listener::Role::Edge(edge) => Some(edge),
             _ => None,
         }
     }

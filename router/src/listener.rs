@@ -15,9 +15,12 @@
 //! 101 carries `Connection: close` and the connection is closed after it (no keep-alive, so
 //! one connection cannot try token after token), and `handshake_timeout_secs` counts from
 //! `accept` over the TLS handshake and the request together.
+//!
+//! The listener is shared by every role: it checks the request, then starts an embedded or a
+//! node session here, or hands an edge's upgrade to [`crate::edge::Edge::upgrade`]. The answers
+//! at the door (refusals, 101, the upgraded connection's task) are [`crate::door`]'s.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::{header, HeaderValue, Request, Response, StatusCode};
@@ -30,35 +33,30 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
-use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::admission::{Admission, ConnectionGuard, Rejection};
-use crate::auth::AuthError;
 use crate::credentials::Lease;
+use crate::door::{switching_protocols, Door};
 use crate::metrics::RouterMetrics;
 use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 use crate::untrusted::Untrusted;
 
-/// Where a listener's sessions run, and how its clients prove who they are.
+/// The role this listener serves ([`crate::config::Role`], with what the role runs on): where
+/// its sessions run, and how its clients prove who they are.
 #[derive(Clone)]
-pub enum Upstream {
-    /// Here; clients present a tenant's bearer token (`codex-fleet serve`).
-    Local,
-    /// Here, for edges (`codex-fleet node`): mutual TLS admitted the edge, and the link's
-    /// headers name the tenant ([`crate::edge::TENANT_HEADER`]).
-    Link,
-    /// On the tenants' nodes: this process is an edge and relays each session.
-    Nodes(Arc<crate::edge::Edge>),
+pub enum Role {
+    /// Sessions run here; clients present a tenant's credential (`codex-fleet serve`).
+    Embedded,
+    /// Sessions run here, for edges (`codex-fleet node`): mutual TLS admitted the edge, and the
+    /// link's headers name the tenant ([`crate::edge::TENANT_HEADER`]).
+    Node,
+    /// Sessions run on the tenants' nodes: this process is an edge and relays each one.
+    Edge(Arc<crate::edge::Edge>),
 }
-
-/// The remote address of a client connection.
-#[derive(Debug, Clone, Copy)]
-pub struct ClientAddr(pub SocketAddr);
 
 /// Everything the accept loop shares with connection tasks.
 pub struct Listener {
@@ -88,8 +86,8 @@ pub struct Listener {
     pub shutdown: CancellationToken,
     /// Tracks every connection task.
     pub tracker: TaskTracker,
-    /// Where sessions run.
-    pub upstream: Upstream,
+    /// The role served: where sessions run.
+    pub role: Role,
     /// The audit log.
     pub audit: crate::audit::Audit,
 }
@@ -104,22 +102,14 @@ pub fn accept_backstop(max_connections: usize) -> usize {
 }
 
 struct Conn {
+    /// What the connection holds until its upgrade is answered, and the answers.
+    door: Door,
     tenants: Arc<TenantRegistry>,
-    admission: Arc<Admission>,
     /// Set when the source address was over its handshake rate at accept: every request on
     /// this connection is answered 429.
     throttled: Option<Rejection>,
-    metrics: RouterMetrics,
-    max_message_bytes: usize,
-    client_queue: usize,
-    client_queue_bytes: usize,
-    tenant_queue_bytes: usize,
     refuse: CancellationToken,
-    shutdown: CancellationToken,
-    tracker: TaskTracker,
-    addr: ClientAddr,
-    upstream: Upstream,
-    audit: crate::audit::Audit,
+    role: Role,
 }
 
 // === impl Listener ===
@@ -152,25 +142,27 @@ impl Listener {
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
             // Edges are trusted peers of a node: their addresses carry many clients each.
-            let throttled = match this.upstream {
-                Upstream::Link => None,
+            let throttled = match this.role {
+                Role::Node => None,
                 _ => this.admission.check_handshake(addr.ip()).err(),
             };
             let conn = Arc::new(Conn {
+                door: Door {
+                    admission: this.admission.clone(),
+                    metrics: this.metrics.clone(),
+                    max_message_bytes: this.max_message_bytes,
+                    client_queue: this.client_queue,
+                    client_queue_bytes: this.client_queue_bytes,
+                    tenant_queue_bytes: this.tenant_queue_bytes,
+                    shutdown: this.shutdown.clone(),
+                    tracker: this.tracker.clone(),
+                    addr,
+                    audit: this.audit.clone(),
+                },
                 tenants: this.tenants.clone(),
-                admission: this.admission.clone(),
                 throttled,
-                metrics: this.metrics.clone(),
-                max_message_bytes: this.max_message_bytes,
-                client_queue: this.client_queue,
-                client_queue_bytes: this.client_queue_bytes,
-                tenant_queue_bytes: this.tenant_queue_bytes,
                 refuse: this.refuse.clone(),
-                shutdown: this.shutdown.clone(),
-                tracker: this.tracker.clone(),
-                addr: ClientAddr(addr),
-                upstream: this.upstream.clone(),
-                audit: this.audit.clone(),
+                role: this.role.clone(),
             });
             let tls = this.tls.clone();
             let timeout = this.handshake_timeout;
@@ -202,11 +194,11 @@ impl Conn {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "TLS handshake failed");
-                self.refused("tls");
+                self.door.refused("tls");
                 return;
             }
             Err(_) => {
-                self.refused("handshake_timeout");
+                self.door.refused("handshake_timeout");
                 return;
             }
         };
@@ -225,183 +217,8 @@ impl Conn {
         match tokio::time::timeout_at(deadline, conn).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "HTTP connection ended with an error"),
-            Err(_) => self.refused("handshake_timeout"),
+            Err(_) => self.door.refused("handshake_timeout"),
         }
-    }
-
-    /// A failed authentication costs the source address one more handshake: over its rate,
-    /// its next connections are answered 429.
-    fn charge_failed_auth(&self) {
-        // Refused or not, the attempt is counted; the refusal shows on the next connection.
-        let _charged = self.admission.check_handshake(self.addr.0.ip());
-    }
-
-    fn refused(&self, reason: &str) {
-        self.metrics
-            .upgrades_refused
-            .with_label_values(&[reason])
-            .inc();
-    }
-
-    fn plain(&self, status: StatusCode, reason: &str, body: &str) -> Response<Full<Bytes>> {
-        self.refused(reason);
-        let mut resp = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
-        *resp.status_mut() = status;
-        let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        // Every answer but 101 is the connection's last.
-        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
-        resp
-    }
-
-    /// A credential that does not authenticate: 401, charged to the source address; or an
-    /// `Origin` the tenant does not allow: 403.
-    fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
-        let reason = e.reason();
-        tracing::info!(reason, "upgrade refused: {e}");
-        self.audit.record(
-            "authentication.failed",
-            serde_json::json!({ "reason": reason, "remote": self.addr.0.to_string() }),
-        );
-        if *e != AuthError::Origin {
-            self.charge_failed_auth();
-        }
-        self.plain(e.status(), reason, &e.to_string())
-    }
-
-    fn audit_admitted(&self, tenant: &str, subject: &str, kind: &str, key_id: &str) {
-        self.audit.record(
-            "authentication.succeeded",
-            serde_json::json!({
-                "tenant": tenant, "subject": subject, "credential": kind, "key_id": key_id,
-                "remote": self.addr.0.to_string(),
-            }),
-        );
-    }
-
-    /// The edge's upgrade: authenticate, open the session's link to the tenant's node (so a
-    /// node that is down or refuses is answered here, with HTTP), then answer 101 and relay.
-    async fn relay(
-        self: &Arc<Self>,
-        edge: Arc<crate::edge::Edge>,
-        req: Request<Incoming>,
-        key: &str,
-        started: tokio::time::Instant,
-    ) -> Response<Full<Bytes>> {
-        let who = match edge.authenticate(req.headers()).await {
-            Ok(w) => w,
-            Err(e) => return self.auth_refused(&e),
-        };
-        self.audit_admitted(&who.tenant, &who.subject, who.kind, &who.key_id);
-        // The edge holds the connection caps itself, before the 101 and before any link
-        // (docs/decisions/0016-every-hop-holds-like-serve.md); the guard lives as long as the
-        // relayed session, waiting included.
-        let guard: ConnectionGuard = match self.admission.open_connection(&who.tenant) {
-            Ok(g) => g,
-            Err(r) => {
-                tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), "upgrade refused: connection cap");
-                return self.overloaded(&r, "connection_cap");
-            }
-        };
-        if edge.starts_nodes() {
-            // The tenant's node may have to start first (a pod on Kubernetes): the client is
-            // upgraded now and its session waits, longer than a handshake may take.
-            return self.spawn_relay(edge, req, key, started, (who, guard), None);
-        }
-        let link = match edge.connect(&who, self.addr.0).await {
-            Ok(link) => link,
-            Err(crate::edge::LinkError::Refused {
-                node,
-                status,
-                retry_after,
-                body,
-            }) => {
-                tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
-                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-                let mut r = self.plain(status, "node_refused", &body);
-                if let Some(v) = retry_after {
-                    r.headers_mut().insert(header::RETRY_AFTER, v);
-                }
-                return r;
-            }
-            Err(e) => {
-                tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: node unavailable");
-                let r = Rejection::cap(
-                    crate::admission::Scope::Worker,
-                    crate::admission::Reason::NodeUnavailable,
-                    NODE_RETRY,
-                );
-                return self.overloaded(&r, "node_unavailable");
-            }
-        };
-        self.spawn_relay(edge, req, key, started, (who, guard), Some(link))
-    }
-
-    /// Answers 101 and relays the session: over `link`, or, with none, once the tenant's node
-    /// has started ([`crate::edge::Edge::wait_and_relay`], the kubernetes backend).
-    fn spawn_relay(
-        self: &Arc<Self>,
-        edge: Arc<crate::edge::Edge>,
-        mut req: Request<Incoming>,
-        key: &str,
-        started: tokio::time::Instant,
-        (who, guard): (crate::edge::Admitted, ConnectionGuard),
-        link: Option<crate::edge::Link>,
-    ) -> Response<Full<Bytes>> {
-        let accept = derive_accept_key(key.as_bytes());
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        let ctx = crate::edge::RelayCtx {
-            guard,
-            metrics: self.metrics.clone(),
-            admission: self.admission.clone(),
-            client_queue: self.client_queue,
-            client_queue_bytes: self.client_queue_bytes,
-            tenant_queue_bytes: self.tenant_queue_bytes,
-            shutdown: self.shutdown.clone(),
-        };
-        let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %crate::untrusted::Untrusted::text(&who.subject));
-        let audit = self.audit.clone();
-        let client = self.addr.0;
-        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
-            match link {
-                Some(link) => {
-                    tracing::info!("relaying the session to its node");
-                    edge.relay(ws, link, &who, ctx).await;
-                }
-                None => edge.wait_and_relay(ws, &who, client, ctx).await,
-            }
-            tracing::info!("relay ended");
-            audit.record(
-                "session.ended",
-                serde_json::json!({ "tenant": who.tenant, "subject": who.subject, "node": who.node, "remote": client.to_string() }),
-            );
-        });
-        switching_protocols(&accept)
-    }
-
-    /// An admission refusal: 429 (rates) or 503 (caps) with `Retry-After`, and the connection
-    /// is closed after the answer.
-    fn overloaded(&self, r: &Rejection, reason: &str) -> Response<Full<Bytes>> {
-        self.metrics.rejected(r);
-        let status =
-            StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        let mut resp = self.plain(
-            status,
-            reason,
-            &format!(
-                "{} (scope {}, reason {}); retry after {} ms",
-                crate::admission::OVERLOADED_MESSAGE,
-                r.scope.as_str(),
-                r.reason.as_str(),
-                r.retry_after_ms_jittered()
-            ),
-        );
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
-        resp
     }
 
     /// Checks the upgrade request; on success answers 101 and starts the session task.
@@ -411,17 +228,17 @@ impl Conn {
         started: tokio::time::Instant,
     ) -> Response<Full<Bytes>> {
         if let Some(r) = &self.throttled {
-            return self.overloaded(r, "handshake_rate");
+            return self.door.overloaded(r, "handshake_rate");
         }
         if req.uri().path() != "/" {
-            return self.plain(
+            return self.door.plain(
                 StatusCode::NOT_FOUND,
                 "path",
                 "not found: the WebSocket endpoint is /",
             );
         }
-        if self.shutdown.is_cancelled() || self.refuse.is_cancelled() {
-            let mut r = self.plain(
+        if self.door.shutdown.is_cancelled() || self.refuse.is_cancelled() {
+            let mut r = self.door.plain(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "draining",
                 "codex-fleet is shutting down",
@@ -433,7 +250,7 @@ impl Conn {
         let key = match websocket_key(&req) {
             Some(k) => k,
             None => {
-                let mut r = self.plain(
+                let mut r = self.door.plain(
                     StatusCode::UPGRADE_REQUIRED,
                     "not_websocket",
                     "this endpoint only serves WebSocket upgrades",
@@ -445,26 +262,30 @@ impl Conn {
         };
         let tenants = self.tenants.current();
         // The client's address: on a node, the one its edge saw (the link names it).
-        let mut remote = self.addr.0;
-        let (tenant, lease, subject) = match &self.upstream {
-            Upstream::Nodes(edge) => return self.relay(edge.clone(), req, &key, started).await,
-            Upstream::Link => {
-                let who = match crate::edge::headers::read(req.headers(), self.addr.0) {
+        let mut remote = self.door.addr;
+        let (tenant, lease, subject) = match &self.role {
+            Role::Edge(edge) => return edge.upgrade(&self.door, req, &key, started).await,
+            Role::Node => {
+                let who = match crate::edge::headers::read(req.headers(), self.door.addr) {
                     Ok(who) => who,
                     Err(e) => {
                         tracing::warn!(error = %e, "link refused: a malformed identity header");
-                        return self.plain(StatusCode::BAD_REQUEST, "link_header", &e.to_string());
+                        return self.door.plain(
+                            StatusCode::BAD_REQUEST,
+                            "link_header",
+                            &e.to_string(),
+                        );
                     }
                 };
                 remote = who.client;
                 match who.tenant.as_deref().and_then(|id| tenants.get(id)) {
                     // The edge holds the session's lease and closes it when its credential ends.
                     Some(t) => {
-                        self.audit.record(
+                        self.door.audit.record(
                             "link.admitted",
                             serde_json::json!({
                                 "tenant": t.id, "subject": who.subject,
-                                "remote": remote.to_string(), "edge": self.addr.0.to_string(),
+                                "remote": remote.to_string(), "edge": self.door.addr.to_string(),
                             }),
                         );
                         (Some(t.clone()), Lease::unbounded(), who.subject)
@@ -472,7 +293,7 @@ impl Conn {
                     None => {
                         let named = who.tenant.as_deref().map(Untrusted::text);
                         tracing::warn!(tenant = ?named, "link refused: the tenant is not on this node");
-                        return self.plain(
+                        return self.door.plain(
                             StatusCode::NOT_FOUND,
                             "tenant_not_here",
                             "the tenant is not on this node",
@@ -480,49 +301,50 @@ impl Conn {
                     }
                 }
             }
-            Upstream::Local => match tenants.credentials().admit(req.headers()).await {
+            Role::Embedded => match tenants.credentials().admit(req.headers()).await {
                 Ok(v) => {
                     tracing::info!(tenant = %v.tenant, subject = %Untrusted::text(&v.subject), kind = v.kind, key = %v.key_id, "authenticated");
-                    self.audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);
+                    self.door
+                        .audit_admitted(&v.tenant, &v.subject, v.kind, &v.key_id);
                     (tenants.get(&v.tenant).cloned(), v.lease, v.subject)
                 }
-                Err(e) => return self.auth_refused(&e),
+                Err(e) => return self.door.auth_refused(&e),
             },
         };
         let Some(tenant) = tenant else {
-            self.charge_failed_auth();
-            return self.plain(
+            self.door.charge_failed_auth();
+            return self.door.plain(
                 StatusCode::UNAUTHORIZED,
                 "auth_invalid",
                 "invalid bearer token",
             );
         };
-        let guard: ConnectionGuard = match self.admission.open_connection(&tenant.id) {
+        let guard: ConnectionGuard = match self.door.admission.open_connection(&tenant.id) {
             Ok(g) => g,
             Err(r) => {
                 tracing::info!(tenant = %tenant.id, scope = r.scope.as_str(), "upgrade refused: connection cap");
-                return self.overloaded(&r, "connection_cap");
+                return self.door.overloaded(&r, "connection_cap");
             }
         };
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
         let ctx = SessionCtx {
             tenant,
-            metrics: self.metrics.clone(),
-            max_message_bytes: self.max_message_bytes,
-            client_queue: self.client_queue,
-            client_queue_bytes: self.client_queue_bytes,
-            tenant_queue_bytes: self.tenant_queue_bytes,
-            admission: self.admission.clone(),
-            shutdown: self.shutdown.clone(),
+            metrics: self.door.metrics.clone(),
+            max_message_bytes: self.door.max_message_bytes,
+            client_queue: self.door.client_queue,
+            client_queue_bytes: self.door.client_queue_bytes,
+            tenant_queue_bytes: self.door.tenant_queue_bytes,
+            admission: self.door.admission.clone(),
+            shutdown: self.door.shutdown.clone(),
             lease,
             subject: subject.clone(),
-            audit: self.audit.clone(),
+            audit: self.door.audit.clone(),
         };
-        let audit = self.audit.clone();
+        let audit = self.door.audit.clone();
         let span = tracing::info_span!("session", tenant = %ctx.tenant.id, subject = %Untrusted::text(&subject), client.addr = %remote);
         let remote = remote.to_string();
-        self.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
+        self.door.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
             let (sink, stream) = futures_util::StreamExt::split(ws);
             tracing::info!("session started");
             let tenant = ctx.tenant.id.clone();
@@ -536,59 +358,6 @@ impl Conn {
         });
         switching_protocols(&accept)
     }
-
-    /// After the 101: waits for the upgraded connection, records the handshake time and runs
-    /// `serve` on its WebSocket in a tracked task.
-    fn spawn_upgraded<F, Fut>(
-        &self,
-        on_upgrade: hyper::upgrade::OnUpgrade,
-        started: tokio::time::Instant,
-        span: tracing::Span,
-        serve: F,
-    ) where
-        F: FnOnce(WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>) -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = ()> + Send,
-    {
-        let max = self.max_message_bytes;
-        let handshake = self.metrics.handshake_seconds.clone();
-        self.tracker.spawn(
-            async move {
-                let upgraded = match on_upgrade.await {
-                    Ok(u) => u,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "upgrade failed");
-                        return;
-                    }
-                };
-                handshake.observe(started.elapsed().as_secs_f64());
-                let ws = WebSocketStream::from_raw_socket(
-                    TokioIo::new(upgraded),
-                    Role::Server,
-                    Some(proto::ws::client_config(max)),
-                )
-                .await;
-                serve(ws).await;
-            }
-            .instrument(span),
-        );
-    }
-}
-
-/// How long a client whose tenant's node is unreachable is asked to wait.
-const NODE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// The 101 answer. Deliberately no x-codex-app-server-compression echo: clients then send plain
-/// text frames.
-fn switching_protocols(accept: &str) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(Bytes::new()));
-    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = resp.headers_mut();
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    if let Ok(v) = HeaderValue::from_str(accept) {
-        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-    }
-    resp
 }
 
 /// `Sec-WebSocket-Key` of a valid upgrade request.

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use mock_model::MockModel;
 use prometheus::Registry;
+use router::cli::dev::{self, DevOptions};
 use router::config::Config;
-use router::dev::{self, DevOptions};
 use router::Server;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
@@ -145,7 +145,7 @@ fn main() -> ExitCode {
             let list = Config::load(&config)
                 .map_err(anyhow::Error::from)
                 .and_then(|cfg| {
-                    router::kube::spec::render(cfg.nodes.as_ref(), &cfg.tenants, &tenant)
+                    router::edge::kube::spec::render(cfg.nodes.as_ref(), &cfg.tenants, &tenant)
                 });
             match list.and_then(|l| Ok(serde_json::to_string_pretty(&l)?)) {
                 Ok(text) => {
@@ -174,7 +174,7 @@ fn main() -> ExitCode {
             let cfg = load_checked(&config)
                 .and_then(|c| check_role(c, node))
                 .and_then(|c| match &tenant {
-                    Some(t) => router::kube::node::serve_only(c, t),
+                    Some(t) => router::node::tenant::serve_only(c, t),
                     None => Ok(c),
                 });
             match cfg {
@@ -189,7 +189,7 @@ fn main() -> ExitCode {
             admin,
             interval,
             once,
-        } => run_async(router::top::run(
+        } => run_async(router::cli::top::run(
             &admin,
             std::time::Duration::from_secs(interval.max(1)),
             once,
@@ -208,7 +208,7 @@ fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let cfg = Config::load(path)?;
     let local = cfg.localized();
     router::tenants::check_worker_programs(&local)?;
-    router::identity::check_remembered_uids(&local)?;
+    router::tenants::uids::check_remembered_uids(&local)?;
     // Token files, secrets and JWKS files are read now, so a bad one stops check-config too.
     router::credentials::Credentials::build(
         cfg.tenants.iter().map(router::config::Tenant::credentials),
@@ -354,7 +354,7 @@ async fn serve(
     // One machine-readable line on stdout: tools and tests read the bound ports from it.
     println!("codex-fleet listening on wss://{addr}/ admin http://{admin_addr}/");
     if exit_when_idle {
-        let idle = router::kube::idle::until_idle(
+        let idle = router::node::idle::until_idle(
             server.tenants().clone(),
             server.admission().clone(),
             std::time::Duration::from_secs(cfg_idle_secs),

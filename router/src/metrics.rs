@@ -193,8 +193,8 @@ impl RouterMetrics {
     /// Creates `tenant`'s counters whose labels are all known, at zero.
     pub fn init_tenant(&self, tenant: &str) {
         self.resume_retries.with_label_values(&[tenant]);
-        for cause in crate::rehome::Cause::ALL {
-            for outcome in crate::rehome::Outcome::ALL {
+        for cause in crate::tenants::rehome::Cause::ALL {
+            for outcome in crate::tenants::rehome::Outcome::ALL {
                 self.thread_rehomes
                     .with_label_values(&[tenant, cause.as_str(), outcome.as_str()]);
             }

@@ -128,7 +128,7 @@ impl Reloader {
             .ok_or_else(|| anyhow::anyhow!("no configuration file to reload"))?;
         let cfg = Config::load(path)?;
         let cfg = match &self.only_tenant {
-            Some(t) => crate::kube::node::serve_only(cfg, t)?,
+            Some(t) => crate::node::tenant::serve_only(cfg, t)?,
             None => cfg,
         };
         let mut warnings = restart_only_changes(

@@ -21,12 +21,12 @@
 //! request keeps its entry and its worker slot.
 
 mod audit;
+mod broadcasts;
 mod fanout;
 mod inbound;
 pub mod legs;
 pub(crate) mod metrics;
 mod rehome;
-mod relay;
 mod routing;
 mod server_requests;
 mod turns;
@@ -56,9 +56,9 @@ use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::tenants::Tenant;
 use audit::is_approval;
+use broadcasts::recv_relay;
 pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
 use legs::{Leg, LegEvent};
-use relay::recv_relay;
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
@@ -674,7 +674,9 @@ impl Session {
                 self.audit_approval_withdrawn(asked, "worker_lost");
             }
             if let Some(thread) = w.thread {
-                self.to_client(crate::rehome::request_resolved_frame(&thread, w.sid))?;
+                self.to_client(crate::tenants::rehome::request_resolved_frame(
+                    &thread, w.sid,
+                ))?;
             }
         }
         self.moves_lost(worker)?;

@@ -13,11 +13,14 @@ use worker::{FleetCap, Pool, PoolEvent, WorkerId, WorkerUser};
 use crate::config::Config;
 use crate::credentials::Credentials;
 use crate::policy::{HostAccessPolicy, TenantRoots};
-use crate::rehome::{self, Cause, Moves, Rehome, Subscribers};
-use crate::route::ThreadTable;
+use rehome::{Cause, Moves, Rehome, Subscribers};
+use route::ThreadTable;
 
 mod build;
 mod program;
+pub mod rehome;
+pub mod route;
+pub mod uids;
 
 pub use build::{
     check_worker_programs, per_tenant_uid, shared_uid_warning, REMOTE_CONTROL_DISABLED,
@@ -365,12 +368,12 @@ impl Tenants {
         };
         let per_tenant_uid = per_tenant_uid(cfg);
         let uids = if per_tenant_uid && !cfg.tenants.is_empty() {
-            crate::identity::tenant_uids(cfg)?
+            crate::tenants::uids::tenant_uids(cfg)?
         } else {
             Default::default()
         };
         if old.is_none() {
-            crate::identity::warn_about_foreign_processes(&uids);
+            crate::tenants::uids::warn_about_foreign_processes(&uids);
         }
         let mut list = Vec::with_capacity(cfg.tenants.len());
         let credentials = Credentials::build(

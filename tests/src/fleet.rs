@@ -66,7 +66,7 @@ impl FleetBuilder {
     pub fn tenant(mut self, id: &str) -> Self {
         self.tenants.push(TenantSpec {
             id: id.into(),
-            token: router::dev::random_token(),
+            token: router::cli::dev::random_token(),
             min_workers: 0,
             max_workers: 1,
             extra: String::new(),
@@ -122,7 +122,7 @@ impl FleetBuilder {
             dir.path(),
             std::os::unix::fs::PermissionsExt::from_mode(0o711),
         )?;
-        let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+        let pki = router::cli::dev::generate_pki(&["localhost", "127.0.0.1"])?;
         let ca = dir.path().join("ca.pem");
         let cert = dir.path().join("tls.crt");
         let key = dir.path().join("tls.key");

@@ -42,7 +42,7 @@ pub struct Node {
 pub fn write_link_pki(dir: &Path, node_names: &[&str]) -> anyhow::Result<PathBuf> {
     let link = dir.join("link");
     std::fs::create_dir(&link)?;
-    let pki = router::dev::generate_link_pki(node_names)?;
+    let pki = router::cli::dev::generate_link_pki(node_names)?;
     for (name, pem) in [
         ("ca.pem", &pki.ca_pem),
         ("node.crt", &pki.node_cert_pem),

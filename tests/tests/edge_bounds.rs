@@ -480,7 +480,7 @@ async fn a_session_waiting_for_its_pod_is_bounded_and_ends_with_its_credential(
     four.send(&json!({ "id": 1, "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
         .await?;
     let digest = router::auth::token_digest_hex(&c.files.token("acme"));
-    let other = router::auth::token_digest_hex(&router::dev::random_token());
+    let other = router::auth::token_digest_hex(&router::cli::dev::random_token());
     let text = std::fs::read_to_string(&c.edge_config)?.replace(&digest, &other);
     std::fs::write(&c.edge_config, text)?;
     c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;

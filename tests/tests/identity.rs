@@ -619,7 +619,7 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
 
     // A second static token for acme, then a reload that removes the first: only the first
     // token's session closes.
-    let second = router::dev::random_token();
+    let second = router::cli::dev::random_token();
     let first = fleet.files.token("acme");
     let toml = std::fs::read_to_string(&fleet.files.config)?;
     let toml = toml.replacen(
@@ -722,7 +722,7 @@ async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyho
     assert_eq!(served_cert(&fleet, &[&old_ca]).await?, old_leaf);
     let mut before = open(&fleet, &fleet.files.token("acme")).await?;
 
-    let next = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+    let next = router::cli::dev::generate_pki(&["localhost", "127.0.0.1"])?;
     replace(&key_path, &next.key_pem)?;
     replace(&cert_path, &next.cert_pem)?;
     let new_leaf = leaf_der(&next.cert_pem);
@@ -759,7 +759,7 @@ async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyho
         "the corrupt certificate is refused and counted"
     );
     assert_eq!(served_cert(&fleet, &cas).await?, new_leaf);
-    let other = router::dev::generate_pki(&["localhost"])?;
+    let other = router::cli::dev::generate_pki(&["localhost"])?;
     replace(&cert_path, &other.cert_pem)?;
     assert!(
         refused_certificates(&fleet, 2.0).await,
@@ -881,7 +881,7 @@ impl JwksServer {
         use std::sync::atomic::Ordering;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let dir = tempfile::tempdir()?;
-        let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+        let pki = router::cli::dev::generate_pki(&["localhost", "127.0.0.1"])?;
         let (ca, cert, key) = (
             dir.path().join("ca.pem"),
             dir.path().join("cert.pem"),

@@ -1192,7 +1192,7 @@ async fn node_tenant_serves_exactly_that_tenant_with_its_entry_or_defaults() -> 
         .prepare()
         .await?;
     let dir = files.dir.path();
-    let pki = router::dev::generate_link_pki(&[SERVER_NAME])?;
+    let pki = router::cli::dev::generate_link_pki(&[SERVER_NAME])?;
     router::fsutil::write_private(&dir.join("ca.pem.link"), &pki.ca_pem)?;
     let node = std::fs::read_to_string(&files.config)?
         + &format!(

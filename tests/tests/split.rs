@@ -44,7 +44,7 @@ async fn two_edges_share_a_thread_and_a_node_s_death_touches_only_its_tenants() 
 
     // Test 5: a node's port refuses a client without an edge certificate, and one whose
     // certificate is from another CA.
-    let other = router::dev::generate_link_pki(&["localhost"])?;
+    let other = router::cli::dev::generate_link_pki(&["localhost"])?;
     let other_dir = s.files.dir.path().join("other");
     std::fs::create_dir(&other_dir)?;
     router::fsutil::write_private(&other_dir.join("edge.crt"), &other.edge_cert_pem)?;

@@ -249,7 +249,7 @@ fn add_tenant_with_command(
     id: &str,
     command: &[&str],
 ) -> anyhow::Result<String> {
-    let token = router::dev::random_token();
+    let token = router::cli::dev::random_token();
     let text = std::fs::read_to_string(&files.config)?
         + &format!(
             "\n[[tenants]]\nid = {id:?}\ntoken_sha256 = [{:?}]\nmin_workers = 1\nmax_workers = 1\ncommand = {}\n",
@@ -494,8 +494,8 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     c.until_turn_completed(&thread).await?;
 
     // New token for acme, two workers kept for it, and a new tenant.
-    let new_token = router::dev::random_token();
-    let beta_token = router::dev::random_token();
+    let new_token = router::cli::dev::random_token();
+    let beta_token = router::cli::dev::random_token();
     let text = std::fs::read_to_string(&files.config)?
         .replace(
             &router::auth::token_digest_hex(&old_token),

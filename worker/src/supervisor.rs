@@ -20,11 +20,11 @@ use crate::control::ControlCommand;
 use crate::error::{ConfigError, PoolError};
 use crate::fleet::{FleetCap, FleetPermit};
 use crate::id::{intern_tenant, WorkerId};
-use crate::identity::{Rlimits, WorkerUser};
 pub use crate::lifecycle::WorkerState;
 use crate::metrics::WorkerMetrics;
+use crate::process::{self, ExitReport};
 use crate::restart::RestartPolicy;
-use crate::worker::{self, ExitReport};
+use crate::run_as::{Rlimits, WorkerUser};
 
 pub use self::state::Sizes;
 use self::state::{Pick, PoolState, Start};
@@ -191,7 +191,7 @@ impl PoolConfig {
 
     /// The socket path of `slot`.
     pub fn socket_path(&self, slot: u32) -> PathBuf {
-        worker::socket_path(&self.socket_dir, &self.tenant, slot)
+        process::socket_path(&self.socket_dir, &self.tenant, slot)
     }
 
     /// The restart policy these settings describe.
@@ -203,7 +203,7 @@ impl PoolConfig {
     pub fn worker_args(&self, socket: &Path) -> Vec<OsString> {
         let mut args: Vec<OsString> = self.args.iter().map(OsString::from).collect();
         args.push("--listen".into());
-        args.push(worker::listen_arg(socket));
+        args.push(process::listen_arg(socket));
         args.push("-c".into());
         args.push(format!("thread_unload_delay_secs={}", self.thread_unload_delay_secs).into());
         for o in &self.config_overrides {
@@ -341,7 +341,7 @@ pub struct WorkerHandle {
 impl WorkerHandle {
     /// Resolves when the worker process is gone (reaped, its process group killed).
     pub async fn exited(&self) {
-        worker::wait_exit(self.exit.clone()).await;
+        process::wait_exit(self.exit.clone()).await;
     }
 
     /// Opens a leg to the worker ([`crate::leg::connect`], with the peer check). When something else

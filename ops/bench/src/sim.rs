@@ -65,7 +65,7 @@ impl SimFleet {
     /// under it).
     pub fn write(&self, dir: &Path) -> anyhow::Result<SimFleetFiles> {
         router::tls::install_crypto_provider();
-        let pki = router::dev::generate_pki(&["localhost", "127.0.0.1"])?;
+        let pki = router::cli::dev::generate_pki(&["localhost", "127.0.0.1"])?;
         let ca = dir.join("ca.pem");
         let cert = dir.join("tls.crt");
         let key = dir.join("tls.key");
@@ -95,7 +95,7 @@ impl SimFleet {
         );
         let mut tokens = Vec::new();
         for t in 0..self.tenants {
-            let token = router::dev::random_token();
+            let token = router::cli::dev::random_token();
             toml.push_str(&format!(
                 "[[tenants]]\nid = \"t{t}\"\ntoken_sha256 = [\"{}\"]\nmin_workers = {w}\nmax_workers = {w}\n\n",
                 router::auth::token_digest_hex(&token),

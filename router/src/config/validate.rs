@@ -364,7 +364,7 @@ impl Config {
                 ));
             }
         }
-        if crate::kube::quantity::bytes(&k.storage_size).is_none() {
+        if crate::edge::kube::quantity::bytes(&k.storage_size).is_none() {
             return bad(format!(
                 "nodes.kubernetes.storage_size {:?} is not a quantity like 10Gi",
                 k.storage_size
@@ -391,8 +391,8 @@ impl Config {
             for (what, map) in [("requests", &r.requests), ("limits", &r.limits)] {
                 for (resource, q) in map {
                     let ok = match resource.as_str() {
-                        "cpu" => crate::kube::quantity::cores(q).is_some(),
-                        "memory" | "ephemeral-storage" => crate::kube::quantity::bytes(q).is_some(),
+                        "cpu" => crate::edge::kube::quantity::cores(q).is_some(),
+                        "memory" | "ephemeral-storage" => crate::edge::kube::quantity::bytes(q).is_some(),
                         _ => {
                             return bad(format!(
                                 "tenant {:?}: kubernetes.resources.{what}: unknown resource {resource:?} (cpu, memory, ephemeral-storage)",

@@ -1,4 +1,4 @@
-//! A session's side of re-homing (see [`crate::rehome`]): which threads this client follows and
+//! A session's side of re-homing (see [`crate::tenants::rehome`]): which threads this client follows and
 //! on which worker, the turn running on each, and what it does when the tenant orders a thread
 //! of a worker that ended moved.
 //!
@@ -21,7 +21,7 @@ use worker::WorkerId;
 
 use super::{End, Session};
 use crate::jsonrpc::{self, Method, RequestId};
-use crate::rehome::{self, Cause, Outcome, Rehome, Subscription};
+use crate::tenants::rehome::{self, Cause, Outcome, Rehome, Subscription};
 
 /// Prefix of the ids of the router's own resumes on legs; their answers are swallowed.
 pub(super) const REHOME_ID_PREFIX: &str = "codex-fleet:rehome:";

@@ -198,7 +198,7 @@ pub(super) fn tenant_roots(cfg: &Config, t: &config::Tenant) -> anyhow::Result<T
         cfg.listen.tls_key.clone(),
         cfg.listen.tls_cert.clone(),
         cfg.socket_dir(),
-        cfg.workers.state_dir.join(crate::identity::UID_FILE),
+        cfg.workers.state_dir.join(crate::tenants::uids::UID_FILE),
     ];
     for path in &own {
         roots = roots.exclude(path);

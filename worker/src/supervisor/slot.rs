@@ -14,11 +14,11 @@ use crate::control::{ControlCommand, ControlEnd, ControlLeg, Health, Observed, C
 use crate::error::StartError;
 use crate::fleet::FleetPermit;
 use crate::id::WorkerId;
-use crate::identity;
 use crate::load::{Lifecycle, ThreadView};
 use crate::metrics::ExitReason;
+use crate::process::{self, Spawn, WorkerProcess};
 use crate::restart::{RestartDecision, RestartTracker};
-use crate::worker::{self, Spawn, WorkerProcess};
+use crate::run_as;
 
 /// How one worker process ended.
 struct Ended {
@@ -40,7 +40,7 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         let ended = run_worker(&shared, index, id)
             .instrument(info_span!("worker", worker = %id))
             .await;
-        worker::remove_socket_leftovers(
+        process::remove_socket_leftovers(
             &shared.cfg.socket_path(id.slot()),
             shared.cfg.worker_uid(),
         )
@@ -195,17 +195,17 @@ async fn run_worker(shared: &Shared, index: usize, id: WorkerId) -> Ended {
 
 async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerProcess, StartError> {
     let cfg = &shared.cfg;
-    let sockets = worker::socket_tenant_dir(&cfg.socket_dir, &cfg.tenant);
-    identity::prepare_socket_root(&cfg.socket_dir, cfg.user.is_some()).await?;
-    identity::prepare_dir(&sockets, cfg.user, true).await?;
-    identity::prepare_dir(&cfg.codex_home, cfg.user, false).await?;
-    identity::prepare_dir(&cfg.cwd, cfg.user, false).await?;
+    let sockets = process::socket_tenant_dir(&cfg.socket_dir, &cfg.tenant);
+    run_as::prepare_socket_root(&cfg.socket_dir, cfg.user.is_some()).await?;
+    run_as::prepare_dir(&sockets, cfg.user, true).await?;
+    run_as::prepare_dir(&cfg.codex_home, cfg.user, false).await?;
+    run_as::prepare_dir(&cfg.cwd, cfg.user, false).await?;
     if let Some(user) = cfg.user {
         for dir in [&sockets, &cfg.codex_home, &cfg.cwd] {
-            identity::check_reachable(dir, user)?;
+            run_as::check_reachable(dir, user)?;
         }
     }
-    worker::clean_socket_path(socket, cfg.worker_uid()).await?;
+    process::clean_socket_path(socket, cfg.worker_uid()).await?;
     WorkerProcess::spawn(Spawn {
         id,
         program: &cfg.program,
@@ -320,7 +320,7 @@ fn observe(shared: &Shared, index: usize, process: &WorkerProcess, seen: Observe
             });
         }
         Observed::Loaded(threads) => {
-            let rss = worker::rss_bytes(process.pid());
+            let rss = process::rss_bytes(process.pid());
             let usage = crate::usage::group_usage(process.pid());
             let verdict = shared.update(|state| {
                 let verdict =

@@ -14,7 +14,7 @@ use crate::id::Peer;
 use crate::id::WorkerId;
 use crate::load::{Lifecycle, Owners, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
-use crate::worker::{ExitReport, ProcessGroup};
+use crate::process::{ExitReport, ProcessGroup};
 
 /// The process currently running in a slot.
 pub(super) struct Live {

@@ -2,10 +2,10 @@
 
 use crate::config::{valid_tenant_id, Config, Tenant};
 
-use super::spec::TENANT_ENTRY_ENV;
+use crate::edge::kube::spec::TENANT_ENTRY_ENV;
 
 /// The configuration a `--tenant ID` node runs: only that tenant, with its settings from the
-/// entry the edge put in the pod ([`TENANT_ENTRY_ENV`], see [`super::spec::node_entry`]), else
+/// entry the edge put in the pod ([`TENANT_ENTRY_ENV`], see [`crate::edge::kube::spec::node_entry`]), else
 /// from the file's `[[tenants]]` entry of that id, else with default limits. Applied at start
 /// and to every reload, so a SIGHUP never drops the tenant or its settings.
 pub fn serve_only(cfg: Config, tenant: &str) -> anyhow::Result<Config> {
@@ -76,7 +76,7 @@ pub fn serve_only_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kube::spec::node_entry;
+    use crate::edge::kube::spec::node_entry;
 
     const NODE: &str = r#"
 [listen]

@@ -30,8 +30,8 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
 use crate::error::StartError;
 use crate::id::WorkerId;
-use crate::identity::{Rlimits, WorkerUser};
 use crate::leg;
+use crate::run_as::{Rlimits, WorkerUser};
 
 /// Longest stdout/stderr line forwarded to tracing; the rest of a longer line is dropped.
 const MAX_LINE: usize = 4096;

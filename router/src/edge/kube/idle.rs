@@ -1,58 +1,15 @@
-//! `codex-fleet node --exit-when-idle`: a tenant pod's node ends itself once it has had no
-//! session, no running turn and no loaded thread for `workers.worker_idle_secs`, so its pod
-//! completes and the edges delete it (the volume stays for the next session).
+//! What an edge asks a tenant pod's node before it replaces the pod at its next idle moment:
+//! whether the node is idle by the node's own rule ([`crate::node::idle::is_idle`]), read from
+//! its admin endpoint.
 
-use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::time::Instant;
-
-use crate::admission::Admission;
-use crate::tenants::TenantRegistry;
-
-/// How often idleness is looked at.
-const LOOK_EVERY: Duration = Duration::from_millis(500);
-
-/// Whether nothing runs: no session of any tenant, no running turn, no loaded thread.
-pub fn is_idle(tenants: &TenantRegistry, admission: &Admission) -> bool {
-    let current = tenants.current();
-    let idle = current.iter().all(|t| {
-        admission.connections(&t.id).0 == 0
-            && t.pool.active_turns() == 0
-            && t.pool
-                .loaded_threads()
-                .iter()
-                .all(|(_, threads)| threads.is_empty())
-    });
-    idle
-}
-
-/// Resolves once the node has been idle for `idle`, without interruption.
-pub async fn until_idle(tenants: Arc<TenantRegistry>, admission: Arc<Admission>, idle: Duration) {
-    let mut since: Option<Instant> = None;
-    loop {
-        if is_idle(&tenants, &admission) {
-            let at = *since.get_or_insert_with(Instant::now);
-            if at.elapsed() >= idle {
-                tracing::info!(
-                    idle_secs = idle.as_secs(),
-                    "idle: no session, turn or loaded thread; exiting"
-                );
-                return;
-            }
-        } else {
-            since = None;
-        }
-        tokio::time::sleep(LOOK_EVERY).await;
-    }
-}
 
 /// The most of a node's `/metrics` or `/readyz` the edge reads.
 const ADMIN_BODY_MAX: usize = 4 << 20;
 
 /// What an edge asks a tenant pod's node (docs/decisions/0017-settings-travel-with-the-tenant.md: a
 /// pod of an older template is replaced at its next idle moment): whether it is idle by
-/// [`is_idle`]'s rule, as its admin endpoint shows it to anyone who may scrape it. No session
+/// [`crate::node::idle::is_idle`]'s rule, as its admin endpoint shows it to anyone who may scrape it. No session
 /// (`codex_fleet_sessions`, every edge's links counted) from `/metrics`, no running turn and no
 /// loaded thread from `/readyz`. An answer that cannot be read is an error: the caller keeps the
 /// pod.
@@ -72,7 +29,7 @@ pub async fn node_is_idle(admin: std::net::SocketAddr, within: Duration) -> anyh
         .map_err(|_| anyhow::anyhow!("no answer from {admin} within {within:?}"))?
 }
 
-/// [`is_idle`]'s rule over a node's `/metrics` text and `/readyz` JSON.
+/// [`crate::node::idle::is_idle`]'s rule over a node's `/metrics` text and `/readyz` JSON.
 pub fn idle_from_admin(metrics: &str, readyz: &str) -> anyhow::Result<bool> {
     let mut seen_sessions = false;
     let mut sessions = 0.0;

@@ -1,0 +1,177 @@
+//! The door every role's upgrade passes: what one accepted connection holds until its upgrade
+//! is answered, and the HTTP answers it may get there (refusals with their metric and audit
+//! record, 101, and the task that runs the upgraded WebSocket).
+//!
+//! The listener ([`crate::listener`]) fills a [`Door`] for each TLS connection and checks the
+//! upgrade request; the embedded and node sessions are started from there, the edge's relay
+//! from [`crate::edge::Edge::upgrade`]. Every answer but 101 carries `Connection: close`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::admission::{Admission, Rejection};
+use crate::audit::Audit;
+use crate::auth::AuthError;
+use crate::metrics::RouterMetrics;
+
+/// One accepted connection, before and while its upgrade is answered.
+pub struct Door {
+    /// Rates and caps.
+    pub(crate) admission: Arc<Admission>,
+    /// Router metrics.
+    pub(crate) metrics: RouterMetrics,
+    /// Largest message in either direction.
+    pub(crate) max_message_bytes: usize,
+    /// Frames queued towards one client.
+    pub(crate) client_queue: usize,
+    /// Bytes queued towards one client.
+    pub(crate) client_queue_bytes: usize,
+    /// Bytes queued towards all of one tenant's clients.
+    pub(crate) tenant_queue_bytes: usize,
+    /// Cancelled to stop accepting and close sessions with 1001.
+    pub(crate) shutdown: CancellationToken,
+    /// Tracks every connection task.
+    pub(crate) tracker: TaskTracker,
+    /// The connection's remote address.
+    pub(crate) addr: SocketAddr,
+    /// The audit log.
+    pub(crate) audit: Audit,
+}
+
+// === impl Door ===
+
+impl Door {
+    /// A failed authentication costs the source address one more handshake: over its rate,
+    /// its next connections are answered 429.
+    pub(crate) fn charge_failed_auth(&self) {
+        // Refused or not, the attempt is counted; the refusal shows on the next connection.
+        let _charged = self.admission.check_handshake(self.addr.ip());
+    }
+    pub(crate) fn refused(&self, reason: &str) {
+        self.metrics
+            .upgrades_refused
+            .with_label_values(&[reason])
+            .inc();
+    }
+    pub(crate) fn plain(
+        &self,
+        status: StatusCode,
+        reason: &str,
+        body: &str,
+    ) -> Response<Full<Bytes>> {
+        self.refused(reason);
+        let mut resp = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        // Every answer but 101 is the connection's last.
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp
+    }
+    /// A credential that does not authenticate: 401, charged to the source address; or an
+    /// `Origin` the tenant does not allow: 403.
+    pub(crate) fn auth_refused(&self, e: &AuthError) -> Response<Full<Bytes>> {
+        let reason = e.reason();
+        tracing::info!(reason, "upgrade refused: {e}");
+        self.audit.record(
+            "authentication.failed",
+            serde_json::json!({ "reason": reason, "remote": self.addr.to_string() }),
+        );
+        if *e != AuthError::Origin {
+            self.charge_failed_auth();
+        }
+        self.plain(e.status(), reason, &e.to_string())
+    }
+    pub(crate) fn audit_admitted(&self, tenant: &str, subject: &str, kind: &str, key_id: &str) {
+        self.audit.record(
+            "authentication.succeeded",
+            serde_json::json!({
+                "tenant": tenant, "subject": subject, "credential": kind, "key_id": key_id,
+                "remote": self.addr.to_string(),
+            }),
+        );
+    }
+    /// An admission refusal: 429 (rates) or 503 (caps) with `Retry-After`, and the connection
+    /// is closed after the answer.
+    pub(crate) fn overloaded(&self, r: &Rejection, reason: &str) -> Response<Full<Bytes>> {
+        self.metrics.rejected(r);
+        let status =
+            StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let mut resp = self.plain(
+            status,
+            reason,
+            &format!(
+                "{} (scope {}, reason {}); retry after {} ms",
+                crate::admission::OVERLOADED_MESSAGE,
+                r.scope.as_str(),
+                r.reason.as_str(),
+                r.retry_after_ms_jittered()
+            ),
+        );
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+        resp
+    }
+    /// After the 101: waits for the upgraded connection, records the handshake time and runs
+    /// `serve` on its WebSocket in a tracked task.
+    pub(crate) fn spawn_upgraded<F, Fut>(
+        &self,
+        on_upgrade: hyper::upgrade::OnUpgrade,
+        started: tokio::time::Instant,
+        span: tracing::Span,
+        serve: F,
+    ) where
+        F: FnOnce(WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let max = self.max_message_bytes;
+        let handshake = self.metrics.handshake_seconds.clone();
+        self.tracker.spawn(
+            async move {
+                let upgraded = match on_upgrade.await {
+                    Ok(u) => u,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "upgrade failed");
+                        return;
+                    }
+                };
+                handshake.observe(started.elapsed().as_secs_f64());
+                let ws = WebSocketStream::from_raw_socket(
+                    TokioIo::new(upgraded),
+                    Role::Server,
+                    Some(proto::ws::client_config(max)),
+                )
+                .await;
+                serve(ws).await;
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// The 101 answer. Deliberately no x-codex-app-server-compression echo: clients then send plain
+/// text frames.
+pub(crate) fn switching_protocols(accept: &str) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    if let Ok(v) = HeaderValue::from_str(accept) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    resp
+}
