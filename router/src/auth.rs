@@ -176,7 +176,7 @@ mod tests {
     fn table() -> TokenTable {
         let mut t = TokenTable::default();
         for (i, tok) in ["alpha", "beta"].iter().enumerate() {
-            let d = crate::config::parse_digest(&token_digest_hex(tok)).unwrap();
+            let d = crate::credentials::parse_digest(&token_digest_hex(tok)).unwrap();
             t.insert(d, i);
         }
         t

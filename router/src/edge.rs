@@ -28,13 +28,16 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tokio_tungstenite::WebSocketStream;
 
+pub mod config;
 mod link;
 mod relay;
 mod upgrade;
 
 use crate::auth::AuthError;
-use crate::config::Config;
+use crate::config::Tenant;
+use crate::credentials::config::Auth;
 use crate::credentials::{Credentials, Lease};
+use config::{Nodes, NodesBackend};
 use link::host_of;
 pub use link::{LinkError, LinkMetrics};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
@@ -124,72 +127,70 @@ pub struct Admitted {
 // === impl Edge ===
 
 impl Edge {
-    /// Builds the edge from an edge configuration (`[nodes]` present).
-    pub fn build(cfg: &Config, registry: &Registry) -> anyhow::Result<Arc<Edge>> {
-        let nodes_cfg = cfg
-            .nodes
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
+    /// Builds the edge from its `[nodes]`, the largest message relayed, and the tenants and
+    /// `[auth]` whose clients it authenticates.
+    pub fn build(
+        nodes_cfg: &Nodes,
+        max_message_bytes: usize,
+        tenants: &[Tenant],
+        auth: &Auth,
+        registry: &Registry,
+    ) -> anyhow::Result<Arc<Edge>> {
         let (tls, link_files) = crate::tls::client_config_mutual(
             &nodes_cfg.ca,
             &nodes_cfg.client_cert,
             &nodes_cfg.client_key,
         )?;
         let metrics = LinkMetrics::register(registry)?;
-        if nodes_cfg.backend == crate::config::NodesBackend::Kubernetes {
-            let kube = crate::edge::kube::KubeNodes::build(cfg, registry)?;
-            return Edge::finish(cfg, Backend::Kubernetes(kube), (tls, link_files), metrics);
-        }
-        let mut nodes = HashMap::new();
-        for n in &nodes_cfg.static_nodes {
-            let host = n
-                .server_name
-                .clone()
-                .unwrap_or_else(|| host_of(&n.addr).to_owned());
-            let server_name = ServerName::try_from(host.clone())
-                .map_err(|e| anyhow::anyhow!("node {}: server name {host:?}: {e}", n.name))?;
-            nodes.insert(
-                n.name.clone(),
-                Target {
-                    addr: n.addr.clone(),
-                    server_name,
-                },
-            );
-        }
-        for name in nodes.keys() {
-            metrics.sessions.with_label_values(&[name]);
-            metrics.connect_seconds.with_label_values(&[name]);
-            for reason in LinkMetrics::REASONS {
-                metrics.errors.with_label_values(&[name, reason]);
+        let backend = if nodes_cfg.backend == NodesBackend::Kubernetes {
+            let k = nodes_cfg.kubernetes.as_ref().ok_or_else(|| {
+                anyhow::anyhow!("the kubernetes backend needs [nodes.kubernetes]")
+            })?;
+            Backend::Kubernetes(crate::edge::kube::KubeNodes::build(k, tenants, registry)?)
+        } else {
+            let mut nodes = HashMap::new();
+            for n in &nodes_cfg.static_nodes {
+                let host = n
+                    .server_name
+                    .clone()
+                    .unwrap_or_else(|| host_of(&n.addr).to_owned());
+                let server_name = ServerName::try_from(host.clone())
+                    .map_err(|e| anyhow::anyhow!("node {}: server name {host:?}: {e}", n.name))?;
+                nodes.insert(
+                    n.name.clone(),
+                    Target {
+                        addr: n.addr.clone(),
+                        server_name,
+                    },
+                );
             }
-        }
-        Edge::finish(cfg, Backend::Static(nodes), (tls, link_files), metrics)
-    }
-
-    fn finish(
-        cfg: &Config,
-        backend: Backend,
-        (tls, link_files): (Arc<rustls::ClientConfig>, crate::tls::Watched),
-        metrics: LinkMetrics,
-    ) -> anyhow::Result<Arc<Edge>> {
-        let nodes_cfg = cfg
-            .nodes
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?;
+            for name in nodes.keys() {
+                metrics.sessions.with_label_values(&[name]);
+                metrics.connect_seconds.with_label_values(&[name]);
+                for reason in LinkMetrics::REASONS {
+                    metrics.errors.with_label_values(&[name, reason]);
+                }
+            }
+            Backend::Static(nodes)
+        };
         let edge = Edge {
             table: RwLock::new(Table {
-                credentials: Arc::new(Credentials::build(cfg, None)?),
+                credentials: Arc::new(Credentials::build(
+                    tenants.iter().map(Tenant::credentials),
+                    Some(auth),
+                    None,
+                )?),
                 tenants: HashMap::new(),
             }),
             backend,
             tls: TlsConnector::from(tls),
             link_files,
             connect_timeout: Duration::from_millis(nodes_cfg.connect_timeout_ms),
-            max_message_bytes: cfg.limits.max_message_bytes,
+            max_message_bytes,
             reach: RwLock::new(HashMap::new()),
             metrics,
         };
-        edge.reload(cfg)?;
+        edge.reload(tenants, auth)?;
         Ok(Arc::new(edge))
     }
 
@@ -201,11 +202,11 @@ impl Edge {
 
     /// Puts a configuration's tokens and tenant→node map in force (the nodes themselves are
     /// fixed for the process's life).
-    pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
-        let mut tenants = HashMap::new();
+    pub fn reload(&self, tenants: &[Tenant], auth: &Auth) -> anyhow::Result<()> {
+        let mut homes = HashMap::new();
         match &self.backend {
             Backend::Static(nodes) => {
-                for t in &cfg.tenants {
+                for t in tenants {
                     let node = t.node.clone().unwrap_or_default();
                     if !nodes.contains_key(&node) {
                         anyhow::bail!(
@@ -213,27 +214,31 @@ impl Edge {
                             t.id
                         );
                     }
-                    tenants.insert(t.id.clone(), node);
+                    homes.insert(t.id.clone(), node);
                 }
             }
             Backend::Kubernetes(kube) => {
                 // Each tenant's node is its own pod.
-                for t in &cfg.tenants {
-                    tenants.insert(t.id.clone(), kube.pod_name(&t.id));
+                for t in tenants {
+                    homes.insert(t.id.clone(), kube.pod_name(&t.id));
                 }
             }
         }
         let credentials = {
             let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
-            Arc::new(Credentials::build(cfg, Some(&table.credentials))?)
+            Arc::new(Credentials::build(
+                tenants.iter().map(Tenant::credentials),
+                Some(auth),
+                Some(&table.credentials),
+            )?)
         };
         if let Backend::Kubernetes(kube) = &self.backend {
-            kube.reload(cfg)?;
+            kube.reload(tenants)?;
         }
         let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
         *table = Table {
             credentials,
-            tenants,
+            tenants: homes,
         };
         table.credentials.commit();
         Ok(())

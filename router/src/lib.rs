@@ -113,7 +113,15 @@ impl Server {
         let role = match cfg.role() {
             config::Role::Embedded => listener::Role::Embedded,
             config::Role::Node => listener::Role::Node,
-            config::Role::Edge => listener::Role::Edge(edge::Edge::build(&cfg, &registry)?),
+            config::Role::Edge => listener::Role::Edge(edge::Edge::build(
+                cfg.nodes
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("an edge needs [nodes]"))?,
+                cfg.limits.max_message_bytes,
+                &cfg.tenants,
+                &cfg.auth,
+                &registry,
+            )?),
         };
         let reloader = Reloader::new(cfg.clone(), tenants.clone(), worker_metrics, &registry)?;
         let mut warnings = Vec::new();
@@ -129,16 +137,16 @@ impl Server {
             // A reload puts new tokens and tenant→node assignments in force at the edge.
             let edge = edge.clone();
             reloader.on_reload(Box::new(move |new: &Config| {
-                if let Err(e) = edge.reload(new) {
+                if let Err(e) = edge.reload(&new.tenants, &new.auth) {
                     tracing::error!(error = %e, "reload: the edge keeps its old tenants");
                 }
             }));
         }
         // The audit log records every tenant's worker lifecycle, new tenants' after a reload.
-        audit.watch_workers(&tenants.current());
+        audit.watch_workers(tenants.current().iter().map(|t| (t.id.as_str(), &t.pool)));
         let (watcher, watched) = (audit.clone(), tenants.clone());
         reloader.on_reload(Box::new(move |_: &Config| {
-            watcher.watch_workers(&watched.current());
+            watcher.watch_workers(watched.current().iter().map(|t| (t.id.as_str(), &t.pool)));
         }));
         let admission = admission::Admission::new(cfg.limits.admission.clone())?;
         // A reload applies new [limits] rates and caps to the running admission control.

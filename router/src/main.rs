@@ -144,7 +144,9 @@ fn main() -> ExitCode {
         Command::RenderTenantPod { config, tenant } => {
             let list = Config::load(&config)
                 .map_err(anyhow::Error::from)
-                .and_then(|cfg| router::edge::kube::spec::render(&cfg, &tenant));
+                .and_then(|cfg| {
+                    router::edge::kube::spec::render(cfg.nodes.as_ref(), &cfg.tenants, &tenant)
+                });
             match list.and_then(|l| Ok(serde_json::to_string_pretty(&l)?)) {
                 Ok(text) => {
                     println!("{text}");
@@ -208,7 +210,11 @@ fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     router::tenants::check_worker_programs(&local)?;
     router::tenants::uids::check_remembered_uids(&local)?;
     // Token files, secrets and JWKS files are read now, so a bad one stops check-config too.
-    router::credentials::Credentials::build(&cfg, None)?;
+    router::credentials::Credentials::build(
+        cfg.tenants.iter().map(router::config::Tenant::credentials),
+        cfg.jwt_auth(),
+        None,
+    )?;
     Ok(cfg)
 }
 

@@ -376,7 +376,11 @@ impl Tenants {
             crate::tenants::uids::warn_about_foreign_processes(&uids);
         }
         let mut list = Vec::with_capacity(cfg.tenants.len());
-        let credentials = Credentials::build(cfg, old.map(|o| &o.credentials))?;
+        let credentials = Credentials::build(
+            cfg.tenants.iter().map(crate::config::Tenant::credentials),
+            cfg.jwt_auth(),
+            old.map(|o| &o.credentials),
+        )?;
         let mut resizes = Vec::new();
         let mut adopted = Vec::new();
         for t in &cfg.tenants {

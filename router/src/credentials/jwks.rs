@@ -1,5 +1,6 @@
-//! A JWKS fetched over HTTPS, as identity providers publish them: fetched every
-//! `jwks_refresh_secs`, and again when a token names a `kid` it does not hold.
+//! JWKS: the keys of a JWKS document, and a JWKS fetched over HTTPS as identity providers
+//! publish them: fetched every `jwks_refresh_secs`, and again when a token names a `kid` it does
+//! not hold.
 
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
@@ -7,13 +8,54 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use jsonwebtoken::Algorithm;
+use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey};
 use rustls::pki_types::ServerName;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
-use super::{jwks_keys, Key};
-use crate::config::JwtIssuer;
+use super::config::{alg_name, JwtIssuer};
+
+/// A verification key of an issuer.
+#[derive(Clone)]
+pub(crate) struct Key {
+    /// `secret` or the JWKS `kid`.
+    pub(crate) id: String,
+    pub(crate) key: DecodingKey,
+}
+
+/// The keys of a JWKS usable with `algorithm`, each by its `kid`.
+pub(crate) fn jwks_keys(text: &str, algorithm: Algorithm) -> anyhow::Result<Vec<Key>> {
+    let set: JwkSet = serde_json::from_str(text)?;
+    let mut keys = Vec::new();
+    for jwk in &set.keys {
+        let family_fits = matches!(
+            (&jwk.algorithm, algorithm),
+            (AlgorithmParameters::RSA(_), Algorithm::RS256)
+                | (AlgorithmParameters::EllipticCurve(_), Algorithm::ES256)
+        );
+        let alg_fits = jwk
+            .common
+            .key_algorithm
+            .is_none_or(|a| format!("{a:?}") == alg_name(algorithm));
+        if !family_fits || !alg_fits {
+            continue;
+        }
+        let id = jwk
+            .common
+            .key_id
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("a key has no kid"))?;
+        keys.push(Key {
+            id,
+            key: DecodingKey::from_jwk(jwk)?,
+        });
+    }
+    if keys.is_empty() {
+        anyhow::bail!("no {} key", alg_name(algorithm));
+    }
+    Ok(keys)
+}
 
 /// Fetches for an unknown `kid` are at most this frequent per URL.
 pub(super) const UNKNOWN_KID_REFETCH: Duration = Duration::from_secs(1);

@@ -33,7 +33,8 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use prometheus::Registry;
 use tokio::time::Instant;
 
-use crate::config::{Config, KubernetesNodes, Tenant};
+use crate::config::Tenant;
+use crate::edge::config::KubernetesNodes;
 pub use failure::StartError;
 use failure::{already_exists, cause, chain, create_backoff, CreateError, Failure};
 pub use metrics::{KubeMetrics, PHASES, RECREATIONS, START_FAILURES};
@@ -93,12 +94,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl KubeNodes {
     /// Connects to the API server (`api_url`, else in-cluster) and registers the metrics; the
     /// watch starts with [`KubeNodes::spawn_watch`].
-    pub fn build(cfg: &Config, registry: &Registry) -> anyhow::Result<Arc<KubeNodes>> {
-        let k = cfg
-            .nodes
-            .as_ref()
-            .and_then(|n| n.kubernetes.clone())
-            .ok_or_else(|| anyhow::anyhow!("the kubernetes backend needs [nodes.kubernetes]"))?;
+    pub fn build(
+        k: &KubernetesNodes,
+        tenants: &[Tenant],
+        registry: &Registry,
+    ) -> anyhow::Result<Arc<KubeNodes>> {
         let template = Template::load(&k.pod_template)?;
         let mut kcfg = match &k.api_url {
             Some(url) => ::kube::Config::new(
@@ -113,7 +113,7 @@ impl KubeNodes {
         // a session's create, and the readiness probe, far past the start timeout while the API
         // server is down: the backend retries itself, within the session's deadline.
         kcfg.default_retry = false;
-        let namespace = spec::namespace(&k).unwrap_or_else(|| kcfg.default_namespace.clone());
+        let namespace = spec::namespace(k).unwrap_or_else(|| kcfg.default_namespace.clone());
         kcfg.default_namespace = namespace.clone();
         let api_url = kcfg.cluster_url.to_string();
         // kube builds its TLS client with the process-wide provider: ring, as everywhere here.
@@ -133,7 +133,7 @@ impl KubeNodes {
             pods: Api::namespaced(client.clone(), &namespace),
             pvcs: Api::namespaced(client, &namespace),
             events,
-            settings: k,
+            settings: k.clone(),
             namespace,
             api_url,
             admin_port: template.admin_port(),
@@ -148,15 +148,15 @@ impl KubeNodes {
             last_error: Mutex::new(None),
             metrics,
         };
-        nodes.reload(cfg)?;
+        nodes.reload(tenants)?;
         Ok(Arc::new(nodes))
     }
 
     /// Puts a configuration's tenants in force (their pod specs and requests gauges).
-    pub fn reload(&self, cfg: &Config) -> anyhow::Result<()> {
+    pub fn reload(&self, configured: &[Tenant]) -> anyhow::Result<()> {
         let mut tenants = HashMap::new();
         let mut hashes = HashMap::new();
-        for t in &cfg.tenants {
+        for t in configured {
             let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, t)?;
             if let Some(h) = pod
                 .metadata

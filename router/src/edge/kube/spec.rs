@@ -8,7 +8,8 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use serde_json::{json, Value};
 
-use crate::config::{Config, KubernetesNodes, Tenant};
+use crate::config::Tenant;
+use crate::edge::config::{KubernetesNodes, Nodes};
 
 /// The label that names a pod's or volume's tenant (the watch selects on it).
 pub const TENANT_LABEL: &str = "codex-fleet.io/tenant";
@@ -286,17 +287,12 @@ pub fn requests(pod: &Pod) -> BTreeMap<&'static str, f64> {
 }
 
 /// `codex-fleet render-tenant-pod`: the volume claim and pod the backend would create for
-/// `tenant`, as a `v1/List`.
-pub fn render(cfg: &Config, tenant: &str) -> anyhow::Result<Value> {
-    let k = cfg
-        .nodes
-        .as_ref()
-        .and_then(|n| n.kubernetes.as_ref())
-        .context(
-            "the configuration has no [nodes.kubernetes] (an edge on the kubernetes backend)",
-        )?;
-    let t = cfg
-        .tenants
+/// `tenant` of `tenants` with the configuration's `[nodes]`, as a `v1/List`.
+pub fn render(nodes: Option<&Nodes>, tenants: &[Tenant], tenant: &str) -> anyhow::Result<Value> {
+    let k = nodes.and_then(|n| n.kubernetes.as_ref()).context(
+        "the configuration has no [nodes.kubernetes] (an edge on the kubernetes backend)",
+    )?;
+    let t = tenants
         .iter()
         .find(|t| t.id == tenant)
         .with_context(|| format!("no tenant {tenant:?} in the configuration"))?;
@@ -314,6 +310,7 @@ pub fn render(cfg: &Config, tenant: &str) -> anyhow::Result<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     const TEMPLATE: &str = r#"{"apiVersion":"v1","kind":"Pod",
         "metadata":{"name":"template","labels":{"app.kubernetes.io/name":"codex-fleet","app.kubernetes.io/component":"tenant-node"}},
@@ -362,7 +359,7 @@ token_sha256 = ["{}"]
             "storage_class = \"fast\"",
         ))
         .expect("valid");
-        let list = render(&cfg, "acme").expect("render");
+        let list = render(cfg.nodes.as_ref(), &cfg.tenants, "acme").expect("render");
         assert_eq!(list["kind"], "List");
         let (pvc, pod) = (&list["items"][0], &list["items"][1]);
         assert_eq!(pvc["kind"], "PersistentVolumeClaim");
@@ -437,7 +434,7 @@ token_sha256 = ["{}"]
             "",
         );
         let cfg = Config::parse(&text).expect("valid");
-        let list = render(&cfg, "acme").expect("render");
+        let list = render(cfg.nodes.as_ref(), &cfg.tenants, "acme").expect("render");
         let pod = list["items"][1].to_string();
         for secret in [
             beta_digest.as_str(),
@@ -490,7 +487,7 @@ token_sha256 = ["{}"]
         std::fs::write(&path, TEMPLATE).expect("write");
         let hash = |tenant: &str| {
             let cfg = Config::parse(&edge(&path, tenant, "")).expect("valid");
-            let list = render(&cfg, "acme").expect("render");
+            let list = render(cfg.nodes.as_ref(), &cfg.tenants, "acme").expect("render");
             list["items"][1]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
                 .as_str()
                 .expect("a hash label")

@@ -36,8 +36,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prometheus::{IntCounter, Registry};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
+use worker::Pool;
 
-use crate::config::AuditConfig;
+pub mod config;
+
+use config::AuditConfig;
 
 /// Longest wait of a session for its approval decision to be written before it forwards it.
 pub const DECISION_WAIT: Duration = Duration::from_millis(500);
@@ -155,13 +158,13 @@ impl Audit {
 }
 
 impl Audit {
-    /// Records the worker lifecycle of every tenant in `tenants` (`worker.ready`,
-    /// `worker.exited`) until its pool is gone; a tenant already watched is skipped, so this is
+    /// Records the worker lifecycle of every tenant's pool in `pools` (`worker.ready`,
+    /// `worker.exited`) until the pool is gone; a pool already watched is skipped, so this is
     /// called again after each reload.
-    pub fn watch_workers(&self, tenants: &crate::tenants::Tenants) {
+    pub fn watch_workers<'a>(&self, pools: impl IntoIterator<Item = (&'a str, &'a Arc<Pool>)>) {
         let Some(inner) = &self.inner else { return };
-        for tenant in tenants.iter() {
-            let key = Arc::as_ptr(&tenant.pool) as usize;
+        for (tenant, pool) in pools {
+            let key = Arc::as_ptr(pool) as usize;
             if !inner
                 .watched
                 .lock()
@@ -170,8 +173,8 @@ impl Audit {
             {
                 continue;
             }
-            let mut events = tenant.pool.subscribe();
-            let id = tenant.id.clone();
+            let mut events = pool.subscribe();
+            let id = tenant.to_owned();
             let audit = self.clone();
             tokio::spawn(async move {
                 use tokio::sync::broadcast::error::RecvError;
