@@ -28,16 +28,15 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tokio_tungstenite::WebSocketStream;
 
-pub mod config;
 mod link;
 mod relay;
 mod upgrade;
 
 use crate::auth::AuthError;
+use crate::config::nodes::{Nodes, NodesBackend};
 use crate::config::Tenant;
 use crate::credentials::config::Auth;
 use crate::credentials::{Credentials, Lease};
-use config::{Nodes, NodesBackend};
 use link::host_of;
 pub use link::{LinkError, LinkMetrics};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};

@@ -1,9 +1,11 @@
 //! Typed configuration: parsed from TOML, validated before anything binds, passed down by value.
 //!
-//! This file is the schema of the file as a whole and its loading; each component's own section
-//! is defined beside the component (`[auth]` in [`crate::credentials::config`], `[node]` and
-//! `[nodes]` in [`crate::edge::config`], `[audit]` in [`crate::audit::config`]). The defaults are
-//! in `defaults.rs`, the rules TOML types cannot express in `validate.rs`.
+//! This file is the schema of the file as a whole and its loading; a component's own section is
+//! defined beside the component (`[auth]` in [`crate::credentials::config`], `[audit]` in
+//! [`crate::audit::config`]), except the roles' `[node]` and `[nodes]` ([`nodes`]): a tenant's
+//! entry names its node and its pod's settings, so the edge reads the tenants' schema, and the
+//! schema cannot live in the edge without the two importing each other. The defaults are in
+//! `defaults.rs`, the rules TOML types cannot express in `validate.rs`.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -15,9 +17,11 @@ use serde::{Deserialize, Serialize};
 use crate::admission::AdmissionConfig;
 use crate::audit::config::AuditConfig;
 use crate::credentials::config::{Auth, TenantCredentials};
-use crate::edge::config::{NodeRole, Nodes, TenantKubernetes};
+use nodes::{NodeRole, Nodes, TenantKubernetes};
 
 mod defaults;
+pub mod nodes;
+pub mod quantity;
 mod validate;
 
 /// Smallest `max_processes` accepted (other than 0): app-server alone runs about 20 threads.

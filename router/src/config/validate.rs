@@ -4,8 +4,8 @@
 use std::collections::HashSet;
 
 use super::{valid_tenant_id, Config, ConfigError, Tenant, MAX_SOCKET_PATH, MIN_PROCESSES};
+use crate::config::nodes::{Nodes, NodesBackend};
 use crate::credentials::parse_digest;
-use crate::edge::config::{Nodes, NodesBackend};
 
 impl Config {
     /// Checks every rule that TOML types cannot express.
@@ -364,7 +364,7 @@ impl Config {
                 ));
             }
         }
-        if crate::edge::kube::quantity::bytes(&k.storage_size).is_none() {
+        if super::quantity::bytes(&k.storage_size).is_none() {
             return bad(format!(
                 "nodes.kubernetes.storage_size {:?} is not a quantity like 10Gi",
                 k.storage_size
@@ -391,8 +391,8 @@ impl Config {
             for (what, map) in [("requests", &r.requests), ("limits", &r.limits)] {
                 for (resource, q) in map {
                     let ok = match resource.as_str() {
-                        "cpu" => crate::edge::kube::quantity::cores(q).is_some(),
-                        "memory" | "ephemeral-storage" => crate::edge::kube::quantity::bytes(q).is_some(),
+                        "cpu" => super::quantity::cores(q).is_some(),
+                        "memory" | "ephemeral-storage" => super::quantity::bytes(q).is_some(),
                         _ => {
                             return bad(format!(
                                 "tenant {:?}: kubernetes.resources.{what}: unknown resource {resource:?} (cpu, memory, ephemeral-storage)",

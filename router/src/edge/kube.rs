@@ -15,7 +15,6 @@
 mod failure;
 pub mod idle;
 mod metrics;
-pub mod quantity;
 pub mod spec;
 mod sweep;
 mod view;
@@ -33,8 +32,8 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use prometheus::Registry;
 use tokio::time::Instant;
 
+use crate::config::nodes::KubernetesNodes;
 use crate::config::Tenant;
-use crate::edge::config::KubernetesNodes;
 pub use failure::StartError;
 use failure::{already_exists, cause, chain, create_backoff, CreateError, Failure};
 pub use metrics::{KubeMetrics, PHASES, RECREATIONS, START_FAILURES};

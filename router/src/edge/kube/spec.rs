@@ -8,8 +8,8 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use serde_json::{json, Value};
 
+use crate::config::nodes::{KubernetesNodes, Nodes};
 use crate::config::Tenant;
-use crate::edge::config::{KubernetesNodes, Nodes};
 
 /// The label that names a pod's or volume's tenant (the watch selects on it).
 pub const TENANT_LABEL: &str = "codex-fleet.io/tenant";
@@ -273,13 +273,13 @@ pub fn requests(pod: &Pod) -> BTreeMap<&'static str, f64> {
     };
     if let Some(v) = requests
         .get("cpu")
-        .and_then(|q| super::quantity::cores(&q.0))
+        .and_then(|q| crate::config::quantity::cores(&q.0))
     {
         out.insert("cpu", v);
     }
     if let Some(v) = requests
         .get("memory")
-        .and_then(|q| super::quantity::bytes(&q.0))
+        .and_then(|q| crate::config::quantity::bytes(&q.0))
     {
         out.insert("memory", v);
     }
