@@ -21,7 +21,8 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
-use super::{handle, status, Body, FakeKube, Inner};
+use super::server::{handle, status};
+use super::{Body, FakeKube, Inner};
 use crate::pki::TestPki;
 
 /// The directory where a pod's service-account files are mounted (and where kube-rs's
