@@ -2,7 +2,7 @@
 # Latency side by side in one run (BENCHMARKS.md): bench 1 (`added-latency`: codex-fleet, HAProxy
 # and the floor relay in front of the same worker socket), then bench 5 (`edge-latency`: the edge
 # hop against HAProxy in TCP/TLS mode as the same second hop), then bench 4 (`fleet-load` at its
-# default size, where the through/direct ratio comes from; about a minute on a quiet 2-core box).
+# default size once per run, where the through/direct ratio comes from; a few seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
 #
 # Options: --rounds N --runs N (both latency benches; default 600 and 3), --include-turns (bench
@@ -11,12 +11,15 @@
 # BENCH_PROFILE=debug uses the debug build instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-added=() edge=() fleet_load=1
+added=() edge=() fleet_load=1 runs=3
 while [ $# -gt 0 ]; do
     case "$1" in
     --rounds | --runs)
         [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
         added+=("$1" "$2") edge+=("$1" "$2")
+        if [ "$1" = --runs ]; then
+            runs="$2"
+        fi
         shift 2
         ;;
     --sessions)
@@ -65,6 +68,13 @@ echo "== bench 1: added latency (codex-fleet, HAProxy, the floor relay)"
 echo "== bench 5: the edge hop against HAProxy as a second hop"
 "$BIN/edge-latency" --haproxy "$HAPROXY" "${edge[@]}"
 if [ "$fleet_load" = 1 ]; then
-    echo "== bench 4: fleet-load (default size)"
-    "$BIN/fleet-load"
+    out="$(mktemp)"
+    trap 'rm -f "$out"' EXIT
+    ratios=()
+    for ((i = 1; i <= runs; i++)); do
+        echo "== bench 4: fleet-load (default size), run $i of $runs"
+        "$BIN/fleet-load" | tee "$out"
+        ratios+=("$(grep -o 'through/direct = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
+    done
+    echo "fleet-load turns/s through/direct per run: ${ratios[*]}"
 fi
