@@ -9,7 +9,10 @@
 //!   Unix socket (`server … unix@…`);
 //! - `floor`: wss through the floor relay (`floor-relay`, `codex_fleet_bench::floor`): TLS, the
 //!   upgrade and a frame relay onto that same worker socket, one task per direction, no parsing:
-//!   what tokio, rustls and tungstenite cost with no routing;
+//!   what tokio, rustls and tungstenite cost with no routing, on tokio's multi-thread runtime as
+//!   codex-fleet runs;
+//! - `floor-1t`: the same relay on tokio's current-thread runtime (`--worker-threads 1`): no
+//!   wake-up crosses threads, so it shows what the runtime's flavour alone costs;
 //! - `direct-ws`: plain `ws://` onto a second app-server on the same CODEX_HOME, listening on
 //!   loopback TCP (shown for reference only: app-server's TCP listener leaves Nagle on, so its
 //!   two-part writes can wait for the client's delayed ACK, which makes it no fair baseline).
@@ -90,10 +93,19 @@ fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result
         .spawn()?)
 }
 
-/// The floor relay in front of `upstream`, with the fleet's certificate; returns it with its port.
-async fn start_floor(dir: &Path, upstream: &Path) -> anyhow::Result<(Child, u16)> {
+/// The floor relay in front of `upstream`, with the fleet's certificate, on `threads` runtime
+/// threads (1: current-thread; none: tokio's default); returns it with its port.
+async fn start_floor(
+    dir: &Path,
+    upstream: &Path,
+    threads: Option<u16>,
+) -> anyhow::Result<(Child, u16)> {
     let bin = codex_fleet_bench::built_bin("floor-relay", "FLOOR_RELAY_BIN")?;
-    let mut child = Command::new(&bin)
+    let mut cmd = Command::new(&bin);
+    if let Some(n) = threads {
+        cmd.arg("--worker-threads").arg(n.to_string());
+    }
+    let mut child = cmd
         .arg("--cert")
         .arg(dir.join("tls.crt"))
         .arg("--key")
@@ -119,16 +131,24 @@ async fn start_floor(dir: &Path, upstream: &Path) -> anyhow::Result<(Child, u16)
     Ok((child, port))
 }
 
-const PATHS: [&str; 5] = ["direct-unix", "fleet", "haproxy", "floor", "direct-ws"];
+const PATHS: [&str; 6] = [
+    "direct-unix",
+    "fleet",
+    "haproxy",
+    "floor",
+    "floor-1t",
+    "direct-ws",
+];
 
-/// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floor.
+/// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floors.
 struct Added {
     fleet: f64,
     haproxy: f64,
     floor: f64,
+    floor_1t: f64,
 }
 
-fn report(label: &str, samples: &[Vec<f64>; 5]) -> Added {
+fn report(label: &str, samples: &[Vec<f64>; 6]) -> Added {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
     println!(
         "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
@@ -141,13 +161,15 @@ fn report(label: &str, samples: &[Vec<f64>; 5]) -> Added {
     let fleet = added(&s[1], &s[0]);
     let haproxy = added(&s[2], &s[0]);
     let floor = added(&s[3], &s[0]);
+    let floor_1t = added(&s[4], &s[0]);
     for (name, a) in [
         ("codex-fleet:", fleet),
         ("HAProxy:", haproxy),
         ("the floor:", floor),
+        ("the floor, 1 thread:", floor_1t),
     ] {
         println!(
-            "  added by {name:<12} {:>6.0} {:>6.0} {:>6.0}",
+            "  added by {name:<20} {:>6.0} {:>6.0} {:>6.0}",
             a.0, a.1, a.2
         );
     }
@@ -163,26 +185,35 @@ fn report(label: &str, samples: &[Vec<f64>; 5]) -> Added {
         "  HAProxy added median / floor added median = {:.2}",
         haproxy.0 / floor.0
     );
+    println!(
+        "  codex-fleet added median / 1-thread floor added median = {:.2}",
+        fleet.0 / floor_1t.0
+    );
     Added {
         fleet: fleet.0,
         haproxy: haproxy.0,
         floor: floor.0,
+        floor_1t: floor_1t.0,
     }
 }
 
 /// The runs side by side: added medians and the two ratios the goal is stated in.
 fn table(rows: &[(String, Added)]) {
     println!("added median, µs, per run (BENCHMARKS.md, bench 1):");
-    println!("  | run | codex-fleet | HAProxy | floor | fleet/HAProxy | fleet/floor |");
-    println!("  |---|---|---|---|---|---|");
+    println!(
+        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | fleet/HAProxy | fleet/floor | fleet/floor 1 thread |"
+    );
+    println!("  |---|---|---|---|---|---|---|---|");
     for (label, a) in rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
             a.fleet,
             a.haproxy,
             a.floor,
+            a.floor_1t,
             a.fleet / a.haproxy,
-            a.fleet / a.floor
+            a.fleet / a.floor,
+            a.fleet / a.floor_1t
         );
     }
 }
@@ -222,10 +253,11 @@ async fn main() -> anyhow::Result<()> {
         &format!("unix@{}", socket.display()),
     )?;
     wait_port(proxy_port).await?;
-    let (_floor, floor_port) = start_floor(&dir, &socket).await?;
+    let (_floor, floor_port) = start_floor(&dir, &socket, None).await?;
+    let (_floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1)).await?;
 
     let params = json!({"threadId": thread, "includeTurns": args.include_turns});
-    let mut all: [Vec<f64>; 5] = Default::default();
+    let mut all: [Vec<f64>; 6] = Default::default();
     let mut rows = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
@@ -239,6 +271,12 @@ async fn main() -> anyhow::Result<()> {
             .await?,
             connect_ws(
                 &format!("wss://localhost:{floor_port}/"),
+                Some(&files.ca),
+                None,
+            )
+            .await?,
+            connect_ws(
+                &format!("wss://localhost:{floor_1t_port}/"),
                 Some(&files.ca),
                 None,
             )

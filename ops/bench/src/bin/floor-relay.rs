@@ -26,11 +26,27 @@ struct Args {
     /// The Unix socket every client is relayed to, one WebSocket per client.
     #[arg(long)]
     upstream: PathBuf,
+    /// Runtime threads: 1 runs tokio's current-thread runtime, more a multi-thread runtime of
+    /// that size; unset, tokio's multi-thread default (one per core), as codex-fleet runs.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    worker_threads: Option<u16>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let mut rt = match args.worker_threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(usize::from(n));
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    rt.enable_all().build()?.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let tls = router::tls::server_config(&args.cert, &args.key)?;
     let listener = TcpListener::bind(args.listen)
         .await
