@@ -3,8 +3,8 @@
 # every tool runs to the end and prints its numbers, never the numbers themselves. Uses the debug
 # build that `ops/test.sh` has just made (`cargo build --bins`), since a release build would cost
 # CI minutes for numbers nobody reads; `BENCH_PROFILE=release` uses release binaries instead.
-# Needs CODEX_BIN (ops/test.sh exports it); bench 1 installs HAProxy from Debian when missing and
-# fails if it cannot.
+# Needs CODEX_BIN (ops/test.sh exports it); latency.sh (benches 1 and 5) installs HAProxy from
+# Debian when missing and fails if it cannot.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PROFILE="${BENCH_PROFILE:-debug}"
