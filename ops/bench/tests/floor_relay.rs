@@ -63,9 +63,15 @@ fn pki(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
     Ok((cert, key, ca))
 }
 
-/// Starts the relay; returns it with its port.
-async fn relay(cert: &Path, key: &Path, upstream: &Path) -> anyhow::Result<(Child, u16)> {
+/// Starts the relay, with `extra` arguments; returns it with its port.
+async fn relay(
+    cert: &Path,
+    key: &Path,
+    upstream: &Path,
+    extra: &[&str],
+) -> anyhow::Result<(Child, u16)> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_floor-relay"))
+        .args(extra)
         .arg("--cert")
         .arg(cert)
         .arg("--key")
@@ -116,11 +122,20 @@ async fn next_frame(ws: &mut Client) -> anyhow::Result<Message> {
 #[tokio::test]
 async fn frames_pass_unchanged_both_ways_and_a_gone_client_closes_its_upstream(
 ) -> anyhow::Result<()> {
+    relays_unchanged_and_closes(&[]).await
+}
+
+#[tokio::test]
+async fn the_same_on_one_runtime_thread() -> anyhow::Result<()> {
+    relays_unchanged_and_closes(&["--worker-threads", "1"]).await
+}
+
+async fn relays_unchanged_and_closes(extra: &[&str]) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (cert, key, ca) = pki(dir.path())?;
     let socket = dir.path().join("w.sock");
     let mut seen = upstream(&socket)?;
-    let (_relay, port) = relay(&cert, &key, &socket).await?;
+    let (_relay, port) = relay(&cert, &key, &socket, extra).await?;
 
     let mut ws = connect(port, &ca).await?;
     // Not JSON, and a binary frame with bytes no text could hold: a relay that parsed would
@@ -148,7 +163,7 @@ async fn a_refused_upstream_fails_that_client_only() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (cert, key, ca) = pki(dir.path())?;
     let socket = dir.path().join("w.sock");
-    let (mut relay, port) = relay(&cert, &key, &socket).await?;
+    let (mut relay, port) = relay(&cert, &key, &socket, &[]).await?;
 
     // Nothing listens on the socket yet: this client's relay ends.
     let mut ws = connect(port, &ca).await?;
@@ -172,21 +187,44 @@ async fn a_refused_upstream_fails_that_client_only() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::test]
-async fn a_missing_certificate_is_a_clear_error() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
+/// Runs the relay with `args`, which it must refuse without a panic; its stderr.
+async fn refused(args: &[&std::ffi::OsStr]) -> anyhow::Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_floor-relay"))
-        .arg("--cert")
-        .arg(dir.path().join("none.crt"))
-        .arg("--key")
-        .arg(dir.path().join("none.key"))
-        .arg("--upstream")
-        .arg(dir.path().join("w.sock"))
+        .args(args)
         .output()
         .await?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(stderr.contains("none.crt"), "{stderr}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+    Ok(stderr)
+}
+
+#[tokio::test]
+async fn a_missing_certificate_or_zero_threads_is_a_clear_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (cert, key) = (dir.path().join("none.crt"), dir.path().join("none.key"));
+    let stderr = refused(&[
+        "--cert".as_ref(),
+        cert.as_os_str(),
+        "--key".as_ref(),
+        key.as_os_str(),
+        "--upstream".as_ref(),
+        "w.sock".as_ref(),
+    ])
+    .await?;
+    assert!(stderr.contains("none.crt"), "{stderr}");
+
+    let zero = [
+        "--worker-threads",
+        "0",
+        "--cert",
+        "c",
+        "--key",
+        "k",
+        "--upstream",
+        "u",
+    ];
+    let stderr = refused(&zero.map(std::ffi::OsStr::new)).await?;
+    assert!(stderr.contains("--worker-threads"), "{stderr}");
     Ok(())
 }
