@@ -1,15 +1,51 @@
 #!/usr/bin/env bash
-# Added latency of codex-fleet against HAProxy, side by side in one run (BENCHMARKS.md, bench 1).
+# Latency side by side in one run (BENCHMARKS.md): bench 1 (`added-latency`: codex-fleet, HAProxy
+# and the floor relay in front of the same worker socket), then bench 5 (`edge-latency`: the edge
+# hop against HAProxy in TCP/TLS mode as the same second hop), then bench 4 (`fleet-load` at its
+# default size once per run, where the through/direct ratio comes from; a few seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
-# Arguments go to the bench, e.g. `--rounds 600 --runs 3` (the default) or `--rounds 20 --runs 1`
-# (the smoke run, ops/bench/smoke.sh). BENCH_PROFILE=debug uses the debug build instead.
+#
+# Options: --rounds N --runs N (both latency benches; default 600 and 3), --include-turns (bench
+# 1), --sessions N (bench 5's edge memory, default 500; 0 skips it), --no-fleet-load (skip
+# bench 4). The smoke run (ops/bench/smoke.sh) passes a tiny size and --no-fleet-load.
+# BENCH_PROFILE=debug uses the debug build instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+added=() edge=() fleet_load=1 runs=3
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --rounds | --runs)
+        [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
+        added+=("$1" "$2") edge+=("$1" "$2")
+        if [ "$1" = --runs ]; then
+            runs="$2"
+        fi
+        shift 2
+        ;;
+    --sessions)
+        [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
+        edge+=("$1" "$2")
+        shift 2
+        ;;
+    --include-turns)
+        added+=("$1")
+        shift
+        ;;
+    --no-fleet-load)
+        fleet_load=0
+        shift
+        ;;
+    *)
+        echo "unknown option $1 (see the head of $0)" >&2
+        exit 2
+        ;;
+    esac
+done
 if ! command -v haproxy >/dev/null; then
     if [ "$(id -u)" = 0 ]; then
         if ! { apt-get install -y haproxy >/dev/null 2>&1 ||
             { apt-get update >/dev/null && apt-get install -y haproxy >/dev/null; }; }; then
-            echo "installing Debian's haproxy failed: bench 1 needs it" >&2
+            echo "installing Debian's haproxy failed: the latency benches need it" >&2
             exit 1
         fi
     else
@@ -17,12 +53,28 @@ if ! command -v haproxy >/dev/null; then
         exit 1
     fi
 fi
+HAPROXY="$(command -v haproxy)"
 CODEX_BIN="${CODEX_BIN:-$(bash ops/install-codex.sh)}"
 export CODEX_BIN
 PROFILE="${BENCH_PROFILE:-release}"
+build=(cargo build --locked -p codex-fleet -p codex-fleet-bench -p codex-fleet-sim --bins)
 if [ "$PROFILE" = release ]; then
-    cargo build --locked --release -p codex-fleet -p codex-fleet-bench --bins
-else
-    cargo build --locked -p codex-fleet -p codex-fleet-bench --bins
+    build+=(--release)
 fi
-exec "target/$PROFILE/added-latency" --haproxy "$(command -v haproxy)" "$@"
+"${build[@]}"
+BIN="target/$PROFILE"
+echo "== bench 1: added latency (codex-fleet, HAProxy, the floor relay)"
+"$BIN/added-latency" --haproxy "$HAPROXY" "${added[@]}"
+echo "== bench 5: the edge hop against HAProxy as a second hop"
+"$BIN/edge-latency" --haproxy "$HAPROXY" "${edge[@]}"
+if [ "$fleet_load" = 1 ]; then
+    out="$(mktemp)"
+    trap 'rm -f "$out"' EXIT
+    ratios=()
+    for ((i = 1; i <= runs; i++)); do
+        echo "== bench 4: fleet-load (default size), run $i of $runs"
+        "$BIN/fleet-load" | tee "$out"
+        ratios+=("$(grep -o 'through/direct = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
+    done
+    echo "fleet-load turns/s through/direct per run: ${ratios[*]}"
+fi

@@ -3,8 +3,8 @@
 # every tool runs to the end and prints its numbers, never the numbers themselves. Uses the debug
 # build that `ops/test.sh` has just made (`cargo build --bins`), since a release build would cost
 # CI minutes for numbers nobody reads; `BENCH_PROFILE=release` uses release binaries instead.
-# Needs CODEX_BIN (ops/test.sh exports it); bench 1 installs HAProxy from Debian when missing and
-# fails if it cannot.
+# Needs CODEX_BIN (ops/test.sh exports it); latency.sh (benches 1 and 5) installs HAProxy from
+# Debian when missing and fails if it cannot.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PROFILE="${BENCH_PROFILE:-debug}"
@@ -39,10 +39,13 @@ run() {
     echo "== bench smoke: $name ok ($((SECONDS - started)) s)"
 }
 
-run "1 added latency (ops/bench/latency.sh)" \
-    'added by codex-fleet: +-?[0-9]+' 'added by HAProxy: +-?[0-9]+' \
-    'HAProxy added median = (-?[0-9.]+|-?inf|NaN)' -- \
-    env BENCH_PROFILE="$PROFILE" bash ops/bench/latency.sh --rounds 20 --runs 1
+run "1 and 5: added latency and the edge hop (ops/bench/latency.sh)" \
+    'added by codex-fleet: +-?[0-9]+' 'added by HAProxy: +-?[0-9]+' 'added by the floor: +-?[0-9]+' \
+    'codex-fleet added median / HAProxy added median = (-?[0-9.]+|-?inf|NaN)' \
+    'codex-fleet added median / floor added median = (-?[0-9.]+|-?inf|NaN)' \
+    'added by the node \(one hop, as serve\): p50 +-?[0-9]+' 'added by the edge hop alone: +p50 +-?[0-9]+' \
+    'added by the HAProxy hop alone: +p50 +-?[0-9]+' 'edge memory: .* KiB per session' -- \
+    env BENCH_PROFILE="$PROFILE" bash ops/bench/latency.sh --rounds 20 --runs 1 --sessions 20 --no-fleet-load
 run "2 notify-rate" \
     'through codex-fleet .* = [0-9]+ notifications/s' 'direct on .* = [0-9]+ notifications/s' \
     'through/direct = [0-9.]+' 'CPU s per 100k notifications' -- \
@@ -54,7 +57,3 @@ run "4 fleet-load" \
     'through codex-fleet .*: 4 sessions ok, 0 failed' 'turns/s through/direct = [0-9.]+' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2
-run "5 edge-latency" \
-    'added by the node \(one hop, as serve\): p50 +-?[0-9]+' 'added by the edge hop alone: +p50 +-?[0-9]+' \
-    'edge memory: .* KiB per session' -- \
-    "$BIN/edge-latency" --rounds 20 --runs 1 --sessions 20

@@ -1,6 +1,7 @@
-//! The measured connections and percentiles the latency benchmarks share.
+//! What the latency benchmarks share: the measured connections, percentiles, HAProxy.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,6 +9,8 @@ use anyhow::{bail, Context};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
@@ -174,4 +177,67 @@ pub async fn interleaved<const N: usize>(
         }
     }
     Ok(samples)
+}
+
+/// A loopback port free right now.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Polls until a loopback TCP port accepts.
+pub async fn wait_port(port: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + TIMEOUT;
+    while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        if Instant::now() > deadline {
+            bail!("nothing listens on {port}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Writes `cert` and `key` (PEM) into one file `dir/<name>.pem`, as HAProxy takes them.
+pub fn pem_bundle(dir: &Path, name: &str, cert: &Path, key: &Path) -> anyhow::Result<PathBuf> {
+    let pem = dir.join(format!("{name}.pem"));
+    let mut combined = std::fs::read_to_string(cert)?;
+    combined.push_str(&std::fs::read_to_string(key)?);
+    router::fsutil::write_private(&pem, &combined)?;
+    Ok(pem)
+}
+
+/// HAProxy (`bin`, in the foreground, killed on drop) terminating TLS on loopback `port` with the
+/// certificate in `dir` (`tls.crt`, `tls.key`: the fleet's), in `mode` (`http`: a WebSocket
+/// proxy; `tcp`: a byte tunnel) to the one server `server` (the rest of HAProxy's `server` line).
+/// Its files are `dir/<name>.pem` and `dir/<name>.cfg`.
+pub fn start_haproxy(
+    bin: &Path,
+    dir: &Path,
+    name: &str,
+    port: u16,
+    mode: &str,
+    server: &str,
+) -> anyhow::Result<Child> {
+    let pem = pem_bundle(dir, name, &dir.join("tls.crt"), &dir.join("tls.key"))?;
+    let cfg = dir.join(format!("{name}.cfg"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "global\n  maxconn 1000\n\
+             defaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  timeout tunnel 1h\n\
+             frontend fe\n  bind 127.0.0.1:{port} ssl crt {}\n  default_backend be\n\
+             backend be\n  server s1 {server}\n",
+            pem.display()
+        ),
+    )?;
+    Command::new(bin)
+        .arg("-db")
+        .arg("-f")
+        .arg(&cfg)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("start {} (ops/bench/latency.sh installs it)", bin.display()))
 }

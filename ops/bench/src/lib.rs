@@ -1,6 +1,7 @@
 //! What every bench tool shares: finding the built binaries, running `codex-fleet` as a process,
 //! reading a process's CPU time and memory, the sessions' client and the simulated fleet.
 
+pub mod floor;
 pub mod latency;
 pub mod rpc;
 pub mod sim;

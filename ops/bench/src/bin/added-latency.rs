@@ -1,5 +1,5 @@
 //! Added latency, side by side in one run: the same `thread/read` round trip (a thread with one
-//! turn) measured four ways, interleaved round by round so that whatever else the machine does
+//! turn) measured five ways, interleaved round by round so that whatever else the machine does
 //! hits every path alike:
 //!
 //! - `direct-unix`: WebSocket straight onto the codex-fleet worker's Unix socket;
@@ -7,14 +7,21 @@
 //!   that same worker;
 //! - `haproxy`: wss through HAProxy as a plain TLS WebSocket proxy in front of that same worker's
 //!   Unix socket (`server … unix@…`);
+//! - `floor`: wss through the floor relay (`floor-relay`, `codex_fleet_bench::floor`): TLS, the
+//!   upgrade and a frame relay onto that same worker socket, one task per direction, no parsing:
+//!   what tokio, rustls and tungstenite cost with no routing, on tokio's multi-thread runtime as
+//!   codex-fleet runs;
+//! - `floor-1t`: the same relay on tokio's current-thread runtime (`--worker-threads 1`): no
+//!   wake-up crosses threads, so it shows what the runtime's flavour alone costs;
 //! - `direct-ws`: plain `ws://` onto a second app-server on the same CODEX_HOME, listening on
 //!   loopback TCP (shown for reference only: app-server's TCP listener leaves Nagle on, so its
 //!   two-part writes can wait for the client's delayed ACK, which makes it no fair baseline).
 //!
-//! Added latency is each proxy's time minus `direct-unix`. The ratio of codex-fleet's added
-//! median to HAProxy's is the number to compare across machines; absolute numbers are not.
-//! Needs `CODEX_BIN`, a built `codex-fleet` (release, beside this binary, or `CODEX_FLEET_BIN`) and
-//! `haproxy` on PATH (`ops/bench/latency.sh` installs it from Debian).
+//! Added latency is each proxy's time minus `direct-unix`. The ratios of codex-fleet's added
+//! median to HAProxy's and to the floor's are the numbers to compare across machines; absolute
+//! numbers are not. Needs `CODEX_BIN`, a built `codex-fleet` and `floor-relay` (release, beside
+//! this binary, or `CODEX_FLEET_BIN` / `FLOOR_RELAY_BIN`) and `haproxy` on PATH
+//! (`ops/bench/latency.sh` installs it from Debian).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -22,15 +29,20 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use codex_fleet_bench::latency::{connect_unix, connect_ws, interleaved, summarize, Summary};
+use codex_fleet_bench::latency::{
+    connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
+    TIMEOUT,
+};
 use e2e::{FleetBuilder, FleetFiles};
 use serde_json::json;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 #[derive(Parser, Debug)]
-#[command(about = "codex-fleet's added latency against HAProxy's, side by side in one run")]
+#[command(
+    about = "codex-fleet's added latency against HAProxy's and the floor's, side by side in one run"
+)]
 struct Args {
     /// Round trips per path and run.
     #[arg(long, default_value_t = 600)]
@@ -44,26 +56,6 @@ struct Args {
     /// Ask for the turns too (`includeTurns`), which reads the rollout from disk on every call.
     #[arg(long)]
     include_turns: bool,
-}
-
-const TIMEOUT: Duration = Duration::from_secs(30);
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// Polls until a TCP port accepts.
-async fn wait_port(port: u16) -> anyhow::Result<()> {
-    let deadline = Instant::now() + TIMEOUT;
-    while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        if Instant::now() > deadline {
-            bail!("nothing listens on {port}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
 }
 
 /// codex-fleet as its own process; returns it with its wss URL once a worker is ready.
@@ -101,37 +93,62 @@ fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result
         .spawn()?)
 }
 
-/// HAProxy terminating TLS with the fleet's certificate, relaying to `backend`.
-fn start_haproxy(bin: &Path, dir: &Path, port: u16, backend: &str) -> anyhow::Result<Child> {
-    let pem = dir.join("haproxy.pem");
-    let mut combined = std::fs::read_to_string(dir.join("tls.crt"))?;
-    combined.push_str(&std::fs::read_to_string(dir.join("tls.key"))?);
-    std::fs::write(&pem, combined)?;
-    let cfg = dir.join("haproxy.cfg");
-    std::fs::write(
-        &cfg,
-        format!(
-            "global\n  maxconn 1000\n\
-             defaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  timeout tunnel 1h\n\
-             frontend fe\n  bind 127.0.0.1:{port} ssl crt {}\n  default_backend be\n\
-             backend be\n  server w1 {backend}\n",
-            pem.display()
-        ),
-    )?;
-    Command::new(bin)
-        .arg("-db")
-        .arg("-f")
-        .arg(&cfg)
+/// The floor relay in front of `upstream`, with the fleet's certificate, on `threads` runtime
+/// threads (1: current-thread; none: tokio's default); returns it with its port.
+async fn start_floor(
+    dir: &Path,
+    upstream: &Path,
+    threads: Option<u16>,
+) -> anyhow::Result<(Child, u16)> {
+    let bin = codex_fleet_bench::built_bin("floor-relay", "FLOOR_RELAY_BIN")?;
+    let mut cmd = Command::new(&bin);
+    if let Some(n) = threads {
+        cmd.arg("--worker-threads").arg(n.to_string());
+    }
+    let mut child = cmd
+        .arg("--cert")
+        .arg(dir.join("tls.crt"))
+        .arg("--key")
+        .arg(dir.join("tls.key"))
+        .arg("--upstream")
+        .arg(upstream)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .with_context(|| format!("start {} (ops/bench/latency.sh installs it)", bin.display()))
+        .with_context(|| format!("start {}", bin.display()))?;
+    let stdout = child.stdout.take().context("floor-relay's stdout")?;
+    let mut line = String::new();
+    tokio::time::timeout(TIMEOUT, BufReader::new(stdout).read_line(&mut line))
+        .await
+        .context("floor-relay printed no address")??;
+    let port = line
+        .trim()
+        .strip_prefix("floor-relay listening on ")
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .with_context(|| format!("floor-relay printed {line:?}, not its address"))?
+        .port();
+    Ok((child, port))
 }
 
-const PATHS: [&str; 4] = ["direct-unix", "fleet", "haproxy", "direct-ws"];
+const PATHS: [&str; 6] = [
+    "direct-unix",
+    "fleet",
+    "haproxy",
+    "floor",
+    "floor-1t",
+    "direct-ws",
+];
 
-fn report(label: &str, samples: &[Vec<f64>; 4]) -> f64 {
+/// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floors.
+struct Added {
+    fleet: f64,
+    haproxy: f64,
+    floor: f64,
+    floor_1t: f64,
+}
+
+fn report(label: &str, samples: &[Vec<f64>; 6]) -> Added {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
     println!(
         "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
@@ -143,17 +160,62 @@ fn report(label: &str, samples: &[Vec<f64>; 4]) -> f64 {
     let added = |a: &Summary, b: &Summary| (a.p50 - b.p50, a.p99 - b.p99, a.p999 - b.p999);
     let fleet = added(&s[1], &s[0]);
     let haproxy = added(&s[2], &s[0]);
+    let floor = added(&s[3], &s[0]);
+    let floor_1t = added(&s[4], &s[0]);
+    for (name, a) in [
+        ("codex-fleet:", fleet),
+        ("HAProxy:", haproxy),
+        ("the floor:", floor),
+        ("the floor, 1 thread:", floor_1t),
+    ] {
+        println!(
+            "  added by {name:<20} {:>6.0} {:>6.0} {:>6.0}",
+            a.0, a.1, a.2
+        );
+    }
     println!(
-        "  added by codex-fleet: {:>6.0} {:>6.0} {:>6.0}",
-        fleet.0, fleet.1, fleet.2
+        "  codex-fleet added median / HAProxy added median = {:.2}",
+        fleet.0 / haproxy.0
     );
     println!(
-        "  added by HAProxy:     {:>6.0} {:>6.0} {:>6.0}",
-        haproxy.0, haproxy.1, haproxy.2
+        "  codex-fleet added median / floor added median = {:.2}",
+        fleet.0 / floor.0
     );
-    let ratio = fleet.0 / haproxy.0;
-    println!("  codex-fleet added median / HAProxy added median = {ratio:.2}");
-    ratio
+    println!(
+        "  HAProxy added median / floor added median = {:.2}",
+        haproxy.0 / floor.0
+    );
+    println!(
+        "  codex-fleet added median / 1-thread floor added median = {:.2}",
+        fleet.0 / floor_1t.0
+    );
+    Added {
+        fleet: fleet.0,
+        haproxy: haproxy.0,
+        floor: floor.0,
+        floor_1t: floor_1t.0,
+    }
+}
+
+/// The runs side by side: added medians and the two ratios the goal is stated in.
+fn table(rows: &[(String, Added)]) {
+    println!("added median, µs, per run (BENCHMARKS.md, bench 1):");
+    println!(
+        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | fleet/HAProxy | fleet/floor | fleet/floor 1 thread |"
+    );
+    println!("  |---|---|---|---|---|---|---|---|");
+    for (label, a) in rows {
+        println!(
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            a.fleet,
+            a.haproxy,
+            a.floor,
+            a.floor_1t,
+            a.fleet / a.haproxy,
+            a.fleet / a.floor,
+            a.fleet / a.floor_1t
+        );
+    }
 }
 
 #[tokio::main]
@@ -185,14 +247,18 @@ async fn main() -> anyhow::Result<()> {
     let _haproxy = start_haproxy(
         &args.haproxy,
         &dir,
+        "haproxy",
         proxy_port,
+        "http",
         &format!("unix@{}", socket.display()),
     )?;
     wait_port(proxy_port).await?;
+    let (_floor, floor_port) = start_floor(&dir, &socket, None).await?;
+    let (_floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1)).await?;
 
     let params = json!({"threadId": thread, "includeTurns": args.include_turns});
-    let mut all: [Vec<f64>; 4] = Default::default();
-    let mut ratios = Vec::new();
+    let mut all: [Vec<f64>; 6] = Default::default();
+    let mut rows = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
             connect_unix(&socket).await?,
@@ -203,22 +269,30 @@ async fn main() -> anyhow::Result<()> {
                 None,
             )
             .await?,
+            connect_ws(
+                &format!("wss://localhost:{floor_port}/"),
+                Some(&files.ca),
+                None,
+            )
+            .await?,
+            connect_ws(
+                &format!("wss://localhost:{floor_1t_port}/"),
+                Some(&files.ca),
+                None,
+            )
+            .await?,
             connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
         ];
         let samples = interleaved(&mut conns, args.rounds, "thread/read", &params).await?;
-        ratios.push(report(&format!("run {run}"), &samples));
+        rows.push((run.to_string(), report(&format!("run {run}"), &samples)));
         for (a, s) in all.iter_mut().zip(samples) {
             a.extend(s);
         }
     }
     if args.runs > 1 {
-        report("all runs", &all);
-        ratios.sort_by(f64::total_cmp);
-        println!(
-            "ratio range over runs: {:.2}–{:.2}",
-            ratios[0],
-            ratios[ratios.len() - 1]
-        );
+        let a = report("all runs", &all);
+        rows.push(("all".to_owned(), a));
     }
+    table(&rows);
     Ok(())
 }

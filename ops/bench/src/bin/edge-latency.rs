@@ -1,25 +1,35 @@
-//! What the edge→node hop adds (docs/decisions/0014-two-roles-one-binary.md), side by side in one
-//! run: the same `thread/read` round trip (a thread with one turn) measured three ways, interleaved
-//! round by round:
+//! What the edge→node hop adds (docs/decisions/0014-two-roles-one-binary.md), against HAProxy as
+//! the same second hop, side by side in one run: the same `thread/read` round trip (a thread with
+//! one turn) measured four ways, interleaved round by round:
 //!
 //! - `direct-unix`: WebSocket straight onto the node's worker's Unix socket;
 //! - `node`: wss onto the node itself with an edge's client certificate (one hop: what
 //!   `codex-fleet serve` costs, the same session code behind mutual TLS);
-//! - `edge`: wss through an edge (TLS, token, relay over the link) to that node: two hops.
+//! - `edge`: wss through an edge (TLS, token, relay over the link) to that node: two hops;
+//! - `haproxy`: wss through HAProxy in TCP mode in front of the node the way the edge is: it
+//!   terminates the client's TLS with the edge's certificate and opens mutual TLS to the node with
+//!   the edge's client certificate, then tunnels bytes (the client sends the tenant header the
+//!   node reads, since HAProxy neither authenticates nor adds it): two hops, the second a dumb one.
 //!
 //! Real processes on loopback (`e2e::Split`: `codex-fleet node` and `codex-fleet serve` with
-//! `[nodes]`). Added latency is a path's percentile minus `direct-unix`'s; the edge's own cost is
-//! `edge` minus `node`. Needs `CODEX_BIN` and a built `codex-fleet` (beside this binary, or
-//! `CODEX_FLEET_BIN`).
+//! `[nodes]`). Added latency is a path's percentile minus `direct-unix`'s; a second hop's own cost
+//! is its path minus `node`, and the edge hop's median over HAProxy's is the ratio to compare.
+//! Needs `CODEX_BIN`, a built `codex-fleet` (beside this binary, or `CODEX_FLEET_BIN`) and
+//! `haproxy` (`ops/bench/latency.sh` installs it from Debian).
+
+use std::path::PathBuf;
 
 use clap::Parser;
 use codex_fleet_bench::latency::{
-    connect_unix, connect_ws, connect_ws_with, interleaved, summarize, Summary,
+    connect_unix, connect_ws, connect_ws_with, free_port, interleaved, pem_bundle, start_haproxy,
+    summarize, wait_port, Summary,
 };
 use serde_json::json;
 
 #[derive(Parser, Debug)]
-#[command(about = "the edge→node hop's added latency, against one hop and the bare worker")]
+#[command(
+    about = "the edge→node hop's added latency, against HAProxy as the second hop, one hop and the bare worker"
+)]
 struct Args {
     /// Round trips per path and run.
     #[arg(long, default_value_t = 600)]
@@ -31,14 +41,23 @@ struct Args {
     /// per session (0: skip).
     #[arg(long, default_value_t = 500)]
     sessions: usize,
+    /// The HAProxy binary.
+    #[arg(long, default_value = "haproxy")]
+    haproxy: PathBuf,
 }
 
 /// Rates and caps out of the way: the bench measures latency, not admission.
 const BENCH_LIMITS: &str = "tenant_rps = 1000000\ntenant_burst = 1000000\nconn_fps = 1000000\nconn_burst = 1000000\nmax_connections_per_tenant = 100000\nhandshakes_per_sec_per_ip = 1000000\nhandshake_burst = 1000000";
 
-const PATHS: [&str; 3] = ["direct-unix", "node", "edge"];
+const PATHS: [&str; 4] = ["direct-unix", "node", "edge", "haproxy"];
 
-fn report(label: &str, samples: &[Vec<f64>; 3]) {
+/// One run's (or all runs') second hops alone, medians in µs: the edge's and HAProxy's.
+struct Hops {
+    edge: f64,
+    haproxy: f64,
+}
+
+fn report(label: &str, samples: &[Vec<f64>; 4]) -> Hops {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
     println!(
         "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
@@ -51,6 +70,8 @@ fn report(label: &str, samples: &[Vec<f64>; 3]) {
     let node = added(&s[1], &s[0]);
     let edge = added(&s[2], &s[0]);
     let hop = added(&s[2], &s[1]);
+    let haproxy = added(&s[3], &s[0]);
+    let haproxy_hop = added(&s[3], &s[1]);
     println!(
         "  added by the node (one hop, as serve): p50 {:>6.0} p99 {:>6.0}",
         node.0, node.1
@@ -60,9 +81,49 @@ fn report(label: &str, samples: &[Vec<f64>; 3]) {
         edge.0, edge.1
     );
     println!(
+        "  added by HAProxy + node (two hops):    p50 {:>6.0} p99 {:>6.0}",
+        haproxy.0, haproxy.1
+    );
+    println!(
         "  added by the edge hop alone:           p50 {:>6.0} p99 {:>6.0}",
         hop.0, hop.1
     );
+    println!(
+        "  added by the HAProxy hop alone:        p50 {:>6.0} p99 {:>6.0}",
+        haproxy_hop.0, haproxy_hop.1
+    );
+    println!(
+        "  edge hop median / HAProxy hop median = {:.2}",
+        hop.0 / haproxy_hop.0
+    );
+    Hops {
+        edge: hop.0,
+        haproxy: haproxy_hop.0,
+    }
+}
+
+/// HAProxy in TCP mode in front of the node at `node_port` as an edge is: the client's TLS ends
+/// with the fleet's certificate, the node's starts with the edge's client certificate.
+fn start_haproxy_hop(
+    bin: &std::path::Path,
+    split: &e2e::Split,
+    port: u16,
+    node_port: u16,
+) -> anyhow::Result<tokio::process::Child> {
+    let dir = split.files.dir.path();
+    let link = &split.link;
+    let client_pem = pem_bundle(
+        dir,
+        "haproxy-link",
+        &link.join("edge.crt"),
+        &link.join("edge.key"),
+    )?;
+    let server = format!(
+        "127.0.0.1:{node_port} ssl crt {} ca-file {} verify required sni str(localhost) verifyhost localhost",
+        client_pem.display(),
+        link.join("ca.pem").display()
+    );
+    start_haproxy(bin, dir, "haproxy-hop", port, "tcp", &server)
 }
 
 #[tokio::main]
@@ -89,7 +150,14 @@ async fn main() -> anyhow::Result<()> {
     setup.until_turn_completed(&thread).await?;
     let params = json!({"threadId": thread, "includeTurns": false});
 
-    let mut all: [Vec<f64>; 3] = Default::default();
+    let proxy_port = free_port()?;
+    let _haproxy = start_haproxy_hop(&args.haproxy, &split, proxy_port, split.nodes[0].port)?;
+    wait_port(proxy_port).await?;
+    let proxy_url = format!("wss://localhost:{proxy_port}/");
+    let proxy_tls = e2e::client_tls(&split.files.ca)?;
+
+    let mut all: [Vec<f64>; 4] = Default::default();
+    let mut rows = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
             connect_unix(&socket).await?,
@@ -100,15 +168,33 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?,
             connect_ws(&edge_url, Some(&split.files.ca), Some(&token)).await?,
+            connect_ws_with(
+                &proxy_url,
+                Some(proxy_tls.clone()),
+                Some((router::edge::TENANT_HEADER, "acme".to_owned())),
+            )
+            .await?,
         ];
         let samples = interleaved(&mut conns, args.rounds, "thread/read", &params).await?;
-        report(&format!("run {run}"), &samples);
+        rows.push((run.to_string(), report(&format!("run {run}"), &samples)));
         for (a, s) in all.iter_mut().zip(samples) {
             a.extend(s);
         }
     }
     if args.runs > 1 {
-        report("all runs", &all);
+        let h = report("all runs", &all);
+        rows.push(("all".to_owned(), h));
+    }
+    println!("the second hop alone, added median, µs, per run (BENCHMARKS.md, bench 5):");
+    println!("  | run | edge hop | HAProxy hop (TCP/TLS) | edge/HAProxy |");
+    println!("  |---|---|---|---|");
+    for (label, h) in &rows {
+        println!(
+            "  | {label} | {:.0} | {:.0} | {:.2} |",
+            h.edge,
+            h.haproxy,
+            h.edge / h.haproxy
+        );
     }
     if args.sessions > 0 {
         let pid = split.edges[0]
