@@ -55,7 +55,7 @@ fn upstream(socket: &Path) -> anyhow::Result<mpsc::UnboundedReceiver<Seen>> {
 
 /// A certificate for localhost and its CA, as files in `dir`: (cert, key, ca).
 fn pki(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
-    let pki = router::dev::generate_pki(&["localhost"])?;
+    let pki = router::cli::dev::generate_pki(&["localhost"])?;
     let (cert, key, ca) = (dir.join("tls.crt"), dir.join("tls.key"), dir.join("ca.pem"));
     std::fs::write(&cert, pki.cert_pem)?;
     std::fs::write(&key, pki.key_pem)?;
