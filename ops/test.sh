@@ -10,7 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 # Then every unit test (in-memory sessions, the config, the fake legs): needs no worker.
-cargo test --locked --workspace --exclude e2e --lib --bins
+cargo test --locked --workspace --exclude codex-fleet-testkit --lib --bins
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
 # tests/tests/ops.rs checks the alert rules with promtool (Debian's prometheus package ships it).
@@ -32,11 +32,11 @@ bash ops/chart-check.sh
 # Every benchmark at a tiny size on the debug build just made: each must run and print its numbers.
 bash ops/bench/smoke.sh
 # The crates' own integration tests (some start the real worker) and doc tests.
-cargo test --locked --workspace --exclude e2e --test '*'
-cargo test --locked --workspace --exclude e2e --doc
+cargo test --locked --workspace --exclude codex-fleet-testkit --test '*'
+cargo test --locked --workspace --exclude codex-fleet-testkit --doc
 # End-to-end tests one at a time: several of them measure latency or timing against a baseline
 # taken in the same test, which other tests' real workers running at once would distort.
-cargo test --locked -p e2e -- --test-threads=1
+cargo test --locked -p codex-fleet-testkit -- --test-threads=1
 # The opt-in real-cluster test: with KUBECONFIG set it installs the chart and runs a turn through
 # it (docs/kubernetes.md, "Kubernetes: a node per tenant"); without, it says it skips.
 bash ops/k8s-smoke.sh

@@ -1,5 +1,5 @@
 //! Side-by-side measurements of codex-fleet against the bare worker, in one run on one machine
-//! (ratios, not absolute targets): `cargo bench -p e2e --bench fleet` (needs CODEX_BIN and the
+//! (ratios, not absolute targets): `cargo bench -p codex-fleet-testkit --bench fleet` (needs CODEX_BIN and the
 //! built binary, like the tests).
 //!
 //! - serve start → first worker ready (`min_workers = 1`, polled on `/readyz`);
@@ -11,9 +11,9 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{Client, FleetBuilder, FleetFiles};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
+use testkit::{Client, FleetBuilder, FleetFiles};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
@@ -40,7 +40,7 @@ fn kib(pid: u32, field: &str) -> u64 {
 
 async fn spawn(files: &FleetFiles) -> anyhow::Result<(Child, String, String, Instant)> {
     let started = Instant::now();
-    let mut child = Command::new(e2e::fleet_bin())
+    let mut child = Command::new(testkit::fleet_bin())
         .args(["serve", "--config"])
         .arg(&files.config)
         .env("CODEX_FLEET_LOG", "error")
@@ -91,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
     let admin: std::net::SocketAddr = admin.parse()?;
     let mut first_ready = false;
     loop {
-        let (_, body) = e2e::http_get(admin, "/readyz").await?;
+        let (_, body) = testkit::http_get(admin, "/readyz").await?;
         if body.contains("\"state\": \"ready\"") && !first_ready {
             println!(
                 "serve start -> first worker ready: {:.0} ms",

@@ -1,7 +1,7 @@
 //! End-to-end fixtures: a codex-fleet with real TLS, real `codex app-server` workers and the
 //! offline mock model, and a wss JSON-RPC client that speaks the protocol as a real client does.
 //!
-//! The rooms (everything is re-exported here, so `e2e::X` reaches any of it):
+//! The rooms (everything is re-exported here, so `testkit::X` reaches any of it):
 //!
 //! - [`fleet`]: the configuration builder, its files, a fleet in this process or as a child.
 //! - [`client`]: the wss JSON-RPC client, the real `codex exec --remote`, HTTP and raw HTTPS.

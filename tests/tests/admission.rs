@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use e2e::{agent_text, reply_text, wait_until, Client, FleetBuilder, Upgrade};
 use serde_json::{json, Value};
+use testkit::{agent_text, reply_text, wait_until, Client, FleetBuilder, Upgrade};
 use tokio::time::Instant;
 
 /// Generous rates, so a test only meets the limit it is about.
@@ -128,7 +128,7 @@ async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
     for _ in 0..30 {
         c.send(&json!({ "method": "initialized" })).await?;
     }
-    let close = c.recv_close_frame(e2e::STEP).await?;
+    let close = c.recv_close_frame(testkit::STEP).await?;
     assert_eq!(
         close,
         Some((1008, "frame rate limit exceeded".to_owned())),
@@ -140,7 +140,7 @@ async fn frame_rate_is_per_connection_and_recovers() -> anyhow::Result<()> {
         d.send(&json!({ "id": 1_000_000 + id, "result": {} }))
             .await?;
     }
-    let close = d.recv_close_frame(e2e::STEP).await?;
+    let close = d.recv_close_frame(testkit::STEP).await?;
     assert_eq!(
         close,
         Some((1008, "frame rate limit exceeded".to_owned())),
@@ -447,7 +447,7 @@ async fn connection_caps_and_handshake_rate_answer_http_with_retry_after() -> an
     // slow machine one attempt may be admitted; the header is what this checks.
     let mut head = String::new();
     for _ in 0..3 {
-        let raw = e2e::https_raw(
+        let raw = testkit::https_raw(
             fleet.addr,
             &ca,
             "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n",
@@ -535,13 +535,13 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
         "x".repeat(70_000)
     );
     big.send_text(&huge).await?;
-    assert_eq!(big.recv_close(e2e::STEP).await?, Some(1009));
+    assert_eq!(big.recv_close(testkit::STEP).await?, Some(1009));
     // A run of protocol errors: 1008.
     let mut noisy = fleet.client("acme").await?;
     for _ in 0..32 {
         noisy.send_text("nope").await?;
     }
-    let close = noisy.recv_close_frame(e2e::STEP).await?;
+    let close = noisy.recv_close_frame(testkit::STEP).await?;
     assert_eq!(close.map(|c| c.0), Some(1008));
     assert_eq!(
         noisy
@@ -636,7 +636,7 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     for _ in 0..600 {
         slow.send_request("thread/loaded/list", json!({})).await?;
     }
-    let close = slow.recv_close_frame(e2e::STEP).await?;
+    let close = slow.recv_close_frame(testkit::STEP).await?;
     eprintln!(
         "test6: fast subscriber's {DELTAS}-delta turn took {baseline:?} alone ({alone_deltas} deltas received) and {loaded:?} with \
          a stalled subscriber on the thread; of its {sent} deltas the fast one got {fast_deltas} \
@@ -684,8 +684,9 @@ async fn the_fleet_worker_cap_answers_with_scope_fleet() -> anyhow::Result<()> {
         .start()
         .await?;
     assert!(
-        wait_until(Duration::from_secs(30), || e2e::ready_workers(&fleet, "a")
-            == 1)
+        wait_until(Duration::from_secs(30), || testkit::ready_workers(
+            &fleet, "a"
+        ) == 1)
         .await
     );
     let mut b = fleet.connect("b").await?;
@@ -722,11 +723,11 @@ async fn a_connection_at_its_in_flight_cap_is_refused_until_answers_come() -> an
         .await?;
     let mut c = fleet.client("acme").await?;
     c.request("thread/loaded/list", json!({})).await?;
-    let workers = e2e::workers_under(&fleet.home("acme"));
+    let workers = testkit::workers_under(&fleet.home("acme"));
     anyhow::ensure!(workers.len() == 1, "{workers:?}");
     let worker = nix::unistd::Pid::from_raw(workers[0]);
     // Stopped for sure before the requests go out, or one may still be answered in between.
-    e2e::stop_process(workers[0]).await?;
+    testkit::stop_process(workers[0]).await?;
     let mut ids = Vec::new();
     for _ in 0..3 {
         ids.push(c.send_request("thread/loaded/list", json!({})).await?);

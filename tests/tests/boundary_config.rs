@@ -10,8 +10,8 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use e2e::FleetBuilder;
 use serde_json::{json, Value};
+use testkit::FleetBuilder;
 
 const REMOTE_CONTROL_DISABLED: &str = "CODEX_INTERNAL_APP_SERVER_REMOTE_CONTROL_DISABLED=1";
 
@@ -93,7 +93,7 @@ async fn workers_run_with_remote_control_off_unless_the_tenant_allows_it() -> an
     assert!(refused_with(&r, "remote_control"), "{r}");
     // ...and the worker itself started with remote control off for its whole life, whatever
     // its state database remembers.
-    let workers_a = e2e::workers_under(&fleet.home("a"));
+    let workers_a = testkit::workers_under(&fleet.home("a"));
     assert!(!workers_a.is_empty(), "no worker of a");
     for pid in &workers_a {
         assert!(
@@ -103,7 +103,7 @@ async fn workers_run_with_remote_control_off_unless_the_tenant_allows_it() -> an
     }
     // A tenant that allows it: the flag is not passed and the request reaches the worker
     // (which needs a ChatGPT login to go further, so nothing leaves this machine).
-    let workers_b = e2e::workers_under(&fleet.home("b"));
+    let workers_b = testkit::workers_under(&fleet.home("b"));
     assert!(!workers_b.is_empty(), "no worker of b");
     for pid in &workers_b {
         assert!(
@@ -122,7 +122,7 @@ async fn workers_run_with_remote_control_off_unless_the_tenant_allows_it() -> an
 async fn fleet_exit(args: &[&str], config: &Path) -> anyhow::Result<(Option<i32>, String)> {
     let out = tokio::time::timeout(
         Duration::from_secs(60),
-        tokio::process::Command::new(e2e::fleet_bin())
+        tokio::process::Command::new(testkit::fleet_bin())
             .args(args)
             .arg(config)
             .env("CODEX_FLEET_LOG", "warn")
@@ -224,7 +224,7 @@ async fn a_uid_another_tenant_remembers_is_refused_at_start_up() -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("allocating per-tenant uids") {
+    if !testkit::root_or_explicit_skip("allocating per-tenant uids") {
         return Ok(());
     }
     // Another instance's worker (or any process) already runs as the first uid of the range.
@@ -244,7 +244,7 @@ async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
         let remembered =
             std::fs::read_to_string(fleet.files.dir.path().join("s").join("tenant-uids"))?;
         assert_eq!(remembered, "a 431401\n", "431400 is in use");
-        let workers = e2e::workers_under(&fleet.home("a"));
+        let workers = testkit::workers_under(&fleet.home("a"));
         assert!(!workers.is_empty());
         for pid in workers {
             let uid = std::fs::metadata(format!("/proc/{pid}"))?.uid();
@@ -266,7 +266,7 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
         .tenant_pool("back", 1, 1)
         .start()
         .await?;
-    let ready = |fleet: &e2e::Fleet| {
+    let ready = |fleet: &testkit::Fleet| {
         fleet
             .tenant("back")
             .pool
@@ -274,7 +274,7 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
             .iter()
             .any(|w| w.state == worker::WorkerState::Ready)
     };
-    assert!(e2e::wait_until(Duration::from_secs(30), || ready(&fleet)).await);
+    assert!(testkit::wait_until(Duration::from_secs(30), || ready(&fleet)).await);
     let pool = fleet.tenant("back").pool.clone();
     let mut old = fleet.client("back").await?;
     let thread = old.start_thread().await?;
@@ -308,7 +308,7 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
     // once the session is gone, the pass that stops removed tenants' unused pools finds nothing
     // of "back" to stop, and its worker is the same process, still ready.
     let before: Vec<_> = back.pool.workers().iter().map(|w| w.pid).collect();
-    let gone = e2e::wait_until_async(Duration::from_secs(10), || async {
+    let gone = testkit::wait_until_async(Duration::from_secs(10), || async {
         fleet
             .metric("codex_fleet_sessions", &[("tenant", "back")])
             .await

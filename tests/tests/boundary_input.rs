@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use e2e::{http_get, Client, FleetBuilder, FleetFiles, Upgrade};
 use serde_json::{json, Value};
+use testkit::{http_get, Client, FleetBuilder, FleetFiles, Upgrade};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
@@ -38,7 +38,7 @@ async fn tls_connect(
     tcp: TcpStream,
     ca: &Path,
 ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-    let connector = tokio_rustls::TlsConnector::from(e2e::client_tls(ca)?);
+    let connector = tokio_rustls::TlsConnector::from(testkit::client_tls(ca)?);
     let name = rustls::pki_types::ServerName::try_from("localhost")?;
     Ok(connector.connect(name, tcp).await?)
 }
@@ -109,10 +109,10 @@ async fn spawn_fleet(
     let mut cmd = match prlimit {
         Some(limit) => {
             let mut c = Command::new("prlimit");
-            c.arg(limit).arg(e2e::fleet_bin());
+            c.arg(limit).arg(testkit::fleet_bin());
             c
         }
-        None => Command::new(e2e::fleet_bin()),
+        None => Command::new(testkit::fleet_bin()),
     };
     let mut child = cmd
         .args(["serve", "--config"])
@@ -122,7 +122,7 @@ async fn spawn_fleet(
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
-    let (addr, admin) = e2e::read_addresses(&mut child).await?;
+    let (addr, admin) = testkit::read_addresses(&mut child).await?;
     Ok((child, addr, admin))
 }
 
@@ -189,7 +189,7 @@ async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_serv
     before.sort();
     let quiet_median = percentile(&before, 50);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let baseline = e2e::rss_kib(pid).context("rss")?;
+    let baseline = testkit::rss_kib(pid).context("rss")?;
 
     let peak = Arc::new(AtomicU64::new(baseline));
     let sampling = Arc::new(AtomicBool::new(true));
@@ -197,7 +197,7 @@ async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_serv
         let (peak, sampling) = (peak.clone(), sampling.clone());
         async move {
             while sampling.load(Ordering::Acquire) {
-                if let Some(kib) = e2e::rss_kib(pid) {
+                if let Some(kib) = testkit::rss_kib(pid) {
                     peak.fetch_max(kib, Ordering::AcqRel);
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -304,12 +304,12 @@ async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Resul
         .context("codex-fleet never became ready")?;
     let mut flood = Client::connect(&url, &files.ca, Some(&files.token("flood"))).await?;
     flood.initialize("flood").await?;
-    let workers = e2e::workers_under(&files.dir.path().join("s/tenants/flood"));
+    let workers = testkit::workers_under(&files.dir.path().join("s/tenants/flood"));
     assert_eq!(workers.len(), 1, "{workers:?}");
     let worker = nix::unistd::Pid::from_raw(workers[0]);
     nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGSTOP)?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let baseline = e2e::rss_kib(pid).context("rss")?;
+    let baseline = testkit::rss_kib(pid).context("rss")?;
 
     let pad = "x".repeat(1 << 20);
     let mut sent = 0;
@@ -327,10 +327,10 @@ async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Resul
             }
             Ok(Err(e)) => anyhow::bail!("the session was closed instead of held: {e}"),
         }
-        peak = peak.max(e2e::rss_kib(pid).unwrap_or(0));
+        peak = peak.max(testkit::rss_kib(pid).unwrap_or(0));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    peak = peak.max(e2e::rss_kib(pid).unwrap_or(0));
+    peak = peak.max(testkit::rss_kib(pid).unwrap_or(0));
     nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGCONT)?;
     let growth_mib = peak.saturating_sub(baseline) / 1024;
     println!(

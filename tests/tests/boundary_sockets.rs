@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use e2e::{ready_workers, wait_until, Fleet, FleetBuilder};
 use serde_json::json;
+use testkit::{ready_workers, wait_until, Fleet, FleetBuilder};
 
 /// Root is needed for per-tenant uids; without it these tests fail unless explicitly skipped.
 fn root_or_skip() -> anyhow::Result<bool> {
-    Ok(e2e::root_or_explicit_skip(
+    Ok(testkit::root_or_explicit_skip(
         "the worker-socket boundary (per-tenant uids)",
     ))
 }

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::{Client, FleetBuilder};
 use serde_json::{json, Value};
+use testkit::{Client, FleetBuilder};
 
 const SECRET: &str = "tenant-b-credential-9d1c";
 
@@ -21,7 +21,7 @@ fn denied_by_policy(resp: &Value) -> bool {
 }
 
 /// Starts both tenants' workers and plants B's secrets and a file in A's workspace.
-async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(e2e::Fleet, Client, Client)> {
+async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(testkit::Fleet, Client, Client)> {
     let fleet = builder.start().await?;
     let a = fleet.client("a").await?;
     let b = fleet.client("b").await?;
@@ -37,7 +37,7 @@ async fn two_tenants(builder: FleetBuilder) -> anyhow::Result<(e2e::Fleet, Clien
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -87,7 +87,7 @@ async fn host_access_reaches_only_the_tenants_own_workspace() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
@@ -142,11 +142,11 @@ fn environ(pid: i32) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenants_workers_run_as_its_own_uid_with_a_clean_environment() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, _a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
-    let workers = e2e::workers_under(fleet.files.dir.path());
+    let workers = testkit::workers_under(fleet.files.dir.path());
     assert!(workers.len() >= 2, "both tenants' workers run: {workers:?}");
     let mut uid_of: HashMap<String, String> = HashMap::new();
     for pid in workers {
@@ -278,16 +278,16 @@ fn chown_tree(path: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("starting codex-fleet as another, unprivileged user") {
+    if !testkit::root_or_explicit_skip("starting codex-fleet as another, unprivileged user") {
         return Ok(());
     }
     const NOBODY: u32 = 65534;
     let files = FleetBuilder::new().tenant("a").prepare().await?;
     // The binary goes where the unprivileged user can reach it (the checkout may be private).
     let bin = files.dir.path().join("codex-fleet");
-    std::fs::copy(e2e::fleet_bin(), &bin)?;
+    std::fs::copy(testkit::fleet_bin(), &bin)?;
     chown_tree(files.dir.path(), NOBODY, NOBODY)?;
-    let proc = e2e::FleetProcess::spawn_program(&bin, &files, |cmd| {
+    let proc = testkit::FleetProcess::spawn_program(&bin, &files, |cmd| {
         cmd.uid(NOBODY).gid(NOBODY);
     })
     .await?;
@@ -298,7 +298,7 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
         "no start-up warning about the shared uid: {}",
         proc.stderr()
     );
-    let (_, body) = e2e::http_get(proc.admin, "/readyz").await?;
+    let (_, body) = testkit::http_get(proc.admin, "/readyz").await?;
     assert!(body.contains("not running as root"), "{body}");
 
     let mut c = proc.client(&files, &files.token("a")).await?;
@@ -314,7 +314,7 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
     let r = c.call("command/exec", json!({ "command": ["id"] })).await?;
     assert!(denied_by_policy(&r), "{r}");
     // Its workers run as the unprivileged user too (nothing can switch uids).
-    let workers = e2e::workers_under(files.dir.path());
+    let workers = testkit::workers_under(files.dir.path());
     assert!(!workers.is_empty(), "a worker runs");
     for pid in workers {
         let uid = status_field(pid, "Uid:").unwrap_or_default();
@@ -329,7 +329,7 @@ async fn a_fleet_started_without_root_warns_and_denies_host_access() -> anyhow::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     // a has the default policy; b names a network sandbox, one more profile and one more key.
@@ -393,7 +393,7 @@ async fn the_policy_keys_widen_only_what_they_name() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_loop_stops_at_its_tenants_process_limit_and_the_neighbour_still_spawns(
 ) -> anyhow::Result<()> {
-    if !e2e::root_or_explicit_skip("the per-tenant uid boundary") {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
         return Ok(());
     }
     let (fleet, mut a, mut b) = two_tenants(
@@ -437,7 +437,7 @@ async fn a_fork_loop_stops_at_its_tenants_process_limit_and_the_neighbour_still_
     // The limits, as the kernel shows them for each tenant's worker.
     for (tenant, want) in [("a", "128"), ("b", "4096")] {
         let home = format!("/tenants/{tenant}");
-        let limits: Vec<String> = e2e::workers_under(fleet.files.dir.path())
+        let limits: Vec<String> = testkit::workers_under(fleet.files.dir.path())
             .into_iter()
             .filter(|pid| {
                 environ(*pid)

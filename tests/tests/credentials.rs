@@ -7,9 +7,9 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, Client, Fleet, FleetBuilder, Upgrade};
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
+use testkit::{agent_text, reply_text, Client, Fleet, FleetBuilder, Upgrade};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::Connector;
 
@@ -171,7 +171,7 @@ async fn upgrade(
     if let Some(o) = origin {
         req.headers_mut().insert("origin", o.parse()?);
     }
-    let connector = Connector::Rustls(e2e::client_tls(&fleet.files.ca)?);
+    let connector = Connector::Rustls(testkit::client_tls(&fleet.files.ca)?);
     match tokio_tungstenite::connect_async_tls_with_config(req, None, true, Some(connector)).await {
         Ok(_) => Ok(Upgrade::Refused {
             status: 101,
@@ -230,7 +230,7 @@ async fn every_credential_kind_runs_a_real_turn_and_codex_exec_uses_a_jwt() -> a
     turn(&fleet, &es, "es256 jwt").await?;
 
     // The real codex exec, with the JWT passed through --remote-auth-token-env.
-    let out = e2e::codex_exec_remote(
+    let out = testkit::codex_exec_remote(
         &fleet.url(),
         &fleet.files.ca,
         &acme_jwt("exec-user", 600),
@@ -600,7 +600,7 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
     }
     // The session's end is counted as it finishes (after its close frame went out).
     let expired = [("reason", "credential_expired")];
-    e2e::wait_until_async(Duration::from_secs(10), || async {
+    testkit::wait_until_async(Duration::from_secs(10), || async {
         fleet
             .metric("codex_fleet_sessions_closed_total", &expired)
             .await
@@ -702,7 +702,7 @@ fn replace(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
 
 /// Whether `codex_fleet_tls_reloads_total{result="invalid"}` reaches `n` within 30 s.
 async fn refused_certificates(fleet: &Fleet, n: f64) -> bool {
-    e2e::wait_until_async(Duration::from_secs(30), || async {
+    testkit::wait_until_async(Duration::from_secs(30), || async {
         fleet
             .metric("codex_fleet_tls_reloads_total", &[("result", "invalid")])
             .await
@@ -799,7 +799,7 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     assert_eq!(denied["error"]["code"], -32003, "{denied}");
     c.close().await;
     assert!(
-        e2e::wait_until_async(Duration::from_secs(30), || async {
+        testkit::wait_until_async(Duration::from_secs(30), || async {
             audit_events(&fleet)
                 .unwrap_or_default()
                 .iter()
@@ -993,19 +993,19 @@ tenant = "beta"
 /// Stops `p` (SIGKILL, reaped, so its port is free), points its config's audit log at
 /// `audit_to` instead of `audit_from`, and starts it again (`role`) with `CODEX_FLEET_LOG=debug`.
 async fn restart_with_own_audit(
-    mut p: e2e::FleetProcess,
+    mut p: testkit::FleetProcess,
     role: &str,
     config: &std::path::Path,
     audit_from: &std::path::Path,
     audit_to: &std::path::Path,
-) -> anyhow::Result<e2e::FleetProcess> {
+) -> anyhow::Result<testkit::FleetProcess> {
     p.signal(nix::sys::signal::Signal::SIGKILL)?;
     p.wait(Duration::from_secs(10)).await?;
     let text = std::fs::read_to_string(config)?;
     let from = format!("path = {audit_from:?}");
     anyhow::ensure!(text.contains(&from), "{} has no {from}", config.display());
     std::fs::write(config, text.replace(&from, &format!("path = {audit_to:?}")))?;
-    e2e::FleetProcess::spawn_role(&e2e::fleet_bin(), role, config, |c| {
+    testkit::FleetProcess::spawn_role(&testkit::fleet_bin(), role, config, |c| {
         c.env("CODEX_FLEET_LOG", "debug");
     })
     .await
@@ -1033,7 +1033,7 @@ async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_end
         "max_connections = 10000\n[audit]\npath = {shared_audit:?}\n[auth]\n[[auth.jwt]]\nname = \"shared\"\n\
          algorithm = \"HS256\"\nsecret_file = {secret:?}\ntenant = \"acme\"\n",
     );
-    let mut s = e2e::Split::start(&[("acme", "n1"), ("beta", "n2")], 1, &extra).await?;
+    let mut s = testkit::Split::start(&[("acme", "n1"), ("beta", "n2")], 1, &extra).await?;
     // Each process its own audit log (so what the node records is the node's), and every
     // process logging at debug (so no credential hides below the default level).
     let audit_of = |name: &str| keys.path().join(format!("audit-{name}.jsonl"));
@@ -1135,7 +1135,7 @@ async fn check_config_refuses_a_short_secret_without_printing_it() -> anyhow::Re
         );
     router::fsutil::write_private(&files.config, &text)?;
     let check = || {
-        tokio::process::Command::new(e2e::fleet_bin())
+        tokio::process::Command::new(testkit::fleet_bin())
             .arg("check-config")
             .arg(&files.config)
             .output()

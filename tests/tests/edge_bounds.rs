@@ -11,13 +11,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::kube_cluster::{Cluster, Options};
-use e2e::{
+use router::admission::FLOOD_CLOSE_REASON;
+use serde_json::{json, Value};
+use testkit::kube_cluster::{Cluster, Options};
+use testkit::{
     fleet_bin, metric_at, rss_kib, wait_until_async, Client, FleetBuilder, FleetProcess, Split,
     Upgrade,
 };
-use router::admission::FLOOD_CLOSE_REASON;
-use serde_json::{json, Value};
 use tokio::time::Instant;
 
 /// One more edge in front of `s`'s nodes, like edge 0 but with `limits` in its `[limits]`.
@@ -288,7 +288,7 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
         a.start_turn(&thread, &prompt).await?;
         let msgs = a.until_turn_completed(&thread).await?;
         anyhow::ensure!(
-            e2e::agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
+            testkit::agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
             "no echo: {:?}",
             msgs.iter()
                 .filter(|m| m.to_string().contains("rror"))

@@ -6,10 +6,10 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use e2e::{http_get, metric_at, Client, FleetBuilder, FleetProcess, Split, Upgrade};
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
+use testkit::{http_get, metric_at, Client, FleetBuilder, FleetProcess, Split, Upgrade};
 
 const SECRET: &str = "an-hs256-secret-of-more-than-32-bytes-for-tests";
 const STEP: Duration = Duration::from_secs(30);
@@ -85,7 +85,8 @@ async fn any_subject_reaches_the_node_exactly_with_the_client_s_address() -> any
         t.replace("edge-audit.jsonl", "node-audit.jsonl")
     })
     .await?;
-    let ready = e2e::wait_until_async(STEP, || async { readyz(&s).await.ok() == Some(200) }).await;
+    let ready =
+        testkit::wait_until_async(STEP, || async { readyz(&s).await.ok() == Some(200) }).await;
     assert!(ready, "the edge is ready again after the node's restart");
     let unreachable = || {
         metric_at(
@@ -120,7 +121,7 @@ async fn any_subject_reaches_the_node_exactly_with_the_client_s_address() -> any
     };
     for (sub, thread) in subjects.iter().zip(&threads) {
         assert!(
-            e2e::wait_until(STEP, || ended(sub).is_some()).await,
+            testkit::wait_until(STEP, || ended(sub).is_some()).await,
             "the node recorded no session of {sub:?}: {:?}",
             std::fs::read_to_string(&node_audit).unwrap_or_default()
         );
@@ -197,7 +198,7 @@ async fn to_node(port: u16, ca: &Path, cert: &Path, key: &Path) -> anyhow::Resul
 async fn a_link_certificate_without_client_auth_is_refused() -> anyhow::Result<()> {
     use rcgen::ExtendedKeyUsagePurpose as Eku;
     let mut s = Split::start(&[("acme", "n1"), ("beta", "n2")], 0, "").await?;
-    let pki = e2e::pki::TestPki::new()?;
+    let pki = testkit::pki::TestPki::new()?;
     let (node_cert, node_key) =
         pki.leaf(&["localhost", "127.0.0.1"], vec![Eku::ServerAuth], None)?;
     let dir = s.link.clone();
@@ -363,7 +364,7 @@ async fn forge(format: &str) -> anyhow::Result<()> {
             .matches("\"event\":\"session.initialized\"")
             .count()
     };
-    assert!(e2e::wait_until(STEP, || initialized() >= 1).await);
+    assert!(testkit::wait_until(STEP, || initialized() >= 1).await);
     let text = std::fs::read_to_string(&audit)?;
     let records: Vec<Value> = text
         .lines()

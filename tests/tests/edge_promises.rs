@@ -10,12 +10,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{
+use router::admission::FLOOD_CLOSE_REASON;
+use serde_json::json;
+use testkit::{
     fleet_bin, https_raw, metric_at, wait_until_async, Client, FleetBuilder, FleetProcess, Split,
     Upgrade,
 };
-use router::admission::FLOOD_CLOSE_REASON;
-use serde_json::json;
 
 /// `cap_retry_after_ms = 2001`: with up to 25 % jitter the wait is 2001–2502 ms, so
 /// `Retry-After` (whole seconds, rounded up) is 3 on every refusal, and two answers compare.

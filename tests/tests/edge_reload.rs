@@ -10,12 +10,12 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{
+use nix::sys::signal::Signal;
+use serde_json::json;
+use testkit::{
     agent_text, fleet_bin, metric_at, reply_text, wait_until_async, Client, FleetProcess, Split,
     Upgrade,
 };
-use nix::sys::signal::Signal;
-use serde_json::json;
 
 /// A turn on a new thread; the thread.
 async fn a_turn(c: &mut Client, prompt: &str) -> anyhow::Result<String> {
@@ -29,7 +29,7 @@ async fn a_turn(c: &mut Client, prompt: &str) -> anyhow::Result<String> {
 /// Rewrites `path` with `edit`, then sends SIGHUP to `process`.
 fn edit_and_reload(
     path: &std::path::Path,
-    process: &e2e::FleetProcess,
+    process: &testkit::FleetProcess,
     edit: impl FnOnce(String) -> String,
 ) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(path)?;
@@ -150,9 +150,9 @@ async fn sighup_moves_a_tenant_to_another_node_and_a_node_s_refusal_passes_throu
     };
     moved.initialize("moved").await?;
     a_turn(&mut moved, "beta on n1").await?;
-    let on_n1 = e2e::http_get(n1.admin, "/metrics").await?.1;
+    let on_n1 = testkit::http_get(n1.admin, "/metrics").await?.1;
     assert_eq!(
-        e2e::metric_in(&on_n1, "codex_fleet_sessions", &[("tenant", "beta")]),
+        testkit::metric_in(&on_n1, "codex_fleet_sessions", &[("tenant", "beta")]),
         1.0,
         "the moved tenant's session runs on n1:\n{on_n1}"
     );
@@ -188,7 +188,7 @@ async fn an_unreachable_node_is_refused_with_retry_after_and_named_in_readyz() -
     let n2 = nodes.iter().find(|n| n["name"] == "n2").context("n2")?;
     assert_eq!(n2["reachable"], true, "{ready}");
     // One node of two is reachable: the edge stays ready.
-    let (status, _) = e2e::http_get(s.edges[0].admin, "/readyz").await?;
+    let (status, _) = testkit::http_get(s.edges[0].admin, "/readyz").await?;
     assert_eq!(status, 200);
     match Client::try_connect(&s.edges[0].url(), &s.files.ca, Some(&s.token("acme"))).await? {
         Upgrade::Refused {
@@ -226,7 +226,7 @@ async fn an_edge_presents_its_link_certificate_renewed_in_place() -> anyhow::Res
     let mut s = Split::start(&[("acme", "n1")], 1, "").await?;
     // A fresh link PKI in the link's files: the nodes are restarted on it, a new edge starts
     // with a client certificate that expires in 8 s.
-    let pki = e2e::pki::TestPki::new()?;
+    let pki = testkit::pki::TestPki::new()?;
     let link = s.link.clone();
     let (node_crt, node_key) = pki.leaf(
         &["localhost", "127.0.0.1"],

@@ -1,5 +1,5 @@
 //! docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md: the kubernetes nodes backend against an
-//! in-process fake API server ([`e2e::fake_kube`]) whose pods are real `codex-fleet node --tenant …
+//! in-process fake API server ([`testkit::fake_kube`]) whose pods are real `codex-fleet node --tenant …
 //! --exit-when-idle` processes on their own loopback addresses (127.0.0.N), with real workers and
 //! the mock model, behind real `codex-fleet serve` edges and a real wss client.
 
@@ -8,13 +8,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::fake_kube::FakeKube;
-use e2e::kube_cluster::{q, Cluster, Options, SERVER_NAME};
-use e2e::{
+use serde_json::{json, Value};
+use testkit::fake_kube::FakeKube;
+use testkit::kube_cluster::{q, Cluster, Options, SERVER_NAME};
+use testkit::{
     agent_text, fleet_bin, http_get, metric_in, reply_text, wait_until, wait_until_async, Client,
     FleetBuilder, FleetProcess,
 };
-use serde_json::{json, Value};
 use tokio::time::Instant;
 
 async fn turn(c: &mut Client, thread: &str, prompt: &str) -> anyhow::Result<()> {
@@ -1151,7 +1151,7 @@ async fn link_to(addr: SocketAddr, link: &Path, tenant: &str) -> anyhow::Result<
 
 /// The closing note's number: an edge's resident memory with 1,000 tenants known in its
 /// configuration (and its watch synced against the fake API server), against one with one
-/// tenant. `cargo test -p e2e --test kubernetes -- --ignored --nocapture edge_memory`.
+/// tenant. `cargo test -p codex-fleet-testkit --test kubernetes -- --ignored --nocapture edge_memory`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, not a check: run it by name"]
 async fn edge_memory_with_1000_tenants_known() -> anyhow::Result<()> {
@@ -1170,7 +1170,7 @@ async fn edge_memory_with_1000_tenants_known() -> anyhow::Result<()> {
         let _client = c.client(0, "t0").await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let pid = c.edges[0].pid().context("edge pid")?;
-        let kib = e2e::rss_kib(pid).context("rss")?;
+        let kib = testkit::rss_kib(pid).context("rss")?;
         let series = c
             .metrics(0)
             .await?

@@ -3,18 +3,18 @@
 //! environment and the service account's `token`, `ca.crt` and `namespace` at
 //! /var/run/secrets/kubernetes.io/serviceaccount, put there by a bind mount in a mount namespace of
 //! its own (so they are where kube-rs reads them, and nowhere else on the machine). The fake API
-//! server ([`e2e::fake_kube`]) speaks HTTPS with a test CA's certificate and answers 401 to any
+//! server ([`testkit::fake_kube`]) speaks HTTPS with a test CA's certificate and answers 401 to any
 //! request without an accepted bearer token. Root only (the mount namespace).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::fake_kube::{write_service_account, write_token, HttpsApi, SERVICE_ACCOUNT_DIR};
-use e2e::kube_cluster::{Cluster, Options};
-use e2e::pki::TestPki;
-use e2e::FleetProcess;
-use e2e::{agent_text, fleet_bin, reply_text, root_or_explicit_skip, wait_until_async, Client};
+use testkit::fake_kube::{write_service_account, write_token, HttpsApi, SERVICE_ACCOUNT_DIR};
+use testkit::kube_cluster::{Cluster, Options};
+use testkit::pki::TestPki;
+use testkit::FleetProcess;
+use testkit::{agent_text, fleet_bin, reply_text, root_or_explicit_skip, wait_until_async, Client};
 use tokio::time::Instant;
 
 async fn turn(c: &mut Client, thread: &str, prompt: &str) -> anyhow::Result<()> {

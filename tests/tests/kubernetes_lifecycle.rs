@@ -1,5 +1,5 @@
 //! docs/decisions/0015-on-kubernetes-lean-on-kubernetes.md: the kubernetes backend against a fake
-//! API server that deletes and loses pods as a cluster does ([`e2e::fake_kube`]): a delete is
+//! API server that deletes and loses pods as a cluster does ([`testkit::fake_kube`]): a delete is
 //! graceful (`deletionTimestamp`, the pod's grace period, SIGTERM to the node, SIGKILL when the
 //! grace period is over, the pod gone when its process is), a force delete is at once, a
 //! Terminating pod keeps its name, and a lost machine's pod stays Terminating until force-deleted.
@@ -10,9 +10,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::kube_cluster::{Cluster, Options};
-use e2e::{agent_text, reply_text, wait_until, wait_until_async, Client};
 use serde_json::{json, Value};
+use testkit::kube_cluster::{Cluster, Options};
+use testkit::{agent_text, reply_text, wait_until, wait_until_async, Client};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POD: &str = "codex-fleet-node-acme";
@@ -250,7 +250,7 @@ async fn a_lost_machines_sessions_close_1012_and_its_pod_stuck_terminating_is_re
     turn(&mut b, &thread, "on a new machine").await?;
     let m = c.metrics(0).await?;
     assert_eq!(
-        e2e::metric_in(
+        testkit::metric_in(
             &m,
             "codex_fleet_tenant_pod_recreations_total",
             &[("reason", "lost")]
@@ -351,7 +351,7 @@ async fn the_edge_resumes_its_watch_from_bookmarks_without_relisting_and_misses_
 async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> anyhow::Result<()> {
     let c = Cluster::start(Options::default()).await?;
     assert!(c.synced(0).await);
-    let out = std::process::Command::new(e2e::fleet_bin())
+    let out = std::process::Command::new(testkit::fleet_bin())
         .args(["render-tenant-pod", "--config"])
         .arg(&c.edge_config)
         .args(["--tenant", "acme"])
@@ -409,8 +409,8 @@ async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> any
         2,
         "the hostile pod and the tenant's own"
     );
-    let accepted = |m: &str| e2e::metric_in(m, "codex_fleet_connections_accepted_total", &[]);
-    let hostile_m = e2e::http_get(SocketAddr::from((hostile_ip, c.admin_port)), "/metrics")
+    let accepted = |m: &str| testkit::metric_in(m, "codex_fleet_connections_accepted_total", &[]);
+    let hostile_m = testkit::http_get(SocketAddr::from((hostile_ip, c.admin_port)), "/metrics")
         .await?
         .1;
     assert_eq!(
@@ -418,7 +418,7 @@ async fn a_pod_of_the_same_name_in_another_namespace_is_never_routed_to() -> any
         0.0,
         "the edge linked to the hostile pod"
     );
-    let own_m = e2e::http_get(c.pod_admin(POD).context("podIP")?, "/metrics")
+    let own_m = testkit::http_get(c.pod_admin(POD).context("podIP")?, "/metrics")
         .await?
         .1;
     assert!(accepted(&own_m) >= 1.0, "{own_m}");

@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::kube_cluster::{Cluster, Options};
-use e2e::{agent_text, http_get, metric_in, reply_text, wait_until, Client};
 use serde_json::{json, Value};
+use testkit::kube_cluster::{Cluster, Options};
+use testkit::{agent_text, http_get, metric_in, reply_text, wait_until, Client};
 use tokio::time::Instant;
 
 async fn turn(c: &mut Client, thread: &str, prompt: &str) -> anyhow::Result<()> {
@@ -67,7 +67,7 @@ async fn a_pod_of_an_older_template_is_kept_while_it_serves_and_replaced_when_id
     let before = reloads(&c.metrics(0).await?);
     c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;
     assert!(
-        e2e::wait_until_async(Duration::from_secs(10), || async {
+        testkit::wait_until_async(Duration::from_secs(10), || async {
             c.metrics(0).await.is_ok_and(|m| reloads(&m) > before)
         })
         .await,

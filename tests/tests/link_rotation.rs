@@ -9,11 +9,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::link::{straight_to_node, Straight};
-use e2e::pki::TestPki;
-use e2e::{agent_text, metric_at, reply_text, wait_until_async, Client, FleetProcess, Split};
 use router::tls::TLS_RELOADS;
 use serde_json::json;
+use testkit::link::{straight_to_node, Straight};
+use testkit::pki::TestPki;
+use testkit::{agent_text, metric_at, reply_text, wait_until_async, Client, FleetProcess, Split};
 
 /// A turn on a new thread.
 async fn a_turn(c: &mut Client, prompt: &str) -> anyhow::Result<()> {

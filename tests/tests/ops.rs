@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
-use e2e::{Client, FleetBuilder};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;
+use testkit::{Client, FleetBuilder};
 
 const DASHBOARD: &str = "ops/dashboards/codex-fleet.json";
 const RULES: &str = "ops/alerts/codex-fleet.rules.yml";
@@ -160,7 +160,7 @@ fn all_exprs() -> Vec<(String, String)> {
     exprs
 }
 
-async fn worker_pid(fleet: &e2e::Fleet) -> anyhow::Result<i32> {
+async fn worker_pid(fleet: &testkit::Fleet) -> anyhow::Result<i32> {
     let (status, body) = fleet.admin_get("/readyz").await?;
     if status != 200 {
         bail!("/readyz answered {status}: {body}");
@@ -427,7 +427,7 @@ async fn limits_and_worker_resources_are_exported_per_tenant() -> anyhow::Result
         .await?;
     assert_eq!(tenant_max, 3.0);
     let acme = [("tenant", "acme")];
-    let sampled = e2e::wait_until_async(Duration::from_secs(10), || async {
+    let sampled = testkit::wait_until_async(Duration::from_secs(10), || async {
         let rss = fleet
             .metric("codex_fleet_worker_resident_bytes", &acme)
             .await
@@ -546,11 +546,12 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
         .limits_toml("tenant_rps = 2\ntenant_burst = 30")
         .start()
         .await?;
-    let split = e2e::Split::start(&[("acme", "n1")], 1, "").await?;
-    let kube = e2e::kube_cluster::Cluster::start(e2e::kube_cluster::Options::default()).await?;
+    let split = testkit::Split::start(&[("acme", "n1")], 1, "").await?;
+    let kube =
+        testkit::kube_cluster::Cluster::start(testkit::kube_cluster::Options::default()).await?;
 
     let dir = tempfile::tempdir()?;
-    let port = e2e::free_port()?;
+    let port = testkit::free_port()?;
     let targets: Vec<String> = [
         fleet.admin_addr,
         split.edges[0].admin,
@@ -620,7 +621,7 @@ async fn every_dashboard_and_alert_expression_returns_data_from_a_real_prometheu
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let query = |q: String| async move {
         let path = format!("/api/v1/query?query={}", percent_encode(&q));
-        match e2e::http_get(prometheus, &path).await {
+        match testkit::http_get(prometheus, &path).await {
             Ok((_, body)) => serde_json::from_str::<Value>(&body).unwrap_or(Value::Null),
             Err(e) => Value::String(e.to_string()),
         }
@@ -722,7 +723,7 @@ async fn turns_tokens_and_approvals_count_once_per_tenant() -> anyhow::Result<()
     // Every model call of both turns (the first turn made one), once, not twice for two
     // sessions, and not again for the fork's restatement.
     let calls = model_calls + 1.0;
-    let u = e2e::MOCK_USAGE;
+    let u = testkit::MOCK_USAGE;
     for (kind, per_call) in [
         ("input", u.input),
         ("cached_input", u.cached_input),
@@ -826,29 +827,29 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
 ) -> anyhow::Result<()> {
     let files = FleetBuilder::new()
         .tenant_pool("acme", 1, 3)
-        .workers_toml(&format!("max_workers = 6\n{}", e2e::FAST_FAULTS))
+        .workers_toml(&format!("max_workers = 6\n{}", testkit::FAST_FAULTS))
         .limits_toml("tenant_rps = 1\ntenant_burst = 12\nmax_active_turns_per_tenant = 4")
         .prepare()
         .await?;
-    let fleet = e2e::FleetProcess::spawn(&files).await?;
+    let fleet = testkit::FleetProcess::spawn(&files).await?;
     let mut c = fleet.client(&files, &files.token("acme")).await?;
     let thread = c.start_thread().await?;
     // The workers' memory is sampled at each health ping (every second here): once it has been,
     // top's MEMORY column has a number to show.
     let memory = || {
-        e2e::metric_at(
+        testkit::metric_at(
             fleet.admin,
             "codex_fleet_worker_resident_bytes",
             &[("tenant", "acme")],
         )
     };
-    let sampled = e2e::wait_until_async(Duration::from_secs(10), || async {
+    let sampled = testkit::wait_until_async(Duration::from_secs(10), || async {
         memory().await.is_ok_and(|b| b > 0.0)
     })
     .await;
     assert!(sampled, "the worker's memory was never sampled");
     let mut gate = SampleGate::start(fleet.admin, 2).await?;
-    let top = tokio::process::Command::new(e2e::fleet_bin())
+    let top = tokio::process::Command::new(testkit::fleet_bin())
         .args(["top", "--once", "--interval", "1", "--admin"])
         .arg(format!("http://{}", gate.addr))
         .stdout(std::process::Stdio::piped())
@@ -859,13 +860,13 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
     gate.until_done(1).await?;
     let interval_began = tokio::time::Instant::now();
     let counters = || async {
-        let (status, text) = e2e::http_get(fleet.admin, "/metrics").await?;
+        let (status, text) = testkit::http_get(fleet.admin, "/metrics").await?;
         anyhow::ensure!(status == 200, "/metrics answered {status}");
         let acme = [("tenant", "acme")];
         let tokens: f64 = ["input", "output"]
             .iter()
             .map(|k| {
-                e2e::metric_in(
+                testkit::metric_in(
                     &text,
                     "codex_fleet_model_tokens_total",
                     &[("tenant", "acme"), ("kind", k)],
@@ -873,7 +874,7 @@ async fn top_shows_tenants_against_their_limits_turns_tokens_and_who_is_refused(
             })
             .sum();
         anyhow::Ok((
-            e2e::metric_in(&text, "codex_fleet_turns_started_total", &acme),
+            testkit::metric_in(&text, "codex_fleet_turns_started_total", &acme),
             tokens,
         ))
     };
@@ -1022,7 +1023,7 @@ async fn an_interrupted_approval_is_audited_as_withdrawn_and_the_next_one_as_ans
             .collect()
     };
     assert!(
-        e2e::wait_until(Duration::from_secs(10), || events()
+        testkit::wait_until(Duration::from_secs(10), || events()
             .iter()
             .any(|e| e["event"] == "approval.answered"))
         .await

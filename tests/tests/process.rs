@@ -5,9 +5,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, workers_under, Client, FleetBuilder, FleetFiles, FleetProcess};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use testkit::{
+    agent_text, reply_text, workers_under, Client, FleetBuilder, FleetFiles, FleetProcess,
+};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -16,10 +18,10 @@ async fn wait_gone(pids: &[i32], within: Duration) -> Vec<i32> {
     let alive = || -> Vec<i32> {
         pids.iter()
             .copied()
-            .filter(|p| e2e::process_alive(*p))
+            .filter(|p| testkit::process_alive(*p))
             .collect()
     };
-    e2e::wait_until(within, || alive().is_empty()).await;
+    testkit::wait_until(within, || alive().is_empty()).await;
     alive()
 }
 
@@ -46,7 +48,7 @@ async fn sigterm_stops_every_worker_and_exits_zero() -> anyhow::Result<()> {
     assert!(status.success(), "codex-fleet exited with {status:?}");
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(e2e::processes_under(files.dir.path()).is_empty());
+    assert!(testkit::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -62,14 +64,14 @@ async fn sigkill_leaves_no_worker_behind() -> anyhow::Result<()> {
         left.is_empty(),
         "workers outlived a SIGKILLed codex-fleet: {left:?}"
     );
-    assert!(e2e::processes_under(files.dir.path()).is_empty());
+    assert!(testkit::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_config_names_the_bad_key() -> anyhow::Result<()> {
     let files = FleetBuilder::new().tenant("acme").prepare().await?;
-    let ok = Command::new(e2e::fleet_bin())
+    let ok = Command::new(testkit::fleet_bin())
         .arg("check-config")
         .arg(&files.config)
         .output()
@@ -78,7 +80,7 @@ async fn check_config_names_the_bad_key() -> anyhow::Result<()> {
     let bad = files.dir.path().join("bad.toml");
     let text = std::fs::read_to_string(&files.config)? + "\n[limits]\nmax_conections = 5\n";
     std::fs::write(&bad, text)?;
-    let out = Command::new(e2e::fleet_bin())
+    let out = Command::new(testkit::fleet_bin())
         .arg("check-config")
         .arg(&bad)
         .output()
@@ -95,10 +97,10 @@ async fn dev_serves_a_turn_with_the_printed_credentials() -> anyhow::Result<()> 
         .prefix("cfdev")
         .tempdir_in("/tmp")?;
     let state = dir.path().join("dev");
-    let mut child = Command::new(e2e::fleet_bin())
+    let mut child = Command::new(testkit::fleet_bin())
         .args(["dev", "--port", "0", "--admin-port", "0", "--state-dir"])
         .arg(&state)
-        .env("CODEX_BIN", e2e::codex_bin())
+        .env("CODEX_BIN", testkit::codex_bin())
         .env("CODEX_FLEET_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -134,10 +136,13 @@ async fn dev_serves_a_turn_with_the_printed_credentials() -> anyhow::Result<()> 
         .find(|w| w.starts_with("wss://"))
         .context("no url")?;
     assert!(exec_line.contains(&format!("SSL_CERT_FILE={}", state.join("ca.pem").display())));
-    let out = e2e::codex_exec_remote(url, &state.join("ca.pem"), &token, "hello dev").await?;
+    let out = testkit::codex_exec_remote(url, &state.join("ca.pem"), &token, "hello dev").await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
-    assert!(stdout.contains(&e2e::reply_text("hello dev")), "{stdout}");
+    assert!(
+        stdout.contains(&testkit::reply_text("hello dev")),
+        "{stdout}"
+    );
     kill(
         Pid::from_raw(child.id().context("pid")? as i32),
         Signal::SIGTERM,
@@ -184,7 +189,7 @@ async fn sigint_drains_like_sigterm() -> anyhow::Result<()> {
     assert!(status.success(), "{status:?}: {}", proc.stderr());
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(e2e::processes_under(files.dir.path()).is_empty());
+    assert!(testkit::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -205,7 +210,7 @@ async fn a_second_sigterm_exits_at_once_with_130() -> anyhow::Result<()> {
     assert_eq!(status.code(), Some(130), "{status:?}: {}", proc.stderr());
     let left = wait_gone(&workers, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "workers outlived codex-fleet: {left:?}");
-    assert!(e2e::processes_under(files.dir.path()).is_empty());
+    assert!(testkit::processes_under(files.dir.path()).is_empty());
     Ok(())
 }
 
@@ -291,7 +296,7 @@ async fn start_up_warns_about_its_own_files_readable_by_others() -> anyhow::Resu
 async fn the_npm_launcher_is_resolved_to_the_native_binary() -> anyhow::Result<()> {
     // CODEX_BIN is <modules>/@openai/codex-linux-x64/vendor/<triple>/bin/codex; the npm
     // launcher of the same install is <modules>/@openai/codex/bin/codex.js.
-    let native = std::fs::canonicalize(e2e::codex_bin())?;
+    let native = std::fs::canonicalize(testkit::codex_bin())?;
     let scope = native
         .ancestors()
         .nth(5)
@@ -305,7 +310,7 @@ async fn the_npm_launcher_is_resolved_to_the_native_binary() -> anyhow::Result<(
     let files = FleetBuilder::new().tenant("acme").prepare().await?;
     let q = |p: &std::path::Path| serde_json::to_string(&p.display().to_string()).expect("string");
     let text = std::fs::read_to_string(&files.config)?;
-    let swapped = text.replace(&q(&e2e::codex_bin()), &q(&launcher));
+    let swapped = text.replace(&q(&testkit::codex_bin()), &q(&launcher));
     assert_ne!(text, swapped, "workers.command names the codex binary");
     std::fs::write(&files.config, swapped)?;
     let fleet = files.start().await?;

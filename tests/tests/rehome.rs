@@ -8,14 +8,14 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, reply_text, wait_until_async, Client, Fleet, FleetBuilder};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
+use testkit::{agent_text, reply_text, wait_until_async, Client, Fleet, FleetBuilder};
 use tokio::time::Instant;
 use worker::WorkerId;
 
-use e2e::FAST_FAULTS as FAST;
+use testkit::FAST_FAULTS as FAST;
 
 const REHOMES: &str = "codex_fleet_thread_rehomes_total";
 
@@ -42,7 +42,7 @@ async fn two_ready_workers_with(extra: &str) -> anyhow::Result<Fleet> {
         .start()
         .await?;
     assert!(
-        e2e::pools_ready(&fleet, &[("acme", 2)]).await,
+        testkit::pools_ready(&fleet, &[("acme", 2)]).await,
         "two ready workers"
     );
     Ok(fleet)
@@ -323,7 +323,7 @@ fn codex_wrapper(
         format!(
             "#!/bin/sh\n[ -e {flag} ] && {instead}\nexec {codex} \"$@\"\n",
             flag = flag.display(),
-            codex = e2e::codex_bin().display()
+            codex = testkit::codex_bin().display()
         ),
     )?;
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
@@ -345,7 +345,7 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
         .workers_toml(FAST)
         .start()
         .await?;
-    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
+    assert!(testkit::pools_ready(&fleet, &[("acme", 1)]).await);
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
@@ -398,7 +398,7 @@ async fn another_tenant_learns_nothing_of_a_move_and_cannot_take_the_thread() ->
         .start()
         .await?;
     assert!(
-        e2e::pools_ready(&fleet, &[("acme", 2), ("beta", 1)]).await,
+        testkit::pools_ready(&fleet, &[("acme", 2), ("beta", 1)]).await,
         "workers ready"
     );
     let (mut a, mut b, thread) = two_subscribers(&fleet).await?;
@@ -546,7 +546,7 @@ async fn a_thread_whose_resume_fails_closes_for_its_session_and_is_counted_resum
     assert_eq!(outcome_is(&fleet, "no_worker").await?, 0.0);
     assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
     // Another worker was ready all along: it was the resume that failed, not the placement.
-    assert_eq!(e2e::ready_workers(&fleet, "acme"), 1);
+    assert_eq!(testkit::ready_workers(&fleet, "acme"), 1);
     a.close().await;
     fleet.stop().await
 }
@@ -570,7 +570,7 @@ async fn with_no_worker_ready_within_ready_timeout_the_thread_closes_after_it() 
         ready_timeout.as_secs(),
     )
     .await?;
-    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
+    assert!(testkit::pools_ready(&fleet, &[("acme", 1)]).await);
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
@@ -620,7 +620,7 @@ async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyh
         ready_timeout.as_secs(),
     )
     .await?;
-    assert!(e2e::pools_ready(&fleet, &[("acme", 1)]).await);
+    assert!(testkit::pools_ready(&fleet, &[("acme", 1)]).await);
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
@@ -640,7 +640,7 @@ async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyh
     .await;
     assert!(waiting, "beta's slot exists");
     assert_eq!(
-        e2e::ready_workers(&fleet, "beta"),
+        testkit::ready_workers(&fleet, "beta"),
         0,
         "beta has no fleet slot yet"
     );
@@ -657,11 +657,11 @@ async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyh
     assert_eq!(outcome_is(&fleet, "no_worker").await?, 1.0);
     assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
     assert_eq!(
-        e2e::ready_workers(&fleet, "beta"),
+        testkit::ready_workers(&fleet, "beta"),
         1,
         "beta took the freed slot"
     );
-    assert_eq!(e2e::ready_workers(&fleet, "acme"), 0);
+    assert_eq!(testkit::ready_workers(&fleet, "acme"), 0);
     a.close().await;
     fleet.stop().await
 }
@@ -684,7 +684,7 @@ async fn a_session_not_following_the_thread_is_told_it_is_idle() -> anyhow::Resu
         seen: &mut Vec<Value>,
         mut done: impl FnMut(&Value) -> bool,
     ) -> anyhow::Result<()> {
-        let deadline = Instant::now() + e2e::STEP;
+        let deadline = Instant::now() + testkit::STEP;
         loop {
             let v = c
                 .recv_wire(deadline.saturating_duration_since(Instant::now()))

@@ -5,9 +5,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{agent_text, ready_workers, reply_text, wait_until, FleetBuilder};
 use futures_util::future::try_join_all;
 use serde_json::{json, Value};
+use testkit::{agent_text, ready_workers, reply_text, wait_until, FleetBuilder};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyhow::Result<()> {
@@ -137,7 +137,7 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         .await?;
     a.send(&json!({ "id": ask_a["id"], "result": { "decision": "decline" } }))
         .await?;
-    let counted = e2e::wait_until_async(Duration::from_secs(10), || async {
+    let counted = testkit::wait_until_async(Duration::from_secs(10), || async {
         fleet
             .metric("codex_fleet_client_errors_total", &unknown)
             .await

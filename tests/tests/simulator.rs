@@ -7,8 +7,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use e2e::{agent_text, reply_text, FleetBuilder};
 use serde_json::{json, Value};
+use testkit::{agent_text, reply_text, FleetBuilder};
 
 const TENANTS: usize = 20;
 const WORKERS: usize = 2;
@@ -18,7 +18,7 @@ fn sim_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("CODEX_SIM_BIN") {
         return PathBuf::from(p);
     }
-    let p = e2e::fleet_bin().with_file_name("codex-app-server-sim");
+    let p = testkit::fleet_bin().with_file_name("codex-app-server-sim");
     assert!(
         p.is_file(),
         "{} is missing: run `cargo build --bins` first",
@@ -43,12 +43,12 @@ fn tenant_workers(readyz: &Value, tenant: &str) -> (usize, u64) {
     (ready, restarts)
 }
 
-async fn readyz(fleet: &e2e::Fleet) -> anyhow::Result<Value> {
+async fn readyz(fleet: &testkit::Fleet) -> anyhow::Result<Value> {
     let (_, body) = fleet.admin_get("/readyz").await?;
     Ok(serde_json::from_str(&body)?)
 }
 
-async fn one_turn(fleet: &e2e::Fleet, tenant: &str, text: &str) -> anyhow::Result<()> {
+async fn one_turn(fleet: &testkit::Fleet, tenant: &str, text: &str) -> anyhow::Result<()> {
     let mut c = fleet.client(tenant).await?;
     let thread = c.start_thread().await?;
     c.start_turn(&thread, text).await?;
@@ -77,7 +77,7 @@ async fn simulated_fleet_ready_turns_and_stall_replaced() -> anyhow::Result<()> 
     // Same configuration, simulated workers: swap the program in `workers.command`.
     let q = |p: &std::path::Path| serde_json::to_string(&p.display().to_string()).unwrap();
     let text = std::fs::read_to_string(&files.config)?;
-    let swapped = text.replace(&q(&e2e::codex_bin()), &q(&sim_bin()));
+    let swapped = text.replace(&q(&testkit::codex_bin()), &q(&sim_bin()));
     assert_ne!(text, swapped, "workers.command names the codex binary");
     std::fs::write(&files.config, swapped)?;
     let started = Instant::now();

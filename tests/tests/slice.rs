@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use e2e::{agent_text, reply_text, Client, FleetBuilder};
 use serde_json::{json, Value};
+use testkit::{agent_text, reply_text, Client, FleetBuilder};
 
 fn methods(msgs: &[Value]) -> Vec<String> {
     msgs.iter()
@@ -80,7 +80,7 @@ async fn an_approval_round_trips_with_the_routers_id() -> anyhow::Result<()> {
     c.send(&json!({ "id": id, "result": { "decision": "decline" } }))
         .await?;
     c.request("thread/loaded/list", json!({})).await?;
-    let counted = e2e::wait_until_async(Duration::from_secs(10), || async {
+    let counted = testkit::wait_until_async(Duration::from_secs(10), || async {
         fleet
             .metric("codex_fleet_client_errors_total", &unknown)
             .await
@@ -103,7 +103,7 @@ async fn an_approval_round_trips_with_the_routers_id() -> anyhow::Result<()> {
 async fn codex_exec_remote_runs_a_prompt() -> anyhow::Result<()> {
     let fleet = FleetBuilder::new().tenant("acme").start().await?;
     let prompt = "exec through the fleet";
-    let out = e2e::codex_exec_remote(
+    let out = testkit::codex_exec_remote(
         &fleet.url(),
         &fleet.files.ca,
         &fleet.files.token("acme"),
@@ -206,10 +206,10 @@ async fn other_paths_get_404_plain_requests_426_and_healthz_answers() -> anyhow:
         }
     };
     // The control: the same upgrade on `/` is accepted.
-    let ok = e2e::https_raw(fleet.addr, &fleet.files.ca, &upgrade_request("/", &token)).await?;
+    let ok = testkit::https_raw(fleet.addr, &fleet.files.ca, &upgrade_request("/", &token)).await?;
     assert_eq!(status_of(&ok).as_deref(), Some("101"), "{ok}");
     let path_before = refused("path").await?;
-    let other = e2e::https_raw(
+    let other = testkit::https_raw(
         fleet.addr,
         &fleet.files.ca,
         &upgrade_request("/other", &token),
@@ -218,7 +218,7 @@ async fn other_paths_get_404_plain_requests_426_and_healthz_answers() -> anyhow:
     assert_eq!(status_of(&other).as_deref(), Some("404"), "{other}");
     assert_eq!(refused("path").await?, path_before + 1.0);
     let plain_before = refused("not_websocket").await?;
-    let plain = e2e::https_raw(
+    let plain = testkit::https_raw(
         fleet.addr,
         &fleet.files.ca,
         &format!("GET / HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n\r\n"),
@@ -246,7 +246,7 @@ async fn a_connection_silent_in_its_handshake_is_closed_at_the_deadline() -> any
     let deadline = Duration::from_secs(5);
     // Silent before TLS, and silent after TLS before any HTTP.
     let mut tcp = tokio::net::TcpStream::connect(fleet.addr).await?;
-    let connector = tokio_rustls::TlsConnector::from(e2e::client_tls(&fleet.files.ca)?);
+    let connector = tokio_rustls::TlsConnector::from(testkit::client_tls(&fleet.files.ca)?);
     let tls_tcp = tokio::net::TcpStream::connect(fleet.addr).await?;
     let name = rustls::pki_types::ServerName::try_from("localhost")?;
     let mut tls = connector.connect(name, tls_tcp).await?;
@@ -290,11 +290,11 @@ async fn connections_beyond_the_handshake_headroom_wait_for_a_free_slot() -> any
         .start()
         .await?;
     let tls_handshake = || async {
-        let connector = tokio_rustls::TlsConnector::from(e2e::client_tls(&fleet.files.ca)?);
+        let connector = tokio_rustls::TlsConnector::from(testkit::client_tls(&fleet.files.ca)?);
         let tcp = tokio::net::TcpStream::connect(fleet.addr).await?;
         let name = rustls::pki_types::ServerName::try_from("localhost")?;
         let t = tokio::time::Instant::now();
-        let tls = tokio::time::timeout(e2e::STEP, connector.connect(name, tcp)).await??;
+        let tls = tokio::time::timeout(testkit::STEP, connector.connect(name, tcp)).await??;
         Ok::<_, anyhow::Error>((t.elapsed(), tls))
     };
     // The control: with nothing else open the handshake is immediate.

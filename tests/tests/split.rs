@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::link::{straight_to_node, Straight};
-use e2e::{agent_text, reply_text, wait_until_async, Client, Split, Upgrade};
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
+use testkit::link::{straight_to_node, Straight};
+use testkit::{agent_text, reply_text, wait_until_async, Client, Split, Upgrade};
 use tokio::time::Instant;
 
 async fn first_turn(c: &mut Client, prompt: &str) -> anyhow::Result<String> {
@@ -138,9 +138,9 @@ async fn two_edges_share_a_thread_and_a_node_s_death_touches_only_its_tenants() 
         }
         Upgrade::Open(_) => panic!("a session opened for a tenant whose node is down"),
     }
-    let metrics = e2e::http_get(s.edges[0].admin, "/metrics").await?.1;
+    let metrics = testkit::http_get(s.edges[0].admin, "/metrics").await?.1;
     assert!(
-        e2e::metric_in(
+        testkit::metric_in(
             &metrics,
             "codex_fleet_link_errors_total",
             &[("node", "n1"), ("reason", "lost")]
@@ -268,7 +268,7 @@ async fn codex_exec_and_the_tui_work_through_an_edge() -> anyhow::Result<()> {
     let prompt = "exec through an edge";
     let out = tokio::time::timeout(
         Duration::from_secs(90),
-        tokio::process::Command::new(e2e::codex_bin())
+        tokio::process::Command::new(testkit::codex_bin())
             .args(["exec", "--remote", &s.edges[0].url()])
             .args([
                 "--remote-auth-token-env",
@@ -291,7 +291,7 @@ async fn codex_exec_and_the_tui_work_through_an_edge() -> anyhow::Result<()> {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut tmux = e2e::Tmux::new("edge-tui");
+    let mut tmux = testkit::Tmux::new("edge-tui");
     tmux.start_tui(&s.edges[0].url(), &s.files.ca, &s.token("acme"))
         .await?;
     tmux.type_line("hello through an edge")?;

@@ -8,17 +8,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{
-    agent_text, metric_in, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder,
-    FleetFiles,
-};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
+use testkit::{
+    agent_text, metric_in, reply_text, wait_until, workers_under, Client, Fleet, FleetBuilder,
+    FleetFiles,
+};
 use tokio::process::Command;
 use tokio::time::Instant;
 
-use e2e::FAST_FAULTS as FAST;
+use testkit::FAST_FAULTS as FAST;
 
 fn workers(fleet: &Fleet, tenant: &str) -> Vec<worker::WorkerInfo> {
     fleet.tenant(tenant).pool.workers()
@@ -58,13 +58,13 @@ fn socket_files(state: &Path) -> BTreeSet<PathBuf> {
 /// more, and no socket file remains.
 async fn assert_clean(state: &Path, sockets: &BTreeSet<PathBuf>) {
     let gone = wait_until(Duration::from_secs(10), || {
-        e2e::processes_under(state).is_empty()
+        testkit::processes_under(state).is_empty()
     })
     .await;
     assert!(
         gone,
         "processes outlived codex-fleet: {:?}",
-        e2e::processes_under(state)
+        testkit::processes_under(state)
     );
     let now = socket_files(state);
     let left: Vec<_> = sockets
@@ -217,7 +217,7 @@ async fn a_stopped_worker_is_detected_killed_and_replaced() -> anyhow::Result<()
     // Worst case: a whole interval before the next ping, then its deadline, then the reap.
     assert!(detected < Duration::from_millis(3500), "{detected:?}");
     assert!(
-        !e2e::process_alive(pid as i32),
+        !testkit::process_alive(pid as i32),
         "the hung worker was killed"
     );
     assert!(
@@ -348,7 +348,7 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         .await?;
     add_tenant_with_command(&only, "broken", &["/bin/false"])?;
     let fleet = only.start().await?;
-    let unready = e2e::wait_until_async(Duration::from_secs(15), || async {
+    let unready = testkit::wait_until_async(Duration::from_secs(15), || async {
         fleet.admin_get("/readyz").await.is_ok_and(|r| r.0 == 503)
     })
     .await;
@@ -362,7 +362,7 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
     let bad = dir.path().join("missing.toml");
     let text = config_text.replace("/bin/false", "/nonexistent/codex");
     std::fs::write(&bad, text)?;
-    let out = Command::new(e2e::fleet_bin())
+    let out = Command::new(testkit::fleet_bin())
         .arg("check-config")
         .arg(&bad)
         .output()
@@ -373,7 +373,7 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
         stderr.contains("broken") && stderr.contains("/nonexistent/codex"),
         "{stderr}"
     );
-    let out = Command::new(e2e::fleet_bin())
+    let out = Command::new(testkit::fleet_bin())
         .args(["serve", "--config"])
         .arg(&bad)
         .output()
@@ -383,12 +383,12 @@ async fn a_command_that_exits_at_once_is_quarantined_and_shown() -> anyhow::Resu
 }
 
 /// `codex-fleet serve` as a child process (the shared fixture).
-type Proc = e2e::FleetProcess;
+type Proc = testkit::FleetProcess;
 
 /// Ready workers over all tenants, from `/readyz`.
 async fn ready_workers_of(proc: &Proc) -> anyhow::Result<usize> {
-    let (_, body) = e2e::http_get(proc.admin, "/readyz").await?;
-    Ok(e2e::readyz_ready_workers(&body)?.values().sum())
+    let (_, body) = testkit::http_get(proc.admin, "/readyz").await?;
+    Ok(testkit::readyz_ready_workers(&body)?.values().sum())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -406,10 +406,10 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let signalled = Instant::now();
     proc.signal(Signal::SIGTERM)?;
     // Not ready at once; new connections are still served during the settle period.
-    let mut readyz = e2e::http_get(proc.admin, "/readyz").await?;
+    let mut readyz = testkit::http_get(proc.admin, "/readyz").await?;
     while readyz.0 != 503 && signalled.elapsed() < Duration::from_millis(500) {
         tokio::time::sleep(Duration::from_millis(10)).await;
-        readyz = e2e::http_get(proc.admin, "/readyz").await?;
+        readyz = testkit::http_get(proc.admin, "/readyz").await?;
     }
     let unready_after = signalled.elapsed();
     assert_eq!(readyz.0, 503, "{}", readyz.1);
@@ -418,7 +418,7 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
     let late = proc.client(&files, &token).await?;
     tokio::time::sleep_until(signalled + Duration::from_millis(2300)).await;
     match Client::try_connect(&proc.url(), &files.ca, Some(&token)).await? {
-        e2e::Upgrade::Refused {
+        testkit::Upgrade::Refused {
             status,
             retry_after,
             body,
@@ -429,7 +429,7 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
                 "the draining 503 carries Retry-After: {retry_after:?}"
             );
         }
-        e2e::Upgrade::Open(_) => panic!("a connection after the settle period is refused"),
+        testkit::Upgrade::Open(_) => panic!("a connection after the settle period is refused"),
     }
     // The running turn completes, then the session closes with 1001.
     let msgs = c.until_turn_completed(&thread).await?;
@@ -541,7 +541,7 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         agent_text(&c2.until_turn_completed(&t2).await?),
         Some(reply_text("after the reload"))
     );
-    e2e::wait_until_async(Duration::from_secs(30), || async {
+    testkit::wait_until_async(Duration::from_secs(30), || async {
         ready_workers_of(&proc).await.is_ok_and(|n| n >= 3)
     })
     .await;
@@ -557,7 +557,7 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     let refused = {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let m = e2e::http_get(proc.admin, "/metrics").await?.1;
+            let m = testkit::http_get(proc.admin, "/metrics").await?.1;
             let n = metric_in(
                 &m,
                 "codex_fleet_config_reloads_total",
@@ -603,7 +603,7 @@ async fn an_idle_fleet_of_twenty_workers_drains_quickly() -> anyhow::Result<()> 
     let files = b.prepare().await?;
     let proc = Proc::spawn(&files).await?;
     let started = Instant::now();
-    let all_ready = e2e::wait_until_async(Duration::from_secs(60), || async {
+    let all_ready = testkit::wait_until_async(Duration::from_secs(60), || async {
         ready_workers_of(&proc).await.is_ok_and(|n| n == 20)
     })
     .await;
@@ -697,12 +697,12 @@ async fn a_reload_runs_hooks_applies_new_limits_and_closes_a_removed_tenants_ses
     )
     .await?
     {
-        e2e::Upgrade::Refused { status, body, .. } => {
+        testkit::Upgrade::Refused { status, body, .. } => {
             assert_eq!(status, 503, "{body}");
             assert!(body.contains("tooManyConnections"), "{body}");
             assert!(body.contains("tenant"), "{body}");
         }
-        e2e::Upgrade::Open(_) => panic!("the reloaded per-tenant cap of 1 was not applied"),
+        testkit::Upgrade::Open(_) => panic!("the reloaded per-tenant cap of 1 was not applied"),
     }
     only.close().await;
     // Its open session was closed by the reload (its token and tenant are gone:

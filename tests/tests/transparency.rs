@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use e2e::{ready_workers, wait_until, Fleet, FleetBuilder, STEP};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
+use testkit::{ready_workers, wait_until, Fleet, FleetBuilder, STEP};
 use tokio::net::UnixStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
@@ -82,7 +82,7 @@ impl Direct {
     }
 }
 
-/// The initialize `e2e::Client::initialize` sends.
+/// The initialize `testkit::Client::initialize` sends.
 fn initialize_frame() -> Value {
     json!({
         "id": "initialize",
@@ -285,7 +285,7 @@ async fn unknown_methods_get_app_servers_own_answer_and_reach_no_worker() -> any
 async fn threads_on_two_workers(
     fleet: &Fleet,
     per_worker: usize,
-) -> anyhow::Result<(e2e::Client, Vec<(String, u32)>)> {
+) -> anyhow::Result<(testkit::Client, Vec<(String, u32)>)> {
     let mut c = fleet.client("acme").await?;
     let table = &fleet.tenant("acme").table;
     let mut threads: Vec<(String, u32)> = Vec::new();
@@ -560,7 +560,7 @@ async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()
 /// One client connection of the scenario: straight to a worker's socket, or through codex-fleet.
 enum Wire {
     Direct(Box<Direct>),
-    Fleet(Box<e2e::Client>),
+    Fleet(Box<testkit::Client>),
 }
 
 /// How long a step waits for more after its last expected message: notifications that follow
@@ -1122,7 +1122,7 @@ async fn direct_run() -> anyhow::Result<Vec<(String, Value)>> {
 /// how many workers the scenario's threads ended up on.
 async fn fleet_run() -> anyhow::Result<(Vec<(String, Value)>, usize)> {
     let fleet = two_worker_fleet().await?;
-    let wire = |c: e2e::Client| Run {
+    let wire = |c: testkit::Client| Run {
         wire: Wire::Fleet(Box::new(c)),
         next_id: 1,
         steps: Vec::new(),

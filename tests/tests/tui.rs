@@ -4,11 +4,11 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use e2e::{wait_until, FleetBuilder, Tmux};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use testkit::{wait_until, FleetBuilder, Tmux};
 
-use e2e::FAST_FAULTS as FAST;
+use testkit::FAST_FAULTS as FAST;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::Result<()> {
@@ -17,7 +17,7 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
         .workers_toml(FAST)
         .start()
         .await?;
-    assert!(e2e::pools_ready(&fleet, &[("acme", 2)]).await);
+    assert!(testkit::pools_ready(&fleet, &[("acme", 2)]).await);
     let mut tmux = Tmux::new("tui");
     tmux.start_tui(&fleet.url(), &fleet.files.ca, &fleet.files.token("acme"))
         .await?;
@@ -53,7 +53,10 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
     // The next prompt completes, in the same TUI, on the thread's new worker.
     tmux.type_line("after the crash")?;
     let screen = tmux
-        .until_screen_has(&e2e::reply_text("after the crash"), Duration::from_secs(60))
+        .until_screen_has(
+            &testkit::reply_text("after the crash"),
+            Duration::from_secs(60),
+        )
         .await?;
     assert!(!screen.contains("TUI-EXITED"), "{screen}");
     assert!(

@@ -83,7 +83,7 @@ impl Conn {
 /// An initialized connection to `url` (trusting `ca` for wss), with a bearer token.
 pub async fn connect_ws(url: &str, ca: Option<&Path>, token: Option<&str>) -> anyhow::Result<Conn> {
     let tls = match ca {
-        Some(ca) => Some(e2e::client_tls(ca)?),
+        Some(ca) => Some(testkit::client_tls(ca)?),
         None => None,
     };
     connect_ws_with(

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::{bail, Context};
-use e2e::FleetFiles;
+use testkit::FleetFiles;
 use tokio::process::{Child, Command};
 
 /// The binary `name` built beside the running bench binary, or the path in `env` when set.
@@ -87,7 +87,7 @@ pub async fn spawn_fleet_config(
         .kill_on_drop(true)
         .spawn()
         .with_context(|| format!("spawning {}", bin.display()))?;
-    let (wss, admin) = e2e::read_addresses(&mut child).await?;
+    let (wss, admin) = testkit::read_addresses(&mut child).await?;
     Ok((child, wss, admin))
 }
 
@@ -105,7 +105,7 @@ pub fn cpu_secs(pid: u32) -> Option<f64> {
     Some(ticks as f64 / per_sec as f64)
 }
 
-/// Peak resident memory of a process in KiB (`VmHWM`; `e2e::rss_kib` reads the current one).
+/// Peak resident memory of a process in KiB (`VmHWM`; `testkit::rss_kib` reads the current one).
 pub fn peak_rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()

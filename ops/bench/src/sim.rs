@@ -111,7 +111,7 @@ impl SimFleet {
 
 /// Ready workers and all workers, from `/readyz`.
 pub async fn ready_count(admin: SocketAddr) -> anyhow::Result<(usize, usize)> {
-    let (_, body) = e2e::http_get(admin, "/readyz").await?;
+    let (_, body) = testkit::http_get(admin, "/readyz").await?;
     let v: Value = serde_json::from_str(&body)?;
     let mut ready = 0;
     let mut total = 0;

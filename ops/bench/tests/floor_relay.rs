@@ -98,7 +98,7 @@ type Client =
 
 async fn connect(port: u16, ca: &Path) -> anyhow::Result<Client> {
     let req = format!("wss://localhost:{port}/").into_client_request()?;
-    let tls = Connector::Rustls(e2e::client_tls(ca)?);
+    let tls = Connector::Rustls(testkit::client_tls(ca)?);
     let (ws, _) =
         tokio_tungstenite::connect_async_tls_with_config(req, None, true, Some(tls)).await?;
     Ok(ws)

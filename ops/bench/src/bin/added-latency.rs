@@ -33,8 +33,8 @@ use codex_fleet_bench::latency::{
     connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
     TIMEOUT,
 };
-use e2e::{FleetBuilder, FleetFiles};
 use serde_json::json;
+use testkit::{FleetBuilder, FleetFiles};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
@@ -63,7 +63,7 @@ async fn start_fleet(files: &FleetFiles) -> anyhow::Result<(Child, String)> {
     let (child, wss, admin) = codex_fleet_bench::spawn_fleet(files).await?;
     let deadline = Instant::now() + TIMEOUT;
     loop {
-        let (_, body) = e2e::http_get(admin, "/readyz").await?;
+        let (_, body) = testkit::http_get(admin, "/readyz").await?;
         if body.contains("\"state\": \"ready\"") {
             break;
         }
@@ -77,7 +77,7 @@ async fn start_fleet(files: &FleetFiles) -> anyhow::Result<(Child, String)> {
 
 /// A second app-server on the tenant's CODEX_HOME, listening on loopback TCP.
 fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result<Child> {
-    let mut cmd = Command::new(e2e::codex_bin());
+    let mut cmd = Command::new(testkit::codex_bin());
     cmd.arg("app-server")
         .arg("--listen")
         .arg(format!("ws://127.0.0.1:{port}"));
@@ -234,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
     let token = files.token("acme");
 
     // A thread with one turn, made through the fleet; both workers read it from disk.
-    let mut setup = e2e::Client::connect(&url, &files.ca, Some(&token)).await?;
+    let mut setup = testkit::Client::connect(&url, &files.ca, Some(&token)).await?;
     setup.initialize("bench-setup").await?;
     let thread = setup.start_thread().await?;
     setup.start_turn(&thread, "hello").await?;

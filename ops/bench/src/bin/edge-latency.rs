@@ -11,7 +11,7 @@
 //!   the edge's client certificate, then tunnels bytes (the client sends the tenant header the
 //!   node reads, since HAProxy neither authenticates nor adds it): two hops, the second a dumb one.
 //!
-//! Real processes on loopback (`e2e::Split`: `codex-fleet node` and `codex-fleet serve` with
+//! Real processes on loopback (`testkit::Split`: `codex-fleet node` and `codex-fleet serve` with
 //! `[nodes]`). Added latency is a path's percentile minus `direct-unix`'s; a second hop's own cost
 //! is its path minus `node`, and the edge hop's median over HAProxy's is the ratio to compare.
 //! Needs `CODEX_BIN`, a built `codex-fleet` (beside this binary, or `CODEX_FLEET_BIN`) and
@@ -106,7 +106,7 @@ fn report(label: &str, samples: &[Vec<f64>; 4]) -> Hops {
 /// with the fleet's certificate, the node's starts with the edge's client certificate.
 fn start_haproxy_hop(
     bin: &std::path::Path,
-    split: &e2e::Split,
+    split: &testkit::Split,
     port: u16,
     node_port: u16,
 ) -> anyhow::Result<tokio::process::Child> {
@@ -130,7 +130,7 @@ fn start_haproxy_hop(
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let program = codex_fleet_bench::fleet_bin()?;
-    let split = e2e::Split::start_with(&program, &[("acme", "n1")], 1, BENCH_LIMITS).await?;
+    let split = testkit::Split::start_with(&program, &[("acme", "n1")], 1, BENCH_LIMITS).await?;
     let token = split.token("acme");
     let edge_url = split.edges[0].url();
     let node_url = format!("wss://localhost:{}/", split.nodes[0].port);
@@ -154,7 +154,7 @@ async fn main() -> anyhow::Result<()> {
     let _haproxy = start_haproxy_hop(&args.haproxy, &split, proxy_port, split.nodes[0].port)?;
     wait_port(proxy_port).await?;
     let proxy_url = format!("wss://localhost:{proxy_port}/");
-    let proxy_tls = e2e::client_tls(&split.files.ca)?;
+    let proxy_tls = testkit::client_tls(&split.files.ca)?;
 
     let mut all: [Vec<f64>; 4] = Default::default();
     let mut rows = Vec::new();
@@ -200,13 +200,13 @@ async fn main() -> anyhow::Result<()> {
         let pid = split.edges[0]
             .pid()
             .ok_or_else(|| anyhow::anyhow!("the edge exited"))?;
-        let before = e2e::rss_kib(pid).unwrap_or(0);
+        let before = testkit::rss_kib(pid).unwrap_or(0);
         let mut held = Vec::with_capacity(args.sessions);
         for _ in 0..args.sessions {
             held.push(split.client(0, "acme").await?);
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        let after = e2e::rss_kib(pid).unwrap_or(0);
+        let after = testkit::rss_kib(pid).unwrap_or(0);
         println!(
             "edge memory: {} initialized sessions relayed, RSS {before} KiB -> {after} KiB: {:.1} KiB per session",
             held.len(),

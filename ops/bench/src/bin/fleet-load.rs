@@ -14,9 +14,9 @@ use clap::Parser;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
 use codex_fleet_bench::{cpu_secs, peak_rss_kib, Binaries};
-use e2e::rss_kib;
 use proto::Method;
 use serde_json::json;
+use testkit::rss_kib;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -297,7 +297,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
 
     // --- phase 1: through codex-fleet ---
-    let tls = e2e::client_tls(&files.ca)?;
+    let tls = testkit::client_tls(&files.ca)?;
     let tokens = Arc::new(files.tokens);
     let fleet = phase(
         &args,

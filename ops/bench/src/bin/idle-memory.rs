@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use e2e::{Client, FleetBuilder};
+use testkit::{Client, FleetBuilder};
 use tokio::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -26,7 +26,7 @@ struct Args {
 /// Resident memory of `pid` after a short settle, in KiB.
 async fn settled_rss(pid: u32) -> anyhow::Result<u64> {
     tokio::time::sleep(Duration::from_millis(500)).await;
-    e2e::rss_kib(pid).context("codex-fleet's VmRSS")
+    testkit::rss_kib(pid).context("codex-fleet's VmRSS")
 }
 
 #[tokio::main]

@@ -224,7 +224,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("see {}", log_path.display()))?;
     let url = format!("wss://localhost:{}/", wss.port());
-    let tls = e2e::client_tls(&files.ca)?;
+    let tls = testkit::client_tls(&files.ca)?;
     let token = files.tokens[0].clone();
     let (fleet, fleet_cpu) = phase(
         &args,
