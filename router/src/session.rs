@@ -33,7 +33,6 @@ mod turns;
 mod writer;
 
 use serde_json::json;
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -44,7 +43,7 @@ use futures_util::{Sink, Stream, StreamExt};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
@@ -487,7 +486,8 @@ impl Session {
         }
     }
 
-    async fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
+    async fn on_worker_frame(&mut self, worker: WorkerId, shared: &Utf8Bytes) -> Result<(), End> {
+        let text = shared.as_str();
         let frame = match Frame::parse(text) {
             Ok(f) => f,
             Err(e) => {
@@ -504,7 +504,7 @@ impl Session {
             overloaded: frame.error_code() == Some(codes::OVERLOADED),
         };
         match frame.message {
-            Rpc::Response { id } => self.on_worker_response(worker, id, answer, text).await,
+            Rpc::Response { id } => self.on_worker_response(worker, id, answer, shared).await,
             Rpc::Request { id, method, params } => {
                 self.ctx.tenant.counted.server_request(
                     &self.ctx.metrics.usage,
@@ -579,7 +579,7 @@ impl Session {
                         }
                     }
                 }
-                self.to_client(text.to_owned())
+                self.to_client(self.for_client(shared))
             }
         }
     }
@@ -589,8 +589,9 @@ impl Session {
         worker: WorkerId,
         id: RequestId,
         answer: Answer<'_>,
-        text: &str,
+        shared: &Utf8Bytes,
     ) -> Result<(), End> {
+        let text = shared.as_str();
         if id == RequestId::Str(REPLAY_INIT_ID.into()) {
             if answer.result.is_some() {
                 self.live.insert(worker);
@@ -616,8 +617,6 @@ impl Session {
                 .with_label_values(&[Scope::Worker.as_str(), Reason::WorkerOverloaded.as_str()])
                 .inc();
         }
-        let text: Cow<'_, str> = rewritten.map_or(Cow::Borrowed(text), Cow::Owned);
-        let text = text.as_ref();
         let flight = self.in_flight.remove(&id);
         if let Some(f) = &flight {
             self.ctx
@@ -656,7 +655,10 @@ impl Session {
                 return retried;
             }
         }
-        self.to_client(text.to_owned())
+        match rewritten {
+            Some(t) => self.to_client(t),
+            None => self.to_client(self.for_client(shared)),
+        }
     }
 
     fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {
