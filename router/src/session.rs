@@ -275,7 +275,7 @@ struct Session {
     soft_mark: usize,
     /// Bytes queued towards the client, against the session's and the tenant's bounds.
     queued_bytes: Arc<QueueBytes>,
-    /// Bytes on the legs towards the workers, per session and per tenant.
+    /// Bytes queued on the legs towards the workers, per session and per tenant.
     leg_budget: legs::LegBudget,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
@@ -334,6 +334,14 @@ impl Session {
     }
 }
 
+/// The parked request's wait for a worker slot; pending while none is parked.
+async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
+    match slot.as_mut() {
+        Some(wait) => wait.await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs a session until it ends, then closes its client connection.
 async fn run<Si, St>(mut session: Session, sink: Si, mut stream: St) -> End
 where
@@ -368,28 +376,28 @@ where
             }
         }
         let fanout_deadline = fanout::sleep_until(session.fanouts.next_deadline());
-        // What this session queued for its client is written by this task, as the socket takes it.
+        // What this session queued for its client and its workers is written by this task, as
+        // the sockets take it.
         let writing = session.out.busy();
+        let writing_legs = session.legs.values().any(Leg::busy);
+        // While the legs hold as much as they may, the client is not read (worker output and
+        // writes still flow); room in the tenant's total comes from other sessions.
+        let legs_full = session.leg_budget.full() || session.legs.values().any(Leg::full);
+        let tenant_full = legs_full && session.leg_budget.tenant_full();
         // While a request is parked the client is not read; worker output still flows.
-        let step = match slot.as_mut() {
-            Some(wait) => tokio::select! {
-                permit = wait => Ok(Some(permit)),
-                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
-                () = fanout_deadline => session.fanouts_expired().map(|()| None),
-                () = shutdown.cancelled() => Err(End::Shutdown),
-                e = &mut credential_ended => Err(End::from(e)),
-                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
-            },
-            None => tokio::select! {
-                frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
-                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
-                () = fanout_deadline => session.fanouts_expired().map(|()| None),
-                () = shutdown.cancelled() => Err(End::Shutdown),
-                e = &mut credential_ended => Err(End::from(e)),
-                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
-            },
+        let waiting = slot.is_some() && !legs_full;
+        let reading = slot.is_none() && !legs_full;
+        let step = tokio::select! {
+            permit = slot_wait(&mut slot), if waiting => Ok(Some(permit)),
+            frame = stream.next(), if reading => session.on_client_frame(frame).await.map(|()| None),
+            () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
+            () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
+            Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
+            r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
+            () = fanout_deadline => session.fanouts_expired().map(|()| None),
+            () = shutdown.cancelled() => Err(End::Shutdown),
+            e = &mut credential_ended => Err(End::from(e)),
+            w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
         };
         let step = match step {
             Ok(Some(permit)) => {
@@ -480,7 +488,6 @@ impl Session {
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
         match ev {
-            // The frame's room in the leg budget is given back when this arm ends.
             LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
         }
@@ -723,9 +730,11 @@ impl Session {
         self.to_client(proto::error::worker_exited_response(id))
     }
 
-    async fn send_to_leg(&mut self, worker: WorkerId, text: String) -> bool {
-        match self.legs.get(&worker) {
-            Some(leg) => leg.send(text).await,
+    /// Queues a frame for `worker`'s leg (written by the session loop); false if there is no
+    /// such leg or it broke.
+    fn send_to_leg(&mut self, worker: WorkerId, text: impl Into<Utf8Bytes>) -> bool {
+        match self.legs.get_mut(&worker) {
+            Some(leg) => leg.send(text),
             None => false,
         }
     }
