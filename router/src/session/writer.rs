@@ -162,6 +162,16 @@ impl OutQueue {
     }
 }
 
+/// `frame` itself (a reference count) with fewer than [`SHARED_QUEUED`] frames `queued`, else a
+/// copy in its own allocation.
+fn shared_below(frame: &Utf8Bytes, queued: usize) -> Utf8Bytes {
+    if queued < SHARED_QUEUED {
+        frame.clone()
+    } else {
+        Utf8Bytes::from(frame.as_str())
+    }
+}
+
 // === impl Session ===
 
 impl Session {
@@ -194,11 +204,7 @@ impl Session {
     /// into its own allocation: a client that stops reading pins at most that many buffers, on
     /// top of the bytes its queue's bounds count.
     pub(super) fn for_client(&self, frame: &Utf8Bytes) -> Utf8Bytes {
-        if self.queued() < SHARED_QUEUED {
-            frame.clone()
-        } else {
-            Utf8Bytes::from(frame.as_str())
-        }
+        shared_below(frame, self.queued())
     }
 
     /// Frames waiting for the client.
@@ -291,6 +297,24 @@ mod tests {
             bytes.release(n);
         }
         pushed
+    }
+
+    #[test]
+    fn a_worker_frame_is_shared_while_the_queue_is_short_and_copied_behind_it() {
+        let frame = Utf8Bytes::from(r#"{"method":"item/agentMessage/delta"}"#.to_owned());
+        let short = shared_below(&frame, 0);
+        assert_eq!(
+            short.as_ptr(),
+            frame.as_ptr(),
+            "no copy for a client that keeps up"
+        );
+        let behind = shared_below(&frame, SHARED_QUEUED);
+        assert_ne!(
+            behind.as_ptr(),
+            frame.as_ptr(),
+            "its own allocation behind a batch"
+        );
+        assert_eq!(behind.as_str(), frame.as_str());
     }
 
     #[tokio::test]
