@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde::de::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use serde_json::Value;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 
 use crate::method::Method;
 use crate::rpc::{Frame, Message};
@@ -224,8 +225,9 @@ impl<'a> Event<'a> {
 /// nothing downstream parses it again.
 #[derive(Debug, Clone)]
 pub struct Notice {
-    /// The notification as the worker sent it.
-    pub text: Arc<str>,
+    /// The notification as the worker sent it, in one allocation of its own: every session that
+    /// forwards it shares it (cloning is a reference count), and it holds no reader's buffer.
+    pub text: Utf8Bytes,
     /// Its method.
     pub method: Method<'static>,
     /// The thread lifecycle or turn event, if it is one.
@@ -254,7 +256,7 @@ impl Notice {
             None => None,
         };
         Self {
-            text: Arc::from(text),
+            text: Utf8Bytes::from(text),
             method: method.into_owned(),
             event,
             thread,

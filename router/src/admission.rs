@@ -256,7 +256,7 @@ pub struct Admission {
     /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     /// Per tenant: bytes on its sessions' legs towards its workers.
-    leg_bytes: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    leg_bytes: Mutex<HashMap<String, Arc<crate::session::legs::TenantLegBytes>>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -507,16 +507,12 @@ impl Admission {
         session_bound: usize,
         tenant_bound: usize,
     ) -> crate::session::legs::LegBudget {
-        use crate::session::legs::LegBudget;
+        use crate::session::legs::{LegBudget, TenantLegBytes};
         let up = lock(&self.leg_bytes)
             .entry(tenant.to_owned())
-            .or_insert_with(|| {
-                Arc::new(tokio::sync::Semaphore::new(LegBudget::permits(
-                    tenant_bound,
-                )))
-            })
+            .or_insert_with(|| Arc::new(TenantLegBytes::new(tenant_bound)))
             .clone();
-        LegBudget::new(session_bound, up, tenant_bound)
+        LegBudget::new(session_bound, up)
     }
 
     /// Bytes queued towards `tenant`'s clients, over all its sessions.

@@ -33,7 +33,6 @@ mod turns;
 mod writer;
 
 use serde_json::json;
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -44,7 +43,7 @@ use futures_util::{Sink, Stream, StreamExt};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
@@ -276,7 +275,7 @@ struct Session {
     soft_mark: usize,
     /// Bytes queued towards the client, against the session's and the tenant's bounds.
     queued_bytes: Arc<QueueBytes>,
-    /// Bytes on the legs towards the workers, per session and per tenant.
+    /// Bytes queued on the legs towards the workers, per session and per tenant.
     leg_budget: legs::LegBudget,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
@@ -335,6 +334,14 @@ impl Session {
     }
 }
 
+/// The parked request's wait for a worker slot; pending while none is parked.
+async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
+    match slot.as_mut() {
+        Some(wait) => wait.await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs a session until it ends, then closes its client connection.
 async fn run<Si, St>(mut session: Session, sink: Si, mut stream: St) -> End
 where
@@ -369,28 +376,28 @@ where
             }
         }
         let fanout_deadline = fanout::sleep_until(session.fanouts.next_deadline());
-        // What this session queued for its client is written by this task, as the socket takes it.
+        // What this session queued for its client and its workers is written by this task, as
+        // the sockets take it.
         let writing = session.out.busy();
+        let writing_legs = session.legs.values().any(Leg::busy);
+        // While the legs hold as much as they may, the client is not read (worker output and
+        // writes still flow); room in the tenant's total comes from other sessions.
+        let legs_full = session.leg_budget.full() || session.legs.values().any(Leg::full);
+        let tenant_full = legs_full && session.leg_budget.tenant_full();
         // While a request is parked the client is not read; worker output still flows.
-        let step = match slot.as_mut() {
-            Some(wait) => tokio::select! {
-                permit = wait => Ok(Some(permit)),
-                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
-                () = fanout_deadline => session.fanouts_expired().map(|()| None),
-                () = shutdown.cancelled() => Err(End::Shutdown),
-                e = &mut credential_ended => Err(End::from(e)),
-                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
-            },
-            None => tokio::select! {
-                frame = stream.next() => session.on_client_frame(frame).await.map(|()| None),
-                Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-                r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
-                () = fanout_deadline => session.fanouts_expired().map(|()| None),
-                () = shutdown.cancelled() => Err(End::Shutdown),
-                e = &mut credential_ended => Err(End::from(e)),
-                w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
-            },
+        let waiting = slot.is_some() && !legs_full;
+        let reading = slot.is_none() && !legs_full;
+        let step = tokio::select! {
+            permit = slot_wait(&mut slot), if waiting => Ok(Some(permit)),
+            frame = stream.next(), if reading => session.on_client_frame(frame).await.map(|()| None),
+            () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
+            () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
+            Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
+            r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
+            () = fanout_deadline => session.fanouts_expired().map(|()| None),
+            () = shutdown.cancelled() => Err(End::Shutdown),
+            e = &mut credential_ended => Err(End::from(e)),
+            w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
         };
         let step = match step {
             Ok(Some(permit)) => {
@@ -481,13 +488,13 @@ impl Session {
 
     async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
         match ev {
-            // The frame's room in the leg budget is given back when this arm ends.
             LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
         }
     }
 
-    async fn on_worker_frame(&mut self, worker: WorkerId, text: &str) -> Result<(), End> {
+    async fn on_worker_frame(&mut self, worker: WorkerId, shared: &Utf8Bytes) -> Result<(), End> {
+        let text = shared.as_str();
         let frame = match Frame::parse(text) {
             Ok(f) => f,
             Err(e) => {
@@ -504,7 +511,7 @@ impl Session {
             overloaded: frame.error_code() == Some(codes::OVERLOADED),
         };
         match frame.message {
-            Rpc::Response { id } => self.on_worker_response(worker, id, answer, text).await,
+            Rpc::Response { id } => self.on_worker_response(worker, id, answer, shared).await,
             Rpc::Request { id, method, params } => {
                 self.ctx.tenant.counted.server_request(
                     &self.ctx.metrics.usage,
@@ -579,7 +586,7 @@ impl Session {
                         }
                     }
                 }
-                self.to_client(text.to_owned())
+                self.to_client(self.for_client(shared))
             }
         }
     }
@@ -589,8 +596,9 @@ impl Session {
         worker: WorkerId,
         id: RequestId,
         answer: Answer<'_>,
-        text: &str,
+        shared: &Utf8Bytes,
     ) -> Result<(), End> {
+        let text = shared.as_str();
         if id == RequestId::Str(REPLAY_INIT_ID.into()) {
             if answer.result.is_some() {
                 self.live.insert(worker);
@@ -616,8 +624,6 @@ impl Session {
                 .with_label_values(&[Scope::Worker.as_str(), Reason::WorkerOverloaded.as_str()])
                 .inc();
         }
-        let text: Cow<'_, str> = rewritten.map_or(Cow::Borrowed(text), Cow::Owned);
-        let text = text.as_ref();
         let flight = self.in_flight.remove(&id);
         if let Some(f) = &flight {
             self.ctx
@@ -656,7 +662,10 @@ impl Session {
                 return retried;
             }
         }
-        self.to_client(text.to_owned())
+        match rewritten {
+            Some(t) => self.to_client(t),
+            None => self.to_client(self.for_client(shared)),
+        }
     }
 
     fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {
@@ -723,9 +732,11 @@ impl Session {
         self.to_client(proto::error::worker_exited_response(id))
     }
 
-    async fn send_to_leg(&mut self, worker: WorkerId, text: String) -> bool {
-        match self.legs.get(&worker) {
-            Some(leg) => leg.send(text).await,
+    /// Queues a frame for `worker`'s leg (written by the session loop); false if there is no
+    /// such leg or it broke.
+    fn send_to_leg(&mut self, worker: WorkerId, text: impl Into<Utf8Bytes>) -> bool {
+        match self.legs.get_mut(&worker) {
+            Some(leg) => leg.send(text),
             None => false,
         }
     }

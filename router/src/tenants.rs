@@ -7,6 +7,7 @@ use proto::event::{Event, Notice, Turn};
 use proto::Method;
 use tokio::sync::{broadcast, Notify};
 use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::metrics::{ExitReason, WorkerMetrics};
 use worker::{FleetCap, Pool, PoolEvent, WorkerId, WorkerUser};
 
@@ -65,8 +66,9 @@ pub struct Tenant {
 pub struct Relayed {
     /// The worker it came from.
     pub worker: WorkerId,
-    /// The notification as sent to clients.
-    pub text: Arc<str>,
+    /// The notification as sent to clients: one allocation, shared by every session that
+    /// forwards it.
+    pub text: Utf8Bytes,
     /// Sent to every session, legs or not (the router's own news, e.g. a worker's death).
     pub to_all: bool,
     /// The thread whose turn this notification ends, if it ends one (read once here, so no
@@ -230,7 +232,7 @@ impl Tenant {
                 let thread: Arc<str> = Arc::from(thread.as_str());
                 let _receivers = tenant.relay.send(Relayed {
                     worker,
-                    text: Arc::from(""),
+                    text: Utf8Bytes::from_static(""),
                     to_all: true,
                     turn_ended: Some(thread.clone()),
                     status_of: None,
@@ -253,7 +255,7 @@ impl Tenant {
         for text in rehome::thread_closed_frames(thread, status) {
             let _receivers = self.relay.send(Relayed {
                 worker,
-                text: Arc::from(text),
+                text: Utf8Bytes::from(text),
                 to_all: true,
                 turn_ended: Some(ended.clone()),
                 rehome: None,

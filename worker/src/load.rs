@@ -1,6 +1,6 @@
 //! One worker's load as seen from its control leg: loaded threads and which of them are active.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use proto::event::Event;
@@ -63,6 +63,9 @@ pub(crate) struct ThreadView {
     /// Thread id → (active, when its last lifecycle event arrived).
     threads: HashMap<String, (bool, Instant)>,
     active: usize,
+    /// Threads added to the view so far (never decreases): a thread id no view held may be
+    /// held once this moves ([`Misses`]).
+    additions: u64,
 }
 
 // === impl ThreadView ===
@@ -74,6 +77,11 @@ impl ThreadView {
 
     pub(crate) fn active(&self) -> usize {
         self.active
+    }
+
+    /// How many threads were ever added to the view; see [`Misses`].
+    pub(crate) fn additions(&self) -> u64 {
+        self.additions
     }
 
     /// Loaded thread ids, sorted.
@@ -114,6 +122,7 @@ impl ThreadView {
         if !self.threads.contains_key(thread) && self.threads.len() < MAX_TRACKED_THREADS {
             self.threads
                 .insert(thread.to_owned(), (false, Instant::now()));
+            self.additions += 1;
         }
     }
 
@@ -143,7 +152,10 @@ impl ThreadView {
         let now = Instant::now();
         let mut next = HashMap::with_capacity(loaded.len().min(MAX_TRACKED_THREADS));
         for id in loaded.iter().take(MAX_TRACKED_THREADS) {
-            let entry = self.threads.get(id).copied().unwrap_or((false, now));
+            let entry = self.threads.get(id).copied().unwrap_or_else(|| {
+                self.additions += 1;
+                (false, now)
+            });
             next.insert(id.clone(), entry);
         }
         for (id, entry) in &self.threads {
@@ -182,7 +194,63 @@ impl ThreadView {
             None => {
                 self.threads.insert(thread, (active, now));
                 self.active += usize::from(active);
+                self.additions += 1;
             }
+        }
+    }
+}
+
+/// Thread ids that no worker's view held when last looked for, valid for one generation of the
+/// views: the tenant's routing looks a thread id up in [`Owners`] first and, on a miss, in every
+/// worker's view (which may hold a thread the record lost); a made-up id asked again and again
+/// costs one lookup here instead of a look into every view each time. Any thread added to any
+/// view starts a new generation, which forgets every miss (views only grow through
+/// [`ThreadView::learn`], [`ThreadView::apply`] and [`ThreadView::reset`]; a worker that ends
+/// or a thread that unloads only turns more ids into misses).
+#[derive(Debug, Default)]
+pub(crate) struct Misses {
+    /// The generation of the views now.
+    generation: u64,
+    /// The generation `ids` were looked for in.
+    of: u64,
+    ids: HashSet<Box<str>>,
+}
+
+// === impl Misses ===
+
+impl Misses {
+    /// Ids remembered per generation at most: past it, further misses are looked for each time
+    /// (a flood of distinct made-up ids costs what it cost before, and no memory).
+    const MAX: usize = 4096;
+
+    /// A view gained a thread: every remembered miss may now be held somewhere.
+    pub(crate) fn views_grew(&mut self) {
+        self.generation += 1;
+    }
+
+    /// Whether `thread` was looked for in vain in this generation of the views.
+    pub(crate) fn contains(&self, thread: &str) -> bool {
+        self.of == self.generation && self.ids.contains(thread)
+    }
+
+    /// `thread` is in no view now.
+    pub(crate) fn insert(&mut self, thread: &str) {
+        if self.of != self.generation {
+            self.ids.clear();
+            self.of = self.generation;
+        }
+        if self.ids.len() < Self::MAX {
+            self.ids.insert(thread.into());
+        }
+    }
+
+    /// Misses remembered for the current generation.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        if self.of == self.generation {
+            self.ids.len()
+        } else {
+            0
         }
     }
 }

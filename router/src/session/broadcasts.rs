@@ -46,7 +46,7 @@ impl Session {
             return Ok(());
         }
         if r.to_all || !self.live.contains(&r.worker) {
-            return self.to_client(r.text.to_string());
+            return self.to_client(r.text);
         }
         Ok(())
     }

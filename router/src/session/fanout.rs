@@ -264,7 +264,7 @@ impl Session {
             .collect();
         let request = serde_json::from_str::<Value>(text).ok();
         let (Some(request), false) = (request, others.is_empty()) else {
-            if self.send_to_leg(home, text.to_owned()).await {
+            if self.send_to_leg(home, text.to_owned()) {
                 return Ok(());
             }
             self.in_flight.remove(id);
@@ -280,7 +280,7 @@ impl Session {
                 true => Ok(home),
                 false => self.leg_for(Target::Owner(worker), false).await,
             };
-            if leg == Ok(worker) && self.send_to_leg(worker, copy.clone()).await {
+            if leg == Ok(worker) && self.send_to_leg(worker, copy.clone()) {
                 waiting.insert(worker);
             } else {
                 self.count_missing(merge, Missing::Unreachable);

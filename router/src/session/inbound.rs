@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::routing::Learn;
 use super::{
@@ -338,7 +338,7 @@ impl Session {
         if let Some(merge) = fan_out {
             return self.fan_out(&id, worker, merge, &text).await;
         }
-        if !self.send_to_leg(worker, text).await {
+        if !self.send_to_leg(worker, text) {
             self.in_flight.remove(&id);
             if first_initialize {
                 self.init = None;
@@ -361,8 +361,9 @@ impl Session {
         if *method == Method::Initialized {
             init.initialized = true;
         }
-        for leg in self.legs.values() {
-            leg.send(text.to_owned()).await;
+        let shared = Utf8Bytes::from(text);
+        for leg in self.legs.values_mut() {
+            leg.send(shared.clone());
         }
         Ok(())
     }
@@ -395,7 +396,7 @@ impl Session {
             self.audit_approval_answer(asked, result, error).await;
         }
         if let Some(text) = jsonrpc::with_id(text, &original) {
-            self.send_to_leg(worker, text).await;
+            self.send_to_leg(worker, text);
         }
         Ok(())
     }

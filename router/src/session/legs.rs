@@ -1,27 +1,31 @@
 //! A session's legs: its own WebSocket connections to the workers it talks to.
 //!
-//! Towards the worker, each leg has a writer task owned by the [`Leg`] (dropping the leg stops
-//! it); its queue is bounded in bytes as well as in frames ([`LegBudget`]): a frame waits for room
-//! in its session's budget and its tenant's, so a client that floods a worker that does not read
+//! Nothing sits between a leg's socket and its session in either direction: the session task
+//! polls every leg's socket for frames itself ([`LegFrames`]), and writes what it queued for a
+//! worker itself ([`Leg::poll_write`], polled beside its other work), so a frame costs no task
+//! switch and no channel either way. A session that stops reading backpressures its workers
+//! through their sockets; towards the workers, what the legs hold is bounded in frames and in
+//! bytes ([`LegBudget`], per session and per tenant): while the session's legs are over a bound
+//! the session stops reading its client, so a client that floods a worker that does not read
 //! pins no more than the bounds.
-//!
-//! From the worker, nothing sits between the socket and the session: the session task polls
-//! every leg's socket itself ([`LegFrames`]), so a worker frame costs no task switch and no
-//! queue, and a session that stops reading backpressures its workers through their sockets.
 
-use std::future::Future;
+use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use futures_util::{SinkExt, Stream, StreamExt};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinHandle;
+use futures_util::stream::SplitSink;
+use futures_util::{Future, Sink, Stream, StreamExt};
+use tokio::sync::{oneshot, Notify};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use worker::{WorkerHandle, WorkerId};
 
-/// Frames queued towards one worker before the session waits.
+/// Frames queued towards one worker at which the session stops reading its client.
 const LEG_QUEUE: usize = 256;
+/// Frames handed to a leg's socket before one flush.
+const WRITE_BATCH: usize = 64;
 /// Connect plus WebSocket handshake over the worker's socket.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -51,85 +55,131 @@ pub enum LegError {
     },
 }
 
-/// Bytes one direction of a session's legs may hold: the session's own bound and its tenant's
-/// total over all its sessions.
-#[derive(Debug, Clone)]
-pub struct LegBudget {
-    session: Arc<Semaphore>,
-    session_max: usize,
-    tenant: Arc<Semaphore>,
-    tenant_max: usize,
+/// Bytes all of one tenant's legs hold towards its workers, against the tenant's bound; a
+/// session waiting for room is woken when the total drops below it.
+#[derive(Debug)]
+pub struct TenantLegBytes {
+    used: AtomicUsize,
+    max: usize,
+    room: Notify,
 }
 
-/// Room held by one frame in a [`LegBudget`]; dropping it gives the room back.
-#[derive(Debug)]
-pub struct LegBytes {
-    _session: OwnedSemaphorePermit,
-    _tenant: OwnedSemaphorePermit,
+/// Bytes one session's legs hold towards the workers: the session's own bound and its tenant's
+/// total over all its sessions. Frames are always taken (a session never waits inside a
+/// handler); a session whose legs are over either bound stops reading its client until they are
+/// not ([`LegBudget::full`]), so the bounds are exceeded by at most what one client frame makes
+/// the session send.
+#[derive(Debug, Clone)]
+pub struct LegBudget {
+    session: Arc<AtomicUsize>,
+    session_max: usize,
+    tenant: Arc<TenantLegBytes>,
+}
+
+// === impl TenantLegBytes ===
+
+impl TenantLegBytes {
+    /// A tenant's total, bounded at `bound` bytes.
+    pub fn new(bound: usize) -> Self {
+        Self {
+            used: AtomicUsize::new(0),
+            max: bound.max(1),
+            room: Notify::new(),
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.used.load(Ordering::Acquire) >= self.max
+    }
 }
 
 // === impl LegBudget ===
 
 impl LegBudget {
-    /// Semaphore permits for a bound in bytes (a semaphore holds fewer than `usize::MAX`).
-    pub fn permits(bound: usize) -> usize {
-        bound.clamp(1, Semaphore::MAX_PERMITS)
-    }
-
-    /// A session's budget of `session_bound` bytes, drawing also on `tenant` (of `tenant_bound`).
-    pub fn new(session_bound: usize, tenant: Arc<Semaphore>, tenant_bound: usize) -> Self {
-        let session_max = Self::permits(session_bound);
+    /// A session's budget of `session_bound` bytes, drawing also on `tenant`'s.
+    pub fn new(session_bound: usize, tenant: Arc<TenantLegBytes>) -> Self {
         Self {
-            session: Arc::new(Semaphore::new(session_max)),
-            session_max,
+            session: Arc::default(),
+            session_max: session_bound.max(1),
             tenant,
-            tenant_max: Self::permits(tenant_bound),
         }
     }
 
-    /// Waits for room for `len` bytes, first in the session's budget, then in the tenant's (one
-    /// order everywhere). A frame larger than a bound takes all of it rather than waiting forever.
-    pub async fn reserve(&self, len: usize) -> Option<LegBytes> {
-        let take = |max: usize| u32::try_from(len.clamp(1, max)).unwrap_or(u32::MAX);
-        let session = self
-            .session
-            .clone()
-            .acquire_many_owned(take(self.session_max))
-            .await
-            .ok()?;
-        let tenant = self
-            .tenant
-            .clone()
-            .acquire_many_owned(take(self.tenant_max))
-            .await
-            .ok()?;
-        Some(LegBytes {
-            _session: session,
-            _tenant: tenant,
-        })
+    fn add(&self, len: usize) {
+        self.session.fetch_add(len, Ordering::AcqRel);
+        self.tenant.used.fetch_add(len, Ordering::AcqRel);
+    }
+
+    fn release(&self, len: usize) {
+        if len == 0 {
+            return;
+        }
+        self.session.fetch_sub(len, Ordering::AcqRel);
+        let before = self.tenant.used.fetch_sub(len, Ordering::AcqRel);
+        if before >= self.tenant.max && before - len < self.tenant.max {
+            self.tenant.room.notify_waiters();
+        }
+    }
+
+    /// The session's legs or its tenant's hold as much as they may: the client waits.
+    pub fn full(&self) -> bool {
+        self.session_full() || self.tenant.full()
+    }
+
+    fn session_full(&self) -> bool {
+        self.session.load(Ordering::Acquire) >= self.session_max
+    }
+
+    /// Whether only the tenant's total is full (room comes from other sessions' writes).
+    pub fn tenant_full(&self) -> bool {
+        self.tenant.full()
+    }
+
+    /// Resolves once the tenant's total is below its bound.
+    pub async fn tenant_room(&self) {
+        loop {
+            let notified = self.tenant.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.tenant.full() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Bytes of the session's budget in use.
     pub fn session_used(&self) -> usize {
-        self.session_max - self.session.available_permits()
+        self.session.load(Ordering::Acquire)
     }
 }
 
-/// One open leg.
+type LegSink = SplitSink<worker::LegStream, Message>;
+
+/// One open leg: the writing half of its socket and what waits to be written.
 pub struct Leg {
-    worker: WorkerId,
     /// Held so the pool counts this leg as a user of the worker (no idle stop under it).
     _handle: WorkerHandle,
-    tx: mpsc::Sender<(Message, LegBytes)>,
-    up: LegBudget,
-    writer: JoinHandle<()>,
+    writer: Writer,
     /// Dropped with the leg: its [`LegFrames`] end without a word.
     _frames_end: oneshot::Sender<()>,
 }
 
+/// The writing half of a leg, written by the session task.
+struct Writer {
+    worker: WorkerId,
+    sink: LegSink,
+    /// Frames waiting for the socket, each with the bytes it counts in the budget.
+    queue: VecDeque<(Message, usize)>,
+    /// Bytes handed to the socket since its last flush; given back once flushed.
+    unflushed: Option<usize>,
+    /// A write failed: the leg takes nothing more (its reader reports the end).
+    broken: bool,
+    up: LegBudget,
+}
+
 impl Leg {
-    /// Connects to the worker and starts the leg's writer; the session reads the returned
-    /// frames.
+    /// Connects to the worker; the session reads the returned frames.
     pub async fn open(
         handle: WorkerHandle,
         max_message_bytes: usize,
@@ -154,19 +204,7 @@ impl Leg {
                 })
             }
         };
-        let (mut sink, stream) = stream.split();
-        let (tx, mut rx) = mpsc::channel::<(Message, LegBytes)>(LEG_QUEUE);
-        let writer = tokio::spawn(async move {
-            // The frame's room is given back once the worker's socket has it.
-            while let Some((msg, _bytes)) = rx.recv().await {
-                if let Err(e) = sink.send(msg).await {
-                    tracing::debug!(%worker, error = %e, "leg write failed");
-                    break;
-                }
-            }
-            // Best effort: the worker treats a vanished connection like a close.
-            let _closed = sink.close().await;
-        });
+        let (sink, stream) = stream.split();
         let (frames_end, dropped) = oneshot::channel();
         let exited = handle.clone();
         let frames = read_frames(
@@ -176,11 +214,8 @@ impl Leg {
             dropped,
         );
         let leg = Leg {
-            worker,
             _handle: handle,
-            tx,
-            up,
-            writer,
+            writer: Writer::new(worker, sink, up),
             _frames_end: frames_end,
         };
         Ok((leg, frames))
@@ -188,17 +223,127 @@ impl Leg {
 
     /// The worker at the other end.
     pub fn worker(&self) -> WorkerId {
-        self.worker
+        self.writer.worker
     }
 
-    /// Queues a text frame; waits while the leg's queue or the session's (or tenant's) byte
-    /// budget towards the workers is full. False if the leg is closed.
-    pub async fn send(&self, text: String) -> bool {
-        let Some(bytes) = self.up.reserve(text.len()).await else {
-            return false;
-        };
-        self.tx.send((Message::text(text), bytes)).await.is_ok()
+    /// Queues a text frame for the session to write; counted in the budget until the worker's
+    /// socket has it. False if the leg is broken.
+    pub fn send(&mut self, text: impl Into<Utf8Bytes>) -> bool {
+        self.writer.send(text)
     }
+
+    /// Whether the session has writing to do on this leg.
+    pub fn busy(&self) -> bool {
+        self.writer.busy()
+    }
+
+    /// Whether this leg holds as many frames as it may.
+    pub fn full(&self) -> bool {
+        self.writer.full()
+    }
+
+    /// See [`Writer::poll_write`].
+    pub fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.writer.poll_write(cx)
+    }
+}
+
+// === impl Writer ===
+
+impl Writer {
+    fn new(worker: WorkerId, sink: LegSink, up: LegBudget) -> Self {
+        Self {
+            worker,
+            sink,
+            queue: VecDeque::new(),
+            unflushed: None,
+            broken: false,
+            up,
+        }
+    }
+
+    fn send(&mut self, text: impl Into<Utf8Bytes>) -> bool {
+        if self.broken {
+            return false;
+        }
+        let text = text.into();
+        let len = text.len();
+        self.up.add(len);
+        self.queue.push_back((Message::Text(text), len));
+        true
+    }
+
+    fn busy(&self) -> bool {
+        !self.broken && (!self.queue.is_empty() || self.unflushed.is_some())
+    }
+
+    fn full(&self) -> bool {
+        self.queue.len() >= LEG_QUEUE
+    }
+
+    /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then
+    /// flushes and gives their bytes back. Ready once it made progress (or the leg broke);
+    /// cancel-safe: a frame leaves the queue only once the socket has taken it.
+    fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self.poll_write_inner(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(()),
+            Poll::Ready(Err(e)) => {
+                tracing::debug!(worker = %self.worker, error = %e, "leg write failed");
+                self.break_off();
+                Poll::Ready(())
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn poll_write_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), tokio_tungstenite::tungstenite::Error>> {
+        let mut batch = 0;
+        while batch < WRITE_BATCH && !self.queue.is_empty() {
+            ready!(Pin::new(&mut self.sink).poll_ready(cx))?;
+            let Some((msg, len)) = self.queue.pop_front() else {
+                break;
+            };
+            *self.unflushed.get_or_insert(0) += len;
+            Pin::new(&mut self.sink).start_send(msg)?;
+            batch += 1;
+        }
+        if let Some(len) = self.unflushed {
+            ready!(Pin::new(&mut self.sink).poll_flush(cx))?;
+            self.unflushed = None;
+            self.up.release(len);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Gives up on the leg's writing half: what waits is dropped and its bytes given back.
+    fn break_off(&mut self) {
+        self.broken = true;
+        let queued: usize = self.queue.drain(..).map(|(_, len)| len).sum();
+        self.up
+            .release(queued + self.unflushed.take().unwrap_or_default());
+    }
+}
+
+/// Writes what the session's legs have queued, as their sockets take it: resolves once some leg
+/// made progress, pending while none can.
+pub fn write_legs<'a>(
+    legs: impl Iterator<Item = &'a mut Leg> + 'a,
+) -> impl Future<Output = ()> + 'a {
+    let mut legs: Vec<&'a mut Leg> = legs.filter(|l| l.busy()).collect();
+    std::future::poll_fn(move |cx| {
+        let mut progressed = false;
+        for leg in legs.iter_mut().filter(|l| l.busy()) {
+            progressed |= leg.poll_write(cx).is_ready();
+        }
+        if progressed {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
 }
 
 /// What [`read_frames`] carries from one frame to the next.
@@ -248,44 +393,120 @@ fn read_frames(
     ))
 }
 
-impl Drop for Leg {
+impl Drop for Writer {
     fn drop(&mut self) {
-        self.writer.abort();
+        // What is still queued is lost with the leg; its room in the budget is not.
+        self.break_off();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn budget(session: usize, tenant: &Arc<Semaphore>, tenant_bound: usize) -> LegBudget {
-        LegBudget::new(session, tenant.clone(), tenant_bound)
-    }
+    use futures_util::SinkExt;
 
     #[tokio::test(start_paused = true)]
-    async fn frames_wait_for_room_in_the_session_and_the_tenant() {
-        let tenant = Arc::new(Semaphore::new(150));
-        let a = budget(100, &tenant, 150);
-        let b = budget(100, &tenant, 150);
-        let first = a.reserve(60).await.unwrap();
-        assert_eq!(a.session_used(), 60);
-        // The session's bound: 60 + 50 > 100 waits until the first frame is written.
-        let waiting = tokio::time::timeout(Duration::from_secs(1), a.reserve(50)).await;
-        assert!(waiting.is_err(), "over the session's bound must wait");
-        // The tenant's bound: 60 (a) + 90 (b) = 150, so one more byte for b waits.
-        let b_room = b.reserve(90).await.unwrap();
-        assert!(tokio::time::timeout(Duration::from_secs(1), b.reserve(1))
+    async fn the_budget_fills_per_session_and_per_tenant_and_wakes_a_session_when_room_returns() {
+        let tenant = Arc::new(TenantLegBytes::new(150));
+        let a = LegBudget::new(100, tenant.clone());
+        let b = LegBudget::new(100, tenant.clone());
+        a.add(60);
+        assert!(!a.full());
+        // The session's bound: 60 + 50 > 100 holds a's client, not b's.
+        a.add(50);
+        assert!(a.full() && !b.full());
+        a.release(50);
+        assert!(!a.full(), "room given back is reusable");
+        // The tenant's bound: 60 (a) + 90 (b) = 150 holds both.
+        b.add(90);
+        assert!(a.full() && b.full() && a.tenant_full());
+        let waiting = tokio::spawn({
+            let a = a.clone();
+            async move { a.tenant_room().await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!waiting.is_finished(), "no room yet");
+        b.release(90);
+        tokio::time::timeout(Duration::from_secs(1), waiting)
             .await
-            .is_err());
-        drop(first);
-        assert!(a.reserve(50).await.is_some(), "room given back is reusable");
-        drop(b_room);
-        // A frame larger than every bound takes the whole budget rather than waiting forever.
-        let huge = a.reserve(10_000).await.unwrap();
-        assert_eq!(a.session_used(), 100);
-        drop(huge);
+            .expect("woken when the tenant's total drops below its bound")
+            .unwrap();
+        a.release(60);
         assert_eq!(a.session_used(), 0);
-        assert_eq!(tenant.available_permits(), 150);
+        assert_eq!(tenant.used.load(Ordering::Acquire), 0);
+    }
+
+    /// A WebSocket over a socket pair in memory: (the worker's end, the leg's end).
+    async fn socket_pair() -> (worker::LegStream, worker::LegStream) {
+        use tokio_tungstenite::tungstenite::protocol::Role;
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let worker_end =
+            tokio_tungstenite::WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;
+        let leg_end =
+            tokio_tungstenite::WebSocketStream::from_raw_socket(ours, Role::Client, None).await;
+        (worker_end, leg_end)
+    }
+
+    /// A writer on one end of a socket pair, and the worker's end.
+    async fn writer_pair(budget: LegBudget) -> (Writer, worker::LegStream) {
+        let (worker_end, leg_end) = socket_pair().await;
+        let (sink, _stream) = leg_end.split();
+        (
+            Writer::new(WorkerId::new("t", 1, 1), sink, budget),
+            worker_end,
+        )
+    }
+
+    #[tokio::test]
+    async fn the_session_writes_a_leg_in_order_and_its_bytes_come_back_once_written() {
+        let tenant = Arc::new(TenantLegBytes::new(1 << 20));
+        let budget = LegBudget::new(1 << 20, tenant.clone());
+        let (mut writer, mut worker) = writer_pair(budget.clone()).await;
+        let sent: Vec<String> = (0..150).map(|n| format!("{{\"n\":{n}}}")).collect();
+        for t in &sent {
+            assert!(writer.send(t.clone()));
+        }
+        assert_eq!(
+            budget.session_used(),
+            sent.iter().map(String::len).sum::<usize>()
+        );
+        while writer.busy() {
+            std::future::poll_fn(|cx| writer.poll_write(cx)).await;
+        }
+        assert_eq!(
+            budget.session_used(),
+            0,
+            "written frames give their bytes back"
+        );
+        for want in &sent {
+            match worker.next().await {
+                Some(Ok(Message::Text(t))) => assert_eq!(t.as_str(), want),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_does_not_read_fills_the_budget_and_a_dropped_leg_gives_it_back() {
+        let tenant = Arc::new(TenantLegBytes::new(8 << 20));
+        let budget = LegBudget::new(4 << 20, tenant.clone());
+        let (mut writer, _worker) = writer_pair(budget.clone()).await;
+        // The worker reads nothing: the socket and tungstenite take some, then nothing more,
+        // and the budget fills; the session would stop reading its client here.
+        let frame = "x".repeat(256 << 10);
+        let mut rounds = 0;
+        while !budget.full() {
+            assert!(writer.send(frame.clone()));
+            let _ = futures_util::FutureExt::now_or_never(std::future::poll_fn(|cx| {
+                writer.poll_write(cx)
+            }));
+            rounds += 1;
+            assert!(rounds < 100, "the budget never filled");
+        }
+        assert!(writer.busy(), "frames wait for the worker");
+        drop(writer);
+        assert_eq!(budget.session_used(), 0);
+        assert_eq!(tenant.used.load(Ordering::Acquire), 0);
     }
 
     /// A leg's socket pair in memory: (the worker's end, the frames the session reads, the
@@ -296,12 +517,7 @@ mod tests {
         oneshot::Sender<()>,
         oneshot::Sender<()>,
     ) {
-        use tokio_tungstenite::tungstenite::protocol::Role;
-        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
-        let worker_end =
-            tokio_tungstenite::WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;
-        let leg_end =
-            tokio_tungstenite::WebSocketStream::from_raw_socket(ours, Role::Client, None).await;
+        let (worker_end, leg_end) = socket_pair().await;
         let (_sink, stream) = leg_end.split();
         let (exit, exited) = oneshot::channel::<()>();
         let (drop_leg, dropped) = oneshot::channel();

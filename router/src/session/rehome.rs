@@ -260,7 +260,7 @@ impl Session {
                 since: order.since,
             },
         );
-        if !self.send_to_leg(to, request).await {
+        if !self.send_to_leg(to, request) {
             self.following.moving.remove(&id);
             return Err("the leg to the chosen worker closed");
         }

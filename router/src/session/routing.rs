@@ -5,6 +5,8 @@
 
 use worker::WorkerId;
 
+use tokio_tungstenite::tungstenite::Utf8Bytes;
+
 use super::legs::Leg;
 use super::{Answer, End, InFlight, Init, Session, Target, REPLAY_INIT_ID};
 use crate::admission::Reason;
@@ -180,7 +182,7 @@ impl Session {
                         _slot: None,
                     },
                 );
-                if self.send_to_leg(target, retry).await {
+                if self.send_to_leg(target, retry) {
                     Some(Ok(()))
                 } else {
                     self.in_flight.remove(id);
@@ -206,12 +208,13 @@ impl Session {
         &mut self,
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
-        let (leg, frames) = Leg::open(handle, self.ctx.max_message_bytes, self.leg_budget.clone())
-            .await
-            .map_err(|e| {
-                tracing::warn!(error = %e, "cannot open leg");
-                Reason::WorkerUnreachable
-            })?;
+        let (mut leg, frames) =
+            Leg::open(handle, self.ctx.max_message_bytes, self.leg_budget.clone())
+                .await
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "cannot open leg");
+                    Reason::WorkerUnreachable
+                })?;
         self.ctx
             .metrics
             .legs_opened
@@ -219,7 +222,7 @@ impl Session {
             .inc();
         let worker = leg.worker();
         if let Some(init) = self.init.as_ref().filter(|_| self.init_sent) {
-            self.replay_initialize(&leg, init).await;
+            Self::replay_initialize(&mut leg, init);
             self.replayed.insert(worker);
         }
         self.legs.insert(worker, leg);
@@ -253,7 +256,7 @@ impl Session {
         }
     }
 
-    pub(super) async fn replay_initialize(&self, leg: &Leg, init: &Init) {
+    pub(super) fn replay_initialize(leg: &mut Leg, init: &Init) {
         let params = match jsonrpc::parse(&init.text) {
             Ok(Rpc::Request { params, .. }) => params,
             _ => None,
@@ -263,9 +266,9 @@ impl Session {
             Method::Initialize.as_str(),
             params,
         );
-        leg.send(replay).await;
+        leg.send(replay);
         if init.initialized {
-            leg.send(r#"{"method":"initialized"}"#.to_owned()).await;
+            leg.send(Utf8Bytes::from_static(r#"{"method":"initialized"}"#));
         }
     }
 }

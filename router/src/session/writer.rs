@@ -10,7 +10,7 @@ use std::task::{ready, Context, Poll};
 
 use futures_util::{Sink, SinkExt};
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::{End, Session};
 use crate::admission::QueueBytes;
@@ -18,6 +18,9 @@ use crate::admission::QueueBytes;
 /// Frames written before one flush: a streaming turn queues many small deltas, and flushing
 /// each one alone costs a TLS record and a syscall apiece.
 const WRITE_BATCH: usize = 64;
+/// Queued frames up to which a worker frame is queued shared rather than copied (see
+/// [`Session::for_client`]): one batch, which is all a client that keeps up has waiting.
+const SHARED_QUEUED: usize = WRITE_BATCH;
 
 /// The bytes a queued frame counts against the queue's byte bounds.
 fn queued_len(msg: &Message) -> usize {
@@ -159,12 +162,24 @@ impl OutQueue {
     }
 }
 
+/// `frame` itself (a reference count) with fewer than [`SHARED_QUEUED`] frames `queued`, else a
+/// copy in its own allocation.
+fn shared_below(frame: &Utf8Bytes, queued: usize) -> Utf8Bytes {
+    if queued < SHARED_QUEUED {
+        frame.clone()
+    } else {
+        Utf8Bytes::from(frame.as_str())
+    }
+}
+
 // === impl Session ===
 
 impl Session {
     /// Queues a frame for the client; a client whose queue is full (in frames, or in bytes for
-    /// the session or its tenant) is too slow and is closed.
-    pub(super) fn to_client(&self, text: String) -> Result<(), End> {
+    /// the session or its tenant) is too slow and is closed. A `String` moves in without a copy;
+    /// a shared frame ([`Utf8Bytes`]) is queued by reference.
+    pub(super) fn to_client(&self, text: impl Into<Utf8Bytes>) -> Result<(), End> {
+        let text = text.into();
         let n = text.len();
         if !self.queued_bytes.try_add(n) {
             tracing::info!(
@@ -180,6 +195,16 @@ impl Session {
             self.queued_bytes.release(n);
             Err(End::SlowClient)
         }
+    }
+
+    /// A worker frame as the client queue holds it: the leg's own bytes, shared (no copy) while
+    /// the queue is short, which is whenever the client keeps up. A shared frame keeps the leg's
+    /// read buffer it was read into (up to `proto::ws::READ_BUFFER_SIZE`, more for a larger
+    /// frame) alive until it is written, so beyond [`SHARED_QUEUED`] queued frames each is copied
+    /// into its own allocation: a client that stops reading pins at most that many buffers, on
+    /// top of the bytes its queue's bounds count.
+    pub(super) fn for_client(&self, frame: &Utf8Bytes) -> Utf8Bytes {
+        shared_below(frame, self.queued())
     }
 
     /// Frames waiting for the client.
@@ -272,6 +297,24 @@ mod tests {
             bytes.release(n);
         }
         pushed
+    }
+
+    #[test]
+    fn a_worker_frame_is_shared_while_the_queue_is_short_and_copied_behind_it() {
+        let frame = Utf8Bytes::from(r#"{"method":"item/agentMessage/delta"}"#.to_owned());
+        let short = shared_below(&frame, 0);
+        assert_eq!(
+            short.as_ptr(),
+            frame.as_ptr(),
+            "no copy for a client that keeps up"
+        );
+        let behind = shared_below(&frame, SHARED_QUEUED);
+        assert_ne!(
+            behind.as_ptr(),
+            frame.as_ptr(),
+            "its own allocation behind a batch"
+        );
+        assert_eq!(behind.as_str(), frame.as_str());
     }
 
     #[tokio::test]

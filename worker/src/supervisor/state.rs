@@ -12,7 +12,7 @@ use crate::error::PoolError;
 use crate::fleet::FleetPermit;
 use crate::id::Peer;
 use crate::id::WorkerId;
-use crate::load::{Lifecycle, Owners, ThreadView};
+use crate::load::{Lifecycle, Misses, Owners, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
 use crate::process::{ExitReport, ProcessGroup};
 
@@ -171,6 +171,8 @@ pub(super) struct PoolState {
     /// record of where the tenant's threads live (the router reads it through
     /// [`super::Pool::owner`]).
     pub owners: Owners,
+    /// Thread ids found neither in `owners` nor in any view, per generation of the views.
+    pub misses: Misses,
 }
 
 /// The settings of a pool that a reload may change in place.
@@ -210,6 +212,7 @@ impl PoolState {
             sizes: None,
             slots: Vec::new(),
             owners: Owners::default(),
+            misses: Misses::default(),
         }
     }
 
@@ -381,17 +384,25 @@ impl PoolState {
     }
 
     /// The worker that has `thread` loaded: the index, or on a miss the workers' own views (the
-    /// index is repaired from them).
+    /// index is repaired from them). An id found nowhere is remembered until a view gains a
+    /// thread ([`Misses`]), so asking for it again looks at no view.
     pub fn owner(&mut self, thread: &str) -> Option<WorkerId> {
         if let Some(w) = self.owners.get(thread) {
             return Some(w);
         }
-        let found = self
+        if self.misses.contains(thread) {
+            return None;
+        }
+        let Some(found) = self
             .slots
             .iter()
             .filter_map(|s| s.live.as_ref())
-            .find(|live| !live.has_exited() && live.threads.contains(thread))?
-            .id;
+            .find(|live| !live.has_exited() && live.threads.contains(thread))
+            .map(|live| live.id)
+        else {
+            self.misses.insert(thread);
+            return None;
+        };
         self.owners.set(thread, found);
         Some(found)
     }
@@ -409,7 +420,11 @@ impl PoolState {
         else {
             return;
         };
+        let before = live.threads.additions();
         live.threads.learn(thread);
+        if live.threads.additions() != before {
+            self.misses.views_grew();
+        }
         if live.threads.contains(thread) {
             self.owners.set(thread, id);
         }
@@ -495,7 +510,11 @@ impl PoolState {
             }
             Lifecycle::Unloaded { thread } => self.owners.release(thread, id),
         }
+        let before = live.threads.additions();
         live.threads.apply(event);
+        if live.threads.additions() != before {
+            self.misses.views_grew();
+        }
         let verdict = Self::finish_retire(live);
         self.publish_load();
         verdict
@@ -519,7 +538,11 @@ impl PoolState {
             return Verdict::Keep;
         };
         // Events newer than the request (at most one health timeout old) outrank the list.
+        let before = live.threads.additions();
         live.threads.reset(loaded, cfg.health_timeout);
+        if live.threads.additions() != before {
+            self.misses.views_grew();
+        }
         self.owners.sync(id, Some(&live.threads));
         live.rss = rss.or(live.rss);
         let mut draining = false;

@@ -223,3 +223,45 @@ async fn memory_guard_waits_for_the_active_turn() {
     assert_eq!(s.retiring(a), Some(ExitReason::Memory));
     assert!(s.get(id, &cfg).is_none(), "told to stop: no new routes");
 }
+
+#[tokio::test]
+async fn a_made_up_thread_id_is_looked_for_in_the_views_once_per_generation_of_them() {
+    let mut s = state();
+    let a = ready(&mut s);
+    let w = s.id(a);
+    status(&mut s, a, "real", false);
+    assert_eq!(s.owner("made-up"), None);
+    assert_eq!(s.misses.len(), 1, "the miss is remembered");
+    assert_eq!(s.owner("made-up"), None);
+    // A known thread changing status adds nothing to a view: the miss stays remembered.
+    status(&mut s, a, "real", true);
+    assert_eq!(s.misses.len(), 1);
+    // A thread started after the miss is found.
+    status(&mut s, a, "made-up", false);
+    assert_eq!(s.owner("made-up"), Some(w));
+    assert_eq!(s.misses.len(), 0, "a view that grew forgot every miss");
+}
+
+#[tokio::test]
+async fn a_remembered_miss_is_looked_for_again_once_a_view_gains_the_thread() {
+    let mut s = state();
+    let a = ready(&mut s);
+    let w = s.id(a);
+    assert_eq!(s.owner("t"), None);
+    // An answer teaches the view (and the record) the thread; the record then loses it, so only
+    // the view still knows: the remembered miss must not hide it.
+    s.learn("t", w);
+    assert_eq!(s.owners.remove("t"), Some(w));
+    assert_eq!(
+        s.owner("t"),
+        Some(w),
+        "found in the view, not the stale miss"
+    );
+    assert_eq!(s.owners.get("t"), Some(w), "and the record repaired");
+    // The same through a loaded list.
+    assert_eq!(s.owner("u"), None);
+    let cfg = cfg(1, &FleetCap::unlimited());
+    s.on_loaded(a, w, &["t".into(), "u".into()], None, &cfg, Instant::now());
+    assert_eq!(s.owners.remove("u"), Some(w));
+    assert_eq!(s.owner("u"), Some(w));
+}
