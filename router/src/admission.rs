@@ -30,6 +30,7 @@
 //!    long as the server.
 
 mod clock;
+mod leg_bytes;
 mod queue_bytes;
 mod rejection;
 
@@ -51,6 +52,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use worker::WorkerId;
+
+pub use leg_bytes::{LegBudget, TenantLegBytes};
 
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
@@ -256,7 +259,7 @@ pub struct Admission {
     /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     /// Per tenant: bytes on its sessions' legs towards its workers.
-    leg_bytes: Mutex<HashMap<String, Arc<crate::session::legs::TenantLegBytes>>>,
+    leg_bytes: Mutex<HashMap<String, Arc<TenantLegBytes>>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -501,13 +504,7 @@ impl Admission {
 
     /// The byte budget of one session's legs towards the workers, bounded per session and
     /// against the tenant's total.
-    pub fn leg_budget(
-        &self,
-        tenant: &str,
-        session_bound: usize,
-        tenant_bound: usize,
-    ) -> crate::session::legs::LegBudget {
-        use crate::session::legs::{LegBudget, TenantLegBytes};
+    pub fn leg_budget(&self, tenant: &str, session_bound: usize, tenant_bound: usize) -> LegBudget {
         let up = lock(&self.leg_bytes)
             .entry(tenant.to_owned())
             .or_insert_with(|| Arc::new(TenantLegBytes::new(tenant_bound)))

@@ -276,7 +276,7 @@ struct Session {
     /// Bytes queued towards the client, against the session's and the tenant's bounds.
     queued_bytes: Arc<QueueBytes>,
     /// Bytes queued on the legs towards the workers, per session and per tenant.
-    leg_budget: legs::LegBudget,
+    leg_budget: crate::admission::LegBudget,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
