@@ -15,12 +15,10 @@ use crate::config::Config;
 use crate::credentials::Credentials;
 use crate::policy::{HostAccessPolicy, TenantRoots};
 use rehome::{Cause, Moves, Rehome, Subscribers};
-use route::ThreadTable;
 
 mod build;
 mod program;
 pub mod rehome;
-pub mod route;
 pub mod uids;
 
 pub use build::{
@@ -44,8 +42,6 @@ pub struct Tenant {
     pub policy: HostAccessPolicy,
     /// Where its clients may point host-access methods.
     pub roots: TenantRoots,
-    /// threadId → owning worker.
-    pub table: ThreadTable,
     /// How many sessions are subscribed to each thread (decides re-home or close when a worker
     /// ends).
     pub subscribers: Arc<Subscribers>,
@@ -94,7 +90,6 @@ impl Tenant {
         let (relay, _) = broadcast::channel(RELAY_CAPACITY);
         let tenant = Arc::new(Tenant {
             id,
-            table: ThreadTable::new(pool.clone()),
             pool,
             policy,
             roots,
@@ -134,9 +129,13 @@ impl Tenant {
         self.pool.reconcile().await;
     }
 
-    /// The owner of `thread`, from the pool's record.
+    /// The worker that owns `thread`: the pool keeps the one record of it, from the lifecycle
+    /// broadcasts its control legs receive and, level-triggered, their `thread/loaded/list`
+    /// answers (a missed event or a lost entry heals within one health period); sessions add
+    /// what answers to `thread/start`, `thread/fork` and `thread/resume` say, which can arrive
+    /// before the broadcast ([`Pool::learn`]).
     pub fn find_owner(&self, thread: &str) -> Option<WorkerId> {
-        self.table.owner(thread)
+        self.pool.owner(thread)
     }
 
     fn on_pool_event(self: &Arc<Self>, ev: PoolEvent) {
@@ -218,7 +217,7 @@ impl Tenant {
             for (thread, cause, was_active) in orphans {
                 let to = match tenant.pool.acquire().await {
                     Ok(handle) => {
-                        tenant.table.learn(&thread, handle.id);
+                        tenant.pool.learn(&thread, handle.id);
                         let id = handle.id;
                         held.push(handle);
                         Some(id)

@@ -127,7 +127,7 @@ async fn both_follow_the_next_turn(
     old_owner: WorkerId,
     prompt: &str,
 ) -> anyhow::Result<()> {
-    let owner = fleet.tenant("acme").table.owner(thread);
+    let owner = fleet.tenant("acme").find_owner(thread);
     assert!(
         owner.is_some_and(|o| o != old_owner),
         "the thread lives on another worker now: {owner:?} (was {old_owner})"
@@ -176,7 +176,7 @@ async fn two_subscribers_keep_their_thread_when_its_worker_is_killed_mid_turn() 
     let approval = |v: &Value| v["method"] == "item/commandExecution/requestApproval";
     let ask_a = a.wait_for(approval).await?;
     let ask_b = b.wait_for(approval).await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     let msgs_a = a.until_turn_completed(&thread).await?;
@@ -239,7 +239,7 @@ async fn a_hung_worker_s_thread_is_rehomed_for_both_subscribers() -> anyhow::Res
     a.start_turn(&thread, "SLOW30 hang").await?;
     a.notification("turn/started").await?;
     b.notification("turn/started").await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     let stopped = Instant::now();
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGSTOP)?;
     let msgs_a = a.until_turn_completed(&thread).await?;
@@ -267,7 +267,7 @@ async fn a_retired_worker_s_idle_thread_moves_without_a_word_to_its_clients() ->
     ))
     .await?;
     let (mut a, mut b, thread) = two_subscribers(&fleet).await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     a.start_turn(&thread, "grow").await?;
     a.until_turn_completed(&thread).await?;
     b.until_turn_completed(&thread).await?;
@@ -350,7 +350,7 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
     a.until_turn_completed(&thread).await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     std::fs::write(&flag, "")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
@@ -406,30 +406,28 @@ async fn another_tenant_learns_nothing_of_a_move_and_cannot_take_the_thread() ->
     let own = z.start_thread().await?;
     let beta_worker = fleet
         .tenant("beta")
-        .table
-        .owner(&own)
+        .find_owner(&own)
         .context("beta's owner")?;
     let made_up = "019a0000-0000-7000-8000-00000000beef";
     unknown_to(&mut z, &thread, made_up).await?;
 
     a.start_turn(&thread, "SLOW30 acme's long turn").await?;
     a.wait_for(|v| v["method"] == "turn/started").await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     a.until_turn_completed(&thread).await?;
     b.until_turn_completed(&thread).await?;
     until_rehomed(&fleet, "crash", 2.0).await?;
     let new_owner = fleet
         .tenant("acme")
-        .table
-        .owner(&thread)
+        .find_owner(&thread)
         .context("re-homed")?;
     assert_eq!(new_owner.tenant(), "acme", "moved within acme's pool");
-    assert_eq!(fleet.tenant("beta").table.owner(&thread), None);
+    assert_eq!(fleet.tenant("beta").find_owner(&thread), None);
 
     // After the move, beta still cannot reach the thread, and its own thread is where it was.
     unknown_to(&mut z, &thread, made_up).await?;
-    assert_eq!(fleet.tenant("beta").table.owner(&own), Some(beta_worker));
+    assert_eq!(fleet.tenant("beta").find_owner(&own), Some(beta_worker));
     z.start_turn(&own, "beta carries on").await?;
     let msgs = z.until_turn_completed(&own).await?;
     assert_eq!(agent_text(&msgs), Some(reply_text("beta carries on")));
@@ -539,7 +537,7 @@ async fn a_thread_whose_resume_fails_closes_for_its_session_and_is_counted_resum
     let fleet = two_ready_workers().await?;
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     closed_as_app_server_closes(&mut a, &thread, true).await?;
     assert_eq!(outcome_is(&fleet, "resume_failed").await?, 1.0);
@@ -575,7 +573,7 @@ async fn with_no_worker_ready_within_ready_timeout_the_thread_closes_after_it() 
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
     a.until_turn_completed(&thread).await?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     std::fs::write(&hang, "")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
@@ -645,7 +643,7 @@ async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyh
         "beta has no fleet slot yet"
     );
 
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     let closed = closed_as_app_server_closes(&mut a, &thread, false).await? - killed;
@@ -723,7 +721,7 @@ async fn a_session_not_following_the_thread_is_told_it_is_idle() -> anyhow::Resu
     })
     .await
     .context("the other session saw the thread active")?;
-    let owner = fleet.tenant("acme").table.owner(&thread).context("owner")?;
+    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     a.until_turn_completed(&thread).await?;
     until_rehomed(&fleet, "crash", 1.0).await?;

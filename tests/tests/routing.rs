@@ -54,7 +54,7 @@ async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyh
         let owners: HashSet<String> = done
             .iter()
             .filter(|(name, _, _)| *name == tenant)
-            .filter_map(|(_, thread, _)| t.table.owner(thread).map(|w| w.to_string()))
+            .filter_map(|(_, thread, _)| t.find_owner(thread).map(|w| w.to_string()))
             .collect();
         assert_eq!(
             owners.len(),
@@ -84,8 +84,7 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
     let mut b = fleet.client("acme").await?;
     let owner = fleet
         .tenant("acme")
-        .table
-        .owner(&thread)
+        .find_owner(&thread)
         .expect("owner known");
     // B's home leg went to the other worker (placement by load), so B reaches the thread
     // through a leg opened on demand.
@@ -103,7 +102,7 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
     b.request("thread/resume", json!({ "threadId": thread }))
         .await?;
     assert_eq!(
-        fleet.tenant("acme").table.owner(&thread),
+        fleet.tenant("acme").find_owner(&thread),
         Some(owner),
         "the thread did not move"
     );
@@ -323,15 +322,12 @@ async fn reconciliation_heals_a_lost_route() -> anyhow::Result<()> {
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     let tenant = fleet.tenant("acme");
-    let owner = tenant
-        .table
-        .owner(&thread)
-        .expect("learned from the result");
+    let owner = tenant.find_owner(&thread).expect("learned from the result");
 
     // Lost entry, no traffic: the periodic thread/loaded/list brings it back.
-    assert_eq!(tenant.table.remove_for_tests(&thread), Some(owner));
+    assert_eq!(tenant.pool.forget_owner_for_tests(&thread), Some(owner));
     assert!(
-        wait_until(Duration::from_secs(3), || tenant.table.owner(&thread)
+        wait_until(Duration::from_secs(3), || tenant.find_owner(&thread)
             == Some(owner))
         .await,
         "the route should be back within one reconciliation period"
@@ -339,9 +335,9 @@ async fn reconciliation_heals_a_lost_route() -> anyhow::Result<()> {
 
     // Lost entry, then a request from a client whose home is on the other worker.
     let mut b = fleet.client("acme").await?;
-    tenant.table.remove_for_tests(&thread);
+    tenant.pool.forget_owner_for_tests(&thread);
     b.start_turn(&thread, "found you").await?;
-    assert_eq!(tenant.table.owner(&thread), Some(owner));
+    assert_eq!(tenant.find_owner(&thread), Some(owner));
     let msgs = a.until_turn_completed(&thread).await?;
     assert_eq!(agent_text(&msgs), Some(reply_text("found you")));
     fleet.stop().await
@@ -358,7 +354,7 @@ async fn idle_threads_and_workers_unload_but_never_mid_turn() -> anyhow::Result<
     // C's thread runs a turn longer than every idle period, and C leaves in the middle of it.
     let mut c = fleet.client("acme").await?;
     let thread = c.start_thread().await?;
-    let first_worker = tenant.table.owner(&thread).expect("owner");
+    let first_worker = tenant.find_owner(&thread).expect("owner");
     // 12 s: longer than a second real worker takes to start on a loaded machine, so the turn is
     // still running when C leaves (checked below, not assumed).
     c.start_turn(&thread, "SLOW12 outlive the idle period")

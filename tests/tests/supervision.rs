@@ -122,8 +122,7 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
     let a_thread = busy_turn(&mut a, "SLOW5 acme is killed").await?;
     let old_owner = fleet
         .tenant("acme")
-        .table
-        .owner(&a_thread)
+        .find_owner(&a_thread)
         .context("owner")?;
     let sockets = socket_files(fleet.files.dir.path());
     let pid = ready_pid(&fleet, "acme").context("acme pid")?;
@@ -154,16 +153,14 @@ async fn a_worker_killed_mid_turn_is_reported_and_its_thread_resumes_elsewhere(
     let moved = wait_until(Duration::from_secs(20), || {
         fleet
             .tenant("acme")
-            .table
-            .owner(&a_thread)
+            .find_owner(&a_thread)
             .is_some_and(|o| o != old_owner)
     })
     .await;
     assert!(moved, "re-homed on the replacement");
     let new_owner = fleet
         .tenant("acme")
-        .table
-        .owner(&a_thread)
+        .find_owner(&a_thread)
         .context("owner")?;
     assert_ne!(new_owner, old_owner, "resumed on a new worker");
     a.start_turn(&a_thread, "after the crash").await?;

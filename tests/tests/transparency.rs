@@ -134,12 +134,12 @@ async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Resu
     );
 
     let mut c = fleet.client("acme").await?;
-    let table = &fleet.tenant("acme").table;
+    let tenant = fleet.tenant("acme");
     let mut owners = std::collections::HashSet::new();
     let mut threads = Vec::new();
     for _ in 0..8 {
         let t = c.start_thread().await?;
-        owners.insert(table.owner(&t).context("thread placed")?);
+        owners.insert(tenant.find_owner(&t).context("thread placed")?);
         threads.push(t);
         if owners.len() == 2 {
             break;
@@ -287,7 +287,7 @@ async fn threads_on_two_workers(
     per_worker: usize,
 ) -> anyhow::Result<(testkit::Client, Vec<(String, u32)>)> {
     let mut c = fleet.client("acme").await?;
-    let table = &fleet.tenant("acme").table;
+    let tenant = fleet.tenant("acme");
     let mut threads: Vec<(String, u32)> = Vec::new();
     for i in 0..per_worker * 6 {
         let count = |slot: u32| threads.iter().filter(|(_, s)| *s == slot).count();
@@ -297,7 +297,7 @@ async fn threads_on_two_workers(
         let t = c.start_thread().await?;
         c.start_turn(&t, &format!("placed {i}")).await?;
         c.until_turn_completed(&t).await?;
-        let slot = table.owner(&t).context("thread placed")?.slot();
+        let slot = tenant.find_owner(&t).context("thread placed")?.slot();
         threads.push((t, slot));
     }
     for slot in [0, 1] {
@@ -489,11 +489,11 @@ async fn a_merged_answer_does_not_wait_for_a_stuck_worker() -> anyhow::Result<()
         .find(|s| handles(*s) > before[*s as usize])
         .context("a home leg")?;
     let other = 1 - home;
-    let table = &fleet.tenant("acme").table;
+    let tenant = fleet.tenant("acme");
     let mut on_home = Vec::new();
     for _ in 0..12 {
         let t = c.start_thread().await?;
-        let slot = table.owner(&t).context("placed")?.slot();
+        let slot = tenant.find_owner(&t).context("placed")?.slot();
         if slot == home {
             on_home.push(t);
         } else if !on_home.is_empty() {
@@ -1131,12 +1131,12 @@ async fn fleet_run() -> anyhow::Result<(Vec<(String, Value)>, usize)> {
     let first = wire(fleet.connect("acme").await?);
     let second = async { Ok(wire(fleet.connect("acme").await?)) };
     let steps = scenario(first, second, &fleet.workspace("acme")).await?;
-    let table = &fleet.tenant("acme").table;
+    let tenant = fleet.tenant("acme");
     let owners: std::collections::HashSet<_> = steps
         .iter()
         .flat_map(|(_, msgs)| msgs)
         .filter_map(|m| m["result"]["thread"]["id"].as_str())
-        .filter_map(|t| table.owner(t))
+        .filter_map(|t| tenant.find_owner(t))
         .collect();
     let out = normalize_run(&steps, fleet.files.dir.path());
     fleet.stop().await?;

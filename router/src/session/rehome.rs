@@ -279,7 +279,7 @@ impl Session {
             return Ok(());
         };
         if ok && worker == moving.to {
-            self.ctx.tenant.table.learn(&moving.thread, worker);
+            self.ctx.tenant.pool.learn(&moving.thread, worker);
             self.follow(&moving.thread, worker);
             self.following
                 .usage_replays

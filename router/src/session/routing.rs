@@ -133,12 +133,12 @@ impl Session {
         f: InFlight,
         answer: &Answer<'_>,
     ) -> Option<Result<(), End>> {
-        let table = &self.ctx.tenant.table;
+        let pool = &self.ctx.tenant.pool;
         match f.learn {
             Learn::Nothing | Learn::FanOut(_) => None,
             Learn::NewThread => {
                 if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
-                    table.learn(&thread, worker);
+                    pool.learn(&thread, worker);
                     self.follow(&thread, worker);
                 }
                 None
@@ -151,7 +151,7 @@ impl Session {
             }
             Learn::Resume { thread, retry } => {
                 if answer.result.and_then(jsonrpc::thread_of_result).is_some() {
-                    table.learn(&thread, worker);
+                    pool.learn(&thread, worker);
                     self.follow(&thread, worker);
                     return None;
                 }
