@@ -11,7 +11,6 @@ pub mod credentials;
 pub mod door;
 pub mod edge;
 pub mod fsutil;
-pub mod jsonrpc;
 pub mod listener;
 pub mod metrics;
 pub mod node;

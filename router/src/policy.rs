@@ -35,9 +35,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use crate::jsonrpc::{self, RequestId};
 use confine::Fault;
 pub use paths::{resolve, PathError, TenantRoots};
+use proto::rpc::{self, RequestId};
 use rules::Entry;
 
 /// JSON-RPC error code of a request refused by the host-access policy (defined in the
@@ -237,7 +237,7 @@ pub enum Decision {
 /// new params. `None` only if `params` is not JSON (never for a rewrite's own output).
 pub fn rewritten_request(id: &RequestId, method: &str, params: &str) -> Option<String> {
     let params = RawValue::from_string(params.to_owned()).ok()?;
-    Some(jsonrpc::request(id, method, Some(&params)))
+    Some(rpc::request(id, method, Some(&params)))
 }
 
 /// A refused request.

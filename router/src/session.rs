@@ -40,6 +40,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Sink, Stream, StreamExt};
+use proto::error::codes;
+use proto::rpc::{self, Frame, Message as Rpc, RequestId};
+use proto::Method;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -51,7 +54,6 @@ use crate::admission::{
     Admission, ConnectionGuard, InFlightPermit, QueueBytes, Reason, Rejection, Scope,
     FLOOD_CLOSE_REASON,
 };
-use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::tenants::Tenant;
 use audit::is_approval;
@@ -525,7 +527,7 @@ impl Session {
                 let sid = match self.server_requests.insert(
                     worker,
                     id,
-                    jsonrpc::thread_id(params),
+                    rpc::thread_id(params),
                     approval.clone(),
                 ) {
                     Ok(sid) => sid,
@@ -543,7 +545,7 @@ impl Session {
                         return Err(End::TooManyPrompts);
                     }
                 };
-                match jsonrpc::with_id(text, &RequestId::Int(sid)) {
+                match rpc::with_id(text, &RequestId::Int(sid)) {
                     Some(t) => self.to_client(t),
                     None => Ok(()),
                 }
@@ -560,7 +562,7 @@ impl Session {
                 if method == Method::ThreadClosed {
                     self.audit(
                         "thread.closed",
-                        json!({ "thread": jsonrpc::thread_id(params), "worker": worker.to_string() }),
+                        json!({ "thread": rpc::thread_id(params), "worker": worker.to_string() }),
                     );
                 }
                 if self.follow_notification(worker, &method, params) {
@@ -574,14 +576,13 @@ impl Session {
                     return Ok(());
                 }
                 if method == Method::ServerRequestResolved {
-                    if let Some((sid, unanswered)) = jsonrpc::params_request_id(params)
+                    if let Some((sid, unanswered)) = rpc::params_request_id(params)
                         .and_then(|rid| self.server_requests.resolved(worker, rid))
                     {
                         if let Some(asked) = unanswered {
                             self.audit_approval_withdrawn(asked, "resolved");
                         }
-                        if let Some(t) = jsonrpc::with_params_request_id(text, &RequestId::Int(sid))
-                        {
+                        if let Some(t) = rpc::with_params_request_id(text, &RequestId::Int(sid)) {
                             return self.to_client(t);
                         }
                     }

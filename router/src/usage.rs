@@ -18,7 +18,8 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use worker::WorkerId;
 
-use crate::jsonrpc::{Method, RequestId};
+use proto::rpc::RequestId;
+use proto::Method;
 
 /// Events remembered per kind and tenant (oldest forgotten first).
 const REMEMBERED: usize = 4096;

@@ -12,7 +12,8 @@ use serde_json::json;
 
 pub use proto::error::OVERLOADED_MESSAGE;
 
-use crate::jsonrpc::{codes, Frame, RequestId};
+use proto::error::codes;
+use proto::rpc::{Frame, RequestId};
 
 /// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
 const JITTER_DIVISOR: u64 = 4;

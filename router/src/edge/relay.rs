@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{Sink, SinkExt, StreamExt};
+use proto::rpc::{self, Message as Rpc, RequestId};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -37,7 +38,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Admission, ConnectionGuard, QueueBytes};
 use crate::credentials::Lease;
-use crate::jsonrpc::{self, Message as Rpc, RequestId};
 use crate::metrics::RouterMetrics;
 use crate::session::End;
 
@@ -300,7 +300,7 @@ where
     ) -> Result<Option<Message>, Ending> {
         match frame {
             Some(Ok(Message::Text(text))) => {
-                if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(&text) {
+                if let Ok(Rpc::Request { id, .. }) = rpc::parse(&text) {
                     if let Err(r) = self.guard.check_frame() {
                         self.metrics.rejected_for(self.guard.tenant(), &r);
                         self.out
@@ -332,7 +332,7 @@ where
 
     /// A text frame from the node, queued for the client (a delta dropped when behind).
     fn on_node_text(&mut self, text: Utf8Bytes) -> Result<(), Ending> {
-        match jsonrpc::parse(&text) {
+        match rpc::parse(&text) {
             Ok(Rpc::Response { id }) => {
                 self.in_flight.remove(&id);
             }
@@ -414,7 +414,7 @@ where
         for m in pending {
             self.out.bytes.release(Out::len_of(&m));
             if let Message::Text(text) = &m {
-                if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(text) {
+                if let Ok(Rpc::Request { id, .. }) = rpc::parse(text) {
                     answered = true;
                     if self.out.push(answer(&id).into()).is_err() {
                         break;
@@ -428,7 +428,7 @@ where
                 while let Some(Ok(m)) = rx.next().await {
                     match m {
                         Message::Text(text) => {
-                            if let Ok(Rpc::Request { id, .. }) = jsonrpc::parse(&text) {
+                            if let Ok(Rpc::Request { id, .. }) = rpc::parse(&text) {
                                 return Some(id);
                             }
                         }

@@ -22,9 +22,10 @@ use super::{
     Admitted, Edge, Link, LinkError, RelayCtx, NODE_LOST_CODE, NODE_LOST_REASON,
     NODE_STARTING_CODE, NODE_STARTING_REASON, NODE_START_FAILED_CODE, NODE_START_FAILED_REASON,
 };
+use proto::rpc::RequestId;
+
 use crate::admission::{ConnectionGuard, Rejection};
 use crate::door::{switching_protocols, Door};
-use crate::jsonrpc::RequestId;
 
 /// How long a client whose tenant's node is unreachable is asked to wait.
 const NODE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);

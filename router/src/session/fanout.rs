@@ -19,8 +19,11 @@ use worker::WorkerId;
 
 use super::Target;
 use super::{End, Session};
+use proto::error::codes;
+use proto::rpc::RequestId;
+use proto::Method;
+
 use crate::admission::{Reason, Scope};
-use crate::jsonrpc::{codes, Method, RequestId};
 
 /// Prefix of the ids the router gives the copies of a fanned-out request.
 pub(super) const ID_PREFIX: &str = "codex-fleet:fanout:";

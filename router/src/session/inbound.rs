@@ -13,8 +13,11 @@ use super::{
     fanout, rehome, turns, End, InFlight, Init, Parked, Session, MAX_PROTOCOL_ERRORS,
     REPLAY_INIT_ID, SESSION_IN_FLIGHT_RETRY, TURN_COUNT_SETTLED,
 };
+use proto::error::codes;
+use proto::rpc::{self, Frame, Message as Rpc, RequestId};
+use proto::Method;
+
 use crate::admission::{InFlightPermit, Reason, Rejection, Scope};
-use crate::jsonrpc::{self, codes, Frame, Message as Rpc, Method, RequestId};
 use crate::metrics::ClientError;
 use crate::policy::{self, Decision};
 use crate::untrusted::Untrusted;
@@ -75,7 +78,7 @@ impl Session {
         message: &str,
         data: Option<serde_json::Value>,
     ) -> Result<(), End> {
-        self.to_client(jsonrpc::error_response(id, code, message, data))
+        self.to_client(rpc::error_response(id, code, message, data))
     }
 
     pub(super) async fn on_client_frame(
@@ -115,7 +118,7 @@ impl Session {
             .client_frames
             .with_label_values(&[self.tenant()])
             .inc();
-        let msg = match jsonrpc::parse(&text) {
+        let msg = match rpc::parse(&text) {
             Ok(msg) => msg,
             Err(e) => {
                 self.check_unanswerable_frame()?;
@@ -130,7 +133,7 @@ impl Session {
         }
         match msg {
             Rpc::Request { id, method, params } => {
-                let thread = jsonrpc::thread_id(params);
+                let thread = rpc::thread_id(params);
                 if method == Method::TurnStart {
                     self.reconcile_turns();
                 }
@@ -395,7 +398,7 @@ impl Session {
         if let Some(asked) = approval {
             self.audit_approval_answer(asked, result, error).await;
         }
-        if let Some(text) = jsonrpc::with_id(text, &original) {
+        if let Some(text) = rpc::with_id(text, &original) {
             self.send_to_leg(worker, text);
         }
         Ok(())

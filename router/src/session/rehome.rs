@@ -20,8 +20,9 @@ use tokio::time::Instant;
 use worker::WorkerId;
 
 use super::{End, Session};
-use crate::jsonrpc::{self, Method, RequestId};
 use crate::tenants::rehome::{self, Cause, Outcome, Rehome, Subscription};
+use proto::rpc::{self, RequestId};
+use proto::Method;
 
 /// Prefix of the ids of the router's own resumes on legs; their answers are swallowed.
 pub(super) const REHOME_ID_PREFIX: &str = "codex-fleet:rehome:";
@@ -159,7 +160,7 @@ impl Session {
         method: &Method<'_>,
         params: Option<&RawValue>,
     ) -> bool {
-        let Some(thread) = jsonrpc::thread_id(params) else {
+        let Some(thread) = rpc::thread_id(params) else {
             return false;
         };
         if self.following.moving_to(&thread, Some(worker)) {
@@ -250,7 +251,7 @@ impl Session {
         let params =
             serde_json::json!({ "threadId": &*order.thread, "excludeTurns": true }).to_string();
         let params = RawValue::from_string(params).map_err(|_| "unencodable thread id")?;
-        let request = jsonrpc::request(&id, Method::ThreadResume.as_str(), Some(&params));
+        let request = rpc::request(&id, Method::ThreadResume.as_str(), Some(&params));
         self.following.moving.insert(
             id.clone(),
             Moving {

@@ -9,8 +9,10 @@ use tokio_tungstenite::tungstenite::Utf8Bytes;
 
 use super::legs::Leg;
 use super::{Answer, End, InFlight, Init, Session, Target, REPLAY_INIT_ID};
+use proto::rpc::{self, Message as Rpc, RequestId};
+use proto::Method;
+
 use crate::admission::Reason;
-use crate::jsonrpc::{self, Message as Rpc, Method, RequestId};
 
 /// How long a resume that lost the writer lock waits for the winner to show as the owner.
 const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -137,7 +139,7 @@ impl Session {
         match f.learn {
             Learn::Nothing | Learn::FanOut(_) => None,
             Learn::NewThread => {
-                if let Some(thread) = answer.result.and_then(jsonrpc::thread_of_result) {
+                if let Some(thread) = answer.result.and_then(rpc::thread_of_result) {
                     pool.learn(&thread, worker);
                     self.follow(&thread, worker);
                 }
@@ -150,14 +152,14 @@ impl Session {
                 None
             }
             Learn::Resume { thread, retry } => {
-                if answer.result.and_then(jsonrpc::thread_of_result).is_some() {
+                if answer.result.and_then(rpc::thread_of_result).is_some() {
                     pool.learn(&thread, worker);
                     self.follow(&thread, worker);
                     return None;
                 }
                 let busy = answer
                     .error
-                    .and_then(jsonrpc::message_of_error)
+                    .and_then(rpc::message_of_error)
                     .is_some_and(|m| proto::error::is_writer_conflict(&m));
                 let retry = retry.filter(|_| busy)?;
                 // Another worker holds the thread: find it and send the resume there, once. When
@@ -257,11 +259,11 @@ impl Session {
     }
 
     pub(super) fn replay_initialize(leg: &mut Leg, init: &Init) {
-        let params = match jsonrpc::parse(&init.text) {
+        let params = match rpc::parse(&init.text) {
             Ok(Rpc::Request { params, .. }) => params,
             _ => None,
         };
-        let replay = jsonrpc::request(
+        let replay = rpc::request(
             &RequestId::Str(REPLAY_INIT_ID.into()),
             Method::Initialize.as_str(),
             params,

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use worker::WorkerId;
 
-use crate::jsonrpc::RequestId;
+use proto::rpc::RequestId;
 
 /// Server requests remembered per session; above it, the oldest that is not an approval awaiting
 /// its answer is forgotten.

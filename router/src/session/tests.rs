@@ -91,7 +91,7 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
         let rewritten = crate::admission::rewrite_worker_overload(&text, Duration::from_millis(5));
         let overload = as_value.as_ref().is_some_and(|v| {
             v.is_object()
-                && jsonrpc::parse(&text).is_ok()
+                && rpc::parse(&text).is_ok()
                 && v["error"]["code"] == codes::OVERLOADED
                 && v["error"]
                     .get("data")
@@ -104,7 +104,7 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
             assert_eq!(out["error"]["data"]["reason"], "workerOverloaded", "{text}");
         }
         // `params.requestId` is set on a frame with object params, and only there.
-        let with_rid = jsonrpc::with_params_request_id(&text, &RequestId::Int(1));
+        let with_rid = rpc::with_params_request_id(&text, &RequestId::Int(1));
         if let Some(out) = &with_rid {
             // Raw, as the router passes values it does not read (e.g. `1e999`) through unparsed.
             type Raw = HashMap<String, Box<serde_json::value::RawValue>>;
@@ -133,7 +133,7 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
                 );
             }
         }
-        match jsonrpc::parse(&text) {
+        match rpc::parse(&text) {
             Err(e) => {
                 refused += 1;
                 assert!(e.code() == codes::PARSE_ERROR || e.code() == codes::INVALID_REQUEST);
@@ -146,9 +146,9 @@ fn arbitrary_frames_never_panic_and_parsed_ids_map_back_exactly() {
                 };
                 // Rewriting the id to a session id and back restores it exactly.
                 let sid = RequestId::Int(rng.next_u64() as i64);
-                let there = jsonrpc::with_id(&text, &sid).unwrap_or_else(|| panic!("{text}"));
-                let back = jsonrpc::with_id(&there, &id).expect("an object");
-                match (jsonrpc::parse(&there), jsonrpc::parse(&back)) {
+                let there = rpc::with_id(&text, &sid).unwrap_or_else(|| panic!("{text}"));
+                let back = rpc::with_id(&there, &id).expect("an object");
+                match (rpc::parse(&there), rpc::parse(&back)) {
                     (
                         Ok(Rpc::Request { id: a, .. } | Rpc::Response { id: a }),
                         Ok(Rpc::Request { id: b, .. } | Rpc::Response { id: b }),
@@ -173,9 +173,9 @@ fn any_id_survives_the_round_trip_through_the_router() {
     for _ in 0..20_000 {
         let id = rng.id();
         let sid = RequestId::Int(rng.next_u64() as i64);
-        let request = jsonrpc::request(&id, "item/tool/call", None);
-        let to_client = jsonrpc::with_id(&request, &sid).expect("object");
-        let Ok(Rpc::Request { id: seen, .. }) = jsonrpc::parse(&to_client) else {
+        let request = rpc::request(&id, "item/tool/call", None);
+        let to_client = rpc::with_id(&request, &sid).expect("object");
+        let Ok(Rpc::Request { id: seen, .. }) = rpc::parse(&to_client) else {
             panic!("{to_client}")
         };
         assert_eq!(seen, sid);
@@ -183,17 +183,17 @@ fn any_id_survives_the_round_trip_through_the_router() {
             r#"{{"id":{},"result":{{}}}}"#,
             serde_json::to_string(&sid).unwrap()
         );
-        let to_worker = jsonrpc::with_id(&answer, &id).expect("object");
-        let Ok(Rpc::Response { id: back }) = jsonrpc::parse(&to_worker) else {
+        let to_worker = rpc::with_id(&answer, &id).expect("object");
+        let Ok(Rpc::Response { id: back }) = rpc::parse(&to_worker) else {
             panic!("{to_worker}")
         };
         assert_eq!(back, id, "{to_worker}");
         // A worker's -32001 for this id keeps the id when its data is filled in.
-        let overload = jsonrpc::error_response(Some(&id), codes::OVERLOADED, "x", None);
+        let overload = rpc::error_response(Some(&id), codes::OVERLOADED, "x", None);
         let rewritten =
             crate::admission::rewrite_worker_overload(&overload, Duration::from_millis(3))
                 .expect("rewritten");
-        let Ok(Rpc::Response { id: kept }) = jsonrpc::parse(&rewritten) else {
+        let Ok(Rpc::Response { id: kept }) = rpc::parse(&rewritten) else {
             panic!("{rewritten}")
         };
         assert_eq!(kept, id);
