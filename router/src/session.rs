@@ -19,10 +19,17 @@
 //! Request ids: a request reusing the id of one still in flight, or using the id the router
 //! keeps for its own requests on legs, is answered `-32600` and not forwarded; the first
 //! request keeps its entry and its worker slot.
+//!
+//! Where each part is: this file holds the session's state and its loop; `inbound.rs` the
+//! client's frames, `from_workers.rs` the workers', `legs.rs` the sockets to them, `writer.rs`
+//! the client's queue, `routing.rs` where a request goes, `fanout.rs` requests every worker
+//! answers, `broadcasts.rs` the tenant's broadcasts, `rehome.rs` threads moving off a dead
+//! worker, `server_requests.rs` and `audit.rs` approvals, `turns.rs` the turn count.
 
 mod audit;
 mod broadcasts;
 mod fanout;
+mod from_workers;
 mod inbound;
 pub mod legs;
 pub(crate) mod metrics;
@@ -32,7 +39,6 @@ mod server_requests;
 mod turns;
 mod writer;
 
-use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -40,9 +46,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Sink, Stream, StreamExt};
-use proto::error::codes;
-use proto::rpc::{self, Frame, Message as Rpc, RequestId};
-use proto::Method;
+use proto::rpc::RequestId;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -51,15 +55,13 @@ use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
 use crate::admission::{
-    Admission, ConnectionGuard, InFlightPermit, QueueBytes, Reason, Rejection, Scope,
-    FLOOD_CLOSE_REASON,
+    Admission, ConnectionGuard, InFlightPermit, QueueBytes, Rejection, FLOOD_CLOSE_REASON,
 };
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::tenants::Tenant;
-use audit::is_approval;
 use broadcasts::recv_relay;
 pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
-use legs::{Leg, LegEvent};
+use legs::Leg;
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
@@ -285,8 +287,6 @@ struct Session {
     fanouts: fanout::FanOuts,
 }
 
-impl Session {}
-
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
 /// can drive it through channels.
 pub async fn serve<Si, St>(sink: Si, stream: St, ctx: SessionCtx, guard: ConnectionGuard) -> End
@@ -469,268 +469,6 @@ impl Session {
             .client_errors
             .with_label_values(&[reason.as_str()])
             .inc();
-    }
-
-    /// A frame from a leg, and then whatever else the legs have ready (up to [`LEG_BURST`]), so
-    /// that what they make the session queue for its client goes out in one batch and one flush.
-    async fn on_leg_events(
-        &mut self,
-        first: LegEvent,
-        legs: &mut futures_util::stream::SelectAll<legs::LegFrames>,
-    ) -> Result<(), End> {
-        self.on_leg_event(first).await?;
-        for _ in 1..LEG_BURST {
-            match futures_util::FutureExt::now_or_never(legs.next()) {
-                Some(Some(ev)) => self.on_leg_event(ev).await?,
-                _ => break,
-            }
-        }
-        Ok(())
-    }
-
-    async fn on_leg_event(&mut self, ev: LegEvent) -> Result<(), End> {
-        match ev {
-            LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
-            LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
-        }
-    }
-
-    async fn on_worker_frame(&mut self, worker: WorkerId, shared: &Utf8Bytes) -> Result<(), End> {
-        let text = shared.as_str();
-        let frame = match Frame::parse(text) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!(%worker, error = %e, "dropping unparseable frame from worker");
-                return Ok(());
-            }
-        };
-        if self.replayed.contains(&worker) && self.replay_echo(worker, &frame.message) {
-            return Ok(());
-        }
-        let answer = Answer {
-            result: frame.result,
-            error: frame.error,
-            overloaded: frame.error_code() == Some(codes::OVERLOADED),
-        };
-        match frame.message {
-            Rpc::Response { id } => self.on_worker_response(worker, id, answer, shared).await,
-            Rpc::Request { id, method, params } => {
-                self.ctx.tenant.counted.server_request(
-                    &self.ctx.metrics.usage,
-                    self.tenant(),
-                    worker,
-                    &id,
-                    &method,
-                );
-                let approval = is_approval(method.as_str())
-                    .then(|| self.audit_approval_request(worker, method.as_str(), params));
-                let sid = match self.server_requests.insert(
-                    worker,
-                    id,
-                    rpc::thread_id(params),
-                    approval.clone(),
-                ) {
-                    Ok(sid) => sid,
-                    Err(server_requests::Full) => {
-                        // Forgetting a prompt would let its decision pass unaudited: the
-                        // session ends instead, and the prompt stays for its other subscribers.
-                        tracing::warn!(
-                            %worker,
-                            pending = self.server_requests.approvals(),
-                            "closing a session with too many approvals awaiting an answer"
-                        );
-                        if let Some(asked) = approval {
-                            self.audit_approval_withdrawn(asked, "too_many_pending");
-                        }
-                        return Err(End::TooManyPrompts);
-                    }
-                };
-                match rpc::with_id(text, &RequestId::Int(sid)) {
-                    Some(t) => self.to_client(t),
-                    None => Ok(()),
-                }
-            }
-            Rpc::Notification { method, params } => {
-                self.track_turns(&method, params);
-                self.forget_ended_turn(worker, &method, params);
-                self.ctx.tenant.counted.notification(
-                    &self.ctx.metrics.usage,
-                    self.tenant(),
-                    &method,
-                    params,
-                );
-                if method == Method::ThreadClosed {
-                    self.audit(
-                        "thread.closed",
-                        json!({ "thread": rpc::thread_id(params), "worker": worker.to_string() }),
-                    );
-                }
-                if self.follow_notification(worker, &method, params) {
-                    return Ok(());
-                }
-                if method.is_delta()
-                    && (self.queued() >= self.soft_mark || self.queued_bytes.behind())
-                {
-                    // Behind: item/completed will carry the whole item, so the delta can go.
-                    self.ctx.metrics.deltas_dropped.inc();
-                    return Ok(());
-                }
-                if method == Method::ServerRequestResolved {
-                    if let Some((sid, unanswered)) = rpc::params_request_id(params)
-                        .and_then(|rid| self.server_requests.resolved(worker, rid))
-                    {
-                        if let Some(asked) = unanswered {
-                            self.audit_approval_withdrawn(asked, "resolved");
-                        }
-                        if let Some(t) = rpc::with_params_request_id(text, &RequestId::Int(sid)) {
-                            return self.to_client(t);
-                        }
-                    }
-                }
-                self.to_client(self.for_client(shared))
-            }
-        }
-    }
-
-    async fn on_worker_response(
-        &mut self,
-        worker: WorkerId,
-        id: RequestId,
-        answer: Answer<'_>,
-        shared: &Utf8Bytes,
-    ) -> Result<(), End> {
-        let text = shared.as_str();
-        if id == RequestId::Str(REPLAY_INIT_ID.into()) {
-            if answer.result.is_some() {
-                self.live.insert(worker);
-            } else {
-                tracing::warn!(%worker, response = text, "replayed initialize refused");
-            }
-            return Ok(());
-        }
-        if rehome::Following::is_own(&id) {
-            return self.on_rehome_answer(worker, &id, answer.result.is_some(), text);
-        }
-        if let Some(merged) = self.fanout_answer(worker, &id, text) {
-            return merged;
-        }
-        let rewritten = answer
-            .overloaded
-            .then(|| self.ctx.admission.rewrite_worker_overload(text))
-            .flatten();
-        if rewritten.is_some() {
-            self.ctx
-                .metrics
-                .admission_rejections
-                .with_label_values(&[Scope::Worker.as_str(), Reason::WorkerOverloaded.as_str()])
-                .inc();
-        }
-        let flight = self.in_flight.remove(&id);
-        if let Some(f) = &flight {
-            self.ctx
-                .metrics
-                .request_seconds
-                .with_label_values(&[&self.ctx.tenant.id])
-                .observe(f.since.elapsed().as_secs_f64());
-        }
-        if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {
-            if answer.result.is_some() {
-                init.answered = true;
-                self.live.insert(worker);
-            } else {
-                self.init = None; // refused: the client may try again
-            }
-        }
-        if let Some(f) = flight {
-            let event = match f.learn {
-                Learn::NewThread => Some("thread.created"),
-                Learn::Resume { .. } => Some("thread.resumed"),
-                _ => None,
-            };
-            if let (Some(event), Some(result)) = (event, answer.result) {
-                let result =
-                    serde_json::from_str::<serde_json::Value>(result.get()).unwrap_or_default();
-                self.audit(
-                    event,
-                    json!({
-                        "thread": result["thread"]["id"],
-                        "forked_from": result["thread"].get("forkedFromId"),
-                        "worker": worker.to_string(),
-                    }),
-                );
-            }
-            if let Some(retried) = self.learn(worker, &id, f, &answer).await {
-                return retried;
-            }
-        }
-        match rewritten {
-            Some(t) => self.to_client(t),
-            None => self.to_client(self.for_client(shared)),
-        }
-    }
-
-    fn on_leg_closed(&mut self, worker: WorkerId, reason: &str) -> Result<(), End> {
-        tracing::info!(%worker, reason, "leg closed");
-        self.legs.remove(&worker);
-        self.live.remove(&worker);
-        self.replayed.remove(&worker);
-        self.ctx.tenant.reconcile_soon();
-        if self.home == Some(worker) {
-            self.home = None;
-        }
-        // The worker's prompts can no longer be answered through this session.
-        for w in self.server_requests.forget_worker(worker) {
-            if let Some(asked) = w.approval {
-                self.audit_approval_withdrawn(asked, "worker_lost");
-            }
-            if let Some(thread) = w.thread {
-                self.to_client(crate::tenants::rehome::request_resolved_frame(
-                    &thread, w.sid,
-                ))?;
-            }
-        }
-        self.moves_lost(worker)?;
-        self.fanout_leg_closed(worker)?;
-        let lost: Vec<RequestId> = self
-            .in_flight
-            .iter()
-            .filter(|(_, f)| f.worker == worker)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in lost {
-            self.in_flight.remove(&id);
-            self.worker_gone_reply(&id)?;
-        }
-        if self.init.as_ref().is_some_and(|i| !i.answered) {
-            self.init = None;
-        }
-        Ok(())
-    }
-
-    /// A turn of a thread on `worker` ended (app-server aborts its pending requests, and says so
-    /// with `serverRequest/resolved` first): whatever of them is still remembered is forgotten.
-    fn forget_ended_turn(
-        &mut self,
-        worker: WorkerId,
-        method: &Method<'_>,
-        params: Option<&serde_json::value::RawValue>,
-    ) {
-        if self.server_requests.by_session.is_empty() {
-            return; // the common case, deltas included: nothing to look up
-        }
-        let Some((turns::Event::Ended, thread)) = turns::event_of(method, params) else {
-            return;
-        };
-        for w in self.server_requests.turn_ended(worker, &thread) {
-            if let Some(asked) = w.approval {
-                self.audit_approval_withdrawn(asked, "turn_ended");
-            }
-        }
-    }
-
-    fn worker_gone_reply(&self, id: &RequestId) -> Result<(), End> {
-        self.count_error(ClientError::WorkerExited);
-        self.to_client(proto::error::worker_exited_response(id))
     }
 
     /// Queues a frame for `worker`'s leg (written by the session loop); false if there is no

@@ -2,9 +2,14 @@
 //! rewriting over pseudo-random input, and whole sessions in memory (paused time, fake worker
 //! legs): bad frames, floods, approvals, and the order in which workers' frames reach the client.
 
+use proto::arbitrary::{arbitrary_frame, Rng};
+use proto::error::codes;
+use proto::rpc::{self, Message as Rpc};
+use serde_json::json;
+
+use super::legs::LegEvent;
 use super::server_requests::{Withdrawn, MAX_APPROVALS, MAX_SERVER_REQUESTS};
 use super::*;
-use proto::arbitrary::{arbitrary_frame, Rng};
 
 #[test]
 fn server_request_ids_are_session_unique_and_mapped_back() {
