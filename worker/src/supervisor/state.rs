@@ -12,7 +12,7 @@ use crate::error::PoolError;
 use crate::fleet::FleetPermit;
 use crate::id::Peer;
 use crate::id::WorkerId;
-use crate::load::{Lifecycle, Misses, Owners, ThreadView};
+use crate::load::{Misses, Owners, ThreadView};
 use crate::metrics::{ExitReason, WorkerMetrics};
 use crate::process::{ExitReport, ProcessGroup};
 
@@ -383,63 +383,6 @@ impl PoolState {
         live.threads.entries()
     }
 
-    /// The worker that has `thread` loaded: the index, or on a miss the workers' own views (the
-    /// index is repaired from them). An id found nowhere is remembered until a view gains a
-    /// thread ([`Misses`]), so asking for it again looks at no view.
-    pub fn owner(&mut self, thread: &str) -> Option<WorkerId> {
-        if let Some(w) = self.owners.get(thread) {
-            return Some(w);
-        }
-        if self.misses.contains(thread) {
-            return None;
-        }
-        let Some(found) = self
-            .slots
-            .iter()
-            .filter_map(|s| s.live.as_ref())
-            .find(|live| !live.has_exited() && live.threads.contains(thread))
-            .map(|live| live.id)
-        else {
-            self.misses.insert(thread);
-            return None;
-        };
-        self.owners.set(thread, found);
-        Some(found)
-    }
-
-    /// `thread` is loaded on worker `id` (a request's answer said so before its control leg did).
-    pub fn learn(&mut self, thread: &str, id: WorkerId) {
-        let Ok(index) = usize::try_from(id.slot()) else {
-            return;
-        };
-        let Some(live) = self
-            .slots
-            .get_mut(index)
-            .and_then(|s| s.live.as_mut())
-            .filter(|l| l.id == id)
-        else {
-            return;
-        };
-        let before = live.threads.additions();
-        live.threads.learn(thread);
-        if live.threads.additions() != before {
-            self.misses.views_grew();
-        }
-        if live.threads.contains(thread) {
-            self.owners.set(thread, id);
-        }
-    }
-
-    /// Each running worker's loaded threads.
-    pub fn loaded_threads(&self) -> Vec<(WorkerId, Vec<String>)> {
-        self.slots
-            .iter()
-            .filter_map(|s| s.live.as_ref())
-            .filter(|live| !live.has_exited())
-            .map(|live| (live.id, live.threads.ids()))
-            .collect()
-    }
-
     /// Control-leg senders of the workers that are ready or draining.
     pub fn controls(&self) -> Vec<(WorkerId, mpsc::Sender<ControlCommand>)> {
         self.slots
@@ -453,27 +396,6 @@ impl PoolState {
     /// The sizes in force.
     pub fn sizes(&self, cfg: &PoolConfig) -> Sizes {
         self.sizes.unwrap_or_else(|| Sizes::of(cfg))
-    }
-
-    /// Each live worker's active threads (running a turn or waiting on a client).
-    pub fn active_threads(
-        &self,
-        cfg: &PoolConfig,
-    ) -> Vec<(WorkerId, std::path::PathBuf, Peer, Vec<String>)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(index, s)| s.live.as_ref().map(|live| (index, live)))
-            .filter(|(_, live)| !live.has_exited() && live.threads.active() > 0)
-            .map(|(index, live)| {
-                (
-                    live.id,
-                    cfg.socket_path(slot_number(index)),
-                    live.peer,
-                    live.threads.active_ids(),
-                )
-            })
-            .collect()
     }
 
     /// Why no worker can be had at all, if so: an invalid command that keeps failing leaves every
@@ -497,27 +419,6 @@ impl PoolState {
 
     fn live_mut(&mut self, index: usize, id: WorkerId) -> Option<&mut Live> {
         self.slots[index].live.as_mut().filter(|live| live.id == id)
-    }
-
-    /// A lifecycle broadcast from worker `id`'s control leg.
-    pub fn on_lifecycle(&mut self, index: usize, id: WorkerId, event: Lifecycle) -> Verdict {
-        let Some(live) = self.slots[index].live.as_mut().filter(|l| l.id == id) else {
-            return Verdict::Keep;
-        };
-        match &event {
-            Lifecycle::Started { thread, .. } | Lifecycle::Status { thread, .. } => {
-                self.owners.set(thread, id);
-            }
-            Lifecycle::Unloaded { thread } => self.owners.release(thread, id),
-        }
-        let before = live.threads.additions();
-        live.threads.apply(event);
-        if live.threads.additions() != before {
-            self.misses.views_grew();
-        }
-        let verdict = Self::finish_retire(live);
-        self.publish_load();
-        verdict
     }
 
     /// A `thread/loaded/list` answer (and the RSS sampled with it): resets the view, then checks the
@@ -730,6 +631,8 @@ impl PoolState {
         (self.live_groups(), tasks)
     }
 }
+
+mod threads;
 
 #[cfg(test)]
 mod tests;

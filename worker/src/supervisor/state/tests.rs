@@ -1,5 +1,6 @@
 use super::*;
 use crate::fleet::FleetCap;
+use crate::load::Lifecycle;
 use tokio::time::Duration;
 
 fn cfg(max_workers: usize, fleet: &FleetCap) -> PoolConfig {
