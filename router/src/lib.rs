@@ -10,6 +10,7 @@ pub mod config;
 pub mod credentials;
 pub mod door;
 pub mod edge;
+pub mod end;
 pub mod fsutil;
 pub mod listener;
 pub mod metrics;

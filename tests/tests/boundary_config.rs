@@ -302,7 +302,7 @@ async fn a_tenant_re_added_before_its_old_session_ended_adopts_its_running_pool(
     // held the pool until it had ended, so the re-added tenant took it back. New sessions work.
     assert_eq!(
         old.recv_close_frame(Duration::from_secs(30)).await?,
-        Some((1008, router::session::REVOKED_REASON.to_owned()))
+        Some((1008, router::end::REVOKED_REASON.to_owned()))
     );
     // The old session's end does not stop the adopted pool (the tenant is configured again):
     // once the session is gone, the pass that stops removed tenants' unused pools finds nothing

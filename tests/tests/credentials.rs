@@ -588,7 +588,7 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
     let frame = short.recv_close_frame(STEP).await?;
     assert_eq!(
         frame,
-        Some((1008, router::session::EXPIRED_REASON.to_owned())),
+        Some((1008, router::end::EXPIRED_REASON.to_owned())),
         "the expired session is closed with 1008"
     );
     // Closed after exp (the clock has whole seconds), and not long after it.
@@ -645,10 +645,7 @@ async fn sessions_end_with_their_credential_and_no_other() -> anyhow::Result<()>
     router::fsutil::write_private(&fleet.files.config, &toml)?;
     fleet.reloader.reload().await?;
     let frame = token.recv_close_frame(STEP).await?;
-    assert_eq!(
-        frame,
-        Some((1008, router::session::REVOKED_REASON.to_owned()))
-    );
+    assert_eq!(frame, Some((1008, router::end::REVOKED_REASON.to_owned())));
     for c in [&mut kept, &mut long, &mut by_second] {
         still_serves(c)
             .await
@@ -1060,7 +1057,7 @@ async fn through_an_edge_a_jwt_names_the_subject_on_the_node_and_its_session_end
     let frame = c.recv_close_frame(STEP).await?;
     assert_eq!(
         frame,
-        Some((1008, router::session::EXPIRED_REASON.to_owned())),
+        Some((1008, router::end::EXPIRED_REASON.to_owned())),
         "the edge closes the relay at exp"
     );
     assert!(started.elapsed() >= Duration::from_secs(6));

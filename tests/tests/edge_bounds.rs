@@ -487,15 +487,12 @@ async fn a_session_waiting_for_its_pod_is_bounded_and_ends_with_its_credential(
     let close = four.recv_close_frame(Duration::from_secs(10)).await?;
     assert_eq!(
         close,
-        Some((1008, router::session::REVOKED_REASON.to_owned())),
+        Some((1008, router::end::REVOKED_REASON.to_owned())),
         "the revoked session kept waiting"
     );
     // Every waiting session of the tenant ends with it.
     let close = two.recv_close_frame(Duration::from_secs(10)).await?;
-    assert_eq!(
-        close,
-        Some((1008, router::session::REVOKED_REASON.to_owned()))
-    );
+    assert_eq!(close, Some((1008, router::end::REVOKED_REASON.to_owned())));
     Ok(())
 }
 

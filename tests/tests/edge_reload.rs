@@ -84,7 +84,7 @@ async fn sighup_on_an_edge_rotates_tokens_and_closes_the_sessions_of_a_removed_o
         .context("a close frame for the revoked session")?;
     assert_eq!(
         close,
-        (1008, router::session::REVOKED_REASON.to_owned()),
+        (1008, router::end::REVOKED_REASON.to_owned()),
         "the relayed session of a removed token"
     );
     // The old token no longer opens a session; the new one does, on the same node.

@@ -531,7 +531,7 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
     // token's session serves.
     assert_eq!(
         c.recv_close_frame(Duration::from_secs(30)).await?,
-        Some((1008, router::session::REVOKED_REASON.to_owned()))
+        Some((1008, router::end::REVOKED_REASON.to_owned()))
     );
     c2.start_turn(&t2, "after the reload").await?;
     assert_eq!(
@@ -706,7 +706,7 @@ async fn a_reload_runs_hooks_applies_new_limits_and_closes_a_removed_tenants_ses
     // docs/operations.md); its workers stop once the session has ended.
     assert_eq!(
         session.recv_close_frame(Duration::from_secs(30)).await?,
-        Some((1008, router::session::REVOKED_REASON.to_owned()))
+        Some((1008, router::end::REVOKED_REASON.to_owned()))
     );
     let stopped = wait_until(Duration::from_secs(10), || {
         gone_pool.workers().iter().all(|w| w.pid.is_none())

@@ -38,8 +38,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Admission, ConnectionGuard, QueueBytes};
 use crate::credentials::Lease;
+use crate::end::End;
 use crate::metrics::RouterMetrics;
-use crate::session::End;
 
 /// Messages a client may send while its tenant's node starts, before it is closed (1008).
 pub(super) const MAX_PENDING: usize = 256;
@@ -617,7 +617,7 @@ where
             if too_big {
                 // As serve: the rest of the oversized message is unread, and closing now would
                 // reset the socket before the client reads the 1009.
-                tokio::time::sleep(crate::session::TOO_BIG_LINGER).await;
+                tokio::time::sleep(crate::end::TOO_BIG_LINGER).await;
             }
         };
         let _in_time =

@@ -250,7 +250,7 @@ async fn a_revoked_credential_ends_a_waiting_session_and_nothing_held_leaves() {
     relay.end(ending).await;
     assert_eq!(
         close_of(&mut peer).await,
-        Some((1008, crate::session::REVOKED_REASON.to_owned()))
+        Some((1008, crate::end::REVOKED_REASON.to_owned()))
     );
     // Linked, with held messages: they do not leave.
     let (client, mut peer) = pair(1 << 20).await;
@@ -269,7 +269,7 @@ async fn a_revoked_credential_ends_a_waiting_session_and_nothing_held_leaves() {
     assert_eq!(node_saw, 0, "a held request reached the node");
     assert_eq!(
         close_of(&mut peer).await,
-        Some((1008, crate::session::REVOKED_REASON.to_owned()))
+        Some((1008, crate::end::REVOKED_REASON.to_owned()))
     );
     f.all_freed();
 }

@@ -1,0 +1,102 @@
+//! How a client connection ends: the close code and reason the client reads and the label a
+//! metric counts, the same for a session served here and one an edge relays.
+
+use std::time::Duration;
+
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+
+use crate::admission::FLOOD_CLOSE_REASON;
+
+/// After a 1009 close, how long the socket stays open (unread) before it is dropped.
+pub const TOO_BIG_LINGER: Duration = Duration::from_millis(500);
+
+/// Why a session ended; decides the close frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// The client closed or vanished.
+    ClientGone,
+    /// codex-fleet is shutting down (1001).
+    Shutdown,
+    /// The client did not read fast enough (1008).
+    SlowClient,
+    /// A message over the size limit (1009).
+    TooBig,
+    /// Too many protocol errors in a row (1008).
+    ProtocolErrors,
+    /// Notifications or responses beyond the connection's frame rate (1008): they cannot be
+    /// answered with `-32001` and are never dropped silently.
+    Flooded,
+    /// The credential that admitted the session expired (1008, [`EXPIRED_REASON`]).
+    CredentialExpired,
+    /// A reload removed the session's token, key or tenant (1008, [`REVOKED_REASON`]).
+    CredentialRevoked,
+    /// The workers asked more approvals than the session may hold unanswered (1008,
+    /// [`TOO_MANY_PROMPTS_REASON`]): forgetting one would let its decision pass unaudited.
+    TooManyPrompts,
+}
+
+/// Close reason of a session whose JWT expired.
+pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect with a new token";
+/// Close reason of a session whose credential or tenant a reload removed.
+pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
+/// Close reason of a session holding too many unanswered approvals.
+pub const TOO_MANY_PROMPTS_REASON: &str = "codex-fleet: too many approvals awaiting an answer";
+
+impl From<crate::credentials::CredentialEnd> for End {
+    fn from(e: crate::credentials::CredentialEnd) -> End {
+        match e {
+            crate::credentials::CredentialEnd::Expired => End::CredentialExpired,
+            crate::credentials::CredentialEnd::Revoked => End::CredentialRevoked,
+        }
+    }
+}
+
+impl End {
+    /// Every way a session ends, so each series exists (at zero) from the start.
+    pub const ALL: [End; 9] = [
+        End::ClientGone,
+        End::Shutdown,
+        End::SlowClient,
+        End::TooBig,
+        End::ProtocolErrors,
+        End::Flooded,
+        End::CredentialExpired,
+        End::CredentialRevoked,
+        End::TooManyPrompts,
+    ];
+
+    /// The `reason` of `codex_fleet_sessions_closed_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            End::ClientGone => "client",
+            End::Shutdown => "shutdown",
+            End::SlowClient => "slow_client",
+            End::TooBig => "too_big",
+            End::ProtocolErrors => "protocol_errors",
+            End::Flooded => "flooded",
+            End::CredentialExpired => "credential_expired",
+            End::CredentialRevoked => "credential_revoked",
+            End::TooManyPrompts => "too_many_prompts",
+        }
+    }
+
+    /// The close frame to send, if any.
+    pub fn close_frame(&self) -> Option<CloseFrame> {
+        let (code, reason) = match self {
+            End::ClientGone => return None,
+            End::Shutdown => (CloseCode::Away, "codex-fleet is shutting down"),
+            End::SlowClient => (CloseCode::Policy, "client is not reading fast enough"),
+            End::TooBig => (CloseCode::Size, "message too big"),
+            End::ProtocolErrors => (CloseCode::Policy, "too many protocol errors"),
+            End::Flooded => (CloseCode::Policy, FLOOD_CLOSE_REASON),
+            End::CredentialExpired => (CloseCode::Policy, EXPIRED_REASON),
+            End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
+            End::TooManyPrompts => (CloseCode::Policy, TOO_MANY_PROMPTS_REASON),
+        };
+        Some(CloseFrame {
+            code,
+            reason: reason.into(),
+        })
+    }
+}
