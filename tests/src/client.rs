@@ -199,14 +199,20 @@ impl Client {
     }
 
     /// The next message matching `pred`, from the backlog first; others are kept in the backlog.
-    pub async fn wait_for(
+    pub async fn wait_for(&mut self, pred: impl FnMut(&Value) -> bool) -> anyhow::Result<Value> {
+        self.wait_for_within(pred, STEP).await
+    }
+
+    /// [`Client::wait_for`], waiting at most `within` for it.
+    pub async fn wait_for_within(
         &mut self,
         mut pred: impl FnMut(&Value) -> bool,
+        within: Duration,
     ) -> anyhow::Result<Value> {
         if let Some(pos) = self.backlog.iter().position(&mut pred) {
             return Ok(self.backlog.remove(pos).expect("position"));
         }
-        let deadline = tokio::time::Instant::now() + STEP;
+        let deadline = tokio::time::Instant::now() + within;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let v = self.recv_wire(left).await?;
@@ -246,6 +252,16 @@ impl Client {
 
     /// `initialize` + `initialized`, as the TUI does (string id "initialize").
     pub async fn initialize(&mut self, name: &str) -> anyhow::Result<Value> {
+        self.initialize_within(name, STEP).await
+    }
+
+    /// [`Client::initialize`], waiting at most `within` for its answer (a first session whose
+    /// node must start first).
+    pub async fn initialize_within(
+        &mut self,
+        name: &str,
+        within: Duration,
+    ) -> anyhow::Result<Value> {
         self.send(&json!({
             "id": "initialize",
             "method": "initialize",
@@ -256,7 +272,7 @@ impl Client {
         }))
         .await?;
         let resp = self
-            .wait_for(|v| v["id"] == "initialize")
+            .wait_for_within(|v| v["id"] == "initialize", within)
             .await
             .context("waiting for initialize")?;
         if resp.get("error").is_some() {

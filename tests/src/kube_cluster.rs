@@ -41,6 +41,10 @@ pub struct Cluster {
     pub link_port: u16,
     /// Every pod's admin port (on its own address).
     pub admin_port: u16,
+    /// How long a first session may wait for its tenant's pod: the edges' start timeout and a
+    /// margin, so a slow start on a loaded machine is the edge's `-32001` to report, not a
+    /// client timeout.
+    pub first_answer: Duration,
 }
 
 pub struct Options {
@@ -210,6 +214,7 @@ impl Cluster {
             edge_config,
             link_port,
             admin_port,
+            first_answer: Duration::from_secs(o.start_timeout_secs + 15),
         };
         for _ in 0..o.edges {
             c.add_edge().await?;
@@ -232,7 +237,8 @@ impl Cluster {
             Some(&self.files.token(tenant)),
         )
         .await?;
-        c.initialize("kubernetes-test").await?;
+        c.initialize_within("kubernetes-test", self.first_answer)
+            .await?;
         Ok(c)
     }
 
