@@ -304,6 +304,7 @@ impl Owners {
         self.map.remove(thread)
     }
 
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }

@@ -368,11 +368,6 @@ impl Pool {
         self.shared.lock().learn(thread, id);
     }
 
-    /// Threads with a known owner.
-    pub fn owned_threads(&self) -> usize {
-        self.shared.lock().owners.len()
-    }
-
     /// Test-only hook: forgets where `thread` lives, to prove the next loaded list restores it.
     #[doc(hidden)]
     pub fn forget_owner_for_tests(&self, thread: &str) -> Option<WorkerId> {
