@@ -222,6 +222,10 @@ impl Misses {
     /// Ids remembered per generation at most: past it, further misses are looked for each time
     /// (a flood of distinct made-up ids costs what it cost before, and no memory).
     const MAX: usize = 4096;
+    /// The longest id remembered: app-server's thread ids are UUIDs (36 bytes). A longer made-up
+    /// id is looked for each time, as before, so the pool's memory stays bounded in bytes
+    /// (at most `MAX × MAX_ID_BYTES`, 1 MiB) however long the ids a client makes up.
+    const MAX_ID_BYTES: usize = 256;
 
     /// A view gained a thread: every remembered miss may now be held somewhere.
     pub(crate) fn views_grew(&mut self) {
@@ -239,7 +243,7 @@ impl Misses {
             self.ids.clear();
             self.of = self.generation;
         }
-        if self.ids.len() < Self::MAX {
+        if self.ids.len() < Self::MAX && thread.len() <= Self::MAX_ID_BYTES {
             self.ids.insert(thread.into());
         }
     }

@@ -244,6 +244,19 @@ async fn a_made_up_thread_id_is_looked_for_in_the_views_once_per_generation_of_t
 }
 
 #[tokio::test]
+async fn a_made_up_thread_id_is_remembered_only_up_to_a_bounded_length() {
+    let mut s = state();
+    let _a = ready(&mut s);
+    // A tenant's client makes up ids as long as its frames may be: the pool, shared by all of
+    // the tenant's sessions, must not keep megabytes of them.
+    let long = "x".repeat(64 * 1024);
+    assert_eq!(s.owner(&long), None);
+    assert_eq!(s.misses.len(), 0, "a long made-up id is not remembered");
+    assert_eq!(s.owner(&"y".repeat(36)), None);
+    assert_eq!(s.misses.len(), 1, "an id of a real id's length is");
+}
+
+#[tokio::test]
 async fn a_remembered_miss_is_looked_for_again_once_a_view_gains_the_thread() {
     let mut s = state();
     let a = ready(&mut s);
