@@ -225,6 +225,9 @@ async fn main() -> anyhow::Result<()> {
         .tenant_pool("acme", 1, 1)
         // Both workers share the tenant's CODEX_HOME, so both run as this user.
         .workers_toml("per_tenant_uid = false")
+        // Rates high enough that long runs measure the path, not the limiter's refusals (the
+        // limiter still checks every frame).
+        .limits_toml("tenant_rps = 1000000\ntenant_burst = 1000000\nconn_fps = 1000000\nconn_burst = 1000000")
         .prepare()
         .await?;
     let dir = files.dir.path().to_path_buf();
