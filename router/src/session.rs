@@ -192,6 +192,15 @@ struct Session {
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
     fanouts: fanout::FanOuts,
+    /// This session's children of the per-tenant metrics counted on every frame, looked up
+    /// once (a lookup hashes the labels under the vector's lock).
+    counted: Counted,
+}
+
+/// The tenant's children of the metrics a session counts per frame.
+struct Counted {
+    client_frames: prometheus::IntCounter,
+    request_seconds: prometheus::Histogram,
 }
 
 /// Serves one upgraded client connection until it ends; generic over the transport so tests
@@ -219,6 +228,10 @@ impl Session {
             ctx.admission
                 .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
         let soft_mark = crate::config::soft_mark(ctx.client_queue);
+        let counted = Counted {
+            client_frames: ctx.metrics.client_frames.with_label_values(&[&tenant]),
+            request_seconds: ctx.metrics.request_seconds.with_label_values(&[&tenant]),
+        };
         Session {
             ctx,
             out,
@@ -239,11 +252,33 @@ impl Session {
             leg_budget,
             following: rehome::Following::default(),
             fanouts: fanout::FanOuts::default(),
+            counted,
         }
     }
 }
 
 /// The parked request's wait for a worker slot; pending while none is parked.
+/// Hands what the last step queued to the sockets now, in the wake-up that produced it (a
+/// request reaches its worker, an answer its client, without waiting for the next turn of the
+/// loop); what a socket does not take now is written by the loop as it takes it.
+async fn write_now<Si>(session: &mut Session, sink: &mut Si) -> Result<(), End>
+where
+    Si: Sink<Message, Error = WsError> + Unpin,
+{
+    std::future::poll_fn(|cx| {
+        for leg in session.legs.values_mut().filter(|l| l.busy()) {
+            let _progress = leg.poll_write(cx);
+        }
+        if session.out.busy() {
+            if let std::task::Poll::Ready(Err(_)) = session.out.poll_write(sink, cx) {
+                return std::task::Poll::Ready(Err(End::ClientGone));
+            }
+        }
+        std::task::Poll::Ready(Ok(()))
+    })
+    .await
+}
+
 async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
     match slot.as_mut() {
         Some(wait) => wait.await,
@@ -264,6 +299,8 @@ where
     // Every leg's frames, read by this task itself (no reader task, no queue in between).
     let mut from_workers = futures_util::stream::SelectAll::<legs::LegFrames>::new();
     let shutdown = session.ctx.shutdown.clone();
+    let shut_down = shutdown.cancelled();
+    tokio::pin!(shut_down);
     let lease = session.ctx.lease.clone();
     let credential_ended = lease.ended();
     tokio::pin!(credential_ended);
@@ -304,7 +341,7 @@ where
             Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
             r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
-            () = shutdown.cancelled() => Err(End::Shutdown),
+            () = &mut shut_down => Err(End::Shutdown),
             e = &mut credential_ended => Err(End::from(e)),
             w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
         };
@@ -317,6 +354,9 @@ where
             Err(end) => Err(end),
         };
         if let Err(end) = step {
+            break end;
+        }
+        if let Err(end) = write_now(&mut session, &mut sink).await {
             break end;
         }
     };

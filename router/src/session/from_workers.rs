@@ -17,6 +17,7 @@ use super::{rehome, server_requests, turns, Answer, End, Session, LEG_BURST, REP
 use crate::admission::{Reason, Scope};
 use crate::metrics::ClientError;
 use futures_util::StreamExt;
+use std::task::Poll;
 
 // === impl Session ===
 
@@ -30,8 +31,11 @@ impl Session {
     ) -> Result<(), End> {
         self.on_leg_event(first).await?;
         for _ in 1..LEG_BURST {
-            match futures_util::FutureExt::now_or_never(legs.next()) {
-                Some(Some(ev)) => self.on_leg_event(ev).await?,
+            // Polled with this task's own context, so a leg with nothing ready is left waiting
+            // on its socket for this task (not for a throwaway waker).
+            let ready = std::future::poll_fn(|cx| Poll::Ready(legs.poll_next_unpin(cx))).await;
+            match ready {
+                Poll::Ready(Some(ev)) => self.on_leg_event(ev).await?,
                 _ => break,
             }
         }
@@ -181,10 +185,8 @@ impl Session {
         }
         let flight = self.in_flight.remove(&id);
         if let Some(f) = &flight {
-            self.ctx
-                .metrics
+            self.counted
                 .request_seconds
-                .with_label_values(&[&self.ctx.tenant.id])
                 .observe(f.since.elapsed().as_secs_f64());
         }
         if let Some(init) = self.init.as_mut().filter(|i| !i.answered && i.id == id) {

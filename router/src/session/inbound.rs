@@ -113,11 +113,7 @@ impl Session {
                 return Err(End::ClientGone);
             }
         };
-        self.ctx
-            .metrics
-            .client_frames
-            .with_label_values(&[self.tenant()])
-            .inc();
+        self.counted.client_frames.inc();
         let msg = match rpc::parse(&text) {
             Ok(msg) => msg,
             Err(e) => {

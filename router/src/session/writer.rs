@@ -83,7 +83,19 @@ impl Out {
     where
         Si: Sink<Message, Error = WsError> + Unpin,
     {
-        std::future::poll_fn(|cx| self.lock().poll_write(sink, cx)).await
+        std::future::poll_fn(|cx| self.poll_write(sink, cx)).await
+    }
+
+    /// One attempt at [`OutQueue::poll_write`] with the caller's context.
+    pub(super) fn poll_write<Si>(
+        &self,
+        sink: &mut Si,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Written, WsError>>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        self.lock().poll_write(sink, cx)
     }
 
     /// Writes everything queued, the close frame included if one is, then closes the sink.
