@@ -247,7 +247,15 @@ pub fn write_legs<'a>(
     })
 }
 
-/// What [`read_frames`] carries from one frame to the next.
+/// A leg's frames as a stream of its own (see [`read_frames`]): polled in place by the session,
+/// nothing allocated and no future built per frame.
+struct LegReader {
+    worker: WorkerId,
+    /// `None` once the leg ended or was dropped.
+    reading: Option<Reading>,
+}
+
+/// What a [`LegReader`] reads from and watches while its leg lives.
 struct Reading {
     stream: futures_util::stream::SplitStream<worker::LegStream>,
     exited: Pin<Box<dyn Future<Output = ()> + Send>>,
@@ -262,36 +270,49 @@ fn read_frames(
     exited: Pin<Box<dyn Future<Output = ()> + Send>>,
     dropped: oneshot::Receiver<()>,
 ) -> LegFrames {
-    let start = Reading {
-        stream,
-        exited,
-        dropped,
-    };
-    Box::pin(futures_util::stream::unfold(
-        Some(start),
-        move |reading| async move {
-            let mut r = reading?;
-            let reason = loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut r.dropped => return None,
-                    frame = r.stream.next() => match frame {
-                        Some(Ok(Message::Text(text))) => {
-                            return Some((LegEvent::Frame(worker, text), Some(r)));
-                        }
-                        Some(Ok(Message::Close(frame))) => {
-                            break format!("worker closed the connection ({frame:?})");
-                        }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => break format!("read error: {e}"),
-                        None => break "connection ended".to_owned(),
-                    },
-                    () = &mut r.exited => break "worker exited".to_owned(),
+    Box::pin(LegReader {
+        worker,
+        reading: Some(Reading {
+            stream,
+            exited,
+            dropped,
+        }),
+    })
+}
+
+impl Stream for LegReader {
+    type Item = LegEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<LegEvent>> {
+        let worker = self.worker;
+        let Some(r) = self.reading.as_mut() else {
+            return Poll::Ready(None);
+        };
+        // A dropped leg says nothing more, whatever its socket still holds.
+        if Pin::new(&mut r.dropped).poll(cx).is_ready() {
+            self.reading = None;
+            return Poll::Ready(None);
+        }
+        let reason = loop {
+            match r.stream.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(Message::Text(text)))) => {
+                    return Poll::Ready(Some(LegEvent::Frame(worker, text)));
                 }
-            };
-            Some((LegEvent::Closed(worker, reason), None))
-        },
-    ))
+                Poll::Ready(Some(Ok(Message::Close(frame)))) => {
+                    break format!("worker closed the connection ({frame:?})");
+                }
+                Poll::Ready(Some(Ok(_))) => {}
+                Poll::Ready(Some(Err(e))) => break format!("read error: {e}"),
+                Poll::Ready(None) => break "connection ended".to_owned(),
+                Poll::Pending => {
+                    ready!(r.exited.as_mut().poll(cx));
+                    break "worker exited".to_owned();
+                }
+            }
+        };
+        self.reading = None;
+        Poll::Ready(Some(LegEvent::Closed(worker, reason)))
+    }
 }
 
 impl Drop for Writer {
