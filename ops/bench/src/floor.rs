@@ -125,7 +125,9 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
     tcp.set_nodelay(true).context("TCP_NODELAY")?;
     let tls = acceptor.accept(tcp).await.context("TLS handshake")?;
     let mut chosen = Err(String::from("no upgrade request"));
-    let client = tokio_tungstenite::accept_hdr_async(tls, |req: &Request, resp: Response| {
+    // tungstenite's `Callback` fixes the error type: an HTTP response, large by nature.
+    #[allow(clippy::result_large_err)]
+    let choose = |req: &Request, resp: Response| {
         chosen = upstream.socket_for(req.uri().path());
         match &chosen {
             Ok(_) => Ok(resp),
@@ -135,9 +137,10 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
                 Err(refusal)
             }
         }
-    })
-    .await
-    .context("WebSocket upgrade")?;
+    };
+    let client = tokio_tungstenite::accept_hdr_async(tls, choose)
+        .await
+        .context("WebSocket upgrade")?;
     let upstream = chosen.map_err(anyhow::Error::msg)?;
     let unix = UnixStream::connect(&upstream)
         .await
