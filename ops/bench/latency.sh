@@ -2,7 +2,8 @@
 # Latency side by side in one run (BENCHMARKS.md): bench 1 (`added-latency`: codex-fleet, HAProxy
 # and the floor relay in front of the same worker socket), then bench 5 (`edge-latency`: the edge
 # hop against HAProxy in TCP/TLS mode as the same second hop), then bench 4 (`fleet-load` at its
-# default size once per run, where the through/direct ratio comes from; a few seconds a run).
+# default size once per run, where the through/direct and through/floor ratios come from; a few
+# seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
 #
 # Options: --rounds N --runs N (both latency benches; default 600 and 3), --include-turns (bench
@@ -70,11 +71,13 @@ echo "== bench 5: the edge hop against HAProxy as a second hop"
 if [ "$fleet_load" = 1 ]; then
     out="$(mktemp)"
     trap 'rm -f "$out"' EXIT
-    ratios=()
+    ratios=() floors=()
     for ((i = 1; i <= runs; i++)); do
         echo "== bench 4: fleet-load (default size), run $i of $runs"
         "$BIN/fleet-load" | tee "$out"
         ratios+=("$(grep -o 'through/direct = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
+        floors+=("$(grep -o 'through/floor = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
     done
     echo "fleet-load turns/s through/direct per run: ${ratios[*]}"
+    echo "fleet-load turns/s through/floor per run: ${floors[*]}"
 fi

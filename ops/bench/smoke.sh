@@ -55,5 +55,7 @@ run "3 idle-memory" \
     "$BIN/idle-memory" --connections 20,50
 run "4 fleet-load" \
     'through codex-fleet .*: 4 sessions ok, 0 failed' 'turns/s through/direct = [0-9.]+' \
+    'through the floor relay .*: 4 sessions ok, 0 failed' 'turns/s through/floor = [0-9.]+' \
+    'floor relay CPU during the turns' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2

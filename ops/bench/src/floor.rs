@@ -1,29 +1,101 @@
 //! The floor relay: what this stack (tokio, rustls, tungstenite) costs a WebSocket round trip with
-//! no routing. It terminates TLS, accepts the client's WebSocket upgrade, opens a WebSocket to one
-//! Unix socket (the same worker socket codex-fleet and HAProxy front in `added-latency`) and relays
-//! frames as they are, one task per direction: no JSON parsing, no authentication, no admission,
-//! no policy. Nagle is off on the client's TCP socket, as codex-fleet's listener sets it.
+//! no routing. It terminates TLS, accepts the client's WebSocket upgrade, opens a WebSocket to a
+//! Unix socket and relays frames as they are, one task per direction: no JSON parsing, no
+//! authentication, no admission, no policy. Nagle is off on the client's TCP socket, as
+//! codex-fleet's listener sets it.
 //!
-//! It runs as its own process (`floor-relay`), like codex-fleet and HAProxy, so the three proxies
-//! are measured the same way: their own scheduler, their own threads, a process boundary on either
+//! The upstream is one socket for every client (`--upstream`: the worker socket codex-fleet and
+//! HAProxy front in `added-latency`), or one socket per client named by the upgrade's request
+//! path under a directory (`--upstream-dir DIR`: `/acme/0` is `DIR/acme/0.sock`; `fleet-load`
+//! sends each session to the simulator its direct path uses). Only the request line is read for
+//! that, never a frame; a path that could leave the directory is refused with 400.
+//!
+//! It runs as its own process (`floor-relay`), like codex-fleet and HAProxy, so the proxies are
+//! measured the same way: their own scheduler, their own threads, a process boundary on either
 //! side. Its runtime is the same flavour codex-fleet runs (tokio's multi-thread default).
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use futures_util::StreamExt;
 use rustls::ServerConfig;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
+use tokio::process::{Child, Command};
 use tokio_rustls::TlsAcceptor;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::StatusCode;
 
-/// Accepts connections on `listener` forever, relaying each to a fresh WebSocket on `upstream`.
-/// A connection that fails (handshake, upstream refused) is reported on stderr and dropped; the
-/// others go on.
+/// The longest request path `--upstream-dir` takes, in bytes: far more than any bench names, and
+/// short enough that the socket path stays within a Unix socket address with a short directory.
+pub const MAX_REQUEST_PATH: usize = 64;
+
+/// Where a client is relayed to.
+#[derive(Debug, Clone)]
+pub enum Upstream {
+    /// Every client to this one socket; the request path is not looked at.
+    Socket(PathBuf),
+    /// The socket under this directory that the request path names ([`socket_in`]).
+    Dir(PathBuf),
+}
+
+// === impl Upstream ===
+
+impl Upstream {
+    /// The socket for a client whose upgrade asked for `path`, or why there is none.
+    pub fn socket_for(&self, path: &str) -> Result<PathBuf, String> {
+        match self {
+            Upstream::Socket(s) => Ok(s.clone()),
+            Upstream::Dir(dir) => socket_in(dir, path),
+        }
+    }
+}
+
+/// The socket under `dir` that the request path `path` names: `/a/b` is `dir/a/b.sock`. Only
+/// segments of ASCII letters, digits, `-`, `_` and `.` are taken, none empty, `.` or `..`, in at
+/// most [`MAX_REQUEST_PATH`] bytes: so no path names anything outside `dir` (no `..`, no
+/// absolute path from an empty segment, no percent-encoding, no NUL). Symbolic links inside `dir`
+/// are followed; the bench makes none.
+pub fn socket_in(dir: &Path, path: &str) -> Result<PathBuf, String> {
+    if path.len() > MAX_REQUEST_PATH {
+        return Err(format!(
+            "request path is {} bytes, at most {MAX_REQUEST_PATH} are taken",
+            path.len()
+        ));
+    }
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(format!("request path {path:?} does not start with /"));
+    };
+    let mut socket = dir.to_path_buf();
+    for segment in rest.split('/') {
+        if segment.is_empty() || segment == "." || segment == ".." {
+            return Err(format!(
+                "request path {path:?} has an empty, . or .. segment"
+            ));
+        }
+        if let Some(c) = segment
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+        {
+            return Err(format!("request path {path:?} holds {c:?}"));
+        }
+        socket.push(segment);
+    }
+    socket.as_mut_os_string().push(".sock");
+    Ok(socket)
+}
+
+/// Accepts connections on `listener` forever, relaying each to a fresh WebSocket on its
+/// upstream socket. A connection that fails (handshake, a refused path, upstream refused) is
+/// reported on stderr and dropped; the others go on.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
-    upstream: PathBuf,
+    upstream: Upstream,
 ) -> anyhow::Result<()> {
     let acceptor = TlsAcceptor::from(tls);
     let upstream = Arc::new(upstream);
@@ -33,7 +105,7 @@ pub async fn serve(
             Err(e) => {
                 // EMFILE and the like: wait a moment rather than spin.
                 eprintln!("floor-relay: accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
@@ -47,19 +119,30 @@ pub async fn serve(
     }
 }
 
-/// One client: TLS, the upgrade, the upstream WebSocket, then a task per direction until either
-/// side ends.
-async fn relay(
-    acceptor: TlsAcceptor,
-    tcp: TcpStream,
-    upstream: &std::path::Path,
-) -> anyhow::Result<()> {
+/// One client: TLS, the upgrade (answered 400 when the path names no socket), the upstream
+/// WebSocket, then a task per direction until either side ends.
+async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> anyhow::Result<()> {
     tcp.set_nodelay(true).context("TCP_NODELAY")?;
     let tls = acceptor.accept(tcp).await.context("TLS handshake")?;
-    let client = tokio_tungstenite::accept_async(tls)
+    let mut chosen = Err(String::from("no upgrade request"));
+    // tungstenite's `Callback` fixes the error type: an HTTP response, large by nature.
+    #[allow(clippy::result_large_err)]
+    let choose = |req: &Request, resp: Response| {
+        chosen = upstream.socket_for(req.uri().path());
+        match &chosen {
+            Ok(_) => Ok(resp),
+            Err(why) => {
+                let mut refusal = ErrorResponse::new(Some(why.clone()));
+                *refusal.status_mut() = StatusCode::BAD_REQUEST;
+                Err(refusal)
+            }
+        }
+    };
+    let client = tokio_tungstenite::accept_hdr_async(tls, choose)
         .await
         .context("WebSocket upgrade")?;
-    let unix = UnixStream::connect(upstream)
+    let upstream = chosen.map_err(anyhow::Error::msg)?;
+    let unix = UnixStream::connect(&upstream)
         .await
         .with_context(|| format!("connect {}", upstream.display()))?;
     let (worker, _) = tokio_tungstenite::client_async("ws://localhost/", unix)
@@ -96,5 +179,87 @@ async fn relay(
             Ok(())
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Starts the built `floor-relay` (`FLOOR_RELAY_BIN`, or beside the running bench binary) with
+/// the certificate `cert` and key `key`, in front of `upstream`, on `threads` runtime threads
+/// (1: current-thread; none: tokio's multi-thread default), its stderr to `stderr`, killed on
+/// drop; returns it once it accepts, with its address.
+pub async fn spawn(
+    cert: &Path,
+    key: &Path,
+    upstream: &Upstream,
+    threads: Option<u16>,
+    stderr: Stdio,
+) -> anyhow::Result<(Child, SocketAddr)> {
+    let bin = crate::built_bin("floor-relay", "FLOOR_RELAY_BIN")?;
+    let mut cmd = Command::new(&bin);
+    if let Some(n) = threads {
+        cmd.arg("--worker-threads").arg(n.to_string());
+    }
+    match upstream {
+        Upstream::Socket(s) => cmd.arg("--upstream").arg(s),
+        Upstream::Dir(d) => cmd.arg("--upstream-dir").arg(d),
+    };
+    let mut child = cmd
+        .arg("--cert")
+        .arg(cert)
+        .arg("--key")
+        .arg(key)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("start {}", bin.display()))?;
+    let stdout = child.stdout.take().context("floor-relay's stdout")?;
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        BufReader::new(stdout).read_line(&mut line),
+    )
+    .await
+    .context("floor-relay printed no address")??;
+    let addr = line
+        .trim()
+        .strip_prefix("floor-relay listening on ")
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .with_context(|| format!("floor-relay printed {line:?}, not its address"))?;
+    Ok((child, addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_path_names_a_socket_inside_the_directory_or_none() {
+        let dir = Path::new("/d");
+        assert_eq!(socket_in(dir, "/0"), Ok(PathBuf::from("/d/0.sock")));
+        assert_eq!(
+            socket_in(dir, "/acme/w-1_x.y"),
+            Ok(PathBuf::from("/d/acme/w-1_x.y.sock"))
+        );
+        let long = format!("/{}", "a".repeat(MAX_REQUEST_PATH));
+        for bad in [
+            "",
+            "/",
+            "0",
+            "/..",
+            "/../x",
+            "/a/../../x",
+            "/./x",
+            "//etc/x",
+            "/a//b",
+            "/a/",
+            "/%2e%2e/x",
+            "/a\0b",
+            "/a\\..\\b",
+            "/ä",
+            long.as_str(),
+        ] {
+            assert!(socket_in(dir, bad).is_err(), "{bad:?} was taken");
+        }
     }
 }

@@ -1,7 +1,9 @@
-//! The floor relay (`floor-relay`) as a process on loopback, in front of a WebSocket server on a
-//! Unix socket that records what it receives: frames pass both ways unchanged (text that is no
-//! JSON, binary), a client that goes away takes its upstream connection with it, a refused
-//! upstream fails that client only, and bad arguments are a clear error.
+//! The floor relay (`floor-relay`) as a process on loopback, in front of WebSocket servers on Unix
+//! sockets that record what they receive: frames pass both ways unchanged (text that is no JSON,
+//! binary), a client that goes away takes its upstream connection with it, a refused upstream
+//! fails that client only, with `--upstream-dir` each client reaches the socket its request path
+//! names and a path that would leave the directory reaches none, and bad arguments are a clear
+//! error.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -63,10 +65,23 @@ fn pki(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
     Ok((cert, key, ca))
 }
 
-/// Starts the relay, with `extra` arguments; returns it with its port.
+/// Starts the relay in front of the one socket `upstream`, with `extra` arguments; returns it
+/// with its port.
 async fn relay(
     cert: &Path,
     key: &Path,
+    upstream: &Path,
+    extra: &[&str],
+) -> anyhow::Result<(Child, u16)> {
+    relay_to(cert, key, "--upstream", upstream, extra).await
+}
+
+/// Starts the relay with `flag upstream` (`--upstream` or `--upstream-dir`) and `extra`
+/// arguments; returns it with its port.
+async fn relay_to(
+    cert: &Path,
+    key: &Path,
+    flag: &str,
     upstream: &Path,
     extra: &[&str],
 ) -> anyhow::Result<(Child, u16)> {
@@ -76,7 +91,7 @@ async fn relay(
         .arg(cert)
         .arg("--key")
         .arg(key)
-        .arg("--upstream")
+        .arg(flag)
         .arg(upstream)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -97,7 +112,12 @@ type Client =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 async fn connect(port: u16, ca: &Path) -> anyhow::Result<Client> {
-    let req = format!("wss://localhost:{port}/").into_client_request()?;
+    connect_path(port, ca, "/").await
+}
+
+/// A client whose upgrade asks for `path`.
+async fn connect_path(port: u16, ca: &Path, path: &str) -> anyhow::Result<Client> {
+    let req = format!("wss://localhost:{port}{path}").into_client_request()?;
     let tls = Connector::Rustls(testkit::client_tls(ca)?);
     let (ws, _) =
         tokio_tungstenite::connect_async_tls_with_config(req, None, true, Some(tls)).await?;
@@ -226,5 +246,150 @@ async fn a_missing_certificate_or_zero_threads_is_a_clear_error() -> anyhow::Res
     ];
     let stderr = refused(&zero.map(std::ffi::OsStr::new)).await?;
     assert!(stderr.contains("--worker-threads"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unnamed_doubly_named_or_missing_upstream_is_a_clear_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tls = ["--cert", "c", "--key", "k"].map(std::ffi::OsStr::new);
+    let stderr = refused(&tls).await?;
+    assert!(
+        stderr.contains("--upstream") && stderr.contains("--upstream-dir"),
+        "{stderr}"
+    );
+
+    let both = [
+        tls.as_slice(),
+        &["--upstream", "u", "--upstream-dir", "d"].map(std::ffi::OsStr::new),
+    ]
+    .concat();
+    let stderr = refused(&both).await?;
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+
+    let none = dir.path().join("none");
+    let stderr = refused(
+        &[
+            tls.as_slice(),
+            &["--upstream-dir".as_ref(), none.as_os_str()],
+        ]
+        .concat(),
+    )
+    .await?;
+    assert!(stderr.contains("not a directory"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn each_client_reaches_the_socket_its_request_path_names() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (cert, key, ca) = pki(dir.path())?;
+    let up = dir.path().join("up");
+    std::fs::create_dir_all(up.join("acme"))?;
+    let mut seen_a = upstream(&up.join("acme/0.sock"))?;
+    let mut seen_b = upstream(&up.join("1.sock"))?;
+    let (_relay, port) = relay_to(&cert, &key, "--upstream-dir", &up, &[]).await?;
+
+    // Both connected at once: each relay must keep its own upstream.
+    let mut a = connect_path(port, &ca, "/acme/0").await?;
+    let mut b = connect_path(port, &ca, "/1").await?;
+    for (ws, seen, frames) in [
+        (
+            &mut a,
+            &mut seen_a,
+            [
+                Message::text("to acme/0, not json"),
+                Message::binary(vec![0u8, 255]),
+            ],
+        ),
+        (
+            &mut b,
+            &mut seen_b,
+            [Message::text("to 1"), Message::binary(vec![1u8, 254, b'{'])],
+        ),
+    ] {
+        for f in frames {
+            ws.send(f.clone()).await?;
+            assert_eq!(next_seen(seen).await?, Seen::Frame(f.clone()));
+            assert_eq!(next_frame(ws).await?, f);
+        }
+    }
+    drop(a);
+    assert_eq!(next_seen(&mut seen_a).await?, Seen::Closed);
+    assert!(seen_b.try_recv().is_err(), "b's upstream saw a's end");
+    drop(b);
+    assert_eq!(next_seen(&mut seen_b).await?, Seen::Closed);
+    Ok(())
+}
+
+/// Hostile request paths: each is answered 400 and reaches no socket, inside or outside the
+/// directory, and the relay goes on serving the next client.
+#[tokio::test]
+async fn a_request_path_that_would_leave_the_directory_reaches_no_socket() -> anyhow::Result<()> {
+    use tokio_tungstenite::tungstenite::Error;
+    let dir = tempfile::tempdir()?;
+    let (cert, key, ca) = pki(dir.path())?;
+    let base = dir.path();
+    let up = base.join("up");
+    std::fs::create_dir_all(up.join("in"))?;
+    std::fs::create_dir_all(base.join("out"))?;
+    let mut inside = upstream(&up.join("in/0.sock"))?;
+    // Sockets beside the directory, where `..` would lead.
+    let mut outside = upstream(&base.join("outside.sock"))?;
+    let mut out_x = upstream(&base.join("out/x.sock"))?;
+    let (mut relay, port) = relay_to(&cert, &key, "--upstream-dir", &up, &[]).await?;
+
+    let abs = base.join("outside");
+    let abs = format!("/{}", abs.display());
+    let long = format!("/in/{}", "a".repeat(100));
+    let hostile = [
+        "/../outside",
+        "/../out/x",
+        "/in/../../outside",
+        "/in/../../out/x",
+        "/./../outside",
+        abs.as_str(),
+        "/%2e%2e/outside",
+        "/..%2foutside",
+        "/in/0%00",
+        "/in//0",
+        "/",
+        long.as_str(),
+    ];
+    let mut taken = Vec::new();
+    for path in hostile {
+        match connect_path(port, &ca, path).await {
+            Err(e) => match e.downcast_ref::<Error>() {
+                Some(Error::Http(resp)) if resp.status() == 400 => {}
+                _ => taken.push(format!("{path}: failed otherwise: {e:#}")),
+            },
+            Ok(mut ws) => {
+                // Upgraded: find out whether a socket answers behind it.
+                let _ = ws.send(Message::text("escaped")).await;
+                let back = tokio::time::timeout(WAIT, ws.next()).await;
+                taken.push(format!("{path}: upgraded, then {back:?}"));
+            }
+        }
+    }
+
+    // Every attempt is over (answered, or its frame echoed or lost): none may have reached a
+    // socket beside the directory.
+    assert!(outside.try_recv().is_err(), "a client reached outside.sock");
+    assert!(out_x.try_recv().is_err(), "a client reached out/x.sock");
+    assert!(
+        taken.is_empty(),
+        "hostile paths not refused with 400: {taken:#?}"
+    );
+
+    // The relay still runs and still serves a path inside the directory, which saw nothing
+    // before.
+    assert!(relay.try_wait()?.is_none(), "the relay exited");
+    let mut ws = connect_path(port, &ca, "/in/0").await?;
+    ws.send(Message::text("inside")).await?;
+    assert_eq!(
+        next_seen(&mut inside).await?,
+        Seen::Frame(Message::text("inside"))
+    );
+    assert_eq!(next_frame(&mut ws).await?, Message::text("inside"));
     Ok(())
 }

@@ -27,15 +27,15 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Parser;
+use codex_fleet_bench::floor::Upstream;
 use codex_fleet_bench::latency::{
     connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
     TIMEOUT,
 };
 use serde_json::json;
 use testkit::{FleetBuilder, FleetFiles};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
@@ -100,35 +100,15 @@ async fn start_floor(
     upstream: &Path,
     threads: Option<u16>,
 ) -> anyhow::Result<(Child, u16)> {
-    let bin = codex_fleet_bench::built_bin("floor-relay", "FLOOR_RELAY_BIN")?;
-    let mut cmd = Command::new(&bin);
-    if let Some(n) = threads {
-        cmd.arg("--worker-threads").arg(n.to_string());
-    }
-    let mut child = cmd
-        .arg("--cert")
-        .arg(dir.join("tls.crt"))
-        .arg("--key")
-        .arg(dir.join("tls.key"))
-        .arg("--upstream")
-        .arg(upstream)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("start {}", bin.display()))?;
-    let stdout = child.stdout.take().context("floor-relay's stdout")?;
-    let mut line = String::new();
-    tokio::time::timeout(TIMEOUT, BufReader::new(stdout).read_line(&mut line))
-        .await
-        .context("floor-relay printed no address")??;
-    let port = line
-        .trim()
-        .strip_prefix("floor-relay listening on ")
-        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
-        .with_context(|| format!("floor-relay printed {line:?}, not its address"))?
-        .port();
-    Ok((child, port))
+    let (child, addr) = codex_fleet_bench::floor::spawn(
+        &dir.join("tls.crt"),
+        &dir.join("tls.key"),
+        &Upstream::Socket(upstream.to_path_buf()),
+        threads,
+        Stdio::inherit(),
+    )
+    .await?;
+    Ok((child, addr.port()))
 }
 
 const PATHS: [&str; 6] = [

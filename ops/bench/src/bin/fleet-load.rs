@@ -1,7 +1,10 @@
 //! `fleet-load` (BENCHMARKS.md, bench 4): starts the built `codex-fleet` with simulated workers
 //! (`codex-app-server-sim`), T tenants × W workers, runs S sessions of K turns each over wss, runs
-//! the same sessions directly against simulator sockets, and prints readiness time, turns per
-//! second and latency through the fleet against direct, their ratio, and codex-fleet's CPU and
+//! the same sessions directly against simulator sockets, then through the floor relay
+//! (`floor-relay --upstream-dir`, wss and TLS but no routing, `codex_fleet_bench::floor`) onto
+//! those same sockets, each session to the socket its direct run used. Prints readiness time,
+//! turns per second and latency on the three paths, the ratios through/direct, floor/direct and
+//! through/floor, the CPU codex-fleet and the floor relay spent on the turns, and codex-fleet's
 //! memory. Loopback only; bounded in count and time.
 
 use std::process::Stdio;
@@ -11,6 +14,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use codex_fleet_bench::floor::Upstream;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
 use codex_fleet_bench::{cpu_secs, peak_rss_kib, Binaries};
@@ -52,7 +56,8 @@ struct Args {
     /// Deltas per turn (sim.deltas).
     #[arg(long, default_value_t = 8)]
     deltas: u64,
-    /// Simulator processes for the direct baseline (capped by tenants × workers).
+    /// Simulator processes for the direct baseline and the floor relay (capped by tenants ×
+    /// workers).
     #[arg(long, default_value_t = 16)]
     direct_workers: usize,
     #[command(flatten)]
@@ -144,7 +149,7 @@ struct PhaseResult {
     turn_wall: Duration,
     latencies: Samples,
     turn_latencies: Samples,
-    /// What `at_barrier` sampled: codex-fleet (VmRSS KiB, CPU seconds) with every session open.
+    /// What `at_barrier` sampled: the proxy's (VmRSS KiB, CPU seconds) with every session open.
     at_barrier: Option<(u64, f64)>,
 }
 
@@ -327,6 +332,33 @@ async fn run(args: Args) -> anyhow::Result<()> {
         || None,
     )
     .await?;
+
+    // --- phase 3: through the floor relay onto the same simulator sockets ---
+    let floor_log = dir.path().join("floor.log");
+    let (mut floor_child, floor_addr) = codex_fleet_bench::floor::spawn(
+        &dir.path().join("tls.crt"),
+        &dir.path().join("tls.key"),
+        &Upstream::Dir(dir.path().join("d")),
+        None,
+        Stdio::from(std::fs::File::create(&floor_log)?),
+    )
+    .await
+    .with_context(|| format!("see {}", floor_log.display()))?;
+    let floor_pid = floor_child.id().context("floor-relay pid")?;
+    let floor = phase(
+        &args,
+        |i| {
+            // `start_sims` names its sockets `d/0.sock`…: session i goes where its direct run did.
+            let url = format!("wss://localhost:{}/{}", floor_addr.port(), i % socks.len());
+            let tls = tls.clone();
+            let token = tokens[i % tokens.len()].clone();
+            async move { connect_wss(&url, tls, &token).await }
+        },
+        || Some((rss_kib(floor_pid)?, cpu_secs(floor_pid)?)),
+    )
+    .await?;
+    let floor_cpu_end = cpu_secs(floor_pid);
+    let _ = floor_child.kill().await;
     drop(sims);
 
     // --- stop codex-fleet ---
@@ -374,6 +406,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         &format!("direct on {direct_n} simulator sockets (ws over unix)"),
         &direct,
     );
+    report(
+        &format!("through the floor relay onto the same {direct_n} sockets (wss, TLS, no routing)"),
+        &floor,
+    );
     let through = turns_per_sec(&fleet) / turns_per_sec(&direct).max(1e-9);
     println!(
         "\nturns/s through/direct = {through:.2} (goal ≥ {GOAL_RATIO}: {})",
@@ -383,24 +419,43 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "not met"
         }
     );
-    let ratio = |s: fn(&PhaseResult) -> &Samples, p: f64| {
-        s(&fleet).pct(p).as_secs_f64() / s(&direct).pct(p).as_secs_f64().max(1e-9)
-    };
     println!(
-        "latency ratio fleet/direct: requests p50 {:.1}×, p99 {:.1}×; turns p50 {:.1}×, p99 {:.1}×",
-        ratio(|r| &r.latencies, 0.5),
-        ratio(|r| &r.latencies, 0.99),
-        ratio(|r| &r.turn_latencies, 0.5),
-        ratio(|r| &r.turn_latencies, 0.99)
+        "turns/s floor/direct = {:.2}",
+        turns_per_sec(&floor) / turns_per_sec(&direct).max(1e-9)
     );
-    if let (Some((_, c0)), Some(c1)) = (fleet.at_barrier, cpu_end) {
-        let cpu = c1 - c0;
+    println!(
+        "turns/s through/floor = {:.2}",
+        turns_per_sec(&fleet) / turns_per_sec(&floor).max(1e-9)
+    );
+    let ratio = |a: &PhaseResult, b: &PhaseResult, s: fn(&PhaseResult) -> &Samples, p: f64| {
+        s(a).pct(p).as_secs_f64() / s(b).pct(p).as_secs_f64().max(1e-9)
+    };
+    for (name, a, b) in [
+        ("fleet/direct", &fleet, &direct),
+        ("floor/direct", &floor, &direct),
+        ("fleet/floor", &fleet, &floor),
+    ] {
         println!(
-            "codex-fleet CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
-            fleet.turn_wall.as_secs_f64(),
-            100.0 * cpu / fleet.turn_wall.as_secs_f64().max(1e-9),
-            1000.0 * cpu / (fleet.turns.max(1) as f64)
+            "latency ratio {name}: requests p50 {:.1}×, p99 {:.1}×; turns p50 {:.1}×, p99 {:.1}×",
+            ratio(a, b, |r| &r.latencies, 0.5),
+            ratio(a, b, |r| &r.latencies, 0.99),
+            ratio(a, b, |r| &r.turn_latencies, 0.5),
+            ratio(a, b, |r| &r.turn_latencies, 0.99)
         );
+    }
+    for (name, r, end) in [
+        ("codex-fleet", &fleet, cpu_end),
+        ("floor relay", &floor, floor_cpu_end),
+    ] {
+        if let (Some((_, c0)), Some(c1)) = (r.at_barrier, end) {
+            let cpu = c1 - c0;
+            println!(
+                "{name} CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
+                r.turn_wall.as_secs_f64(),
+                100.0 * cpu / r.turn_wall.as_secs_f64().max(1e-9),
+                1000.0 * cpu / (r.turns.max(1) as f64)
+            );
+        }
     }
     if let (Some(l), Some(r), Some((s, _)), Some(e), Some(h)) =
         (rss_listening, rss_ready, fleet.at_barrier, rss_end, hwm)
@@ -437,7 +492,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let kept = dir.keep();
         println!("kept {}", kept.display());
     }
-    if fleet.failed > 0 || direct.failed > 0 {
+    if fleet.failed > 0 || direct.failed > 0 || floor.failed > 0 {
         bail!("some sessions failed");
     }
     Ok(())

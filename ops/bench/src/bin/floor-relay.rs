@@ -1,18 +1,22 @@
 //! The floor relay as a process (`codex_fleet_bench::floor`): TLS termination and a WebSocket
-//! relay onto one Unix socket, frame by frame, with no routing. `added-latency` runs it in front
-//! of the same worker socket as codex-fleet and HAProxy, as the floor both are measured against.
-//! Prints `floor-relay listening on <addr>` on stdout once it accepts.
+//! relay onto a Unix socket, frame by frame, with no routing. `added-latency` runs it in front
+//! of the same worker socket as codex-fleet and HAProxy (`--upstream`), `fleet-load` in front of
+//! the simulators its direct path uses, one per session (`--upstream-dir`): the floor codex-fleet
+//! is measured against. Prints `floor-relay listening on <addr>` on stdout once it accepts.
 
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Parser;
+use codex_fleet_bench::floor::Upstream;
 use tokio::net::TcpListener;
 
 #[derive(Parser, Debug)]
-#[command(about = "a minimal wss → Unix-socket WebSocket relay: the floor added-latency measures")]
+#[command(
+    about = "a minimal wss → Unix-socket WebSocket relay: the floor added-latency and fleet-load measure"
+)]
 struct Args {
     /// Address to listen on (port 0: any free port; the address is printed).
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -23,13 +27,25 @@ struct Args {
     /// Its private key (PEM).
     #[arg(long)]
     key: PathBuf,
-    /// The Unix socket every client is relayed to, one WebSocket per client.
-    #[arg(long)]
-    upstream: PathBuf,
+    #[command(flatten)]
+    target: Target,
     /// Runtime threads: 1 runs tokio's current-thread runtime, more a multi-thread runtime of
     /// that size; unset, tokio's multi-thread default (one per core), as codex-fleet runs.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     worker_threads: Option<u16>,
+}
+
+/// Where clients go: one of the two.
+#[derive(clap::Args, Debug)]
+#[group(required = true, multiple = false)]
+struct Target {
+    /// The Unix socket every client is relayed to, one WebSocket per client.
+    #[arg(long)]
+    upstream: Option<PathBuf>,
+    /// A directory of Unix sockets: a client asking for `/a/b` is relayed to `DIR/a/b.sock`
+    /// (segments of letters, digits, `-`, `_`, `.`; anything else is answered 400).
+    #[arg(long, value_name = "DIR")]
+    upstream_dir: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -47,6 +63,18 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let upstream = match (args.target.upstream, args.target.upstream_dir) {
+        (Some(s), _) => Upstream::Socket(s),
+        (None, Some(d)) => {
+            if !d.is_dir() {
+                bail!("--upstream-dir {}: not a directory", d.display());
+            }
+            Upstream::Dir(d)
+        }
+        (None, None) => bail!("--upstream or --upstream-dir is needed"),
+    };
+    // A session holds two sockets here; a bench may open thousands.
+    codex_fleet_bench::raise_nofile()?;
     let tls = router::tls::server_config(&args.cert, &args.key)?;
     let listener = TcpListener::bind(args.listen)
         .await
@@ -56,5 +84,5 @@ async fn run(args: Args) -> anyhow::Result<()> {
     writeln!(out, "floor-relay listening on {addr}")?;
     out.flush()?;
     drop(out);
-    codex_fleet_bench::floor::serve(listener, tls, args.upstream).await
+    codex_fleet_bench::floor::serve(listener, tls, upstream).await
 }
