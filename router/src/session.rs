@@ -257,7 +257,6 @@ impl Session {
     }
 }
 
-/// The parked request's wait for a worker slot; pending while none is parked.
 /// Hands what the last step queued to the sockets now, in the wake-up that produced it (a
 /// request reaches its worker, an answer its client, without waiting for the next turn of the
 /// loop); what a socket does not take now is written by the loop as it takes it.
@@ -266,9 +265,7 @@ where
     Si: Sink<Message, Error = WsError> + Unpin,
 {
     std::future::poll_fn(|cx| {
-        for leg in session.legs.values_mut().filter(|l| l.busy()) {
-            let _progress = leg.poll_write(cx);
-        }
+        let _progress = legs::poll_write_legs(session.legs.values_mut(), cx);
         if session.out.busy() {
             if let std::task::Poll::Ready(Err(_)) = session.out.poll_write(sink, cx) {
                 return std::task::Poll::Ready(Err(End::ClientGone));
@@ -279,6 +276,7 @@ where
     .await
 }
 
+/// The parked request's wait for a worker slot; pending while none is parked.
 async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
     match slot.as_mut() {
         Some(wait) => wait.await,

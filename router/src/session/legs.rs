@@ -235,16 +235,21 @@ pub fn write_legs<'a>(
 ) -> impl Future<Output = ()> + 'a {
     let mut legs: Vec<&'a mut Leg> = legs.filter(|l| l.busy()).collect();
     std::future::poll_fn(move |cx| {
-        let mut progressed = false;
-        for leg in legs.iter_mut().filter(|l| l.busy()) {
-            progressed |= leg.poll_write(cx).is_ready();
-        }
-        if progressed {
+        if poll_write_legs(legs.iter_mut().map(|l| &mut **l), cx) {
             Poll::Ready(())
         } else {
             Poll::Pending
         }
     })
+}
+
+/// One write attempt on every busy leg with the caller's context; whether any made progress.
+pub fn poll_write_legs<'a>(legs: impl Iterator<Item = &'a mut Leg>, cx: &mut Context<'_>) -> bool {
+    let mut progressed = false;
+    for leg in legs.filter(|l| l.busy()) {
+        progressed |= leg.poll_write(cx).is_ready();
+    }
+    progressed
 }
 
 /// A leg's frames as a stream of its own (see [`read_frames`]): polled in place by the session,
