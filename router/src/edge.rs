@@ -95,6 +95,9 @@ struct Table {
 struct Target {
     addr: String,
     server_name: ServerName<'static>,
+    /// On Kubernetes, the uid of the pod dialled: if it cannot be reached, whether that pod has
+    /// gone meanwhile ([`kube::KubeNodes::went_away`]).
+    pod_uid: Option<String>,
 }
 
 /// Where tenants' nodes are: "where is this tenant's node (start it if needed)".
@@ -160,6 +163,7 @@ impl Edge {
                     Target {
                         addr: n.addr.clone(),
                         server_name,
+                        pod_uid: None,
                     },
                 );
             }

@@ -213,8 +213,9 @@ impl Drop for FakeKube {
 }
 
 impl Inner {
-    /// Ends every open watch (clients relist or resume from their last resourceVersion).
-    fn end_watches(&self) {
+    /// Ends every open watch (clients relist or resume from their last resourceVersion), as an
+    /// API server's restart does.
+    pub fn end_watches(&self) {
         let mut w = self.watches.lock().unwrap_or_else(PoisonError::into_inner);
         w.cancel();
         *w = CancellationToken::new();
@@ -397,8 +398,9 @@ impl FakeKube {
         self.end_watches();
     }
 
-    /// Ends every open watch (clients relist or resume from their last resourceVersion).
-    fn end_watches(&self) {
+    /// Ends every open watch (clients relist or resume from their last resourceVersion), as an
+    /// API server's restart does.
+    pub fn end_watches(&self) {
         self.inner.end_watches();
     }
 

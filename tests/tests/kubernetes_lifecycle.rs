@@ -155,6 +155,53 @@ async fn a_deleted_pod_finishes_its_turn_closes_1001_and_its_next_session_waits_
     Ok(())
 }
 
+/// docs/kubernetes.md ("When a pod goes"): a force delete kills the node at once, and the
+/// watch that tells the edge can come after a new session has dialled the dead pod (here the
+/// watch is down across the delete). That session is not refused 1012: once the watch says the
+/// pod went, the edge looks again and the session is served by the tenant's next pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_dials_a_pod_just_force_deleted_waits_for_the_next_pod() -> anyhow::Result<()>
+{
+    let c = Cluster::start(Options::default()).await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the force delete").await?;
+    let first = uid(&c).context("the pod")?;
+
+    c.fake.hold_watches(true);
+    c.fake.end_watches();
+    assert!(wait_until(Duration::from_secs(10), || c.fake.open_watches() == 0).await);
+    assert!(c.fake.delete_pod_with_grace(POD, 0));
+    let (code, _) = a
+        .recv_close_frame(Duration::from_secs(10))
+        .await?
+        .context("a close frame")?;
+    assert_eq!(code, router::edge::NODE_LOST_CODE);
+    // The edge still sees the pod ready: the next session dials it and finds nobody.
+    let (next, ()) = tokio::join!(c.client(0, "acme"), async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        c.fake.hold_watches(false);
+    });
+    let mut b = next?;
+    assert_ne!(uid(&c).context("the next pod")?, first);
+    assert_eq!(c.fake.pod_creates(), 2);
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    turn(&mut b, &thread, "on the next pod").await?;
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        testkit::metric_in(
+            &m,
+            "codex_fleet_link_errors_total",
+            &[("reason", "unreachable")]
+        ),
+        1.0,
+        "the dead pod was dialled once: {m}"
+    );
+    Ok(())
+}
+
 /// docs/kubernetes.md ("Culling"): a node that has not drained when its grace period is over
 /// is SIGKILLed by the kubelet: its sessions close 1012, and the pod goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,8 @@ pub struct PodTarget {
     pub pod: String,
     /// `podIP:link_port`.
     pub addr: SocketAddr,
+    /// The pod's uid.
+    pub uid: String,
 }
 
 /// The backend.
@@ -242,6 +244,7 @@ impl KubeNodes {
                         return Ok(PodTarget {
                             pod: self.pod_name(tenant),
                             addr: SocketAddr::new(ip, self.settings.link_port),
+                            uid: v.uid.clone(),
                         });
                     }
                 }
@@ -340,6 +343,28 @@ impl KubeNodes {
             }
             let wait = (deadline - now).min(RECHECK);
             let _changed = tokio::time::timeout(wait, changes.changed()).await;
+        }
+    }
+
+    /// Whether the tenant's pod `uid`, found ready but not reachable, has gone by the watch's
+    /// account within `within`: deleted, deleting, no longer ready, or replaced. A force delete
+    /// kills the node at once, and a session can dial it before the watch reports the delete;
+    /// such a session looks again (and waits for the next pod) rather than being refused.
+    pub async fn went_away(&self, tenant: &str, uid: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        let mut changes = self.changes.subscribe();
+        loop {
+            let gone = lock(&self.state)
+                .pods
+                .get(tenant)
+                .is_none_or(|v| v.uid != uid || v.deleting || !v.ready || v.ended());
+            if gone {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, changes.changed()).await.is_err() {
+                return false;
+            }
         }
     }
 

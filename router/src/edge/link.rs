@@ -117,6 +117,12 @@ impl LinkMetrics {
     }
 }
 
+/// How many times a session looks again for its tenant's pod after dialling one that went.
+const REDIALS: u32 = 3;
+/// How long an unreachable pod's session waits for the watch to say the pod went, before it is
+/// refused (`nodeUnavailable`, 1012) as a node that is there and does not answer.
+const GONE_WITHIN: Duration = Duration::from_secs(3);
+
 /// The host part of `host:port` (brackets of an IPv6 literal removed).
 pub(super) fn host_of(addr: &str) -> &str {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
@@ -135,6 +141,7 @@ impl Edge {
                 .map(|t| Target {
                     addr: t.addr.clone(),
                     server_name: t.server_name.clone(),
+                    pod_uid: None,
                 })
                 .ok_or_else(|| LinkError::Unreachable {
                     node: who.node.clone(),
@@ -152,6 +159,7 @@ impl Edge {
                     Ok(pod) => Ok(Target {
                         addr: pod.addr.to_string(),
                         server_name,
+                        pod_uid: Some(pod.uid),
                     }),
                     Err(crate::edge::kube::StartError::Timeout(_)) => Err(LinkError::Starting {
                         node: who.node.clone(),
@@ -168,13 +176,39 @@ impl Edge {
         }
     }
 
-    /// Opens a session's link to its tenant's node.
+    /// Opens a session's link to its tenant's node. On Kubernetes, a pod that cannot be reached
+    /// because it has just gone (a force delete kills its node before the watch tells this edge)
+    /// is looked for again, so the session waits for the tenant's next pod instead of being
+    /// refused; at most [`REDIALS`] times, and only once the watch says that pod went.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
-        // A node that did not or cannot start is counted by the backend
-        // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
-        let target = self.target(who).await?;
+        let mut redials = 0;
+        loop {
+            // A node that did not or cannot start is counted by the backend
+            // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
+            let target = self.target(who).await?;
+            let result = self.dial(who, &target, client).await;
+            if let (Err(LinkError::Unreachable { .. }), Backend::Kubernetes(kube), Some(uid)) =
+                (&result, &self.backend, &target.pod_uid)
+            {
+                if redials < REDIALS && kube.went_away(&who.tenant, uid, GONE_WITHIN).await {
+                    redials += 1;
+                    tracing::info!(tenant = %who.tenant, "the tenant's pod went away as the session dialled it; looking again");
+                    continue;
+                }
+            }
+            return result;
+        }
+    }
+
+    /// One attempt at a link to `target`, within the connect timeout, counted.
+    async fn dial(
+        &self,
+        who: &Admitted,
+        target: &Target,
+        client: SocketAddr,
+    ) -> Result<Link, LinkError> {
         let started = tokio::time::Instant::now();
-        let result = tokio::time::timeout(self.connect_timeout, self.open(who, &target, client))
+        let result = tokio::time::timeout(self.connect_timeout, self.open(who, target, client))
             .await
             .unwrap_or_else(|_| {
                 Err(LinkError::Unreachable {
