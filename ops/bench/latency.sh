@@ -5,14 +5,18 @@
 # default size once per run, where the through/direct and through/floor ratios come from; a few
 # seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
+# codex-fleet itself is the profile-guided build (ops/bench/pgo.sh, as the image ships it; about
+# 20 minutes the first time: two release builds and a training run); --no-pgo measures the
+# plain release build instead.
 #
 # Options: --rounds N --runs N (both latency benches; default 600 and 3), --include-turns (bench
 # 1), --sessions N (bench 5's edge memory, default 500; 0 skips it), --no-fleet-load (skip
-# bench 4). The smoke run (ops/bench/smoke.sh) passes a tiny size and --no-fleet-load.
+# bench 4), --no-pgo (the plain release build of codex-fleet). The smoke run in CI
+# (ops/bench/smoke.sh) runs the same bench binaries at a tiny size on the debug build.
 # BENCH_PROFILE=debug uses the debug build instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-added=() edge=() fleet_load=1 runs=3
+added=() edge=() fleet_load=1 runs=3 pgo=1
 while [ $# -gt 0 ]; do
     case "$1" in
     --rounds | --runs)
@@ -34,6 +38,10 @@ while [ $# -gt 0 ]; do
         ;;
     --no-fleet-load)
         fleet_load=0
+        shift
+        ;;
+    --no-pgo)
+        pgo=0
         shift
         ;;
     *)
@@ -58,12 +66,23 @@ HAPROXY="$(command -v haproxy)"
 CODEX_BIN="${CODEX_BIN:-$(bash ops/install-codex.sh)}"
 export CODEX_BIN
 PROFILE="${BENCH_PROFILE:-release}"
-build=(cargo build --locked -p codex-fleet -p codex-fleet-bench -p codex-fleet-sim --bins)
+build=(cargo build --locked -p codex-fleet-bench -p codex-fleet-sim --bins)
 if [ "$PROFILE" = release ]; then
     build+=(--release)
 fi
+if [ "$PROFILE" != release ] || [ "$pgo" = 0 ]; then
+    build+=(-p codex-fleet)
+fi
 "${build[@]}"
 BIN="target/$PROFILE"
+if [ "$PROFILE" = release ] && [ "$pgo" = 1 ]; then
+    CODEX_FLEET_BIN="$(bash ops/bench/pgo.sh)"
+    echo "== codex-fleet: the profile-guided build, $CODEX_FLEET_BIN"
+else
+    CODEX_FLEET_BIN="$BIN/codex-fleet"
+    echo "== codex-fleet: the plain $PROFILE build"
+fi
+export CODEX_FLEET_BIN
 echo "== bench 1: added latency (codex-fleet, HAProxy, the floor relay)"
 "$BIN/added-latency" --haproxy "$HAPROXY" "${added[@]}"
 echo "== bench 5: the edge hop against HAProxy as a second hop"
