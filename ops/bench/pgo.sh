@@ -52,7 +52,10 @@ RUSTFLAGS="-Cprofile-generate=$out/profiles" \
 echo "== pgo: the trainers (fleet-load, the simulator)" >&2
 cargo build --locked --release -p codex-fleet-bench -p codex-fleet-sim --bins >&2
 echo "== pgo: training" >&2
-CODEX_FLEET_BIN="$out/gen/release/codex-fleet" target/release/fleet-load >&2
+for edge in "" --edge; do
+    # shellcheck disable=SC2086 # no edge: no argument
+    CODEX_FLEET_BIN="$out/gen/release/codex-fleet" target/release/fleet-load $edge >&2
+done
 ls "$out/profiles"/*.profraw >/dev/null
 "$profdata" merge -o "$out/codex-fleet.profdata" "$out/profiles"/*.profraw >&2
 echo "== pgo: the optimized build" >&2

@@ -59,3 +59,7 @@ run "4 fleet-load" \
     'floor relay CPU during the turns' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2
+run "4 fleet-load through an edge (the profile-guided build's training, ops/bench/pgo.sh)" \
+    'an edge in front of it: wss://' \
+    'through an edge and codex-fleet as its node .*: 4 sessions ok, 0 failed' -- \
+    "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2 --edge

@@ -36,6 +36,6 @@ pub use process::{
     codex_bin, fleet_bin, process_alive, processes_running, processes_under, root_or_explicit_skip,
     rss_kib, stop_process, workers_under, SKIP_ROOT_TESTS,
 };
-pub use split::{free_port, write_link_pki, Node, Split};
+pub use split::{edge_config_text, free_port, node_config_text, write_link_pki, Node, Split};
 pub use tmux::Tmux;
 pub use wait::{wait_until, wait_until_async, STEP};

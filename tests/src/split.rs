@@ -66,6 +66,53 @@ fn toml_path(p: &Path) -> String {
     serde_json::to_string(&p.display().to_string()).expect("string")
 }
 
+/// A node's config from `base` (a one-process config written in `dir`): its listener on
+/// `port` with the link's node certificate, its `[node]` table trusting the link's CA.
+pub fn node_config_text(base: &str, dir: &Path, link: &Path, name: &str, port: u16) -> String {
+    base.replacen(
+        "addr = \"127.0.0.1:0\"",
+        &format!("addr = \"127.0.0.1:{port}\""),
+        1,
+    )
+    .replace(
+        &toml_path(&dir.join("tls.crt")),
+        &toml_path(&link.join("node.crt")),
+    )
+    .replace(
+        &toml_path(&dir.join("tls.key")),
+        &toml_path(&link.join("node.key")),
+    )
+    .replace(&toml_path(&dir.join("s")), &toml_path(&dir.join(name)))
+        + &format!(
+            "\n[node]\nname = {name:?}\nedge_ca = {}\n",
+            toml_path(&link.join("ca.pem"))
+        )
+}
+
+/// An edge's config from `base`: no `[workers]`, and the static `nodes` (name, port on
+/// loopback) reached over mutual TLS with the link's edge certificate.
+pub fn edge_config_text(base: &str, link: &Path, nodes: &[(&str, u16)]) -> String {
+    // An edge runs no worker: its file leaves `[workers]` out.
+    let base = match (base.find("[workers]\n"), base.find("[drain]\n")) {
+        (Some(w), Some(d)) if w < d => format!("{}{}", &base[..w], &base[d..]),
+        _ => base.to_owned(),
+    };
+    let mut text = base
+        + &format!(
+            "\n[nodes]\nbackend = \"static\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
+             probe_interval_secs = 1\nconnect_timeout_ms = 1000\n",
+            toml_path(&link.join("ca.pem")),
+            toml_path(&link.join("edge.crt")),
+            toml_path(&link.join("edge.key")),
+        );
+    for (name, port) in nodes {
+        text += &format!(
+            "[[nodes.static]]\nname = {name:?}\naddr = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\n"
+        );
+    }
+    text
+}
+
 // === impl Split ===
 
 impl Split {
@@ -129,26 +176,7 @@ impl Split {
     fn node_config(&self, name: &str) -> anyhow::Result<Node> {
         let port = free_port()?;
         let dir = self.files.dir.path();
-        let text = self
-            .base
-            .replacen(
-                "addr = \"127.0.0.1:0\"",
-                &format!("addr = \"127.0.0.1:{port}\""),
-                1,
-            )
-            .replace(
-                &toml_path(&dir.join("tls.crt")),
-                &toml_path(&self.link.join("node.crt")),
-            )
-            .replace(
-                &toml_path(&dir.join("tls.key")),
-                &toml_path(&self.link.join("node.key")),
-            )
-            .replace(&toml_path(&dir.join("s")), &toml_path(&dir.join(name)))
-            + &format!(
-                "\n[node]\nname = {name:?}\nedge_ca = {}\n",
-                toml_path(&self.link.join("ca.pem"))
-            );
+        let text = node_config_text(&self.base, dir, &self.link, name, port);
         let config = dir.join(format!("{name}.toml"));
         std::fs::write(&config, text)?;
         Ok(Node {
@@ -160,26 +188,12 @@ impl Split {
     }
 
     fn edge_config(&self) -> String {
-        // An edge runs no worker: its file leaves `[workers]` out.
-        let base = match (self.base.find("[workers]\n"), self.base.find("[drain]\n")) {
-            (Some(w), Some(d)) if w < d => format!("{}{}", &self.base[..w], &self.base[d..]),
-            _ => self.base.clone(),
-        };
-        let mut text = base
-            + &format!(
-                "\n[nodes]\nbackend = \"static\"\nca = {}\nclient_cert = {}\nclient_key = {}\n\
-                 probe_interval_secs = 1\nconnect_timeout_ms = 1000\n",
-                toml_path(&self.link.join("ca.pem")),
-                toml_path(&self.link.join("edge.crt")),
-                toml_path(&self.link.join("edge.key")),
-            );
-        for n in &self.nodes {
-            text += &format!(
-                "[[nodes.static]]\nname = {:?}\naddr = \"127.0.0.1:{}\"\nserver_name = \"localhost\"\n",
-                n.name, n.port
-            );
-        }
-        text
+        let nodes: Vec<(&str, u16)> = self
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n.port))
+            .collect();
+        edge_config_text(&self.base, &self.link, &nodes)
     }
 
     /// (Re)starts node `i` on its port.

@@ -77,8 +77,19 @@ pub async fn spawn_fleet_config(
     log: &str,
     stderr: Stdio,
 ) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
+    spawn_role_config(bin, "serve", config, log, stderr).await
+}
+
+/// The same, running `bin role --config config` (`serve`, or `node` behind an edge).
+pub async fn spawn_role_config(
+    bin: &Path,
+    role: &str,
+    config: &Path,
+    log: &str,
+    stderr: Stdio,
+) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
     let mut child = Command::new(bin)
-        .args(["serve", "--config"])
+        .args([role, "--config"])
         .arg(config)
         .env("CODEX_FLEET_LOG", log)
         .stdout(Stdio::piped())

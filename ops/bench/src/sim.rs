@@ -41,6 +41,8 @@ pub struct SimFleet {
     pub script: Script,
     /// The simulator binary.
     pub sim_bin: PathBuf,
+    /// The node every tenant is on, for an edge in front ([`SimFleetFiles::behind_edge`]).
+    pub node: Option<String>,
 }
 
 /// What [`SimFleet::write`] wrote.
@@ -51,6 +53,8 @@ pub struct SimFleetFiles {
     pub ca: PathBuf,
     /// Tenant `t{i}`'s bearer token at index i.
     pub tokens: Vec<String>,
+    /// The node every tenant is on, if any.
+    pub node: Option<String>,
 }
 
 // === impl SimFleet ===
@@ -97,15 +101,52 @@ impl SimFleet {
         for t in 0..self.tenants {
             let token = router::cli::dev::random_token();
             toml.push_str(&format!(
-                "[[tenants]]\nid = \"t{t}\"\ntoken_sha256 = [\"{}\"]\nmin_workers = {w}\nmax_workers = {w}\n\n",
+                "[[tenants]]\nid = \"t{t}\"\ntoken_sha256 = [\"{}\"]\nmin_workers = {w}\nmax_workers = {w}\n",
                 router::auth::token_digest_hex(&token),
                 w = self.workers
             ));
+            if let Some(node) = &self.node {
+                toml.push_str(&format!("node = {node:?}\n"));
+            }
+            toml.push('\n');
             tokens.push(token);
         }
         let config = dir.join("config.toml");
         router::fsutil::write_private(&config, &toml)?;
-        Ok(SimFleetFiles { config, ca, tokens })
+        Ok(SimFleetFiles {
+            config,
+            ca,
+            tokens,
+            node: self.node.clone(),
+        })
+    }
+}
+
+// === impl SimFleetFiles ===
+
+impl SimFleetFiles {
+    /// Splits the one-process config into a node's (on a free loopback port, with the link's
+    /// certificates, written in `dir`) and an edge's in front of it (the clients' listener and
+    /// tokens, no workers), as testkit's `Split` does; returns both paths.
+    pub fn behind_edge(&self, dir: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+        let name = self
+            .node
+            .as_deref()
+            .context("a SimFleet with a node to put behind an edge")?;
+        let link = testkit::write_link_pki(dir, &["localhost", "127.0.0.1"])?;
+        let base = std::fs::read_to_string(&self.config)?;
+        let port = testkit::free_port()?;
+        let node = dir.join(format!("{name}.toml"));
+        router::fsutil::write_private(
+            &node,
+            &testkit::node_config_text(&base, dir, &link, name, port),
+        )?;
+        let edge = dir.join("edge.toml");
+        router::fsutil::write_private(
+            &edge,
+            &testkit::edge_config_text(&base, &link, &[(name, port)]),
+        )?;
+        Ok((node, edge))
     }
 }
 

@@ -5,7 +5,8 @@
 //! those same sockets, each session to the socket its direct run used. Prints readiness time,
 //! turns per second and latency on the three paths, the ratios through/direct, floor/direct and
 //! through/floor, the CPU codex-fleet and the floor relay spent on the turns, and codex-fleet's
-//! memory. Loopback only; bounded in count and time.
+//! memory. With `--edge` the sessions go through an edge in front of codex-fleet as a node (two
+//! hops), as `ops/bench/pgo.sh` trains both roles. Loopback only; bounded in count and time.
 
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -71,6 +72,10 @@ struct Args {
     /// Keep the generated directory (config, logs) and print its path.
     #[arg(long)]
     keep: bool,
+    /// Sessions go through an edge in front of codex-fleet as a node (two hops: the edge's TLS,
+    /// token and admission, then the mutual-TLS link), instead of straight to codex-fleet.
+    #[arg(long)]
+    edge: bool,
 }
 
 struct Samples(Vec<Duration>);
@@ -256,6 +261,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         workers: args.workers,
         script,
         sim_bin: sim_bin.clone(),
+        node: args.edge.then(|| "n1".to_owned()),
     };
     let total_workers = spec.total_workers();
     let files = spec.write(dir.path())?;
@@ -274,12 +280,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let log_path = dir.path().join("fleet.log");
     let log = std::fs::File::create(&log_path)?;
     let t_spawn = Instant::now();
+    let (config, edge_config) = if args.edge {
+        let (node, edge) = files.behind_edge(dir.path())?;
+        (node, Some(edge))
+    } else {
+        (files.config.clone(), None)
+    };
+    let role = if args.edge { "node" } else { "serve" };
     let (mut child, wss, admin) =
-        codex_fleet_bench::spawn_fleet_config(&fleet_bin, &files.config, "warn", Stdio::from(log))
+        codex_fleet_bench::spawn_role_config(&fleet_bin, role, &config, "warn", Stdio::from(log))
             .await
             .with_context(|| format!("see {}", log_path.display()))?;
     let pid = child.id().context("fleet pid")?;
-    let url = format!("wss://localhost:{}/", wss.port());
     let listening_at = t_spawn.elapsed();
     println!("  admin: http://{admin}/ (watch it with: codex-fleet top --admin http://{admin})");
     let rss_listening = rss_kib(pid);
@@ -300,6 +312,27 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ms(listening_at),
         ms(ready_at)
     );
+    // With --edge, the clients' end is an edge in front of the node.
+    let (mut edge, url) = match &edge_config {
+        Some(edge_config) => {
+            let edge_log = dir.path().join("edge.log");
+            let (edge, edge_wss, _) = codex_fleet_bench::spawn_role_config(
+                &fleet_bin,
+                "serve",
+                edge_config,
+                "warn",
+                Stdio::from(std::fs::File::create(&edge_log)?),
+            )
+            .await
+            .with_context(|| format!("see {}", edge_log.display()))?;
+            println!(
+                "  an edge in front of it: wss://localhost:{}/",
+                edge_wss.port()
+            );
+            (Some(edge), format!("wss://localhost:{}/", edge_wss.port()))
+        }
+        None => (None, format!("wss://localhost:{}/", wss.port())),
+    };
 
     // --- phase 1: through codex-fleet ---
     let tls = testkit::client_tls(&files.ca)?;
@@ -361,7 +394,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let _ = floor_child.kill().await;
     drop(sims);
 
-    // --- stop codex-fleet ---
+    // --- stop codex-fleet (its edge first) ---
+    if let Some(edge) = edge.as_mut() {
+        if let Some(edge_pid) = edge.id() {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(edge_pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            )?;
+        }
+        if tokio::time::timeout(Duration::from_secs(30), edge.wait())
+            .await
+            .is_err()
+        {
+            println!("\nthe edge did not exit within 30 s of SIGTERM; killing it");
+            edge.kill().await?;
+        }
+    }
     let t_term = Instant::now();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
@@ -401,7 +449,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ms(r.turn_latencies.pct(0.99))
         );
     };
-    report("through codex-fleet (wss, TLS)", &fleet);
+    report(
+        if args.edge {
+            "through an edge and codex-fleet as its node (wss, TLS, the mutual-TLS link)"
+        } else {
+            "through codex-fleet (wss, TLS)"
+        },
+        &fleet,
+    );
     report(
         &format!("direct on {direct_n} simulator sockets (ws over unix)"),
         &direct,

@@ -202,6 +202,7 @@ async fn main() -> anyhow::Result<()> {
         workers: args.workers,
         script,
         sim_bin: sim_bin.clone(),
+        node: None,
     }
     .write(dir.path())?;
     println!(
