@@ -9,7 +9,7 @@
 #   3. the profile merged by llvm-profdata, and the release build that uses it
 #      (`-Cprofile-use`), in target/pgo/use.
 # The profile lives in target/pgo and is made afresh whenever the code changes (any tracked
-# *.rs, *.toml or Cargo.lock, committed or not), so it always matches the source; with no change
+# *.rs, *.toml or Cargo.lock, committed or not) or the toolchain does, so it always matches the source; with no change
 # since the last run, the last optimized build is reused as it is.
 #
 # llvm-profdata: $LLVM_PROFDATA, else llvm-profdata-19 from Debian's llvm-19 (installed when
@@ -36,7 +36,7 @@ fi
 out="$PWD/target/pgo"
 code="" # outside a git checkout (an image build), always built afresh
 if git rev-parse --git-dir >/dev/null 2>&1; then
-    code="$({ git ls-files -s -- '*.rs' '*.toml' Cargo.lock; git diff HEAD -- '*.rs' '*.toml' Cargo.lock; } | sha256sum | cut -d' ' -f1)"
+    code="$({ rustc -vV; git ls-files -s -- '*.rs' '*.toml' Cargo.lock; git diff HEAD -- '*.rs' '*.toml' Cargo.lock; } | sha256sum | cut -d' ' -f1)"
 fi
 if [ -n "$code" ] && [ -x "$out/use/release/codex-fleet" ] && [ "$(cat "$out/code" 2>/dev/null)" = "$code" ]; then
     echo "== pgo: no code changed since the last optimized build; reusing it" >&2

@@ -239,7 +239,7 @@ impl KubeNodes {
                 Some(v) if shared => {
                     tracing::error!(tenant, ip = ?v.ip, "the tenant's pod reports another tenant's pod address; not dialling it");
                 }
-                Some(v) if v.ready && v.phase == "Running" && !v.deleting && !replacing => {
+                Some(v) if v.serving() && !replacing => {
                     if let Some(ip) = v.ip {
                         return Ok(PodTarget {
                             pod: self.pod_name(tenant),
@@ -357,7 +357,7 @@ impl KubeNodes {
             let gone = lock(&self.state)
                 .pods
                 .get(tenant)
-                .is_none_or(|v| v.uid != uid || v.deleting || !v.ready || v.ended());
+                .is_none_or(|v| v.uid != uid || !v.serving());
             if gone {
                 return true;
             }

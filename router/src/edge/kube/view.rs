@@ -76,6 +76,11 @@ impl PodView {
         }
     }
 
+    /// Ready, Running and not going away: a pod a session may be relayed to.
+    pub(super) fn serving(&self) -> bool {
+        self.ready && self.phase == "Running" && !self.deleting
+    }
+
     pub(super) fn ended(&self) -> bool {
         self.phase == "Succeeded" || self.phase == "Failed"
     }
