@@ -295,7 +295,7 @@ where
     metrics.sessions.with_label_values(&[&tenant]).inc();
     let mut sink = sink;
     // Every leg's frames, read by this task itself (no reader task, no queue in between).
-    let mut from_workers = futures_util::stream::SelectAll::<legs::LegFrames>::new();
+    let mut from_workers = legs::LegSet::default();
     let shutdown = session.ctx.shutdown.clone();
     let shut_down = shutdown.cancelled();
     tokio::pin!(shut_down);

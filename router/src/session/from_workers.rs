@@ -27,7 +27,7 @@ impl Session {
     pub(super) async fn on_leg_events(
         &mut self,
         first: LegEvent,
-        legs: &mut futures_util::stream::SelectAll<legs::LegFrames>,
+        legs: &mut legs::LegSet,
     ) -> Result<(), End> {
         self.on_leg_event(first).await?;
         for _ in 1..LEG_BURST {

@@ -42,6 +42,67 @@ pub enum LegEvent {
 /// [`LegEvent::Closed`] if the worker goes; nothing more once the [`Leg`] is dropped.
 pub type LegFrames = Pin<Box<dyn Stream<Item = LegEvent> + Send>>;
 
+/// Every leg's frames, read by the session task with its own context: each leg's socket
+/// registers the session task itself, and a wake-up polls the legs in turn from the one after
+/// the leg that was served last (so a busy worker cannot starve the others). A leg whose
+/// frames end leaves the set; an empty set is pending (legs join between the session loop's
+/// turns).
+///
+/// Not `futures_util::stream::SelectAll`: its `FuturesUnordered` wakes its own task whenever
+/// it has polled every stream it holds and all were pending (a yield, fair among many futures).
+/// With a session's one or few legs that happened on every answer from a worker, and tokio
+/// takes a task that woke itself for one that yielded: it queues it and wakes an idle runtime
+/// thread for it, a futex wake and wait per round trip, and often the session moving to the
+/// other core with cold caches (BENCHMARKS.md, bench 1, "A futex per round trip").
+#[derive(Default)]
+pub struct LegSet {
+    legs: Vec<LegFrames>,
+    /// Where the next poll starts.
+    next: usize,
+}
+
+impl LegSet {
+    /// Adds a leg's frames to the set.
+    pub fn push(&mut self, frames: LegFrames) {
+        self.legs.push(frames);
+    }
+}
+
+impl Stream for LegSet {
+    type Item = LegEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<LegEvent>> {
+        let this = &mut *self;
+        let len = this.legs.len();
+        let mut ended = Vec::new();
+        let mut event = None;
+        for k in 0..len {
+            let at = (this.next + k) % len;
+            match this.legs[at].as_mut().poll_next(cx) {
+                Poll::Ready(Some(ev)) => {
+                    this.next = at + 1;
+                    event = Some(ev);
+                    break;
+                }
+                Poll::Ready(None) => ended.push(at),
+                Poll::Pending => {}
+            }
+        }
+        if !ended.is_empty() {
+            // Highest first, so each index still names the leg it was taken for.
+            ended.sort_unstable_by(|a, b| b.cmp(a));
+            for at in ended {
+                drop(this.legs.remove(at));
+            }
+            this.next = 0;
+        }
+        match event {
+            Some(ev) => Poll::Ready(Some(ev)),
+            None => Poll::Pending,
+        }
+    }
+}
+
 /// Why a leg could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum LegError {
@@ -494,5 +555,107 @@ mod tests {
             frames.next().await.is_none(),
             "a dropped leg reports nothing more, not even Closed"
         );
+    }
+
+    /// A leg whose frames come from a channel the test holds.
+    fn channel_leg(n: u32) -> (tokio::sync::mpsc::UnboundedSender<&'static str>, LegFrames) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+        let frames = futures_util::stream::unfold(rx, move |mut rx| async move {
+            let t = rx.recv().await?;
+            Some((LegEvent::Frame(WorkerId::new("t", n, 1), t.into()), rx))
+        });
+        (tx, Box::pin(frames))
+    }
+
+    /// Counts the wake-ups of the task that polls.
+    #[derive(Default)]
+    struct Wakes(std::sync::atomic::AtomicUsize);
+
+    impl futures_util::task::ArcWake for Wakes {
+        fn wake_by_ref(arc_self: &Arc<Self>) {
+            arc_self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn from(e: Poll<Option<LegEvent>>) -> (u32, String) {
+        match e {
+            Poll::Ready(Some(LegEvent::Frame(w, t))) => (w.slot(), t.to_string()),
+            other => panic!("a frame, not {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_leg_set_never_wakes_its_own_task() {
+        let wakes = Arc::new(Wakes::default());
+        let waker = futures_util::task::waker(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut set = LegSet::default();
+        let (a, frames) = channel_leg(1);
+        set.push(frames);
+        let (_b, frames) = channel_leg(2);
+        set.push(frames);
+        a.send("one").unwrap();
+        assert_eq!(from(set.poll_next_unpin(&mut cx)), (1, "one".into()));
+        // Every leg polled and pending: the set waits for a socket, and does not wake itself
+        // (a self-wake costs the session a trip through the runtime's queue).
+        assert!(set.poll_next_unpin(&mut cx).is_pending());
+        assert!(set.poll_next_unpin(&mut cx).is_pending());
+        assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // A frame wakes it, and the next poll has it.
+        a.send("two").unwrap();
+        assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(from(set.poll_next_unpin(&mut cx)), (1, "two".into()));
+    }
+
+    #[test]
+    fn a_leg_set_serves_its_legs_in_turn() {
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut set = LegSet::default();
+        let mut senders = Vec::new();
+        for n in 1..=3 {
+            let (tx, frames) = channel_leg(n);
+            for _ in 0..4 {
+                tx.send("x").unwrap();
+            }
+            senders.push(tx);
+            set.push(frames);
+        }
+        let order: Vec<u32> = (0..12)
+            .map(|_| from(set.poll_next_unpin(&mut cx)).0)
+            .collect();
+        assert_eq!(order, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]);
+        assert!(set.poll_next_unpin(&mut cx).is_pending());
+    }
+
+    #[test]
+    fn a_leg_whose_frames_end_leaves_the_set_and_every_other_leg_is_still_read() {
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut set = LegSet::default();
+        let (a, frames) = channel_leg(1);
+        set.push(frames);
+        let (b, frames) = channel_leg(2);
+        set.push(frames);
+        let (c, frames) = channel_leg(3);
+        set.push(frames);
+        // Served leg 2 last, so the next poll starts at leg 3 and wraps round to 1 and 2.
+        b.send("b").unwrap();
+        assert_eq!(from(set.poll_next_unpin(&mut cx)).0, 2);
+        // Leg 1 ends during the turn that must still reach leg 2's frame.
+        drop(a);
+        b.send("b2").unwrap();
+        assert_eq!(from(set.poll_next_unpin(&mut cx)), (2, "b2".into()));
+        assert_eq!(set.legs.len(), 2, "the ended leg left");
+        c.send("c").unwrap();
+        assert_eq!(from(set.poll_next_unpin(&mut cx)).0, 3);
+        drop((b, c));
+        // Every leg gone: the set stays pending (legs join between the loop's turns).
+        assert!(set.poll_next_unpin(&mut cx).is_pending());
+        assert!(set.legs.is_empty());
+        let (d, frames) = channel_leg(4);
+        set.push(frames);
+        d.send("d").unwrap();
+        assert_eq!(from(set.poll_next_unpin(&mut cx)).0, 4);
     }
 }
