@@ -58,7 +58,7 @@ use worker::WorkerId;
 use crate::admission::{Admission, ConnectionGuard, InFlightPermit, QueueBytes, Rejection};
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::tenants::Tenant;
-use broadcasts::recv_relay;
+use broadcasts::Relay;
 pub(crate) use fanout::{Merge as FanOutMethod, Missing as FanOutMissing};
 use legs::Leg;
 use routing::Learn;
@@ -303,7 +303,7 @@ where
     let credential_ended = lease.ended();
     tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
-    let mut relay = Some(session.ctx.tenant.subscribe());
+    let mut relay = Relay::new(session.ctx.tenant.subscribe());
     let mut slot: Option<SlotWait> = None;
     let end = loop {
         let new_legs = session
@@ -337,7 +337,7 @@ where
             () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
             () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
             Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-            r = recv_relay(&mut relay) => session.on_relayed(r).await.map(|()| None),
+            r = relay.recv() => session.on_relayed(r).await.map(|()| None),
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
             () = &mut shut_down => Err(End::Shutdown),
             e = &mut credential_ended => Err(End::from(e)),

@@ -2,27 +2,64 @@
 //! forwards one unless its own live leg to that worker delivers it, holds back what a thread's
 //! move makes the new worker say, and takes only turn ends from it for the turn count.
 
-use tokio::sync::broadcast;
+use std::future::Future;
+use std::task::{ready, Context, Poll};
+
+use tokio::sync::broadcast::{self, error::RecvError, Receiver};
+use tokio_util::sync::ReusableBoxFuture;
 
 use super::{End, Session};
 use crate::tenants::Relayed;
 
-/// The next relayed broadcast; pending forever once the relay is closed.
-pub(super) async fn recv_relay(
-    relay: &mut Option<broadcast::Receiver<Relayed>>,
-) -> Option<Relayed> {
-    let Some(rx) = relay.as_mut() else {
-        return std::future::pending().await;
-    };
-    match rx.recv().await {
-        Ok(r) => Some(r),
-        Err(broadcast::error::RecvError::Lagged(n)) => {
-            tracing::warn!(missed = n, "session lagged behind the tenant's broadcasts");
-            None
+/// One receive from the relay, holding the receiver until it is done.
+type Receiving = ReusableBoxFuture<'static, (Result<Relayed, RecvError>, Receiver<Relayed>)>;
+
+/// The tenant's relay as a session reads it: one receive kept across the session loop's
+/// turns. A receive made afresh on every turn would lock the tenant's channel twice per turn
+/// (to wait, and to stop waiting when another branch of the loop won), with every session of
+/// the tenant taking that same lock.
+pub(super) struct Relay {
+    /// None once the relay is closed.
+    receiving: Option<Receiving>,
+}
+
+async fn receive(mut rx: Receiver<Relayed>) -> (Result<Relayed, RecvError>, Receiver<Relayed>) {
+    let r = rx.recv().await;
+    (r, rx)
+}
+
+impl Relay {
+    pub(super) fn new(rx: Receiver<Relayed>) -> Relay {
+        Relay {
+            receiving: Some(ReusableBoxFuture::new(receive(rx))),
         }
-        Err(broadcast::error::RecvError::Closed) => {
-            *relay = None;
-            std::future::pending().await
+    }
+
+    /// The next relayed broadcast (`None` after a lag, which is logged); pending forever once
+    /// the relay is closed. Cancel-safe: the receive goes on in the relay, not in this future.
+    pub(super) fn recv(&mut self) -> impl Future<Output = Option<Relayed>> + '_ {
+        std::future::poll_fn(|cx| self.poll_recv(cx))
+    }
+
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Relayed>> {
+        let Some(receiving) = self.receiving.as_mut() else {
+            return Poll::Pending;
+        };
+        let (result, rx) = ready!(receiving.poll(cx));
+        match result {
+            Ok(r) => {
+                receiving.set(receive(rx));
+                Poll::Ready(Some(r))
+            }
+            Err(broadcast::error::RecvError::Lagged(n)) => {
+                tracing::warn!(missed = n, "session lagged behind the tenant's broadcasts");
+                receiving.set(receive(rx));
+                Poll::Ready(None)
+            }
+            Err(broadcast::error::RecvError::Closed) => {
+                self.receiving = None;
+                Poll::Pending
+            }
         }
     }
 }
@@ -49,5 +86,52 @@ impl Session {
             return self.to_client(r.text);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::FutureExt;
+    use worker::WorkerId;
+
+    fn relayed(text: &str) -> Relayed {
+        Relayed {
+            worker: WorkerId::new("t", 0, 1),
+            text: text.into(),
+            to_all: false,
+            turn_ended: None,
+            rehome: None,
+            status_of: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_keeps_its_receive_when_the_loop_takes_another_branch() {
+        let (tx, rx) = broadcast::channel(4);
+        let mut relay = Relay::new(rx);
+        // The session loop polls the relay, another branch wins, the receive is dropped...
+        assert!(relay.recv().now_or_never().is_none());
+        assert!(relay.recv().now_or_never().is_none());
+        // ...and nothing sent meanwhile is lost, in order.
+        tx.send(relayed("one")).unwrap();
+        tx.send(relayed("two")).unwrap();
+        assert_eq!(relay.recv().await.unwrap().text.as_str(), "one");
+        assert_eq!(relay.recv().await.unwrap().text.as_str(), "two");
+    }
+
+    #[tokio::test]
+    async fn a_lagging_relay_says_none_once_and_goes_on_and_a_closed_one_is_pending() {
+        let (tx, rx) = broadcast::channel(2);
+        let mut relay = Relay::new(rx);
+        for n in 0..5 {
+            tx.send(relayed(&n.to_string())).unwrap();
+        }
+        assert!(relay.recv().await.is_none(), "a lag is reported as none");
+        assert_eq!(relay.recv().await.unwrap().text.as_str(), "3");
+        assert_eq!(relay.recv().await.unwrap().text.as_str(), "4");
+        drop(tx);
+        let closed = tokio::time::timeout(std::time::Duration::from_millis(50), relay.recv());
+        assert!(closed.await.is_err(), "a closed relay stays pending");
     }
 }
