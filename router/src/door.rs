@@ -7,12 +7,15 @@
 //! from [`crate::edge::Edge::upgrade`]. Every answer but 101 carries `Connection: close`.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
@@ -125,7 +128,8 @@ impl Door {
             .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
         resp
     }
-    /// After the 101: waits for the upgraded connection, records the handshake time and runs
+    /// After the 101: waits for the upgraded connection, takes its TLS stream back from hyper
+    /// ([`ClientIo`]), records the handshake time and runs
     /// `serve` on its WebSocket in a tracked task.
     pub(crate) fn spawn_upgraded<F, Fut>(
         &self,
@@ -134,7 +138,7 @@ impl Door {
         span: tracing::Span,
         serve: F,
     ) where
-        F: FnOnce(WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>) -> Fut + Send + 'static,
+        F: FnOnce(WebSocketStream<ClientIo>) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send,
     {
         let max = self.max_message_bytes;
@@ -149,8 +153,15 @@ impl Door {
                     }
                 };
                 handshake.observe(started.elapsed().as_secs_f64());
+                let io = match ClientIo::from_upgraded(upgraded) {
+                    Ok(io) => io,
+                    Err(_) => {
+                        tracing::error!("upgraded connection of an unexpected type; closed");
+                        return;
+                    }
+                };
                 let ws = WebSocketStream::from_raw_socket(
-                    TokioIo::new(upgraded),
+                    io,
                     Role::Server,
                     Some(proto::ws::client_config(max)),
                 )
@@ -174,4 +185,113 @@ pub(crate) fn switching_protocols(accept: &str) -> Response<Full<Bytes>> {
         h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
     }
     resp
+}
+
+/// The transport the listener serves HTTP on, and so what an upgraded connection is.
+pub(crate) type ClientTls = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+/// A client's connection after its upgrade: its TLS stream itself, taken back from hyper,
+/// with whatever hyper had read past the upgrade request (the client may send its first frame
+/// at once), which is read first.
+///
+/// Not hyper's `Upgraded`: that wraps the stream in a boxed `dyn` transport behind two adapters
+/// between tokio's and hyper's I/O traits, and every read and write of the session's life went
+/// through all of them.
+pub struct ClientIo<T = ClientTls> {
+    /// Read past the upgrade request by hyper; returned before anything from `io`.
+    ahead: Bytes,
+    io: T,
+}
+
+impl ClientIo {
+    /// The TLS stream under an upgraded connection; the connection back if it is not one of
+    /// the listener's.
+    pub(crate) fn from_upgraded(
+        upgraded: hyper::upgrade::Upgraded,
+    ) -> Result<ClientIo, hyper::upgrade::Upgraded> {
+        let parts = upgraded.downcast::<TokioIo<ClientTls>>()?;
+        Ok(ClientIo::new(parts.read_buf, parts.io.into_inner()))
+    }
+}
+
+impl<T> ClientIo<T> {
+    fn new(ahead: Bytes, io: T) -> ClientIo<T> {
+        ClientIo { ahead, io }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for ClientIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.ahead.is_empty() {
+            let n = self.ahead.len().min(buf.remaining());
+            buf.put_slice(&self.ahead.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for ClientIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn what_hyper_read_ahead_comes_first_then_the_stream_and_writes_go_through() {
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut io = ClientIo::new(Bytes::from_static(b"ahead:"), ours);
+        theirs.write_all(b"then").await.unwrap();
+        // A small buffer takes what was read ahead in parts, before the stream.
+        let mut small = [0u8; 4];
+        io.read_exact(&mut small).await.unwrap();
+        assert_eq!(&small, b"ahea");
+        let mut rest = [0u8; 6];
+        io.read_exact(&mut rest).await.unwrap();
+        assert_eq!(&rest, b"d:then");
+        io.write_all(b"back").await.unwrap();
+        io.flush().await.unwrap();
+        let mut got = [0u8; 4];
+        theirs.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"back");
+        io.shutdown().await.unwrap();
+        assert_eq!(
+            theirs.read(&mut got).await.unwrap(),
+            0,
+            "shut down goes through"
+        );
+    }
 }

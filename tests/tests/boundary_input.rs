@@ -376,6 +376,72 @@ async fn a_refused_upgrade_closes_its_connection() -> anyhow::Result<()> {
     fleet.stop().await
 }
 
+/// A masked client text frame (RFC 6455 §5.2), as a client writes it.
+fn client_text_frame(text: &str) -> Vec<u8> {
+    let payload = text.as_bytes();
+    assert!(payload.len() < 126, "short frames only");
+    let mask = [0x5a, 0x13, 0xc7, 0x88];
+    let mut frame = vec![0x81, 0x80 | payload.len() as u8];
+    frame.extend_from_slice(&mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_frame_sent_with_the_upgrade_request_is_not_lost() -> anyhow::Result<()> {
+    // A client may send its first frame without waiting for the 101: it arrives in the same
+    // read as the request, read ahead by the HTTP layer, and must reach the session first.
+    let fleet = FleetBuilder::new().tenant("acme").start().await?;
+    let tcp = TcpStream::connect(fleet.addr).await?;
+    let mut tls = tls_connect(tcp, &fleet.files.ca).await?;
+    let init = r#"{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"clientInfo":{"name":"eager","version":"1"}}}"#;
+    let mut bytes = upgrade_request(&fleet.files.token("acme")).into_bytes();
+    bytes.extend(client_text_frame(init));
+    tls.write_all(&bytes).await?;
+    tls.flush().await?;
+    // The 101's head, then whatever follows it is WebSocket.
+    let mut got = Vec::new();
+    let head_end = loop {
+        if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut chunk)).await??;
+        anyhow::ensure!(
+            n > 0,
+            "closed before the 101: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&got[..head_end]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut ws = tokio_tungstenite::WebSocketStream::from_partially_read(
+        tls,
+        got[head_end..].to_vec(),
+        tokio_tungstenite::tungstenite::protocol::Role::Client,
+        None,
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = tokio::time::timeout(left, futures_util::StreamExt::next(&mut ws))
+            .await
+            .context("no answer to the initialize sent with the upgrade request")?
+            .context("the connection ended")??;
+        let Some(text) = msg.to_text().ok().filter(|t| !t.is_empty()) else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(text)?;
+        if v["id"] == json!(7) {
+            assert!(v.get("result").is_some(), "initialize answered with {v}");
+            break;
+        }
+    }
+    fleet.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_deadline_covers_tls_and_the_request() -> anyhow::Result<()> {
     let files = FleetBuilder::new().tenant("acme").prepare().await?;
