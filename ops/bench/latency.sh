@@ -9,7 +9,7 @@
 # 20 minutes the first time: two release builds and a training run); --no-pgo measures the
 # plain release build instead.
 #
-# Options: --rounds N --runs N (both latency benches; default 600 and 3), --include-turns (bench
+# Options: --rounds N --runs N (both latency benches; default 2000 and 3), --include-turns (bench
 # 1), --sessions N (bench 5's edge memory, default 500; 0 skips it), --no-fleet-load (skip
 # bench 4), --no-pgo (the plain release build of codex-fleet). The smoke run in CI
 # (ops/bench/smoke.sh) runs the same bench binaries at a tiny size on the debug build.

@@ -32,7 +32,7 @@ use serde_json::json;
 )]
 struct Args {
     /// Round trips per path and run.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 2000)]
     rounds: usize,
     /// Runs (fresh connections each run).
     #[arg(long, default_value_t = 3)]
