@@ -151,6 +151,9 @@ pub fn summarize(samples: &[f64]) -> Summary {
     }
 }
 
+/// Calls each connection makes before its rounds are timed.
+pub const WARM_UP: usize = 20;
+
 /// Warms every connection up (TLS session state, caches, the worker's read path), then measures
 /// `rounds` round trips of `method` on each, interleaved round by round with the order rotating
 /// so no path always goes first; returns each connection's samples in µs.
@@ -161,7 +164,7 @@ pub async fn interleaved<const N: usize>(
     params: &Value,
 ) -> anyhow::Result<[Vec<f64>; N]> {
     for conn in conns.iter_mut() {
-        for i in 0..20 {
+        for i in 0..WARM_UP as u64 {
             conn.call(1_000_000 + i, method, params.clone()).await?;
         }
     }

@@ -32,7 +32,7 @@ use clap::Parser;
 use codex_fleet_bench::floor::Upstream;
 use codex_fleet_bench::latency::{
     connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
-    TIMEOUT,
+    TIMEOUT, WARM_UP,
 };
 use serde_json::json;
 use testkit::{FleetBuilder, FleetFiles};
@@ -121,15 +121,30 @@ const PATHS: [&str; 6] = [
     "direct-ws",
 ];
 
-/// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floors.
+/// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floors; and each
+/// proxy's CPU time per round trip in µs, in the same order.
 struct Added {
     fleet: f64,
     haproxy: f64,
     floor: f64,
     floor_1t: f64,
+    cpu: [f64; 4],
 }
 
-fn report(label: &str, samples: &[Vec<f64>; 6]) -> Added {
+/// The proxies whose CPU time is counted, in [`Added::cpu`]'s order, with their pids.
+const PROXIES: [&str; 4] = ["codex-fleet", "HAProxy", "floor", "floor, 1 thread"];
+
+/// Every proxy's CPU time so far, in µs ([`codex_fleet_bench::cpu_micros`]).
+fn cpu_now(pids: &[u32; 4]) -> anyhow::Result<[f64; 4]> {
+    let mut cpu = [0.0; 4];
+    for (c, pid) in cpu.iter_mut().zip(pids) {
+        *c = codex_fleet_bench::cpu_micros(*pid)
+            .ok_or_else(|| anyhow::anyhow!("no CPU time for pid {pid}: did it exit?"))?;
+    }
+    Ok(cpu)
+}
+
+fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
     println!(
         "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
@@ -170,11 +185,17 @@ fn report(label: &str, samples: &[Vec<f64>; 6]) -> Added {
         "  codex-fleet added median / 1-thread floor added median = {:.2}",
         fleet.0 / floor_1t.0
     );
+    print!("  CPU per round trip, µs:");
+    for (name, c) in PROXIES.iter().zip(cpu) {
+        print!(" {name} {c:.1};");
+    }
+    println!();
     Added {
         fleet: fleet.0,
         haproxy: haproxy.0,
         floor: floor.0,
         floor_1t: floor_1t.0,
+        cpu,
     }
 }
 
@@ -182,19 +203,23 @@ fn report(label: &str, samples: &[Vec<f64>; 6]) -> Added {
 fn table(rows: &[(String, Added)]) {
     println!("added median, µs, per run (BENCHMARKS.md, bench 1):");
     println!(
-        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | fleet/HAProxy | fleet/floor | fleet/floor 1 thread |"
+        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | CPU µs per round trip: fleet / HAProxy / floor / floor 1t |"
     );
-    println!("  |---|---|---|---|---|---|---|---|");
+    println!("  |---|---|---|---|---|---|---|---|---|");
     for (label, a) in rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} |",
             a.fleet,
             a.haproxy,
             a.floor,
             a.floor_1t,
             a.fleet / a.haproxy,
             a.fleet / a.floor,
-            a.fleet / a.floor_1t
+            a.fleet / a.floor_1t,
+            a.cpu[0],
+            a.cpu[1],
+            a.cpu[2],
+            a.cpu[3]
         );
     }
 }
@@ -214,7 +239,7 @@ async fn main() -> anyhow::Result<()> {
     let dir = files.dir.path().to_path_buf();
     let home = dir.join("s/tenants/acme");
     let socket = dir.join("s/sockets/acme/0.sock");
-    let (_fleet, url) = start_fleet(&files).await?;
+    let (fleet, url) = start_fleet(&files).await?;
     let token = files.token("acme");
 
     // A thread with one turn, made through the fleet; both workers read it from disk.
@@ -228,7 +253,7 @@ async fn main() -> anyhow::Result<()> {
     let _ws_worker = start_ws_worker(&files, &home, ws_port)?;
     wait_port(ws_port).await?;
     let proxy_port = free_port()?;
-    let _haproxy = start_haproxy(
+    let haproxy = start_haproxy(
         &args.haproxy,
         &dir,
         "haproxy",
@@ -237,11 +262,17 @@ async fn main() -> anyhow::Result<()> {
         &format!("unix@{}", socket.display()),
     )?;
     wait_port(proxy_port).await?;
-    let (_floor, floor_port) = start_floor(&dir, &socket, None).await?;
-    let (_floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1)).await?;
+    let (floor, floor_port) = start_floor(&dir, &socket, None).await?;
+    let (floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1)).await?;
+    let pid = |c: &Child| {
+        c.id()
+            .ok_or_else(|| anyhow::anyhow!("a proxy exited early"))
+    };
+    let pids = [pid(&fleet)?, pid(&haproxy)?, pid(&floor)?, pid(&floor_1t)?];
 
     let params = json!({"threadId": thread, "includeTurns": args.include_turns});
     let mut all: [Vec<f64>; 6] = Default::default();
+    let mut all_cpu = [0.0; 4];
     let mut rows = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
@@ -267,14 +298,25 @@ async fn main() -> anyhow::Result<()> {
             .await?,
             connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
         ];
+        let before = cpu_now(&pids)?;
         let samples = interleaved(&mut conns, args.rounds, "thread/read", &params).await?;
-        rows.push((run.to_string(), report(&format!("run {run}"), &samples)));
+        let after = cpu_now(&pids)?;
+        // Each connection's warm-up calls count too: the CPU time covers them.
+        let calls = (args.rounds + WARM_UP) as f64;
+        let cpu: [f64; 4] = std::array::from_fn(|i| (after[i] - before[i]) / calls);
+        for (a, c) in all_cpu.iter_mut().zip(cpu) {
+            *a += c / args.runs as f64;
+        }
+        rows.push((
+            run.to_string(),
+            report(&format!("run {run}"), &samples, cpu),
+        ));
         for (a, s) in all.iter_mut().zip(samples) {
             a.extend(s);
         }
     }
     if args.runs > 1 {
-        let a = report("all runs", &all);
+        let a = report("all runs", &all, all_cpu);
         rows.push(("all".to_owned(), a));
     }
     table(&rows);
