@@ -7,10 +7,18 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 pub const MAX_FRAME_SIZE: usize = 16 << 20;
 /// tungstenite's default write buffer target; the hard cap must exceed it by a message.
 pub const WRITE_BUFFER_SIZE: usize = 128 << 10;
-/// Initial read buffer of a leg. tungstenite allocates its default (128 KiB) up front for every
-/// connection, which made legs the largest per-session cost; frames larger than this still
-/// arrive whole, the buffer grows for them.
-pub const READ_BUFFER_SIZE: usize = 16 << 10;
+/// The most tungstenite reads at once, and its first read buffer, on every connection (legs,
+/// clients, the edge's link). tungstenite zero-fills this much of its buffer before every read
+/// attempt, including the attempts that find nothing (a session's loop tries its client and its
+/// legs on every wake-up): at its default (128 KiB) and at the 16 KiB this was, that zeroing was
+/// the largest single cost of a relayed frame (BENCHMARKS.md, bench 1, "The zeroed read
+/// buffer"). Frames larger than this still arrive whole: the buffer grows for them, and what is
+/// below it reads in larger pieces (rustls's records on TLS, [`LEG_SOCKET_BUFFER`] on a leg).
+pub const READ_BUFFER_SIZE: usize = 4 << 10;
+/// The buffer under a leg's WebSocket that its Unix socket is read into (filled once per
+/// system call, never zeroed again), so a large worker frame still takes one read per this many
+/// bytes. With [`READ_BUFFER_SIZE`] it is the 16 KiB a leg read into before.
+pub const LEG_SOCKET_BUFFER: usize = (16 << 10) - READ_BUFFER_SIZE;
 
 /// The WebSocket limits used for every leg: explicit message, frame and write-buffer limits
 /// derived from `max_message_size`.

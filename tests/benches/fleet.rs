@@ -213,13 +213,11 @@ async fn main() -> anyhow::Result<()> {
 
 /// A leg straight onto the worker's socket, as a bare client would open it (the bench is not the
 /// router, so it checks no peer).
-async fn bare_leg(
-    socket: &std::path::Path,
-) -> anyhow::Result<tokio_tungstenite::WebSocketStream<tokio::net::UnixStream>> {
+async fn bare_leg(socket: &std::path::Path) -> anyhow::Result<worker::LegStream> {
     let stream = tokio::net::UnixStream::connect(socket).await?;
     let (ws, _) = tokio_tungstenite::client_async_with_config(
         "ws://localhost/",
-        stream,
+        worker::leg::buffered(stream),
         Some(worker::leg::leg_config(64 << 20)),
     )
     .await?;

@@ -8,7 +8,17 @@ use crate::error::LegError;
 use crate::id::Peer;
 
 /// A WebSocket connection to one worker over its Unix socket.
-pub type LegStream = tokio_tungstenite::WebSocketStream<UnixStream>;
+pub type LegStream = tokio_tungstenite::WebSocketStream<LegSocket>;
+
+/// A worker's Unix socket as a leg reads it: through a buffer of
+/// [`proto::ws::LEG_SOCKET_BUFFER`] bytes, so tungstenite's small reads
+/// ([`proto::ws::READ_BUFFER_SIZE`]) cost a copy, not a system call each.
+pub type LegSocket = tokio::io::BufReader<UnixStream>;
+
+/// `stream` as a leg reads it ([`LegSocket`]).
+pub fn buffered(stream: UnixStream) -> LegSocket {
+    tokio::io::BufReader::with_capacity(proto::ws::LEG_SOCKET_BUFFER, stream)
+}
 
 /// The request URI of the upgrade; app-server upgrades any path and ignores the host.
 const LEG_URI: &str = "ws://localhost/";
@@ -30,7 +40,7 @@ pub async fn connect(
     check_peer(&stream, socket_path, expected)?;
     let (ws, _response) = tokio_tungstenite::client_async_with_config(
         LEG_URI,
-        stream,
+        buffered(stream),
         Some(leg_config(max_message_size)),
     )
     .await

@@ -1,7 +1,8 @@
 //! The floor relay: what this stack (tokio, rustls, tungstenite) costs a WebSocket round trip with
 //! no routing. It terminates TLS, accepts the client's WebSocket upgrade, opens a WebSocket to a
 //! Unix socket and relays frames as they are, one task per direction: no JSON parsing, no
-//! authentication, no admission, no policy. Nagle is off on the client's TCP socket, as
+//! authentication, no admission, no policy; its WebSockets are configured as codex-fleet's
+//! ([`MAX_MESSAGE_BYTES`]). Nagle is off on the client's TCP socket, as
 //! codex-fleet's listener sets it.
 //!
 //! The upstream is one socket for every client (`--upstream`: the worker socket codex-fleet and
@@ -33,6 +34,11 @@ use tokio_tungstenite::tungstenite::http::StatusCode;
 /// The longest request path `--upstream-dir` takes, in bytes: far more than any bench names, and
 /// short enough that the socket path stays within a Unix socket address with a short directory.
 pub const MAX_REQUEST_PATH: usize = 64;
+
+/// The largest message relayed: tungstenite's default. The connections are set up as
+/// codex-fleet sets up its own (`proto::ws`: the same read buffers, the same socket buffer under
+/// the upstream WebSocket), so the floor differs from codex-fleet only in what it skips.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Where a client is relayed to.
 #[derive(Debug, Clone)]
@@ -138,16 +144,25 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
             }
         }
     };
-    let client = tokio_tungstenite::accept_hdr_async(tls, choose)
-        .await
-        .context("WebSocket upgrade")?;
+    let client = tokio_tungstenite::accept_hdr_async_with_config(
+        tls,
+        choose,
+        Some(proto::ws::client_config(MAX_MESSAGE_BYTES)),
+    )
+    .await
+    .context("WebSocket upgrade")?;
     let upstream = chosen.map_err(anyhow::Error::msg)?;
     let unix = UnixStream::connect(&upstream)
         .await
         .with_context(|| format!("connect {}", upstream.display()))?;
-    let (worker, _) = tokio_tungstenite::client_async("ws://localhost/", unix)
-        .await
-        .context("upstream WebSocket handshake")?;
+    let unix = tokio::io::BufReader::with_capacity(proto::ws::LEG_SOCKET_BUFFER, unix);
+    let (worker, _) = tokio_tungstenite::client_async_with_config(
+        "ws://localhost/",
+        unix,
+        Some(proto::ws::leg_config(MAX_MESSAGE_BYTES)),
+    )
+    .await
+    .context("upstream WebSocket handshake")?;
     let (client_tx, client_rx) = client.split();
     let (worker_tx, worker_rx) = worker.split();
     // `forward` hands over every frame that is ready and flushes once the source has no more:

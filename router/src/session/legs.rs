@@ -400,10 +400,19 @@ mod tests {
     async fn socket_pair() -> (worker::LegStream, worker::LegStream) {
         use tokio_tungstenite::tungstenite::protocol::Role;
         let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
-        let worker_end =
-            tokio_tungstenite::WebSocketStream::from_raw_socket(theirs, Role::Server, None).await;
-        let leg_end =
-            tokio_tungstenite::WebSocketStream::from_raw_socket(ours, Role::Client, None).await;
+        let worker_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            worker::leg::buffered(theirs),
+            Role::Server,
+            None,
+        )
+        .await;
+        // As `worker::connect` sets a leg up: its buffered socket, its limits.
+        let leg_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            worker::leg::buffered(ours),
+            Role::Client,
+            Some(worker::leg::leg_config(1 << 20)),
+        )
+        .await;
         (worker_end, leg_end)
     }
 
@@ -526,6 +535,32 @@ mod tests {
         let why = closed(frames.next().await);
         assert!(why.contains("worker closed the connection"), "{why}");
         assert!(frames.next().await.is_none(), "nothing after Closed");
+    }
+
+    #[tokio::test]
+    async fn frames_larger_than_the_read_buffers_arrive_whole_and_in_order() {
+        // tungstenite reads at most `READ_BUFFER_SIZE` at once, out of a socket buffer of
+        // `LEG_SOCKET_BUFFER`: a frame many times both, between small ones, still arrives whole.
+        let (mut worker, mut frames, _exit, _drop) = leg_pair().await;
+        let big: String = (0..200_000)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
+        assert!(big.len() > 10 * (proto::ws::READ_BUFFER_SIZE + proto::ws::LEG_SOCKET_BUFFER));
+        let sender = tokio::spawn(async move {
+            for t in ["small", big.as_str(), "between", big.as_str(), "last"] {
+                worker.send(Message::text(t)).await.unwrap();
+            }
+            (worker, big)
+        });
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            got.push(text(frames.next().await));
+        }
+        let (_worker, big) = sender.await.unwrap();
+        assert_eq!(
+            got,
+            ["small", big.as_str(), "between", big.as_str(), "last"]
+        );
     }
 
     #[tokio::test]
