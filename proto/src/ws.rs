@@ -11,8 +11,8 @@ pub const WRITE_BUFFER_SIZE: usize = 128 << 10;
 /// clients, the edge's link). tungstenite zero-fills this much of its buffer before every read
 /// attempt, including the attempts that find nothing (a session's loop tries its client and its
 /// legs on every wake-up): at its default (128 KiB) and at the 16 KiB this was, that zeroing was
-/// the largest single cost of a relayed frame (BENCHMARKS.md, bench 1, "The zeroed read
-/// buffer"). Frames larger than this still arrive whole: the buffer grows for them, and what is
+/// the largest single share of a relayed frame's instructions (callgrind; BENCHMARKS.md, bench 1,
+/// "The zeroed read buffer"). Frames larger than this still arrive whole: the buffer grows for them, and what is
 /// below it reads in larger pieces (rustls's records on TLS, [`LEG_SOCKET_BUFFER`] on a leg).
 pub const READ_BUFFER_SIZE: usize = 4 << 10;
 /// The buffer under a leg's WebSocket that its Unix socket is read into (filled once per

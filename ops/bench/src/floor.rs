@@ -155,11 +155,10 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
     let unix = UnixStream::connect(&upstream)
         .await
         .with_context(|| format!("connect {}", upstream.display()))?;
-    let unix = tokio::io::BufReader::with_capacity(proto::ws::LEG_SOCKET_BUFFER, unix);
     let (worker, _) = tokio_tungstenite::client_async_with_config(
         "ws://localhost/",
-        unix,
-        Some(proto::ws::leg_config(MAX_MESSAGE_BYTES)),
+        worker::leg::buffered(unix),
+        Some(worker::leg::leg_config(MAX_MESSAGE_BYTES)),
     )
     .await
     .context("upstream WebSocket handshake")?;

@@ -118,7 +118,8 @@ pub fn cpu_secs(pid: u32) -> Option<f64> {
 
 /// On-CPU time of a process's live threads so far, in µs: the scheduler's own nanosecond
 /// counts (`/proc/<pid>/task/*/schedstat`), precise where [`cpu_secs`] moves in 10 ms steps. A
-/// thread that already ended is not counted (the proxies measured keep theirs).
+/// thread that already ended is not counted: a proxy that ends threads during a run (tokio's
+/// blocking pool lets idle ones go after 10 s) is undercounted by their time.
 pub fn cpu_micros(pid: u32) -> Option<f64> {
     let mut ns = 0u64;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {

@@ -131,7 +131,7 @@ struct Added {
     cpu: [f64; 4],
 }
 
-/// The proxies whose CPU time is counted, in [`Added::cpu`]'s order, with their pids.
+/// The proxies whose CPU time is counted, in [`Added::cpu`]'s order.
 const PROXIES: [&str; 4] = ["codex-fleet", "HAProxy", "floor", "floor, 1 thread"];
 
 /// Every proxy's CPU time so far, in µs ([`codex_fleet_bench::cpu_micros`]).
