@@ -217,7 +217,7 @@ async fn bare_leg(socket: &std::path::Path) -> anyhow::Result<worker::LegStream>
     let stream = tokio::net::UnixStream::connect(socket).await?;
     let (ws, _) = tokio_tungstenite::client_async_with_config(
         "ws://localhost/",
-        worker::leg::buffered(stream),
+        worker::leg::buffered(stream)?,
         Some(worker::leg::leg_config(64 << 20)),
     )
     .await?;

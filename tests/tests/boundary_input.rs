@@ -345,6 +345,16 @@ async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Resul
         growth_mib < STALLED_RSS_BOUND_MIB,
         "codex-fleet grew by {growth_mib} MiB under a flood towards a stalled worker"
     );
+    // Resumed, the worker drains what waited and answers the same session again: the leg's
+    // write that waited for room (worker::leg::UnixIo, watched for writability only then) went
+    // through.
+    let listed = tokio::time::timeout(
+        Duration::from_secs(60),
+        flood.request("thread/list", json!({})),
+    )
+    .await
+    .context("no answer after the worker resumed")??;
+    assert!(listed.get("data").is_some(), "{listed}");
     Ok(())
 }
 

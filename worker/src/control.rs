@@ -315,7 +315,8 @@ mod tests {
     async fn initializes_probes_and_relays() {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
         let client =
-            WebSocketStream::from_raw_socket(crate::leg::buffered(a), Role::Client, None).await;
+            WebSocketStream::from_raw_socket(crate::leg::buffered(a).unwrap(), Role::Client, None)
+                .await;
         let mut server = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let worker = tokio::spawn(async move {
             let init = next_text(&mut server).await;
@@ -388,7 +389,8 @@ mod tests {
     async fn an_initialize_error_is_a_control_error() {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
         let client =
-            WebSocketStream::from_raw_socket(crate::leg::buffered(a), Role::Client, None).await;
+            WebSocketStream::from_raw_socket(crate::leg::buffered(a).unwrap(), Role::Client, None)
+                .await;
         let mut server = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let worker = tokio::spawn(async move {
             let init = next_text(&mut server).await;

@@ -7,17 +7,26 @@ use tokio::net::UnixStream;
 use crate::error::LegError;
 use crate::id::Peer;
 
+mod unix_io;
+
+pub use unix_io::UnixIo;
+
 /// A WebSocket connection to one worker over its Unix socket.
 pub type LegStream = tokio_tungstenite::WebSocketStream<LegSocket>;
 
 /// A worker's Unix socket as a leg reads it: through a buffer of
 /// [`proto::ws::LEG_SOCKET_BUFFER`] bytes, so tungstenite's small reads
-/// ([`proto::ws::READ_BUFFER_SIZE`]) cost a copy, not a system call each.
-pub type LegSocket = tokio::io::BufReader<UnixStream>;
+/// ([`proto::ws::READ_BUFFER_SIZE`]) cost a copy, not a system call each; and watched for
+/// writability only while a write waits ([`UnixIo`]), so a worker reading a request wakes
+/// nobody.
+pub type LegSocket = tokio::io::BufReader<UnixIo>;
 
-/// `stream` as a leg reads it ([`LegSocket`]).
-pub fn buffered(stream: UnixStream) -> LegSocket {
-    tokio::io::BufReader::with_capacity(proto::ws::LEG_SOCKET_BUFFER, stream)
+/// `stream` as a leg reads it ([`LegSocket`]). Fails only if tokio cannot register it.
+pub fn buffered(stream: UnixStream) -> std::io::Result<LegSocket> {
+    Ok(tokio::io::BufReader::with_capacity(
+        proto::ws::LEG_SOCKET_BUFFER,
+        UnixIo::new(stream)?,
+    ))
 }
 
 /// The request URI of the upgrade; app-server upgrades any path and ignores the host.
@@ -38,9 +47,13 @@ pub async fn connect(
             source,
         })?;
     check_peer(&stream, socket_path, expected)?;
+    let socket = buffered(stream).map_err(|source| LegError::Connect {
+        path: socket_path.to_path_buf(),
+        source,
+    })?;
     let (ws, _response) = tokio_tungstenite::client_async_with_config(
         LEG_URI,
-        buffered(stream),
+        socket,
         Some(leg_config(max_message_size)),
     )
     .await

@@ -157,7 +157,7 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
         .with_context(|| format!("connect {}", upstream.display()))?;
     let (worker, _) = tokio_tungstenite::client_async_with_config(
         "ws://localhost/",
-        worker::leg::buffered(unix),
+        worker::leg::buffered(unix).context("register the upstream socket")?,
         Some(worker::leg::leg_config(MAX_MESSAGE_BYTES)),
     )
     .await

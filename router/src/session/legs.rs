@@ -401,14 +401,14 @@ mod tests {
         use tokio_tungstenite::tungstenite::protocol::Role;
         let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
         let worker_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            worker::leg::buffered(theirs),
+            worker::leg::buffered(theirs).unwrap(),
             Role::Server,
             None,
         )
         .await;
         // As `worker::connect` sets a leg up: its buffered socket, its limits.
         let leg_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            worker::leg::buffered(ours),
+            worker::leg::buffered(ours).unwrap(),
             Role::Client,
             Some(worker::leg::leg_config(1 << 20)),
         )
