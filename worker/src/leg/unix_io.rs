@@ -39,11 +39,6 @@ impl UnixIo {
         })
     }
 
-    /// The socket.
-    pub fn get_ref(&self) -> &UnixStream {
-        self.socket.get_ref()
-    }
-
     /// Whether a write is waiting for room (its descriptor is registered for writability).
     #[cfg(test)]
     fn waits_to_write(&self) -> bool {
@@ -151,7 +146,11 @@ mod tests {
         // Data and the end of stream arrive together: both are read, the end is not missed.
         drop(peer);
         let mut all = Vec::new();
-        io.read_to_end(&mut all).await.unwrap();
+        // A missed end of stream would leave this waiting forever.
+        tokio::time::timeout(std::time::Duration::from_secs(20), io.read_to_end(&mut all))
+            .await
+            .expect("the end of stream was seen")
+            .unwrap();
         assert_eq!(all, b"answer");
     }
 
