@@ -15,13 +15,54 @@ use crate::codes;
 use crate::method::Method;
 
 /// A request id: app-server accepts integers and strings and echoes them verbatim.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// Read by a visitor of its own rather than `#[serde(untagged)]`, which buffers the value into
+/// serde's `Content` first and then tries each variant: every frame in both directions carries
+/// an id, and the buffering was code (and for a string id an allocation) on each round trip's
+/// path (BENCHMARKS.md, "What a cold round trip touches"). The same values are accepted:
+/// integers that fit an `i64`, and strings.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(untagged)]
 pub enum RequestId {
     /// An integer id.
     Int(i64),
     /// A string id (the TUI uses `"initialize"` and `"startup-thread-start-<uuid>"`).
     Str(String),
+}
+
+impl<'de> Deserialize<'de> for RequestId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(IdVisitor)
+    }
+}
+
+/// Reads a [`RequestId`]: an integer that fits an `i64`, or a string.
+struct IdVisitor;
+
+impl serde::de::Visitor<'_> for IdVisitor {
+    type Value = RequestId;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an integer or a string")
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<RequestId, E> {
+        Ok(RequestId::Int(n))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<RequestId, E> {
+        i64::try_from(n)
+            .map(RequestId::Int)
+            .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<RequestId, E> {
+        Ok(RequestId::Str(s.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, s: String) -> Result<RequestId, E> {
+        Ok(RequestId::Str(s))
+    }
 }
 
 impl fmt::Display for RequestId {

@@ -205,3 +205,69 @@ fn a_response_frame_keeps_its_result_and_error_raw() {
         }
     ));
 }
+
+/// The id's own visitor accepts exactly what `#[serde(untagged)]` over `i64` and `String` did,
+/// for every kind of JSON value, alone and inside a frame.
+#[test]
+fn ids_are_read_as_the_untagged_derive_read_them() {
+    #[derive(Debug, PartialEq, Deserialize)]
+    #[serde(untagged)]
+    enum Untagged {
+        Int(i64),
+        Str(String),
+    }
+    impl Untagged {
+        fn id(self) -> RequestId {
+            match self {
+                Untagged::Int(n) => RequestId::Int(n),
+                Untagged::Str(s) => RequestId::Str(s),
+            }
+        }
+    }
+    let values = [
+        "0",
+        "7",
+        "-1",
+        "9223372036854775807",
+        "-9223372036854775808",
+        "9223372036854775808",
+        "18446744073709551615",
+        "18446744073709551616",
+        "-9223372036854775809",
+        "1.0",
+        "1.5",
+        "1e3",
+        "-0",
+        "\"\"",
+        "\"initialize\"",
+        "\"esc\\u00e9\\\"aped\\n\"",
+        "\"\\ud83d\\ude00\"",
+        "null",
+        "true",
+        "false",
+        "[]",
+        "[1]",
+        "{}",
+        "{\"a\":1}",
+    ];
+    for v in values {
+        let ours = serde_json::from_str::<RequestId>(v).ok();
+        let theirs = serde_json::from_str::<Untagged>(v).ok().map(Untagged::id);
+        assert_eq!(ours, theirs, "id {v}");
+        let frame = format!(r#"{{"id":{v},"method":"thread/read"}}"#);
+        match (parse(&frame), theirs) {
+            (Ok(Rpc::Request { id, .. }), Some(expected)) => assert_eq!(id, expected, "{frame}"),
+            (Err(ParseError::BadId { request: true }), None) => {}
+            (other, expected) => panic!("{frame}: {other:?}, expected {expected:?}"),
+        }
+    }
+    // From a `Value` too (fan-out merges read ids back from values).
+    for v in ["5", "\"s\"", "1.5", "null"] {
+        let value: serde_json::Value = serde_json::from_str(v).unwrap();
+        let ours = serde_json::from_value::<RequestId>(value.clone()).ok();
+        let theirs = serde_json::from_value::<Untagged>(value)
+            .ok()
+            .map(Untagged::id);
+        assert_eq!(ours, theirs, "value {v}");
+    }
+}
