@@ -17,9 +17,9 @@ use crate::method::Method;
 /// A request id: app-server accepts integers and strings and echoes them verbatim.
 ///
 /// Read by a visitor of its own rather than `#[serde(untagged)]`, which buffers the value into
-/// serde's `Content` first and then tries each variant: every frame in both directions carries
-/// an id, and the buffering was code (and for a string id an allocation) on each round trip's
-/// path (BENCHMARKS.md, "What a cold round trip touches"). The same values are accepted:
+/// serde's `Content` first and then tries each variant: every request and response in both
+/// directions carries an id, and the buffering was code on each round trip's path
+/// (BENCHMARKS.md, "What a cold round trip touches"). The same values are accepted:
 /// integers that fit an `i64`, and strings.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(untagged)]
