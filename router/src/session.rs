@@ -30,6 +30,7 @@ mod audit;
 mod broadcasts;
 mod fanout;
 mod from_workers;
+mod gate;
 mod inbound;
 pub mod legs;
 pub(crate) mod metrics;
@@ -46,6 +47,7 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::{Sink, Stream, StreamExt};
@@ -276,6 +278,13 @@ where
     .await
 }
 
+/// What woke the session's [`gate::Gate`].
+enum Rare {
+    Shutdown,
+    CredentialEnded(crate::credentials::CredentialEnd),
+    Relayed(Option<crate::tenants::Relayed>),
+}
+
 /// The parked request's wait for a worker slot; pending while none is parked.
 async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
     match slot.as_mut() {
@@ -304,6 +313,9 @@ where
     tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
     let mut relay = Relay::new(session.ctx.tenant.subscribe());
+    // Shutdown, the credential's end and the tenant's broadcasts are polled only when one of
+    // them woke the task, not on every pass (each poll takes a lock).
+    let mut rare = gate::Gate::new();
     let mut slot: Option<SlotWait> = None;
     let end = loop {
         let new_legs = session
@@ -337,10 +349,20 @@ where
             () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
             () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
             Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-            r = relay.recv() => session.on_relayed(r).await.map(|()| None),
+            event = std::future::poll_fn(|cx| rare.poll(cx, |cx| {
+                if shut_down.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Rare::Shutdown);
+                }
+                if let Poll::Ready(e) = credential_ended.as_mut().poll(cx) {
+                    return Poll::Ready(Rare::CredentialEnded(e));
+                }
+                relay.poll_recv(cx).map(Rare::Relayed)
+            })) => match event {
+                Rare::Relayed(r) => session.on_relayed(r).await.map(|()| None),
+                Rare::Shutdown => Err(End::Shutdown),
+                Rare::CredentialEnded(e) => Err(End::from(e)),
+            },
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
-            () = &mut shut_down => Err(End::Shutdown),
-            e = &mut credential_ended => Err(End::from(e)),
             w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
         };
         let step = match step {

@@ -2,7 +2,6 @@
 //! forwards one unless its own live leg to that worker delivers it, holds back what a thread's
 //! move makes the new worker say, and takes only turn ends from it for the turn count.
 
-use std::future::Future;
 use std::task::{ready, Context, Poll};
 
 use tokio::sync::broadcast::{self, error::RecvError, Receiver};
@@ -37,11 +36,14 @@ impl Relay {
 
     /// The next relayed broadcast (`None` after a lag, which is logged); pending forever once
     /// the relay is closed. Cancel-safe: the receive goes on in the relay, not in this future.
-    pub(super) fn recv(&mut self) -> impl Future<Output = Option<Relayed>> + '_ {
+    /// (The session loop polls [`Relay::poll_recv`] behind its gate.)
+    #[cfg(test)]
+    pub(super) fn recv(&mut self) -> impl std::future::Future<Output = Option<Relayed>> + '_ {
         std::future::poll_fn(|cx| self.poll_recv(cx))
     }
 
-    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Relayed>> {
+    /// [`Relay::recv`], polled.
+    pub(super) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Relayed>> {
         let Some(receiving) = self.receiving.as_mut() else {
             return Poll::Pending;
         };

@@ -158,7 +158,7 @@ impl Session {
         shared: &Utf8Bytes,
     ) -> Result<(), End> {
         let text = shared.as_str();
-        if id == RequestId::Str(REPLAY_INIT_ID.into()) {
+        if matches!(&id, RequestId::Str(s) if s == REPLAY_INIT_ID) {
             if answer.result.is_some() {
                 self.live.insert(worker);
             } else {

@@ -17,6 +17,7 @@ use std::time::Duration;
 use futures_util::stream::SplitSink;
 use futures_util::{Future, Sink, Stream, StreamExt};
 
+use super::gate::Gate;
 use crate::admission::LegBudget;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
@@ -324,7 +325,11 @@ struct LegReader {
 /// What a [`LegReader`] reads from and watches while its leg lives.
 struct Reading {
     stream: futures_util::stream::SplitStream<worker::LegStream>,
-    exited: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// The worker's exit and the leg's drop are polled behind a waker of their own, only when
+    /// one of them woke the session (not on every frame: the exit is a watch channel, a lock).
+    rare: Gate,
+    /// `None` once the worker exited: what its socket still holds is read, then the leg ends.
+    exited: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     dropped: oneshot::Receiver<()>,
 }
 
@@ -340,7 +345,8 @@ fn read_frames(
         worker,
         reading: Some(Reading {
             stream,
-            exited,
+            rare: Gate::new(),
+            exited: Some(exited),
             dropped,
         }),
     })
@@ -354,8 +360,20 @@ impl Stream for LegReader {
         let Some(r) = self.reading.as_mut() else {
             return Poll::Ready(None);
         };
+        let dropped = r.rare.poll(cx, |cx| {
+            if Pin::new(&mut r.dropped).poll(cx).is_ready() {
+                return Poll::Ready(true);
+            }
+            match r.exited.as_mut().map(|e| e.as_mut().poll(cx)) {
+                Some(Poll::Ready(())) => {
+                    r.exited = None;
+                    Poll::Ready(false)
+                }
+                _ => Poll::Pending,
+            }
+        });
         // A dropped leg says nothing more, whatever its socket still holds.
-        if Pin::new(&mut r.dropped).poll(cx).is_ready() {
+        if dropped == Poll::Ready(true) {
             self.reading = None;
             return Poll::Ready(None);
         }
@@ -370,10 +388,8 @@ impl Stream for LegReader {
                 Poll::Ready(Some(Ok(_))) => {}
                 Poll::Ready(Some(Err(e))) => break format!("read error: {e}"),
                 Poll::Ready(None) => break "connection ended".to_owned(),
-                Poll::Pending => {
-                    ready!(r.exited.as_mut().poll(cx));
-                    break "worker exited".to_owned();
-                }
+                Poll::Pending if r.exited.is_some() => return Poll::Pending,
+                Poll::Pending => break "worker exited".to_owned(),
             }
         };
         self.reading = None;
@@ -590,6 +606,42 @@ mod tests {
             frames.next().await.is_none(),
             "a dropped leg reports nothing more, not even Closed"
         );
+    }
+
+    /// The leg's next event, within 5 s.
+    async fn within(frames: &mut LegFrames) -> Option<LegEvent> {
+        tokio::time::timeout(Duration::from_secs(5), frames.next())
+            .await
+            .expect("the leg says something within 5 s")
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_exits_while_the_session_waits_wakes_it_after_its_last_frames() {
+        let (mut worker, mut frames, exit, _drop) = leg_pair().await;
+        worker.send(Message::text("one")).await.unwrap();
+        assert_eq!(text(within(&mut frames).await), "one");
+        // Nothing ready: the session waits on the socket and (behind the leg's gate) the exit.
+        assert!(futures_util::FutureExt::now_or_never(frames.next()).is_none());
+        worker.send(Message::text("two")).await.unwrap();
+        assert_eq!(text(within(&mut frames).await), "two");
+        // The exit comes while the session waits: it must wake it.
+        let exiting = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            exit.send(()).unwrap();
+        });
+        assert_eq!(closed(within(&mut frames).await), "worker exited");
+        assert!(within(&mut frames).await.is_none());
+        exiting.await.unwrap();
+        // A frame the runtime has seen arrive before the exit is read before the end. (An exit
+        // reported before the runtime saw the socket readable is read as the end: the reader
+        // cannot tell data that the kernel holds but has not reported.)
+        let (mut worker, mut frames, exit, _drop) = leg_pair().await;
+        assert!(futures_util::FutureExt::now_or_never(frames.next()).is_none());
+        worker.send(Message::text("last")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        exit.send(()).unwrap();
+        assert_eq!(text(within(&mut frames).await), "last");
+        assert_eq!(closed(within(&mut frames).await), "worker exited");
     }
 
     /// A leg whose frames come from a channel the test holds.
