@@ -13,16 +13,12 @@ cargo clippy --locked --workspace --all-targets -- -D warnings
 cargo test --locked --workspace --exclude codex-fleet-testkit --lib --bins
 CODEX_BIN="$(bash ops/install-codex.sh)"
 export CODEX_BIN
+# shellcheck source=ops/debian.sh
+. ops/debian.sh
 # tests/tests/ops.rs checks the alert rules with promtool (Debian's prometheus package ships it).
-if ! command -v promtool >/dev/null; then
-  echo "installing prometheus (Debian) for promtool"
-  apt-get install -y prometheus >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y prometheus >/dev/null; }
-fi
+need_debian promtool prometheus "promtool, for the alert rules"
 # tests/tests/tui.rs drives the real Codex TUI in tmux.
-if ! command -v tmux >/dev/null; then
-  echo "installing tmux (Debian) for the TUI test"
-  apt-get install -y tmux >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y tmux >/dev/null; }
-fi
+need_debian tmux tmux "the TUI test"
 echo "using $("$CODEX_BIN" --version) at $CODEX_BIN"
 cargo build --locked --bins
 # The Helm chart, offline: helm lint and a real Helm render of both modes with every values file

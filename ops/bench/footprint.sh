@@ -31,22 +31,10 @@ while [ $# -gt 0 ]; do
         ;;
     esac
 done
-need() {
-    local tool="$1" package="$2"
-    command -v "$tool" >/dev/null && return
-    if [ "$(id -u)" = 0 ]; then
-        { apt-get install -y "$package" >/dev/null 2>&1 ||
-            { apt-get update >/dev/null && apt-get install -y "$package" >/dev/null; }; } || {
-            echo "installing Debian's $package failed" >&2
-            exit 1
-        }
-    else
-        echo "$tool is missing: install Debian's $package" >&2
-        exit 1
-    fi
-}
-need valgrind valgrind
-need haproxy haproxy
+# shellcheck source=ops/debian.sh
+. ops/debian.sh
+need_debian valgrind valgrind "the cache simulator"
+need_debian haproxy haproxy "the bench's anchor"
 CODEX_BIN="${CODEX_BIN:-$(bash ops/install-codex.sh)}"
 export CODEX_BIN
 cargo build --locked --release -p codex-fleet-bench -p codex-fleet-sim --bins >&2

@@ -50,18 +50,9 @@ while [ $# -gt 0 ]; do
         ;;
     esac
 done
-if ! command -v haproxy >/dev/null; then
-    if [ "$(id -u)" = 0 ]; then
-        if ! { apt-get install -y haproxy >/dev/null 2>&1 ||
-            { apt-get update >/dev/null && apt-get install -y haproxy >/dev/null; }; }; then
-            echo "installing Debian's haproxy failed: the latency benches need it" >&2
-            exit 1
-        fi
-    else
-        echo "haproxy is missing: install Debian's haproxy package" >&2
-        exit 1
-    fi
-fi
+# shellcheck source=ops/debian.sh
+. ops/debian.sh
+need_debian haproxy haproxy "the latency benches' anchor"
 HAPROXY="$(command -v haproxy)"
 CODEX_BIN="${CODEX_BIN:-$(bash ops/install-codex.sh)}"
 export CODEX_BIN

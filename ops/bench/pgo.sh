@@ -19,18 +19,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 profdata="${LLVM_PROFDATA:-}"
 if [ -z "$profdata" ]; then
-    if ! command -v llvm-profdata-19 >/dev/null; then
-        if [ "$(id -u)" = 0 ]; then
-            { apt-get install -y llvm-19 >/dev/null 2>&1 ||
-                { apt-get update >/dev/null && apt-get install -y llvm-19 >/dev/null; }; } || {
-                echo "installing Debian's llvm-19 (llvm-profdata) failed" >&2
-                exit 1
-            }
-        else
-            echo "llvm-profdata-19 is missing: install Debian's llvm-19, or set LLVM_PROFDATA" >&2
-            exit 1
-        fi
-    fi
+    # shellcheck source=ops/debian.sh
+    . ops/debian.sh
+    need_debian llvm-profdata-19 llvm-19 "llvm-profdata; or set LLVM_PROFDATA"
     profdata="$(command -v llvm-profdata-19)"
 fi
 out="$PWD/target/pgo"
