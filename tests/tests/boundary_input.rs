@@ -2,11 +2,12 @@
 //! docs/decisions/0012-trust-nothing-a-tenant-can-write.md): bytes queued towards a client that
 //! never reads are bounded; a connection before its upgrade gets one request and one deadline, and
 //! failed tokens are throttled; a duplicated or reserved request id is answered and frees no slot;
-//! pings count against the frame rate; codex-fleet raises its own open-files limit. Real TLS, real
-//! workers.
+//! pings count against the frame rate; codex-fleet raises its own open-files limit; a flood of
+//! made-up thread ids is answered and leaves nothing behind. Real TLS, real workers.
 //!
-//! `a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_served` prints the RSS
-//! growth and the other tenant's latency it measured (`--nocapture` shows it).
+//! `a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_served` and
+//! `a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind` print what they measured
+//! (`--nocapture` shows it).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -145,6 +146,31 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
 }
 
+/// A tenant's median latency of a cheap request before a flood, on this machine, now: the
+/// yardstick for its latency during the flood.
+async fn quiet_median(calm: &mut Client) -> anyhow::Result<Duration> {
+    let mut before = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        calm.request("thread/loaded/list", json!({})).await?;
+        before.push(t.elapsed());
+    }
+    before.sort();
+    Ok(percentile(&before, 50))
+}
+
+/// Served, not starved: the other tenant's median during a flood within 20 times its quiet
+/// median (at least 100 ms, for a machine whose quiet median is tiny).
+fn assert_served(latencies: &mut [Duration], quiet_median: Duration) {
+    latencies.sort();
+    let median = percentile(latencies, 50);
+    let bound = (quiet_median * 20).max(Duration::from_millis(100));
+    assert!(
+        median < bound,
+        "the other tenant's median latency during the flood: {median:?} (quiet {quiet_median:?})"
+    );
+}
+
 // === item 2: bytes queued towards a client are bounded ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,16 +204,7 @@ async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_serv
         Client::connect_small_window(addr, &url, &files.ca, Some(&files.token("flood")), 4096)
             .await?;
     flood.initialize("flood").await?;
-    // The calm tenant's latency before the flood, on this machine, now: the yardstick for
-    // its latency during the flood.
-    let mut before = Vec::new();
-    for _ in 0..20 {
-        let t = Instant::now();
-        calm.request("thread/loaded/list", json!({})).await?;
-        before.push(t.elapsed());
-    }
-    before.sort();
-    let quiet_median = percentile(&before, 50);
+    let quiet_median = quiet_median(&mut calm).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let baseline = testkit::rss_kib(pid).context("rss")?;
 
@@ -261,13 +278,7 @@ async fn a_flood_of_echoed_megabytes_is_bounded_and_another_tenant_is_still_serv
         growth_mib < FLOOD_RSS_BOUND_MIB,
         "codex-fleet grew by {growth_mib} MiB under the flood"
     );
-    // Served, not starved: within 20 times its quiet median (at least 100 ms, for a machine
-    // whose quiet median is tiny).
-    let bound = (quiet_median * 20).max(Duration::from_millis(100));
-    assert!(
-        median < bound,
-        "the other tenant's median latency during the flood: {median:?} (quiet {quiet_median:?})"
-    );
+    assert_served(&mut latencies, quiet_median);
     Ok(())
 }
 
@@ -638,4 +649,132 @@ async fn codex_fleet_raises_its_open_files_limit() -> anyhow::Result<()> {
         "codex-fleet started with a soft limit of {soft} raises it to the hard limit: {line}"
     );
     Ok(())
+}
+
+// === made-up thread ids ===
+
+/// Made-up thread ids in flight at once from the flooding session.
+const MADE_UP_WINDOW: usize = 64;
+
+/// A tenant that sends thousands of requests naming threads that do not exist (each a new id)
+/// gets an answer to every one, grows nothing in codex-fleet that lives on (no thread owner
+/// learnt, no limiter key, no metric series per id), and another tenant is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind() -> anyhow::Result<()>
+{
+    const IDS: usize = 3_000;
+    let fleet = FleetBuilder::new()
+        .tenant_pool("flood", 1, 1)
+        .tenant_pool("calm", 1, 1)
+        .limits_toml(OPEN_RATES)
+        .start()
+        .await?;
+    let mut calm = fleet.client("calm").await?;
+    let mut flood = fleet.client("flood").await?;
+    let quiet_median = quiet_median(&mut calm).await?;
+    let (_, metrics_before) = fleet.admin_get("/metrics").await?;
+    let series_before = metrics_before
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .count();
+    let limiter_keys = fleet.admission.limiter_keys();
+
+    let made_up = |n: usize| format!("0000dead-beef-4000-8000-{n:012x}");
+    let flooder = tokio::spawn(async move {
+        let mut pending = std::collections::HashSet::new();
+        let (mut sent, mut errors, mut results) = (0, 0, 0);
+        while sent < IDS || !pending.is_empty() {
+            while sent < IDS && pending.len() < MADE_UP_WINDOW {
+                let method = if sent % 2 == 0 {
+                    "thread/read"
+                } else {
+                    "thread/resume"
+                };
+                let id = flood
+                    .send_request(method, json!({ "threadId": made_up(sent) }))
+                    .await?;
+                pending.insert(id);
+                sent += 1;
+            }
+            let answer = flood
+                .wait_for_within(
+                    |v| v.get("method").is_none() && v["id"].is_i64(),
+                    Duration::from_secs(30),
+                )
+                .await
+                .context("an answer to a made-up thread id")?;
+            let id = answer["id"].as_i64().context("id")?;
+            anyhow::ensure!(
+                pending.remove(&id),
+                "an answer to {id}, never asked or twice"
+            );
+            if answer.get("error").is_some() {
+                errors += 1;
+            } else {
+                results += 1;
+            }
+        }
+        anyhow::Ok((flood, errors, results))
+    });
+    let mut latencies = Vec::new();
+    while !flooder.is_finished() {
+        let t = Instant::now();
+        let resp = calm.call("thread/loaded/list", json!({})).await?;
+        latencies.push(t.elapsed());
+        assert!(resp.get("error").is_none(), "calm tenant refused: {resp}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (mut flood, errors, results) = flooder.await??;
+    latencies.sort();
+    println!(
+        "made-up thread ids: {IDS} answered ({errors} errors, {results} results); calm tenant: \
+         {} requests, median {:?} (quiet {quiet_median:?})",
+        latencies.len(),
+        percentile(&latencies, 50)
+    );
+    assert_eq!(errors, IDS, "every made-up thread id gets an error");
+    // Nothing learnt: no owner for any of them, no thread loaded on the flooding tenant's
+    // worker.
+    let pool = &fleet.tenant("flood").pool;
+    for n in (0..IDS).step_by(97) {
+        assert_eq!(
+            pool.owner(&made_up(n)),
+            None,
+            "an owner learnt for a made-up id"
+        );
+    }
+    assert!(
+        pool.loaded_threads().iter().all(|(_, t)| t.is_empty()),
+        "threads loaded by the flood: {:?}",
+        pool.loaded_threads()
+    );
+    assert_eq!(
+        fleet.admission.limiter_keys(),
+        limiter_keys,
+        "limiter keys grew"
+    );
+    let (_, metrics_after) = fleet.admin_get("/metrics").await?;
+    let series_after = metrics_after
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .count();
+    // A few series may appear for the first time (an error reason, a method's histogram); none
+    // may be per thread id.
+    assert!(
+        series_after < series_before + 50,
+        "metric series {series_before} -> {series_after}"
+    );
+    assert!(
+        !metrics_after.contains("0000dead-beef"),
+        "a made-up thread id reached /metrics"
+    );
+    // The flooding session itself still works, and a thread it really starts has its owner
+    // learnt (so the check above could have seen one).
+    let real = flood.start_thread().await?;
+    assert!(
+        pool.owner(&real).is_some(),
+        "no owner learnt for a real thread"
+    );
+    assert_served(&mut latencies, quiet_median);
+    fleet.stop().await
 }
