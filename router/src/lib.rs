@@ -12,6 +12,7 @@ pub mod door;
 pub mod edge;
 pub mod end;
 pub mod fsutil;
+mod gate;
 pub mod listener;
 pub mod metrics;
 pub mod node;

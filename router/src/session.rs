@@ -30,7 +30,6 @@ mod audit;
 mod broadcasts;
 mod fanout;
 mod from_workers;
-mod gate;
 mod inbound;
 pub mod legs;
 pub(crate) mod metrics;
@@ -58,6 +57,7 @@ use tokio_util::sync::CancellationToken;
 use worker::WorkerId;
 
 use crate::admission::{Admission, ConnectionGuard, InFlightPermit, QueueBytes, Rejection};
+use crate::gate::Gate;
 use crate::metrics::{ClientError, RouterMetrics};
 use crate::tenants::Tenant;
 use broadcasts::Relay;
@@ -278,7 +278,7 @@ where
     .await
 }
 
-/// What woke the session's [`gate::Gate`].
+/// What woke the session's [`Gate`].
 enum Rare {
     Shutdown,
     CredentialEnded(crate::credentials::CredentialEnd),
@@ -315,7 +315,7 @@ where
     let mut relay = Relay::new(session.ctx.tenant.subscribe());
     // Shutdown, the credential's end and the tenant's broadcasts are polled only when one of
     // them woke the task, not on every pass (each poll takes a lock).
-    let mut rare = gate::Gate::new();
+    let mut rare = Gate::new();
     let mut slot: Option<SlotWait> = None;
     let end = loop {
         let new_legs = session

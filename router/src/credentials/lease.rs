@@ -37,8 +37,14 @@ impl Lease {
     #[cfg(test)]
     pub(crate) fn revoked() -> Lease {
         let lease = Lease::unbounded();
-        lease.credential.cancel();
+        lease.revoke();
         lease
+    }
+
+    /// Revokes the credential, as a reload that removed it does (tests).
+    #[cfg(test)]
+    pub(crate) fn revoke(&self) {
+        self.credential.cancel();
     }
 
     /// Whether the credential has ended already, without waiting (the edge checks it before a

@@ -39,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::{Admission, ConnectionGuard, QueueBytes};
 use crate::credentials::Lease;
 use crate::end::End;
+use crate::gate::Gate;
 use crate::metrics::RouterMetrics;
 
 /// Messages a client may send while its tenant's node starts, before it is closed (1008).
@@ -504,6 +505,11 @@ where
         let credential_ended = lease.ended();
         tokio::pin!(credential_ended);
         let shutdown = self.shutdown.clone();
+        let shut_down = shutdown.cancelled();
+        tokio::pin!(shut_down);
+        // The credential's end and shutdown are polled only when one of them woke the task:
+        // every poll of them takes a lock, shutdown's shared by every session of the edge.
+        let mut rare = Gate::new();
         let mut draining: Option<tokio::time::Instant> = None;
         let mut heard = tokio::time::Instant::now();
         let mut keepalive = tokio::time::interval_at(heard + LINK_PING, LINK_PING);
@@ -557,10 +563,19 @@ where
                         return Ending::node_lost();
                     }
                 }
-                end = &mut credential_ended => return Ending::ours(End::from(end)),
-                () = shutdown.cancelled(), if draining.is_none() => {
-                    draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS);
-                }
+                event = std::future::poll_fn(|cx| rare.poll(cx, |cx| {
+                    if let Poll::Ready(end) = credential_ended.as_mut().poll(cx) {
+                        return Poll::Ready(Some(end));
+                    }
+                    // Once it fired the edge drains, and it is not polled again.
+                    if draining.is_none() && shut_down.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(None);
+                    }
+                    Poll::Pending
+                })) => match event {
+                    Some(end) => return Ending::ours(End::from(end)),
+                    None => draining = Some(tokio::time::Instant::now() + DRAIN_ANSWERS),
+                },
                 () = tokio::time::sleep_until(draining.unwrap_or_else(tokio::time::Instant::now)), if draining.is_some() => {}
             }
         }

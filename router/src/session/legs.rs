@@ -17,8 +17,8 @@ use std::time::Duration;
 use futures_util::stream::SplitSink;
 use futures_util::{Future, Sink, Stream, StreamExt};
 
-use super::gate::Gate;
 use crate::admission::LegBudget;
+use crate::gate::Gate;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use worker::{WorkerHandle, WorkerId};

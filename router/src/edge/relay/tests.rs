@@ -273,3 +273,35 @@ async fn a_revoked_credential_ends_a_waiting_session_and_nothing_held_leaves() {
     );
     f.all_freed();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_credential_revoked_while_the_session_relays_ends_it() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let lease = Lease::unbounded();
+    let (client, mut peer) = pair(1 << 20).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 64 << 10, 1 << 20);
+    let session = relay.run(link, Vec::new(), &lease, |_| {});
+    let driver = async {
+        // The session relays (its rare events have been polled and are waited on)...
+        peer.send(Message::text(
+            r#"{"id":1,"method":"thread/list","params":{}}"#,
+        ))
+        .await
+        .unwrap();
+        match node.next().await {
+            Some(Ok(Message::Text(t))) => assert!(t.contains("thread/list"), "{t}"),
+            other => panic!("the node got {other:?}"),
+        }
+        // (under the link's ping interval, so nothing else wakes it)
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        // ...then the credential is revoked: the wake must reach the session.
+        lease.revoke();
+        let closed = close_of(&mut peer).await;
+        while node.next().await.is_some() {}
+        closed
+    };
+    let ((), closed) = tokio::join!(session, driver);
+    assert_eq!(closed, Some((1008, crate::end::REVOKED_REASON.to_owned())));
+    f.all_freed();
+}

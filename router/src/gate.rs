@@ -1,10 +1,12 @@
-//! A session's rare events (shutdown, the credential's end, the tenant's broadcasts) behind a
-//! waker of their own, so the session loop polls them only when one of them woke it.
+//! What a long-lived task polls but almost never needs (shutdown, a credential's end, a tenant's
+//! broadcasts, a worker's exit), behind a waker of its own, so the task polls it only when it
+//! woke the task.
 //!
-//! Polling them on every pass costs each round trip a lock per cancellation token and one on
-//! the tenant's broadcast channel (the same lock for every session of the tenant), and the code
-//! to get there: cold code the round trip fetches from memory (BENCHMARKS.md, "What a cold round
-//! trip touches"). Behind the gate, a pass in which none of them woke costs one atomic swap.
+//! Polled on every pass of a session's loop, those cost each round trip a lock per cancellation
+//! token and one on the tenant's broadcast channel (the same lock for every session of the
+//! tenant), and the code to get there: cold code the round trip fetches from memory
+//! (BENCHMARKS.md, "Rare events behind a waker of their own"). Behind the gate, a pass in which
+//! none of them woke costs one atomic swap.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use futures_util::task::AtomicWaker;
 
 /// Polls what it guards with its own waker, and again only after that waker was woken (or
 /// after what it guards was ready, since it may be ready again at once).
-pub(super) struct Gate {
+pub(crate) struct Gate {
     flag: Arc<Flag>,
     waker: Waker,
 }
@@ -40,7 +42,7 @@ impl Wake for Flag {
 
 impl Gate {
     /// A gate that lets the first poll through (nothing guarded has been polled yet).
-    pub(super) fn new() -> Gate {
+    pub(crate) fn new() -> Gate {
         let flag = Arc::new(Flag {
             open: AtomicBool::new(true),
             task: AtomicWaker::new(),
@@ -51,7 +53,7 @@ impl Gate {
 
     /// Polls `guarded` with the gate's waker if the gate is open; pending otherwise. The task
     /// in `cx` is woken when anything `guarded` waits on is.
-    pub(super) fn poll<T>(
+    pub(crate) fn poll<T>(
         &mut self,
         cx: &mut Context<'_>,
         guarded: impl FnOnce(&mut Context<'_>) -> Poll<T>,
