@@ -29,6 +29,10 @@ const LEG_QUEUE: usize = 256;
 const WRITE_BATCH: usize = 64;
 /// Connect plus WebSocket handshake over the worker's socket.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a leg whose worker exited waits for its socket's end: the process is gone, so the
+/// kernel already holds everything it sent and the end, and the runtime reports them within
+/// microseconds; the wait only ends a leg whose socket something else still holds open.
+const EXIT_GRACE: Duration = Duration::from_millis(500);
 
 /// What a leg reports to its session.
 #[derive(Debug)]
@@ -328,9 +332,19 @@ struct Reading {
     /// The worker's exit and the leg's drop are polled behind a waker of their own, only when
     /// one of them woke the session (not on every frame: the exit is a watch channel, a lock).
     rare: Gate,
-    /// `None` once the worker exited: what its socket still holds is read, then the leg ends.
-    exited: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// Until the worker exits: its exit. Then the wait for its socket's end ([`EXIT_GRACE`]).
+    exit: Exit,
     dropped: oneshot::Receiver<()>,
+}
+
+/// A [`LegReader`]'s view of its worker's process.
+enum Exit {
+    /// Running, as far as the reader knows: this resolves when it is gone.
+    Running(Pin<Box<dyn Future<Output = ()> + Send>>),
+    /// Gone: what its socket still holds is read to the socket's end, or until this fires.
+    /// (The exit can be reported before the runtime has seen the socket readable, so the
+    /// socket's being pending then does not mean it is empty.)
+    Gone(Pin<Box<tokio::time::Sleep>>),
 }
 
 /// A leg's frames: text frames as they come, then `Closed` with the reason the worker went (its
@@ -346,7 +360,7 @@ fn read_frames(
         reading: Some(Reading {
             stream,
             rare: Gate::new(),
-            exited: Some(exited),
+            exit: Exit::Running(exited),
             dropped,
         }),
     })
@@ -364,13 +378,12 @@ impl Stream for LegReader {
             if Pin::new(&mut r.dropped).poll(cx).is_ready() {
                 return Poll::Ready(true);
             }
-            match r.exited.as_mut().map(|e| e.as_mut().poll(cx)) {
-                Some(Poll::Ready(())) => {
-                    r.exited = None;
-                    Poll::Ready(false)
-                }
-                _ => Poll::Pending,
-            }
+            let Exit::Running(exited) = &mut r.exit else {
+                return Poll::Pending;
+            };
+            ready!(exited.as_mut().poll(cx));
+            r.exit = Exit::Gone(Box::pin(tokio::time::sleep(EXIT_GRACE)));
+            Poll::Ready(false)
         });
         // A dropped leg says nothing more, whatever its socket still holds.
         if dropped == Poll::Ready(true) {
@@ -378,18 +391,26 @@ impl Stream for LegReader {
             return Poll::Ready(None);
         }
         let reason = loop {
+            let gone = match &mut r.exit {
+                Exit::Running(_) => None,
+                Exit::Gone(grace) => Some(grace),
+            };
             match r.stream.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(Message::Text(text)))) => {
                     return Poll::Ready(Some(LegEvent::Frame(worker, text)));
                 }
-                Poll::Ready(Some(Ok(Message::Close(frame)))) => {
+                Poll::Ready(Some(Ok(Message::Close(frame)))) if gone.is_none() => {
                     break format!("worker closed the connection ({frame:?})");
                 }
                 Poll::Ready(Some(Ok(_))) => {}
-                Poll::Ready(Some(Err(e))) => break format!("read error: {e}"),
-                Poll::Ready(None) => break "connection ended".to_owned(),
-                Poll::Pending if r.exited.is_some() => return Poll::Pending,
-                Poll::Pending => break "worker exited".to_owned(),
+                Poll::Ready(Some(Err(e))) if gone.is_none() => break format!("read error: {e}"),
+                Poll::Ready(None) if gone.is_none() => break "connection ended".to_owned(),
+                Poll::Pending => {
+                    ready!(gone.map_or(Poll::Pending, |grace| grace.as_mut().poll(cx)));
+                    break "worker exited".to_owned();
+                }
+                // Whatever ends the socket of a worker that exited ends the leg for that reason.
+                _ => break "worker exited".to_owned(),
             }
         };
         self.reading = None;
@@ -581,10 +602,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_leg_ends_when_its_worker_exits_or_its_socket_ends() {
-        // The process exited with its socket still open: the leg says so.
+        // The process exited with its socket still open (held by something else): the leg says
+        // so once the grace is out.
         let (_worker, mut frames, exit, _drop) = leg_pair().await;
         exit.send(()).unwrap();
+        let started = std::time::Instant::now();
         assert_eq!(closed(frames.next().await), "worker exited");
+        assert!(started.elapsed() >= EXIT_GRACE, "{:?}", started.elapsed());
         // The socket ended without a close frame.
         let (worker, mut frames, _exit, _drop) = leg_pair().await;
         drop(worker);
@@ -632,16 +656,22 @@ mod tests {
         assert_eq!(closed(within(&mut frames).await), "worker exited");
         assert!(within(&mut frames).await.is_none());
         exiting.await.unwrap();
-        // A frame the runtime has seen arrive before the exit is read before the end. (An exit
-        // reported before the runtime saw the socket readable is read as the end: the reader
-        // cannot tell data that the kernel holds but has not reported.)
+        // An exit reported before the runtime has seen the socket readable: what the worker
+        // sent before it went is still read, then its socket's end ends the leg (as a process's
+        // exit closes it) without waiting out the grace.
         let (mut worker, mut frames, exit, _drop) = leg_pair().await;
         assert!(futures_util::FutureExt::now_or_never(frames.next()).is_none());
         worker.send(Message::text("last")).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
         exit.send(()).unwrap();
+        assert!(
+            futures_util::FutureExt::now_or_never(frames.next()).is_none(),
+            "the runtime has not yet seen the frame: the leg waits for it, it does not end"
+        );
+        drop(worker);
+        let started = std::time::Instant::now();
         assert_eq!(text(within(&mut frames).await), "last");
         assert_eq!(closed(within(&mut frames).await), "worker exited");
+        assert!(started.elapsed() < EXIT_GRACE, "{:?}", started.elapsed());
     }
 
     /// A leg whose frames come from a channel the test holds.
