@@ -6,7 +6,7 @@
 # seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
 # codex-fleet itself is the profile-guided build (ops/bench/pgo.sh, as the image ships it; about
-# 20 minutes the first time: two release builds and a training run); --no-pgo measures the
+# 20 minutes the first time: two release builds, two training runs and llvm-bolt); --no-pgo measures the
 # plain release build instead.
 #
 # Options: --rounds N --runs N (both latency benches; default 2000 and 3), --include-turns (bench
