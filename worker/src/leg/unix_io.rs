@@ -11,23 +11,42 @@
 //! second descriptor of the same socket for writability only when a write would block; it closes
 //! that descriptor as soon as a write goes through. A worker that stops reading is waited on as
 //! before, and a socket with room takes a write at once, without asking epoll first.
+//!
+//! When no descriptor is free for that wait (the process is at its limit, `EMFILE`, or the
+//! system at its, `ENFILE`), the write is tried again on a short timer instead: the leg stays
+//! whole and its frames are not lost while descriptors are short, only later.
 
+use std::future::Future;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+
+/// How long a write that found the socket full waits before trying again, when no descriptor is
+/// free to wait on writability with.
+const RETRY_WITHOUT_DESCRIPTOR: Duration = Duration::from_millis(5);
 
 /// A connected Unix stream socket, registered with tokio for reading, and for writing only while
 /// a write waits for room.
 #[derive(Debug)]
 pub struct UnixIo {
     socket: AsyncFd<UnixStream>,
-    /// A duplicate of `socket`'s descriptor, registered for writability while a write waits.
-    waiting_write: Option<AsyncFd<UnixStream>>,
+    /// How a write that found the socket full waits for room.
+    waiting_write: Option<WriteWait>,
+}
+
+/// A blocked write's wait for room.
+#[derive(Debug)]
+enum WriteWait {
+    /// A duplicate of the socket's descriptor, registered for writability.
+    Writable(AsyncFd<UnixStream>),
+    /// No descriptor was free for that: the write is tried again when this fires.
+    Retry(Pin<Box<tokio::time::Sleep>>),
 }
 
 impl UnixIo {
@@ -56,6 +75,23 @@ impl UnixIo {
 #[allow(deprecated)]
 fn register(socket: UnixStream, interest: Interest) -> io::Result<AsyncFd<UnixStream>> {
     AsyncFd::with_interest(socket, interest)
+}
+
+/// A second descriptor of `socket`, registered for writability alone.
+fn writable(socket: &UnixStream) -> io::Result<AsyncFd<UnixStream>> {
+    #[cfg(test)]
+    if tests::NO_DESCRIPTORS.get() {
+        return Err(io::Error::from_raw_os_error(nix::libc::EMFILE));
+    }
+    register(socket.try_clone()?, Interest::WRITABLE)
+}
+
+/// Whether `e` says that no descriptor was free (the process's limit or the system's).
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(nix::libc::EMFILE | nix::libc::ENFILE)
+    )
 }
 
 impl AsyncRead for UnixIo {
@@ -95,21 +131,34 @@ impl AsyncWrite for UnixIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         loop {
-            if let Some(waiting) = &this.waiting_write {
-                let mut guard = ready!(waiting.poll_write_ready(cx))?;
-                let Ok(result) = guard.try_io(|s| s.get_ref().write(buf)) else {
-                    continue; // still full: readiness cleared, wait for the next edge
-                };
-                drop(guard);
-                this.waiting_write = None;
-                return Poll::Ready(result);
+            match &mut this.waiting_write {
+                Some(WriteWait::Writable(waiting)) => {
+                    let mut guard = ready!(waiting.poll_write_ready(cx))?;
+                    let Ok(result) = guard.try_io(|s| s.get_ref().write(buf)) else {
+                        continue; // still full: readiness cleared, wait for the next edge
+                    };
+                    drop(guard);
+                    this.waiting_write = None;
+                    return Poll::Ready(result);
+                }
+                Some(WriteWait::Retry(sleep)) => {
+                    ready!(sleep.as_mut().poll(cx));
+                    this.waiting_write = None;
+                }
+                None => {}
             }
             match this.socket.get_ref().write(buf) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // Registered after the write failed: epoll reports a socket that already
                     // has room again at once, so no wake-up is lost in between.
-                    let dup = this.socket.get_ref().try_clone()?;
-                    this.waiting_write = Some(register(dup, Interest::WRITABLE)?);
+                    this.waiting_write = Some(match writable(this.socket.get_ref()) {
+                        Ok(waiting) => WriteWait::Writable(waiting),
+                        Err(e) if out_of_descriptors(&e) => {
+                            tracing::debug!(error = %e, "no descriptor to wait on a worker's socket with; retrying the write on a timer");
+                            WriteWait::Retry(Box::pin(tokio::time::sleep(RETRY_WITHOUT_DESCRIPTOR)))
+                        }
+                        Err(e) => return Poll::Ready(Err(e)),
+                    });
                 }
                 result => return Poll::Ready(result),
             }
@@ -154,8 +203,26 @@ mod tests {
         assert_eq!(all, b"answer");
     }
 
+    thread_local! {
+        /// Set by a test: no descriptor is free for a blocked write's wait (as at `EMFILE`).
+        pub(super) static NO_DESCRIPTORS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     #[tokio::test]
     async fn a_peer_that_stops_reading_blocks_the_write_until_it_reads_again() {
+        blocked_write_goes_through_once_the_peer_reads().await;
+    }
+
+    #[tokio::test]
+    async fn without_a_free_descriptor_a_blocked_write_retries_on_a_timer_and_loses_nothing() {
+        // This test's runtime runs on this thread alone, so only its writes see no descriptors.
+        NO_DESCRIPTORS.set(true);
+        blocked_write_goes_through_once_the_peer_reads().await;
+    }
+
+    /// Fills the socket until a write waits, then drains the peer: the waiting write goes
+    /// through, nothing is lost, and the wait is dropped with it.
+    async fn blocked_write_goes_through_once_the_peer_reads() {
         let (mut io, mut peer) = pair();
         let chunk = vec![7u8; 64 << 10];
         // Fill the socket until a write would block.
@@ -168,9 +235,9 @@ mod tests {
             }
         }
         assert!(sent > 0);
-        assert!(io.waits_to_write(), "a blocked write waits on writability");
+        assert!(io.waits_to_write(), "a blocked write waits for room");
         // The peer drains everything; the blocked write then goes through, and the
-        // writability registration is dropped with it.
+        // wait is dropped with it.
         let last = chunk.len();
         let writer = tokio::spawn(async move {
             io.write_all(&chunk).await.unwrap();
