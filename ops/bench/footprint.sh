@@ -12,7 +12,7 @@
 # trip's, without start-up and shutdown. Under a minute once the release binaries exist (35 s
 # here), plus the release build when they do not.
 #
-# Usage: bash ops/bench/footprint.sh [--fleet BIN] [--floor BIN]
+# Usage: [FOOTPRINT_KEEP=DIR] bash ops/bench/footprint.sh [--fleet BIN] [--floor BIN]
 #   (default: target/release/codex-fleet and target/release/floor-relay, built when missing).
 # Installs Debian's valgrind when missing (as root), and the pinned codex.
 set -euo pipefail
@@ -43,8 +43,16 @@ if [ -z "$fleet" ] || [ -z "$floor" ]; then
 fi
 fleet="${fleet:-$PWD/target/release/codex-fleet}"
 floor="${floor:-$PWD/target/release/floor-relay}"
-work="$(mktemp -d)"
-trap 'pkill -TERM -f "callgrind-out-file=$work/" 2>/dev/null || true; rm -rf "$work"' EXIT
+# FOOTPRINT_KEEP=DIR keeps callgrind's outputs there (per function: callgrind_annotate on the
+# 1,200-round and the 200-round output, the difference over 1,000); else they are removed.
+if [ -n "${FOOTPRINT_KEEP:-}" ]; then
+    work="$(realpath -m "$FOOTPRINT_KEEP")"
+    rm -rf "$work" && mkdir -p "$work"
+    trap 'pkill -TERM -f "callgrind-out-file=$work/" 2>/dev/null || true' EXIT
+else
+    work="$(mktemp -d)"
+    trap 'pkill -TERM -f "callgrind-out-file=$work/" 2>/dev/null || true; rm -rf "$work"' EXIT
+fi
 
 # The bench kills what it starts with SIGKILL, which would lose callgrind's output: each wrapper
 # runs valgrind as its child (no exec), so the kill takes the wrapper and valgrind is stopped with
