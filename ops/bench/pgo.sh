@@ -22,17 +22,15 @@
 # read the raw profile of rustc's instrumentation (llvm-19 reads rustc 1.95's; llvm-14's does not).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=ops/debian.sh
+. ops/debian.sh
 profdata="${LLVM_PROFDATA:-}"
 if [ -z "$profdata" ]; then
-    # shellcheck source=ops/debian.sh
-    . ops/debian.sh
     need_debian llvm-profdata-19 llvm-19 "llvm-profdata; or set LLVM_PROFDATA"
     profdata="$(command -v llvm-profdata-19)"
 fi
 bolt_dir="${LLVM_BOLT_DIR:-}"
 if [ -z "$bolt_dir" ]; then
-    # shellcheck source=ops/debian.sh
-    . ops/debian.sh
     need_debian llvm-bolt-19 bolt-19 "llvm-bolt; or set LLVM_BOLT_DIR"
     # Run from LLVM's own directory, llvm-bolt finds its instrumentation runtime beside it.
     bolt_dir=/usr/lib/llvm-19/bin

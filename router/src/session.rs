@@ -43,14 +43,6 @@ pub use crate::end::End;
 use crate::end::TOO_BIG_LINGER;
 
 use std::collections::{HashMap, HashSet};
-
-/// A session's own maps (legs, requests in flight) are hashed on every frame, so with foldhash,
-/// randomly seeded per map, rather than SipHash: about 60 fewer code lines per cold round trip
-/// (BENCHMARKS.md, bench 1). The keys a client chooses (request ids) sit in a map capped at
-/// `limits.max_in_flight_per_connection`, so colliding ids cannot make it slow beyond that cap.
-type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-/// See [`Map`].
-type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -74,6 +66,14 @@ use legs::Leg;
 use routing::Learn;
 pub(crate) use routing::PER_CONNECTION;
 use server_requests::ServerRequests;
+
+/// A session's own maps (legs, requests in flight) are hashed on every frame, so with foldhash,
+/// randomly seeded per map, rather than SipHash: about 60 fewer code lines per cold round trip
+/// (BENCHMARKS.md, bench 1). The keys a client chooses (request ids) sit in a map capped at
+/// `limits.max_in_flight_per_connection`, so colliding ids cannot make it slow beyond that cap.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// See [`Map`].
+type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
