@@ -239,6 +239,48 @@ pub fn parse(text: &str) -> Result<Message<'_>, ParseError> {
     Frame::parse(text).map(|f| f.message)
 }
 
+/// The id and the `result` text of an answer written the way app-server writes one:
+/// `{"id":<id>,"result":<value>}`, compact, with `id` first and `result` last (0.171.0 does; the
+/// end-to-end test `the_workers_answers_are_read_by_their_head` checks it on the real worker).
+/// Its errors are written `error` first, and go to the full parse.
+///
+/// Only the head is read: the result (for `thread/read`, a whole thread's items) is not scanned,
+/// so it is not checked as JSON either. Meant for frames from a worker the router started, whose
+/// answers `serde_json` wrote; wherever the result's content is needed ([`thread_of_result`],
+/// [`first_value`]) it is parsed then, and text that does not start with a JSON value reads as
+/// no thread.
+///
+/// The id is read exactly as [`Frame::parse`] reads it, and an id in any other form (escapes,
+/// fractions, exponents, leading zeros) is left to it: `None` means "parse it the general way".
+pub fn result_head(text: &str) -> Option<(RequestId, &str)> {
+    let rest = text.strip_prefix(r#"{"id":"#)?;
+    let (id, rest) = match rest.strip_prefix('"') {
+        Some(quoted) => {
+            let end = quoted.find(['"', '\\'])?;
+            if quoted.as_bytes()[end] != b'"' || quoted[..end].bytes().any(|b| b < 0x20) {
+                return None;
+            }
+            (RequestId::Str(quoted[..end].to_owned()), &quoted[end + 1..])
+        }
+        None => {
+            let digits = rest.strip_prefix('-').unwrap_or(rest);
+            let len = digits.bytes().take_while(u8::is_ascii_digit).count();
+            // `-0` too: serde_json reads it as a float, which is no id.
+            let signed = digits.len() != rest.len();
+            if len == 0 || (digits.starts_with('0') && (len > 1 || signed)) {
+                return None;
+            }
+            let end = (rest.len() - digits.len()) + len;
+            (RequestId::Int(rest[..end].parse().ok()?), &rest[end..])
+        }
+    };
+    let result = rest.strip_prefix(r#","result":"#)?.strip_suffix('}')?;
+    // Compact: whitespace around the value would be left out of the full parse's raw result.
+    let space = |b: Option<&u8>| b.is_none_or(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+    let bytes = result.as_bytes();
+    (!space(bytes.first()) && !space(bytes.last())).then_some((id, result))
+}
+
 /// The `threadId` of a request's params, when it names one.
 pub fn thread_id(params: Option<&RawValue>) -> Option<String> {
     #[derive(Deserialize)]
@@ -330,11 +372,11 @@ pub fn result_thread_id(text: &str) -> Option<String> {
         result: Option<&'a RawValue>,
     }
     let r: Resp<'_> = serde_json::from_str(text).ok()?;
-    thread_of_result(r.result?)
+    thread_of_result(r.result?.get())
 }
 
-/// `thread.id` of a response's `result` (thread/start, thread/fork, thread/resume).
-pub fn thread_of_result(result: &RawValue) -> Option<String> {
+/// `thread.id` of a response's `result` text (thread/start, thread/fork, thread/resume).
+pub fn thread_of_result(result: &str) -> Option<String> {
     #[derive(Deserialize)]
     struct WithThread<'a> {
         #[serde(borrow)]
@@ -345,8 +387,14 @@ pub fn thread_of_result(result: &RawValue) -> Option<String> {
         #[serde(borrow)]
         id: Cow<'a, str>,
     }
-    let r: Option<WithThread<'_>> = serde_json::from_str(result.get()).ok()?;
+    let r: Option<WithThread<'_>> = first_value(result)?;
     Some(r?.thread?.id.into_owned())
+}
+
+/// The first JSON value of `text`, whatever follows it: a result read by [`result_head`] runs to
+/// its frame's last `}`, so members a writer put after `result` would follow its value.
+pub fn first_value<'a, T: Deserialize<'a>>(text: &'a str) -> Option<T> {
+    T::deserialize(&mut serde_json::Deserializer::from_str(text)).ok()
 }
 
 /// `error.message` of an error response.
@@ -357,17 +405,17 @@ pub fn error_message(text: &str) -> Option<String> {
         error: Option<&'a RawValue>,
     }
     let r: Resp<'_> = serde_json::from_str(text).ok()?;
-    message_of_error(r.error?)
+    message_of_error(r.error?.get())
 }
 
-/// `message` of a response's `error`.
-pub fn message_of_error(error: &RawValue) -> Option<String> {
+/// `message` of a response's `error` text.
+pub fn message_of_error(error: &str) -> Option<String> {
     #[derive(Deserialize)]
     struct ErrorBody<'a> {
         #[serde(borrow)]
         message: Cow<'a, str>,
     }
-    let e: Option<ErrorBody<'_>> = serde_json::from_str(error.get()).ok()?;
+    let e: Option<ErrorBody<'_>> = serde_json::from_str(error).ok()?;
     Some(e?.message.into_owned())
 }
 

@@ -92,10 +92,11 @@ const SESSION_IN_FLIGHT_RETRY: Duration = Duration::from_millis(100);
 /// A worker's response, read once from its parsed frame.
 #[derive(Debug, Clone, Copy)]
 struct Answer<'a> {
-    /// Its `result`, unparsed (`None` for an error).
-    result: Option<&'a serde_json::value::RawValue>,
-    /// Its `error`, unparsed.
-    error: Option<&'a serde_json::value::RawValue>,
+    /// Its `result`'s text, unparsed (`None` for an error); see [`proto::rpc::result_head`] for when it
+    /// has not been checked as JSON.
+    result: Option<&'a str>,
+    /// Its `error`'s text, unparsed.
+    error: Option<&'a str>,
     /// It is app-server's own `-32001`.
     overloaded: bool,
 }

@@ -35,12 +35,17 @@ impl Direct {
     }
 
     async fn recv(&mut self) -> anyhow::Result<Value> {
+        Ok(serde_json::from_str(&self.recv_text().await?)?)
+    }
+
+    /// The next text frame, as the worker wrote it.
+    async fn recv_text(&mut self) -> anyhow::Result<String> {
         loop {
             match tokio::time::timeout(STEP, self.ws.next())
                 .await
                 .context("timed out waiting for the worker")?
             {
-                Some(Ok(Message::Text(t))) => return Ok(serde_json::from_str(&t)?),
+                Some(Ok(Message::Text(t))) => return Ok(t.as_str().to_owned()),
                 Some(Ok(Message::Close(c))) => bail!("worker closed: {c:?}"),
                 Some(Ok(_)) => continue,
                 Some(Err(e)) => bail!("read error: {e}"),
@@ -179,6 +184,55 @@ async fn a_replayed_leg_repeats_no_per_connection_notification() -> anyhow::Resu
             "{method}: the second leg's copies should be counted as dropped"
         );
     }
+    fleet.stop().await
+}
+
+/// The real worker writes its answers as the router reads them by their head
+/// (`proto::rpc::result_head`: `{"id":…,"result":…}`, compact), so a `thread/read` answer is
+/// relayed without its result being scanned; and what the head reads is what the full parse
+/// reads. Were app-server to change the shape, answers would still be read (the full parse),
+/// only slower: this test is what notices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_answers_are_read_by_their_head() -> anyhow::Result<()> {
+    use proto::rpc::{result_head, thread_of_result, Frame, Message as Rpc};
+    let fleet = acme(FleetBuilder::new(), 1).await?;
+    let mut d = Direct::connect(&worker_socket(&fleet, "acme", 0)).await?;
+    let mut answers = Vec::new();
+    let mut thread = None;
+    let requests = [
+        initialize_frame(),
+        json!({ "id": 2, "method": "thread/start", "params": {} }),
+        json!({ "id": "read", "method": "thread/read", "params": { "threadId": "" } }),
+    ];
+    for (n, mut request) in requests.into_iter().enumerate() {
+        if let Some(t) = &thread {
+            request["params"]["threadId"] = json!(t);
+        }
+        d.send(&request).await?;
+        let text = loop {
+            let text = d.recv_text().await?;
+            let v: Value = serde_json::from_str(&text)?;
+            if v["id"] == request["id"] && v.get("method").is_none() {
+                break text;
+            }
+        };
+        let (id, result) =
+            result_head(&text).with_context(|| format!("not read by its head: {text}"))?;
+        let full = Frame::parse(&text)?;
+        anyhow::ensure!(
+            matches!(&full.message, Rpc::Response { id: parsed } if *parsed == id),
+            "{text}"
+        );
+        anyhow::ensure!(full.result.map(|r| r.get()) == Some(result), "{text}");
+        if n == 0 {
+            d.send(&json!({ "method": "initialized" })).await?;
+        }
+        if n == 1 {
+            thread = Some(thread_of_result(result).with_context(|| format!("no thread: {text}"))?);
+        }
+        answers.push(text);
+    }
+    eprintln!("answers read by their head: {answers:?}");
     fleet.stop().await
 }
 

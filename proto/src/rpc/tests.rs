@@ -180,13 +180,16 @@ fn a_response_frame_keeps_its_result_and_error_raw() {
         Frame::parse(r#"{"id":1,"error":{"code":-32001,"message":"no \"result\" yet"}}"#).unwrap();
     assert!(err.result.is_none());
     assert_eq!(err.error_code(), Some(-32001));
-    assert_eq!(thread_of_result(ok.result.unwrap()).as_deref(), Some("t"));
     assert_eq!(
-        message_of_error(err.error.unwrap()).as_deref(),
+        thread_of_result(ok.result.unwrap().get()).as_deref(),
+        Some("t")
+    );
+    assert_eq!(
+        message_of_error(err.error.unwrap().get()).as_deref(),
         Some("no \"result\" yet")
     );
     let null = Frame::parse(r#"{"id":1,"result":null}"#).unwrap();
-    assert_eq!(thread_of_result(null.result.unwrap()), None);
+    assert_eq!(thread_of_result(null.result.unwrap().get()), None);
     // Requests and notifications carry neither.
     let req = Frame::parse(r#"{"id":1,"method":"m","result":1}"#).unwrap();
     assert!(req.result.is_none() && req.error.is_none());
@@ -270,4 +273,100 @@ fn ids_are_read_as_the_untagged_derive_read_them() {
             .map(Untagged::id);
         assert_eq!(ours, theirs, "value {v}");
     }
+}
+
+#[test]
+fn an_answer_read_by_its_head_is_the_answer_the_full_parse_reads() {
+    // As app-server writes them (facts §11), with ids of every form a client may choose.
+    let mut rng = Rng(0x5eed_4ead_0000_0019);
+    let mut fast = 0;
+    for _ in 0..20_000 {
+        let id = rng.id();
+        let result = rng.pick(&[
+            "{}",
+            "null",
+            r#"{"thread":{"id":"t","turns":[1,"}"]}}"#,
+            "[]",
+        ]);
+        let text = format!(
+            r#"{{"id":{},"result":{result}}}"#,
+            serde_json::to_string(&id).unwrap()
+        );
+        let full = Frame::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        let Rpc::Response { id: parsed } = full.message else {
+            panic!("{text}")
+        };
+        match result_head(&text) {
+            Some((head, raw)) => {
+                fast += 1;
+                assert_eq!(head, parsed, "{text}");
+                assert_eq!(raw, full.result.unwrap().get(), "{text}");
+            }
+            // Only ids with escapes are left to the full parse.
+            None => assert!(
+                matches!(&id, RequestId::Str(s) if serde_json::to_string(s).unwrap().contains('\\')),
+                "{text}"
+            ),
+        }
+    }
+    assert!(fast > 10_000, "{fast} read by the head");
+    // Anything else it reads, it reads as the full parse does; what it cannot, it leaves.
+    let mut rng = Rng(0x5eed_4ead_0000_0020);
+    let (mut agreed, mut unchecked) = (0, 0);
+    for _ in 0..50_000 {
+        let text = arbitrary_frame(&mut rng);
+        match (result_head(&text), Frame::parse(&text)) {
+            (Some((head, raw)), Ok(full)) => {
+                agreed += 1;
+                assert!(
+                    matches!(full.message, Rpc::Response { id } if id == head),
+                    "{text}"
+                );
+                assert_eq!(Some(raw), full.result.map(RawValue::get), "{text}");
+            }
+            // Not JSON after the head: read as an answer, its result unchecked (see the doc).
+            (Some(_), Err(_)) => unchecked += 1,
+            _ => {}
+        }
+    }
+    assert!(agreed > 100, "{agreed} agreed, {unchecked} unchecked");
+    for left in [
+        r#"{"error":{"code":1,"message":"m"},"id":1}"#, // errors come error-first
+        r#"{"id":01,"result":{}}"#,
+        r#"{"id":-0,"result":{}}"#,
+        r#"{"id":1.0,"result":{}}"#,
+        r#"{"id":1e3,"result":{}}"#,
+        r#"{"id":9223372036854775808,"result":{}}"#,
+        r#"{"id":"a\"b","result":{}}"#,
+        "{\"id\":\"a\u{1}\",\"result\":{}}",
+        r#"{"id":1,"result":{}} "#,
+        r#"{"id":1,"result":}"#,
+        "{\"id\":1,\"result\":\t{}}",
+        r#"{"id":1,"result":{} }"#,
+        r#"{"id":1,"method":"m","result":{}}"#,
+        r#" {"id":1,"result":{}}"#,
+    ] {
+        assert_eq!(result_head(left), None, "{left}");
+    }
+    // A client's string id cannot smuggle a result of its own past the head: app-server
+    // escapes its quotes, and an escape sends the frame to the full parse.
+    let sneaky = RequestId::Str(r#"x","result":{"thread":{"id":"victim"}},"y":""#.into());
+    let answer = format!(
+        r#"{{"id":{},"result":{{}}}}"#,
+        serde_json::to_string(&sneaky).unwrap()
+    );
+    assert_eq!(result_head(&answer), None);
+    // Members after `result` (app-server writes none) would run into the result's text; its
+    // readers read its first value.
+    let (_, trailing) = result_head(r#"{"id":1,"result":{"thread":{"id":"t"}},"at":1}"#).unwrap();
+    assert_eq!(thread_of_result(trailing).as_deref(), Some("t"));
+    assert_eq!(thread_of_result("nonsense"), None);
+    assert_eq!(
+        result_head(r#"{"id":-12,"result":{"thread":{"id":"t"}}}"#),
+        Some((RequestId::Int(-12), r#"{"thread":{"id":"t"}}"#))
+    );
+    assert_eq!(
+        result_head(r#"{"id":"startup-1","result":null}"#),
+        Some((RequestId::Str("startup-1".into()), "null"))
+    );
 }

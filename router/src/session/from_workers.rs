@@ -7,6 +7,7 @@ use proto::error::codes;
 use proto::rpc::{self, Frame, Message as Rpc, RequestId};
 use proto::Method;
 use serde_json::json;
+use serde_json::value::RawValue;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::WorkerId;
 
@@ -55,22 +56,36 @@ impl Session {
         shared: &Utf8Bytes,
     ) -> Result<(), End> {
         let text = shared.as_str();
-        let frame = match Frame::parse(text) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!(%worker, error = %e, "dropping unparseable frame from worker");
-                return Ok(());
-            }
+        // An answer as app-server writes it is read by its head: its result (a whole thread for
+        // `thread/read`) is parsed only where its content is needed.
+        let (message, answer) = match rpc::result_head(text) {
+            Some((id, result)) => (
+                Rpc::Response { id },
+                Answer {
+                    result: Some(result),
+                    error: None,
+                    overloaded: false,
+                },
+            ),
+            None => match Frame::parse(text) {
+                Ok(f) => {
+                    let answer = Answer {
+                        result: f.result.map(RawValue::get),
+                        error: f.error.map(RawValue::get),
+                        overloaded: f.error_code() == Some(codes::OVERLOADED),
+                    };
+                    (f.message, answer)
+                }
+                Err(e) => {
+                    tracing::warn!(%worker, error = %e, "dropping unparseable frame from worker");
+                    return Ok(());
+                }
+            },
         };
-        if self.replayed.contains(&worker) && self.replay_echo(worker, &frame.message) {
+        if self.replayed.contains(&worker) && self.replay_echo(worker, &message) {
             return Ok(());
         }
-        let answer = Answer {
-            result: frame.result,
-            error: frame.error,
-            overloaded: frame.error_code() == Some(codes::OVERLOADED),
-        };
-        match frame.message {
+        match message {
             Rpc::Response { id } => self.on_worker_response(worker, id, answer, shared).await,
             Rpc::Request { id, method, params } => {
                 self.ctx.tenant.counted.server_request(
@@ -204,8 +219,7 @@ impl Session {
                 _ => None,
             };
             if let (Some(event), Some(result)) = (event, answer.result) {
-                let result =
-                    serde_json::from_str::<serde_json::Value>(result.get()).unwrap_or_default();
+                let result = rpc::first_value::<serde_json::Value>(result).unwrap_or_default();
                 self.audit(
                     event,
                     json!({
