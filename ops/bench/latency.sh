@@ -5,13 +5,14 @@
 # default size once per run, where the through/direct and through/floor ratios come from; a few
 # seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
-# codex-fleet itself is the profile-guided build (ops/bench/pgo.sh, as the image ships it; about
-# 20 minutes the first time: two release builds, two training runs and llvm-bolt); --no-pgo measures the
-# plain release build instead.
+# codex-fleet itself is the profile-guided build laid out by llvm-bolt (ops/bench/pgo.sh, as the
+# image ships it), and so is the floor relay (`pgo.sh --floor`: the same training, so the floor
+# gets what codex-fleet gets); about 30 minutes when the code changed: three release builds, the
+# training runs and llvm-bolt. --no-pgo measures the plain release builds of both instead.
 #
 # Options: --rounds N --runs N (both latency benches; default 2000 and 3), --include-turns (bench
 # 1), --sessions N (bench 5's edge memory, default 500; 0 skips it), --no-fleet-load (skip
-# bench 4), --no-pgo (the plain release build of codex-fleet). The smoke run in CI
+# bench 4), --no-pgo (the plain release builds). The smoke run in CI
 # (ops/bench/smoke.sh) runs the same bench binaries at a tiny size on the debug build.
 # BENCH_PROFILE=debug uses the debug build instead.
 set -euo pipefail
@@ -67,8 +68,10 @@ fi
 "${build[@]}"
 BIN="target/$PROFILE"
 if [ "$PROFILE" = release ] && [ "$pgo" = 1 ]; then
-    CODEX_FLEET_BIN="$(bash ops/bench/pgo.sh)"
-    echo "== codex-fleet: the profile-guided build, $CODEX_FLEET_BIN"
+    CODEX_FLEET_BIN="$(bash ops/bench/pgo.sh --floor)"
+    FLOOR_RELAY_BIN="$(dirname "$CODEX_FLEET_BIN")/floor-relay"
+    export FLOOR_RELAY_BIN
+    echo "== codex-fleet and the floor relay: the profile-guided builds, $CODEX_FLEET_BIN, $FLOOR_RELAY_BIN"
 else
     CODEX_FLEET_BIN="$BIN/codex-fleet"
     echo "== codex-fleet: the plain $PROFILE build"

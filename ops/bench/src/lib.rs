@@ -102,6 +102,26 @@ pub async fn spawn_role_config(
     Ok((child, wss, admin))
 }
 
+/// Stops a child as an operator does: SIGTERM, up to `grace` for it to exit (a
+/// profile-instrumented build writes its profile then), and SIGKILL after that. Its exit status,
+/// or `None` when it had to be killed.
+pub async fn terminate(
+    child: &mut Child,
+    grace: std::time::Duration,
+) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    if let Some(pid) = child.id() {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    }
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(status) => Ok(Some(status?)),
+        Err(_) => {
+            child.kill().await?;
+            Ok(None)
+        }
+    }
+}
+
 /// CPU time (utime + stime) a process has used so far, in seconds (`/proc/<pid>/stat`; clock
 /// ticks, so 10 ms steps).
 pub fn cpu_secs(pid: u32) -> Option<f64> {

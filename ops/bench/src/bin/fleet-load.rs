@@ -18,7 +18,7 @@ use clap::Parser;
 use codex_fleet_bench::floor::Upstream;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
-use codex_fleet_bench::{cpu_secs, peak_rss_kib, Binaries};
+use codex_fleet_bench::{cpu_secs, peak_rss_kib, terminate, Binaries};
 use proto::Method;
 use serde_json::json;
 use testkit::rss_kib;
@@ -391,31 +391,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )
     .await?;
     let floor_cpu_end = cpu_secs(floor_pid);
-    let _ = floor_child.kill().await;
+    if terminate(&mut floor_child, Duration::from_secs(10))
+        .await?
+        .is_none()
+    {
+        println!("\nthe floor relay did not exit within 10 s of SIGTERM; killed it");
+    }
     drop(sims);
 
     // --- stop codex-fleet (its edge first) ---
     if let Some(edge) = edge.as_mut() {
-        if let Some(edge_pid) = edge.id() {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(edge_pid as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            )?;
-        }
-        if tokio::time::timeout(Duration::from_secs(30), edge.wait())
-            .await
-            .is_err()
-        {
-            println!("\nthe edge did not exit within 30 s of SIGTERM; killing it");
-            edge.kill().await?;
+        if terminate(edge, Duration::from_secs(30)).await?.is_none() {
+            println!("\nthe edge did not exit within 30 s of SIGTERM; killed it");
         }
     }
     let t_term = Instant::now();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )?;
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    let status = terminate(&mut child, Duration::from_secs(30)).await;
     let stop_took = t_term.elapsed();
 
     // --- report ---
@@ -536,12 +527,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     match status {
-        Ok(Ok(st)) => println!("\ncodex-fleet SIGTERM → exit in {} ({st})", ms(stop_took)),
-        Ok(Err(e)) => println!("\ncodex-fleet wait failed: {e}"),
-        Err(_) => {
-            println!("\ncodex-fleet did not exit within 30 s of SIGTERM; killing it");
-            child.kill().await?;
-        }
+        Ok(Some(st)) => println!("\ncodex-fleet SIGTERM → exit in {} ({st})", ms(stop_took)),
+        Ok(None) => println!("\ncodex-fleet did not exit within 30 s of SIGTERM; killed it"),
+        Err(e) => println!("\ncodex-fleet stop failed: {e}"),
     }
     if args.keep {
         let kept = dir.keep();

@@ -2,7 +2,8 @@
 //! relay onto a Unix socket, frame by frame, with no routing. `added-latency` runs it in front
 //! of the same worker socket as codex-fleet and HAProxy (`--upstream`), `fleet-load` in front of
 //! the simulators its direct path uses, one per session (`--upstream-dir`): the floor codex-fleet
-//! is measured against. Prints `floor-relay listening on <addr>` on stdout once it accepts.
+//! is measured against. Prints `floor-relay listening on <addr>` on stdout once it accepts; exits
+//! cleanly on SIGTERM.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -84,5 +85,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     writeln!(out, "floor-relay listening on {addr}")?;
     out.flush()?;
     drop(out);
-    codex_fleet_bench::floor::serve(listener, tls, upstream).await
+    // SIGTERM ends it cleanly, so a profile-instrumented build (ops/bench/pgo.sh --floor) writes
+    // its profile as it exits; the latency benches kill it outright.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        served = codex_fleet_bench::floor::serve(listener, tls, upstream) => served,
+        _ = term.recv() => Ok(()),
+    }
 }
