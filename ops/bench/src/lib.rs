@@ -125,15 +125,73 @@ pub async fn terminate(
 /// CPU time (utime + stime) a process has used so far, in seconds (`/proc/<pid>/stat`; clock
 /// ticks, so 10 ms steps).
 pub fn cpu_secs(pid: u32) -> Option<f64> {
+    cpu_split(pid).map(|(user, kernel)| user + kernel)
+}
+
+/// `utime` and `stime` of `/proc/<pid>/stat`, in seconds.
+fn cpu_split(pid: u32) -> Option<(f64, f64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = s.rsplit_once(')')?.1;
     let f: Vec<&str> = rest.split_whitespace().collect();
     // After the name: state is field 3; utime and stime are fields 14 and 15.
-    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    let tick = |i: usize| f.get(i)?.parse::<u64>().ok();
     let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
-        .flatten()?;
-    Some(ticks as f64 / per_sec as f64)
+        .flatten()? as f64;
+    Some((tick(11)? as f64 / per_sec, tick(12)? as f64 / per_sec))
+}
+
+/// What a process has done so far: CPU seconds in its own code and in the kernel on its behalf
+/// (`utime` and `stime` of `/proc/<pid>/stat`, 10 ms steps), and context switches of its live
+/// threads, voluntary (it waited: a socket with nothing to read, an idle runtime thread parking)
+/// and not (preempted while it could still run) from `/proc/<pid>/task/*/status`. Two samples'
+/// difference says where a proxy's time per turn goes: its own work, the kernel's, or being
+/// switched out and back.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Work {
+    pub user_secs: f64,
+    pub kernel_secs: f64,
+    pub voluntary: u64,
+    pub preempted: u64,
+}
+
+impl Work {
+    /// `pid`'s counts now; `None` once it is gone (or `/proc` is not readable).
+    pub fn of(pid: u32) -> Option<Self> {
+        let (user_secs, kernel_secs) = cpu_split(pid)?;
+        let field = |text: &str, name: &str| -> Option<u64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        let (mut voluntary, mut preempted) = (0, 0);
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+            let status = std::fs::read_to_string(task.ok()?.path().join("status")).ok()?;
+            voluntary += field(&status, "voluntary_ctxt_switches:")?;
+            preempted += field(&status, "nonvoluntary_ctxt_switches:")?;
+        }
+        Some(Self {
+            user_secs,
+            kernel_secs,
+            voluntary,
+            preempted,
+        })
+    }
+
+    /// CPU seconds, user and kernel.
+    pub fn cpu_secs(&self) -> f64 {
+        self.user_secs + self.kernel_secs
+    }
+
+    /// What was done between `earlier` and `self`.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            user_secs: self.user_secs - earlier.user_secs,
+            kernel_secs: self.kernel_secs - earlier.kernel_secs,
+            voluntary: self.voluntary.saturating_sub(earlier.voluntary),
+            preempted: self.preempted.saturating_sub(earlier.preempted),
+        }
+    }
 }
 
 /// On-CPU time of a process's live threads so far, in µs: the scheduler's own nanosecond

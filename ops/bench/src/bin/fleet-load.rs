@@ -18,7 +18,7 @@ use clap::Parser;
 use codex_fleet_bench::floor::Upstream;
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
-use codex_fleet_bench::{cpu_secs, peak_rss_kib, terminate, Binaries};
+use codex_fleet_bench::{peak_rss_kib, terminate, Binaries, Work};
 use proto::Method;
 use serde_json::json;
 use testkit::rss_kib;
@@ -154,8 +154,8 @@ struct PhaseResult {
     turn_wall: Duration,
     latencies: Samples,
     turn_latencies: Samples,
-    /// What `at_barrier` sampled: the proxy's (VmRSS KiB, CPU seconds) with every session open.
-    at_barrier: Option<(u64, f64)>,
+    /// What `at_barrier` sampled: the proxy's VmRSS (KiB) and work so far, every session open.
+    at_barrier: Option<(u64, Work)>,
 }
 
 /// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
@@ -163,7 +163,7 @@ struct PhaseResult {
 async fn phase<S, F, Fut>(
     args: &Args,
     connect: F,
-    at_barrier: impl FnOnce() -> Option<(u64, f64)>,
+    at_barrier: impl FnOnce() -> Option<(u64, Work)>,
 ) -> anyhow::Result<PhaseResult>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -345,10 +345,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let token = tokens[i % tokens.len()].clone();
             async move { connect_wss(&url, tls, &token).await }
         },
-        || Some((rss_kib(pid)?, cpu_secs(pid)?)),
+        || Some((rss_kib(pid)?, Work::of(pid)?)),
     )
     .await?;
-    let cpu_end = cpu_secs(pid);
+    let cpu_end = Work::of(pid);
     let rss_end = rss_kib(pid);
     let hwm = peak_rss_kib(pid);
 
@@ -387,10 +387,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let token = tokens[i % tokens.len()].clone();
             async move { connect_wss(&url, tls, &token).await }
         },
-        || Some((rss_kib(floor_pid)?, cpu_secs(floor_pid)?)),
+        || Some((rss_kib(floor_pid)?, Work::of(floor_pid)?)),
     )
     .await?;
-    let floor_cpu_end = cpu_secs(floor_pid);
+    let floor_cpu_end = Work::of(floor_pid);
     if terminate(&mut floor_child, Duration::from_secs(10))
         .await?
         .is_none()
@@ -493,13 +493,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ("codex-fleet", &fleet, cpu_end),
         ("floor relay", &floor, floor_cpu_end),
     ] {
-        if let (Some((_, c0)), Some(c1)) = (r.at_barrier, end) {
-            let cpu = c1 - c0;
+        if let (Some((_, w0)), Some(w1)) = (r.at_barrier, end) {
+            let w = w1.since(w0);
+            let turns = r.turns.max(1) as f64;
             println!(
-                "{name} CPU during the turns: {cpu:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn",
+                "{name} CPU during the turns: {:.2} s in {:.2} s wall ({:.0}% of one core), {:.2} ms per turn (its own code {:.2}, the kernel {:.2}); per turn {:.1} waits and {:.1} preemptions (context switches)",
+                w.cpu_secs(),
                 r.turn_wall.as_secs_f64(),
-                100.0 * cpu / r.turn_wall.as_secs_f64().max(1e-9),
-                1000.0 * cpu / (r.turns.max(1) as f64)
+                100.0 * w.cpu_secs() / r.turn_wall.as_secs_f64().max(1e-9),
+                1000.0 * w.cpu_secs() / turns,
+                1000.0 * w.user_secs / turns,
+                1000.0 * w.kernel_secs / turns,
+                w.voluntary as f64 / turns,
+                w.preempted as f64 / turns,
             );
         }
     }
