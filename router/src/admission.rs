@@ -423,11 +423,18 @@ impl Admission {
     /// session that sees the broadcast may report it.
     pub fn turn_started(&self, tenant: &str, thread_id: &str) {
         let mut counts = lock(&self.counts);
-        let state = counts.tenants.entry(tenant.to_owned()).or_default();
-        state
-            .turns
-            .entry(thread_id.to_owned())
-            .or_insert_with(Instant::now);
+        // Every session that sees the broadcast reports it: names are copied only when new.
+        if !counts.tenants.contains_key(tenant) {
+            counts
+                .tenants
+                .insert(tenant.to_owned(), TenantState::default());
+        }
+        let Some(state) = counts.tenants.get_mut(tenant) else {
+            return;
+        };
+        if !state.turns.contains_key(thread_id) {
+            state.turns.insert(thread_id.to_owned(), Instant::now());
+        }
     }
 
     /// Records that the turn on `thread_id` ended (`turn/completed`, or the thread closed or

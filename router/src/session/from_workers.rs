@@ -4,6 +4,7 @@
 //! requests), and a leg that closes (its requests answered `-32002`, its turns ended).
 
 use proto::error::codes;
+use proto::event::Event;
 use proto::rpc::{self, Frame, Message as Rpc, RequestId};
 use proto::Method;
 use serde_json::json;
@@ -124,8 +125,11 @@ impl Session {
                 }
             }
             Rpc::Notification { method, params } => {
-                self.track_turns(&method, params);
-                self.forget_ended_turn(worker, &method, params);
+                // Parsed once for everything below that reads a lifecycle or turn event
+                // (`None` without parsing for any other method, deltas included).
+                let event = Event::parse(&method, params);
+                self.track_turns(event.as_ref());
+                self.forget_ended_turn(worker, event.as_ref());
                 self.ctx.tenant.counted.notification(
                     &self.ctx.metrics.usage,
                     self.tenant(),
@@ -135,10 +139,13 @@ impl Session {
                 if method == Method::ThreadClosed {
                     self.audit(
                         "thread.closed",
-                        json!({ "thread": rpc::thread_id(params), "worker": worker.to_string() }),
+                        json!({
+                            "thread": event.as_ref().map(|e| e.thread().to_owned()).or_else(|| rpc::thread_id(params)),
+                            "worker": worker.to_string(),
+                        }),
                     );
                 }
-                if self.follow_notification(worker, &method, params) {
+                if self.follow_notification(worker, &method, params, event.as_ref()) {
                     return Ok(());
                 }
                 if method.is_delta()
@@ -279,19 +286,14 @@ impl Session {
 
     /// A turn of a thread on `worker` ended (app-server aborts its pending requests, and says so
     /// with `serverRequest/resolved` first): whatever of them is still remembered is forgotten.
-    pub(super) fn forget_ended_turn(
-        &mut self,
-        worker: WorkerId,
-        method: &Method<'_>,
-        params: Option<&serde_json::value::RawValue>,
-    ) {
+    pub(super) fn forget_ended_turn(&mut self, worker: WorkerId, event: Option<&Event<'_>>) {
         if self.server_requests.by_session.is_empty() {
             return; // the common case, deltas included: nothing to look up
         }
-        let Some((turns::Event::Ended, thread)) = turns::event_of(method, params) else {
+        let Some((turns::Event::Ended, thread)) = event.and_then(turns::turn_of) else {
             return;
         };
-        for w in self.server_requests.turn_ended(worker, &thread) {
+        for w in self.server_requests.turn_ended(worker, thread) {
             if let Some(asked) = w.approval {
                 self.audit_approval_withdrawn(asked, "turn_ended");
             }

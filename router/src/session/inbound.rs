@@ -58,15 +58,11 @@ impl Session {
 
     /// Records turn starts and ends for the tenant's active-turn cap (idempotent, so a turn
     /// seen on a leg and relayed from the control leg counts once).
-    pub(super) fn track_turns(
-        &self,
-        method: &Method<'_>,
-        params: Option<&serde_json::value::RawValue>,
-    ) {
-        if let Some((event, thread)) = turns::event_of(method, params) {
+    pub(super) fn track_turns(&self, event: Option<&proto::event::Event<'_>>) {
+        if let Some((event, thread)) = event.and_then(turns::turn_of) {
             match event {
-                turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), &thread),
-                turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), &thread),
+                turns::Event::Started => self.ctx.admission.turn_started(self.tenant(), thread),
+                turns::Event::Ended => self.ctx.admission.turn_ended(self.tenant(), thread),
             }
         }
     }

@@ -108,31 +108,30 @@ impl Session {
         worker: WorkerId,
         method: &Method<'_>,
         params: Option<&RawValue>,
+        event: Option<&Event<'_>>,
     ) -> bool {
         match method {
             Method::TurnStarted | Method::TurnCompleted | Method::ThreadClosed => {
-                if !self.following.threads.is_empty() {
-                    self.follow_turn(worker, method, params);
+                if let Some(event) = event.filter(|_| !self.following.threads.is_empty()) {
+                    self.follow_turn(worker, params, event);
                 }
                 false
             }
-            Method::ThreadStatusChanged => self.is_move_echo(worker, method, params),
+            Method::ThreadStatusChanged => self.is_move_echo(worker, method, params, event),
             Method::Other(name) if MOVE_ECHOES.contains(&name.as_ref()) => {
-                self.is_move_echo(worker, method, params)
+                self.is_move_echo(worker, method, params, event)
             }
             _ => false,
         }
     }
 
-    fn follow_turn(&mut self, worker: WorkerId, method: &Method<'_>, params: Option<&RawValue>) {
-        let Some(event) = Event::parse(method, params) else {
-            return;
-        };
-        let thread = event.thread().to_owned();
+    /// `event` is the notification's, parsed once where it arrived.
+    fn follow_turn(&mut self, worker: WorkerId, params: Option<&RawValue>, event: &Event<'_>) {
+        let thread = event.thread();
         let Some(f) = self
             .following
             .threads
-            .get_mut(&thread)
+            .get_mut(thread)
             .filter(|f| f.worker == worker)
         else {
             return;
@@ -142,10 +141,12 @@ impl Session {
                 f.turn = params
                     .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
                     .map(|mut p| p["turn"].take());
-                self.following.usage_replays.remove(&(thread, worker));
+                self.following
+                    .usage_replays
+                    .remove(&(thread.to_owned(), worker));
             }
             Event::TurnCompleted { .. } => f.turn = None,
-            Event::ThreadClosed { .. } => self.unfollow(&thread),
+            Event::ThreadClosed { .. } => self.unfollow(thread),
             Event::ThreadStarted { .. } | Event::ThreadStatusChanged { .. } => {}
         }
     }
@@ -159,8 +160,14 @@ impl Session {
         worker: WorkerId,
         method: &Method<'_>,
         params: Option<&RawValue>,
+        event: Option<&Event<'_>>,
     ) -> bool {
-        let Some(thread) = rpc::thread_id(params) else {
+        // The parsed event names the thread as `params.threadId` does; other methods (and
+        // params the event parse refused) read it from the params.
+        let Some(thread) = event
+            .map(|e| e.thread().to_owned())
+            .or_else(|| rpc::thread_id(params))
+        else {
             return false;
         };
         if self.following.moving_to(&thread, Some(worker)) {
@@ -169,12 +176,11 @@ impl Session {
         if method == "thread/tokenUsage/updated" {
             return self.following.usage_replays.remove(&(thread, worker));
         }
-        let status = match Event::parse(method, params) {
-            Some(Event::ThreadStatusChanged { status, .. }) => Some(status.into_owned()),
+        let status = match event {
+            Some(Event::ThreadStatusChanged { status, .. }) => Some(status.as_ref()),
             _ => None,
         };
-        rehome::is_move_echo(method.as_str(), status.as_deref())
-            && self.ctx.tenant.moves.quiet(&thread)
+        rehome::is_move_echo(method.as_str(), status) && self.ctx.tenant.moves.quiet(&thread)
     }
 
     /// Whether a relayed broadcast is an echo of a move, held back like the same frame on a leg

@@ -2,27 +2,29 @@
 //! ([`proto::event`]), as the session counts turns.
 
 use proto::event::Event as Notification;
-use proto::Method;
-use serde_json::value::RawValue;
 
 /// What a notification says about the turn on its thread.
 pub use proto::event::Turn as Event;
 
-/// The turn event a notification carries, with its thread id.
-pub fn event_of(method: &Method<'_>, params: Option<&RawValue>) -> Option<(Event, String)> {
-    let n = Notification::parse(method, params)?;
-    Some((n.turn()?, n.thread().to_owned()))
+/// The turn event a parsed notification carries, with its thread id.
+pub fn turn_of<'n>(n: &'n Notification<'_>) -> Option<(Event, &'n str)> {
+    Some((n.turn()?, n.thread()))
 }
 
-/// As [`event_of`], for a method name.
+/// As [`turn_of`], for a method name and its params.
 #[cfg(test)]
-pub fn event(method: &str, params: Option<&RawValue>) -> Option<(Event, String)> {
-    event_of(&Method::parse(method), params)
+pub fn event(
+    method: &str,
+    params: Option<&serde_json::value::RawValue>,
+) -> Option<(Event, String)> {
+    let n = Notification::parse(&proto::Method::parse(method), params)?;
+    turn_of(&n).map(|(event, thread)| (event, thread.to_owned()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::value::RawValue;
 
     fn ev(method: &str, params: &str) -> Option<(Event, String)> {
         let raw: Box<RawValue> = serde_json::from_str(params).unwrap();
