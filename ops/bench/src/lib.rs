@@ -159,16 +159,11 @@ impl Work {
     /// `pid`'s counts now; `None` once it is gone (or `/proc` is not readable).
     pub fn of(pid: u32) -> Option<Self> {
         let (user_secs, kernel_secs) = cpu_split(pid)?;
-        let field = |text: &str, name: &str| -> Option<u64> {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().parse().ok())
-        };
         let (mut voluntary, mut preempted) = (0, 0);
         for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
             let status = std::fs::read_to_string(task.ok()?.path().join("status")).ok()?;
-            voluntary += field(&status, "voluntary_ctxt_switches:")?;
-            preempted += field(&status, "nonvoluntary_ctxt_switches:")?;
+            voluntary += status_field(&status, "voluntary_ctxt_switches:")?;
+            preempted += status_field(&status, "nonvoluntary_ctxt_switches:")?;
         }
         Some(Self {
             user_secs,
@@ -210,8 +205,14 @@ pub fn cpu_micros(pid: u32) -> Option<f64> {
 /// Peak resident memory of a process in KiB (`VmHWM`; `testkit::rss_kib` reads the current one).
 pub fn peak_rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+    status_field(&s, "VmHWM:")
+}
+
+/// The number after `name` in a `/proc/…/status` text (`VmHWM:   1234 kB` gives 1234).
+fn status_field(status: &str, name: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
