@@ -37,7 +37,7 @@ mod rejection;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::num::NonZeroU32;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -256,6 +256,9 @@ pub struct Admission {
     limiters: RwLock<Arc<Limiters>>,
     counts: Mutex<Counts>,
     workers: Mutex<HashMap<WorkerId, Arc<Semaphore>>>,
+    /// Bumped when a reload's new in-flight cap drops every worker's slots: slots a leg kept
+    /// from before ([`WorkerSlots`]) are looked up afresh.
+    slots_generation: AtomicU64,
     /// Bytes queued towards each tenant's clients (keyed by configured tenants only).
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     /// Per tenant: bytes on its sessions' legs towards its workers.
@@ -301,6 +304,7 @@ impl Admission {
             limiters: RwLock::new(Arc::new(Limiters::new(quotas))),
             counts: Mutex::new(Counts::default()),
             workers: Mutex::new(HashMap::new()),
+            slots_generation: AtomicU64::new(0),
             queued: Mutex::new(HashMap::new()),
             leg_bytes: Mutex::new(HashMap::new()),
         }))
@@ -316,10 +320,15 @@ impl Admission {
         if read(&self.limiters).quotas != quotas {
             write(&self.limiters, Arc::new(Limiters::new(quotas)));
         }
-        if old.max_in_flight_per_worker != cfg.max_in_flight_per_worker {
-            lock(&self.workers).clear();
-        }
+        let new_cap = old.max_in_flight_per_worker != cfg.max_in_flight_per_worker;
         write(&self.cfg, Arc::new(cfg));
+        if new_cap {
+            // After the new cap is in force: slots made from here on are made with it (the
+            // cap is read under this same lock, see `worker_semaphore`).
+            let mut workers = lock(&self.workers);
+            workers.clear();
+            self.slots_generation.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(())
     }
 
@@ -535,7 +544,30 @@ impl Admission {
 
     /// A slot on `worker` without waiting; hold the permit until the worker answers.
     pub fn try_worker_slot(&self, worker: WorkerId) -> Result<InFlightPermit, Rejection> {
-        self.worker_semaphore(worker)
+        self.try_slot(&mut self.worker_slots(worker))
+    }
+
+    /// `worker`'s in-flight slots, for a leg to keep: a request then takes one
+    /// ([`Admission::try_slot`]) without looking the worker up under the table's lock.
+    pub fn worker_slots(&self, worker: WorkerId) -> WorkerSlots {
+        // Read first: slots looked up before a reload's bump are then refreshed on first use.
+        let generation = self.slots_generation.load(Ordering::Acquire);
+        WorkerSlots {
+            worker,
+            semaphore: self.worker_semaphore(worker),
+            generation,
+        }
+    }
+
+    /// [`Admission::try_worker_slot`] on slots already looked up (looked up again if a reload
+    /// changed the cap since, so the new cap applies as it does to every other request).
+    pub fn try_slot(&self, slots: &mut WorkerSlots) -> Result<InFlightPermit, Rejection> {
+        if slots.generation != self.slots_generation.load(Ordering::Acquire) {
+            *slots = self.worker_slots(slots.worker);
+        }
+        slots
+            .semaphore
+            .clone()
             .try_acquire_owned()
             .map(|permit| InFlightPermit { _permit: permit })
             .map_err(|_| self.worker_busy())
@@ -564,8 +596,9 @@ impl Admission {
     }
 
     fn worker_semaphore(&self, worker: WorkerId) -> Arc<Semaphore> {
+        let mut workers = lock(&self.workers);
         let cap = self.config().max_in_flight_per_worker;
-        lock(&self.workers)
+        workers
             .entry(worker)
             .or_insert_with(|| Arc::new(Semaphore::new(cap)))
             .clone()
@@ -680,6 +713,17 @@ impl Drop for ConnectionGuard {
 
 /// Close reason for a connection whose notifications or responses exceed its frame rate.
 pub const FLOOD_CLOSE_REASON: &str = "frame rate limit exceeded";
+
+/// A worker's in-flight slots (`max_in_flight_per_worker`), shared by every session's leg to
+/// it. While a leg holds them they are not pruned, so its requests and the rest take the same
+/// slots.
+#[derive(Clone, Debug)]
+pub struct WorkerSlots {
+    worker: WorkerId,
+    semaphore: Arc<Semaphore>,
+    /// [`Admission`]'s `slots_generation` when looked up.
+    generation: u64,
+}
 
 /// A request in flight on a worker; the slot frees when this is dropped (keep it with the
 /// request until the worker answers, or the leg or worker is gone).

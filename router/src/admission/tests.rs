@@ -278,6 +278,39 @@ async fn idle_worker_semaphores_are_pruned() {
 }
 
 #[tokio::test]
+async fn slots_a_leg_keeps_are_the_workers_and_follow_a_new_cap() {
+    let adm = Admission::new(AdmissionConfig {
+        max_in_flight_per_worker: 2,
+        ..small()
+    })
+    .unwrap();
+    let mut kept = adm.worker_slots(worker(0));
+    let a = adm.try_slot(&mut kept).unwrap();
+    // The same slots as a lookup takes: two in all, whichever way they are taken.
+    let b = adm.try_worker_slot(worker(0)).unwrap();
+    assert!(adm.try_slot(&mut kept).is_err());
+    assert!(adm.try_worker_slot(worker(0)).is_err());
+    // Kept slots are not pruned while a leg holds them, even with none taken.
+    drop((a, b));
+    adm.prune();
+    assert_eq!(lock(&adm.workers).len(), 1);
+    let taken = adm.try_slot(&mut kept).unwrap();
+    assert!(adm.try_worker_slot(worker(0)).is_ok());
+    drop(taken);
+    // A reload's new cap applies to kept slots too, from their next request on.
+    adm.reconfigure(AdmissionConfig {
+        max_in_flight_per_worker: 1,
+        ..small()
+    })
+    .unwrap();
+    let one = adm.try_slot(&mut kept).unwrap();
+    assert!(adm.try_slot(&mut kept).is_err());
+    assert!(adm.try_worker_slot(worker(0)).is_err());
+    drop(one);
+    assert!(adm.try_worker_slot(worker(0)).is_ok());
+}
+
+#[tokio::test]
 async fn reconfigure_keeps_counts_and_applies_new_limits() {
     let adm = Admission::new(small()).unwrap();
     let _c = adm.open_connection("a").unwrap();

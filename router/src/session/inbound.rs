@@ -267,7 +267,11 @@ impl Session {
             learn,
             first_initialize,
         };
-        match self.ctx.admission.try_worker_slot(worker) {
+        let slot = match self.legs.get_mut(&worker) {
+            Some(leg) => self.ctx.admission.try_slot(leg.slots()),
+            None => self.ctx.admission.try_worker_slot(worker),
+        };
+        match slot {
             Ok(slot) => self.dispatch(parked, slot).await,
             Err(_) => {
                 self.parked = Some(parked);

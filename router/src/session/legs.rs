@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures_util::stream::SplitSink;
 use futures_util::{Future, Sink, Stream, StreamExt};
 
-use crate::admission::LegBudget;
+use crate::admission::{LegBudget, WorkerSlots};
 use crate::gate::Gate;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
@@ -130,6 +130,8 @@ pub struct Leg {
     writer: Writer,
     /// Dropped with the leg: its [`LegFrames`] end without a word.
     _frames_end: oneshot::Sender<()>,
+    /// The worker's in-flight slots, kept here so a request takes one without a lookup.
+    slots: WorkerSlots,
 }
 
 /// The writing half of a leg, written by the session task.
@@ -151,6 +153,7 @@ impl Leg {
         handle: WorkerHandle,
         max_message_bytes: usize,
         up: LegBudget,
+        slots: WorkerSlots,
     ) -> Result<(Leg, LegFrames), LegError> {
         let worker = handle.id;
         // Checks the listener is the worker itself; a mismatch is reported to the pool, which
@@ -184,6 +187,7 @@ impl Leg {
             _handle: handle,
             writer: Writer::new(worker, sink, up),
             _frames_end: frames_end,
+            slots,
         };
         Ok((leg, frames))
     }
@@ -191,6 +195,11 @@ impl Leg {
     /// The worker at the other end.
     pub fn worker(&self) -> WorkerId {
         self.writer.worker
+    }
+
+    /// The worker's in-flight slots.
+    pub fn slots(&mut self) -> &mut WorkerSlots {
+        &mut self.slots
     }
 
     /// Queues a text frame for the session to write; counted in the budget until the worker's

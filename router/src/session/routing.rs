@@ -210,13 +210,18 @@ impl Session {
         &mut self,
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
-        let (mut leg, frames) =
-            Leg::open(handle, self.ctx.max_message_bytes, self.leg_budget.clone())
-                .await
-                .map_err(|e| {
-                    tracing::warn!(error = %e, "cannot open leg");
-                    Reason::WorkerUnreachable
-                })?;
+        let slots = self.ctx.admission.worker_slots(handle.id);
+        let (mut leg, frames) = Leg::open(
+            handle,
+            self.ctx.max_message_bytes,
+            self.leg_budget.clone(),
+            slots,
+        )
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "cannot open leg");
+            Reason::WorkerUnreachable
+        })?;
         self.ctx
             .metrics
             .legs_opened
