@@ -21,8 +21,12 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::{HashMap, HashSet};
+use std::sync::PoisonError;
+
 use anyhow::Context;
 use futures_util::StreamExt;
+use proto::rpc::{self, RequestId};
 use rustls::ServerConfig;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
@@ -30,6 +34,7 @@ use tokio::process::{Child, Command};
 use tokio_rustls::TlsAcceptor;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::http::StatusCode;
+use tokio_tungstenite::tungstenite::Message;
 
 /// The longest request path `--upstream-dir` takes, in bytes: far more than any bench names, and
 /// short enough that the socket path stays within a Unix socket address with a short directory.
@@ -102,6 +107,7 @@ pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     upstream: Upstream,
+    routing: Routing,
 ) -> anyhow::Result<()> {
     let acceptor = TlsAcceptor::from(tls);
     let upstream = Arc::new(upstream);
@@ -118,7 +124,7 @@ pub async fn serve(
         let acceptor = acceptor.clone();
         let upstream = upstream.clone();
         tokio::spawn(async move {
-            if let Err(e) = relay(acceptor, tcp, &upstream).await {
+            if let Err(e) = relay(acceptor, tcp, &upstream, routing).await {
                 eprintln!("floor-relay: {peer}: {e:#}");
             }
         });
@@ -127,7 +133,12 @@ pub async fn serve(
 
 /// One client: TLS, the upgrade (answered 400 when the path names no socket), the upstream
 /// WebSocket, then a task per direction until either side ends.
-async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> anyhow::Result<()> {
+async fn relay(
+    acceptor: TlsAcceptor,
+    tcp: TcpStream,
+    upstream: &Upstream,
+    routing: Routing,
+) -> anyhow::Result<()> {
     tcp.set_nodelay(true).context("TCP_NODELAY")?;
     let tls = acceptor.accept(tcp).await.context("TLS handshake")?;
     let mut chosen = Err(String::from("no upgrade request"));
@@ -164,6 +175,20 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
     .context("upstream WebSocket handshake")?;
     let (client_tx, client_rx) = client.split();
     let (worker_tx, worker_rx) = worker.split();
+    // With `--route`, each frame is read as a router must read it to route it; the frames go
+    // on unchanged either way.
+    let table = Arc::new(RouteTable::default());
+    let reads = table.clone();
+    let client_rx = client_rx.inspect(move |m| {
+        if let (Routing::Read, Ok(Message::Text(t))) = (routing, m) {
+            std::hint::black_box(reads.request(t));
+        }
+    });
+    let worker_rx = worker_rx.inspect(move |m| {
+        if let (Routing::Read, Ok(Message::Text(t))) = (routing, m) {
+            std::hint::black_box(table.answer(t));
+        }
+    });
     // `forward` hands over every frame that is ready and flushes once the source has no more:
     // a burst goes out as one write, a lone frame at once.
     // The client→worker direction is a task of its own, the worker→client one runs here; when
@@ -196,10 +221,61 @@ async fn relay(acceptor: TlsAcceptor, tcp: TcpStream, upstream: &Upstream) -> an
     }
 }
 
+/// What the floor does with a frame besides relaying it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Routing {
+    /// Nothing: the floor proper.
+    #[default]
+    None,
+    /// Reads every frame as any router that routes by thread must (`--route`): a client's
+    /// envelope and its `threadId` (the same `proto` readers codex-fleet uses), the thread
+    /// looked up and the request id recorded in flight; a worker's answer read by its head (or
+    /// in full) and its id taken out again. The frame is relayed unchanged: this measures the
+    /// least a parsing router adds to this stack, not a router.
+    Read,
+}
+
+/// A connection's routing state for [`Routing::Read`]: the threads it has named (standing in
+/// for the table of which worker owns a thread) and its requests in flight.
+#[derive(Default)]
+struct RouteTable {
+    state: std::sync::Mutex<(HashMap<String, u32>, HashSet<RequestId>)>,
+}
+
+impl RouteTable {
+    /// A client's frame: its envelope read, its thread looked up (and learned), its id recorded.
+    fn request(&self, text: &str) -> Option<u32> {
+        let Ok(rpc::Message::Request { id, params, .. }) = rpc::parse(text) else {
+            return None;
+        };
+        let thread = rpc::thread_id(params);
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.1.insert(id);
+        let thread = thread?;
+        let next = u32::try_from(state.0.len()).unwrap_or(u32::MAX);
+        Some(*state.0.entry(thread).or_insert(next))
+    }
+
+    /// A worker's frame: an answer's id read and taken out of the requests in flight.
+    fn answer(&self, text: &str) -> bool {
+        let id = match rpc::result_head(text) {
+            Some((id, _)) => id,
+            None => match rpc::parse(text) {
+                Ok(rpc::Message::Response { id }) => id,
+                _ => return false,
+            },
+        };
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.1.remove(&id)
+    }
+}
+
 /// Starts the built `floor-relay` (`FLOOR_RELAY_BIN`, or beside the running bench binary) with
 /// the certificate `cert` and key `key`, in front of `upstream`, on `threads` runtime threads
 /// (1: current-thread; none: tokio's multi-thread default), its stderr to `stderr`, killed on
-/// drop; returns it once it accepts, with its address.
+/// drop; returns it once it accepts, with its address. With `FLOOR_RELAY_ROUTE=1` in the
+/// environment it reads every frame as a router must ([`Routing::Read`], `--route`): for
+/// measuring, in place of the floor proper, the least a parsing router adds.
 pub async fn spawn(
     cert: &Path,
     key: &Path,
@@ -211,6 +287,9 @@ pub async fn spawn(
     let mut cmd = Command::new(&bin);
     if let Some(n) = threads {
         cmd.arg("--worker-threads").arg(n.to_string());
+    }
+    if std::env::var_os("FLOOR_RELAY_ROUTE").is_some_and(|v| v == "1") {
+        cmd.arg("--route");
     }
     match upstream {
         Upstream::Socket(s) => cmd.arg("--upstream").arg(s),
@@ -246,6 +325,33 @@ pub async fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_routing_floor_reads_threads_and_ids_as_a_router_would() {
+        let table = RouteTable::default();
+        let read = |t: &str| table.request(t);
+        assert_eq!(
+            read(r#"{"id":1,"method":"thread/read","params":{"threadId":"a"}}"#),
+            Some(0)
+        );
+        assert_eq!(
+            read(r#"{"id":2,"method":"thread/read","params":{"threadId":"b"}}"#),
+            Some(1)
+        );
+        assert_eq!(
+            read(r#"{"id":"x","method":"turn/start","params":{"threadId":"a"}}"#),
+            Some(0)
+        );
+        assert_eq!(read(r#"{"id":3,"method":"model/list"}"#), None);
+        assert_eq!(read(r#"{"method":"initialized"}"#), None);
+        assert_eq!(read("not json"), None);
+        // Answers take their request out of flight, by the head or the full parse.
+        assert!(table.answer(r#"{"id":1,"result":{}}"#));
+        assert!(table.answer(r#"{"error":{"code":1,"message":"m"},"id":"x"}"#));
+        assert!(!table.answer(r#"{"id":1,"result":{}}"#), "answered once");
+        assert!(!table.answer(r#"{"method":"turn/started","params":{}}"#));
+        assert!(table.answer(r#"{"id":3,"result":[]}"#));
+    }
 
     #[test]
     fn a_request_path_names_a_socket_inside_the_directory_or_none() {

@@ -150,6 +150,11 @@ async fn the_same_on_one_runtime_thread() -> anyhow::Result<()> {
     relays_unchanged_and_closes(&["--worker-threads", "1"]).await
 }
 
+#[tokio::test]
+async fn the_same_when_it_reads_frames_as_a_router() -> anyhow::Result<()> {
+    relays_unchanged_and_closes(&["--route"]).await
+}
+
 async fn relays_unchanged_and_closes(extra: &[&str]) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (cert, key, ca) = pki(dir.path())?;
@@ -160,7 +165,12 @@ async fn relays_unchanged_and_closes(extra: &[&str]) -> anyhow::Result<()> {
     let mut ws = connect(port, &ca).await?;
     // Not JSON, and a binary frame with bytes no text could hold: a relay that parsed would
     // change or refuse them.
+    // With `--route` the JSON-RPC ones are read (a request by its thread, an answer by its id),
+    // and still pass as they came.
     let frames = [
+        Message::text(r#"{"id":7,"method":"thread/read","params":{"threadId":"t-1"}}"#),
+        Message::text(r#"{"id":7,"result":{"thread":{"id":"t-1"}}}"#),
+        Message::text(r#"{ "id" : 8 , "error" : {"code":-32001,"message":"m"} }"#),
         Message::text("{\"id\": 1, not json at all"),
         Message::binary(vec![0u8, 255, 1, 254, b'{']),
         Message::text("ü".repeat(5000)),

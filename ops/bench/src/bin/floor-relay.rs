@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use codex_fleet_bench::floor::Upstream;
+use codex_fleet_bench::floor::{Routing, Upstream};
 use tokio::net::TcpListener;
 
 #[derive(Parser, Debug)]
@@ -34,6 +34,11 @@ struct Args {
     /// that size; unset, tokio's multi-thread default (one per core), as codex-fleet runs.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     worker_threads: Option<u16>,
+    /// Read every frame as a router that routes by thread must (its envelope, its thread looked
+    /// up, its id kept in flight until the answer), relaying it unchanged: the least a parsing
+    /// router adds to this stack (`codex_fleet_bench::floor::Routing::Read`).
+    #[arg(long)]
+    route: bool,
 }
 
 /// Where clients go: one of the two.
@@ -77,6 +82,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // A session holds two sockets here; a bench may open thousands.
     codex_fleet_bench::raise_nofile()?;
     let tls = router::tls::server_config(&args.cert, &args.key)?;
+    let routing = if args.route {
+        Routing::Read
+    } else {
+        Routing::None
+    };
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
@@ -89,7 +99,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // its profile as it exits; the latency benches kill it outright.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        served = codex_fleet_bench::floor::serve(listener, tls, upstream) => served,
+        served = codex_fleet_bench::floor::serve(listener, tls, upstream, routing) => served,
         _ = term.recv() => Ok(()),
     }
 }
