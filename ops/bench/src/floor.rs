@@ -15,14 +15,12 @@
 //! measured the same way: their own scheduler, their own threads, a process boundary on either
 //! side. Its runtime is the same flavour codex-fleet runs (tokio's multi-thread default).
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
-
-use std::collections::{HashMap, HashSet};
-use std::sync::PoisonError;
 
 use anyhow::Context;
 use futures_util::StreamExt;

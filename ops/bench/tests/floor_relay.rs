@@ -163,10 +163,9 @@ async fn relays_unchanged_and_closes(extra: &[&str]) -> anyhow::Result<()> {
     let (_relay, port) = relay(&cert, &key, &socket, extra).await?;
 
     let mut ws = connect(port, &ca).await?;
-    // Not JSON, and a binary frame with bytes no text could hold: a relay that parsed would
-    // change or refuse them.
-    // With `--route` the JSON-RPC ones are read (a request by its thread, an answer by its id),
-    // and still pass as they came.
+    // JSON-RPC (which `--route` reads: a request by its thread, answers by their ids), then not
+    // JSON and a binary frame with bytes no text could hold (which a relay that parsed to
+    // forward would change or refuse): every one passes as it came.
     let frames = [
         Message::text(r#"{"id":7,"method":"thread/read","params":{"threadId":"t-1"}}"#),
         Message::text(r#"{"id":7,"result":{"thread":{"id":"t-1"}}}"#),
