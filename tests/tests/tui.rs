@@ -1,6 +1,7 @@
 //! The real Codex TUI (`codex --remote`, driven in tmux) stays in its thread
 //! when the worker running its turn is killed, and its next prompt completes.
 
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -22,14 +23,18 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
     tmux.start_tui(&fleet.url(), &fleet.files.ca, &fleet.files.token("acme"))
         .await?;
     tmux.type_line("SLOW30 a long turn")?;
-    // The worker running the turn.
+    // The worker running the TUI's own thread. Not "a worker with a turn": during the user's
+    // turn the TUI starts a second, ephemeral thread to make the title (the facts file, §6) and runs a
+    // turn on it, which placement may put on the other worker (and which, carrying the prompt,
+    // is as slow as the user's turn). The user's thread is the one with a rollout on disk.
+    let home = fleet.home("acme");
     let busy = || {
-        fleet
-            .tenant("acme")
-            .pool
-            .workers()
+        let thread = rollout_with(&home, "SLOW30 a long turn")?;
+        let pool = &fleet.tenant("acme").pool;
+        let owner = pool.owner(&thread)?;
+        pool.workers()
             .into_iter()
-            .find(|w| w.active_turns > 0)
+            .find(|w| w.id == owner && w.active_turns > 0)
             .and_then(|w| w.pid)
     };
     assert!(
@@ -39,6 +44,12 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
     tmux.until_screen_has("esc to interrupt", Duration::from_secs(30))
         .await?;
     let pid = busy().context("busy worker")?;
+    let turns: Vec<_> = (fleet.tenant("acme").pool.workers().into_iter())
+        .map(|w| (w.id.to_string(), w.pid, w.active_turns))
+        .collect();
+    eprintln!(
+        "measured: killing {pid}, the TUI thread's worker; active turns per worker: {turns:?}"
+    );
     kill(Pid::from_raw(i32::try_from(pid)?), Signal::SIGKILL)?;
     let screen = tmux
         .until_screen_has("Conversation interrupted", Duration::from_secs(30))
@@ -65,4 +76,29 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
     );
     drop(tmux);
     fleet.stop().await
+}
+
+/// The thread whose rollout (under `home`'s `sessions/`) holds `text`: its id, the uuid that ends
+/// the file's name (`rollout-<time>-<id>.jsonl`). Ephemeral threads write no rollout.
+fn rollout_with(home: &Path, text: &str) -> Option<String> {
+    let mut dirs = vec![home.join("sessions")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let name = path.file_name()?.to_str()?;
+            let Some(stem) = name.strip_suffix(".jsonl") else {
+                continue;
+            };
+            if stem.len() > 36
+                && std::fs::read_to_string(&path).is_ok_and(|body| body.contains(text))
+            {
+                return Some(stem[stem.len() - 36..].to_owned());
+            }
+        }
+    }
+    None
 }
