@@ -24,9 +24,10 @@ async fn the_tui_stays_in_its_thread_when_its_worker_dies_mid_turn() -> anyhow::
         .await?;
     tmux.type_line("SLOW30 a long turn")?;
     // The worker running the TUI's own thread. Not "a worker with a turn": during the user's
-    // turn the TUI starts a second, ephemeral thread to make the title (the facts file, §6) and runs a
-    // turn on it, which placement may put on the other worker (and which, carrying the prompt,
-    // is as slow as the user's turn). The user's thread is the one with a rollout on disk.
+    // turn the TUI starts a second, ephemeral thread to make the title (the facts file, §6) and
+    // runs a short turn on it, which placement may put on the other worker; a worker with a turn
+    // picked while that one ran was the title thread's (seen once in CI). The user's thread is
+    // the one with a rollout on disk.
     let home = fleet.home("acme");
     let busy = || {
         let thread = rollout_with(&home, "SLOW30 a long turn")?;
