@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Code and data footprint per round trip (BENCHMARKS.md, bench 1, "What a cold round trip
-# touches"): codex-fleet and the floor relay run under callgrind's cache simulator inside the
-# same `added-latency` bench, with caches so small (32 KiB L1s, a 64 KiB last level) that
-# nothing survives from one round trip to the next, as in the interleaved bench where five other
-# proxies, the worker and the client run between two of codex-fleet's round trips. Each
-# last-level miss is then a distinct cache line the round trip touches: the work a cold CPU
-# fetches from memory. Unlike a latency median it is the same from run to run, so a change can be
-# compared on this noisy machine by one number.
+# touches"): codex-fleet, the floor relay and the routing floor (the floor with --route) run
+# under callgrind's cache simulator inside the same `added-latency` bench, with caches so small
+# (32 KiB L1s, a 64 KiB last level) that nothing survives from one round trip to the next, as in
+# the interleaved bench where six other proxies, the worker and the client run between two of
+# codex-fleet's round trips. Each last-level miss is then a distinct cache line the round trip
+# touches: the work a cold CPU fetches from memory. Unlike a latency median it is the same from
+# run to run, so a change can be compared on this noisy machine by one number.
 #
 # Two bench runs (200 and 1,200 rounds); the difference over the 1,000 extra rounds is one round
 # trip's, without start-up and shutdown. Under a minute once the release binaries exist (35 s
@@ -56,15 +56,18 @@ fi
 
 # The bench kills what it starts with SIGKILL, which would lose callgrind's output: each wrapper
 # runs valgrind as its child (no exec), so the kill takes the wrapper and valgrind is stopped with
-# SIGTERM afterwards, when it writes its counts. The one-thread floor runs unwrapped.
+# SIGTERM afterwards, when it writes its counts. The one-thread floor runs unwrapped; the floor
+# started with --route (the routing floor) is counted as floor-route.
 for who in fleet floor; do
     bin="$fleet"
     [ "$who" = floor ] && bin="$floor"
     cat >"$work/$who" <<EOF
 #!/usr/bin/env bash
 case "\$*" in *worker-threads*) exec "$bin" "\$@" ;; esac
+name=$who
+case "\$*" in *--route*) name=$who-route ;; esac
 valgrind --tool=callgrind --cache-sim=yes --I1=32768,8,64 --D1=32768,8,64 --LL=65536,8,64 \
-    --log-file="$work/vg.%p.log" --callgrind-out-file="$work/$who.\$(cat "$work/rounds").%p.out" \
+    --log-file="$work/vg.%p.log" --callgrind-out-file="$work/\$name.\$(cat "$work/rounds").%p.out" \
     "$bin" "\$@"
 EOF
     chmod +x "$work/$who"
@@ -97,17 +100,21 @@ def totals(who, rounds):
             summary = [int(x) for x in line.split()[1:]]
     return dict(zip(events, summary))
 rows = {}
-for who in ("fleet", "floor"):
+for who in ("fleet", "floor", "floor-route"):
     a, b = totals(who, 200), totals(who, 1200)
     d = {k: (b[k] - a[k]) / 1000 for k in b}
     rows[who] = (d["Ir"], d["ILmr"], d["DLmr"] + d["DLmw"])
 print("per round trip (1,200 rounds minus 200, over 1,000), cold: 64 KiB last level")
 print("| | instructions | code lines touched | data lines touched | KiB fetched |")
 print("|---|---|---|---|---|")
-for who, name in (("fleet", "codex-fleet"), ("floor", "floor relay")):
+for who, name in (("fleet", "codex-fleet"), ("floor", "floor relay"),
+                  ("floor-route", "routing floor (--route)")):
     ir, il, dl = rows[who]
     print(f"| {name} | {ir:,.0f} | {il:,.0f} | {dl:,.0f} | {(il + dl) * 64 / 1024:,.0f} |")
-f, g = rows["fleet"], rows["floor"]
-print(f"codex-fleet / floor: instructions {f[0] / g[0]:.2f}, code lines {f[1] / g[1]:.2f}, "
-      f"data lines {f[2] / g[2]:.2f}")
+for (a, an), (b, bn) in ((("fleet", "codex-fleet"), ("floor", "floor")),
+                         (("fleet", "codex-fleet"), ("floor-route", "routing floor")),
+                         (("floor-route", "routing floor"), ("floor", "floor"))):
+    f, g = rows[a], rows[b]
+    print(f"{an} / {bn}: instructions {f[0] / g[0]:.2f}, code lines {f[1] / g[1]:.2f}, "
+          f"data lines {f[2] / g[2]:.2f}")
 EOF

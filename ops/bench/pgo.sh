@@ -13,7 +13,8 @@
 #      rewriting it with the profile: the code each request runs placed together, the code it
 #      does not run moved out of its way, in target/pgo/codex-fleet.
 # --floor treats the floor relay the benches measure codex-fleet against (`floor-relay`) the same
-# way, trained by the same `fleet-load` runs (their floor phase), into target/pgo/floor-relay:
+# way, trained by the same `fleet-load` runs (their floor phase, and one more with the floor
+# reading frames as a router must, `--route`), into target/pgo/floor-relay:
 # a floor built plainly would flatter a ratio to it. `latency.sh` passes it; the image does not.
 # About 10 minutes more (a second profile-use build).
 # The profile lives in target/pgo and is made afresh whenever the code changes (any tracked
@@ -76,11 +77,18 @@ echo "== pgo: the trainers (fleet-load, the simulator)" >&2
 cargo build --locked --release -p codex-fleet-bench -p codex-fleet-sim --bins >&2
 # The training: both roles' paths, through codex-fleet at $1 and the floor relay at $2 (an
 # instrumented build writes its profile as it exits, under $3 when given).
+# With --floor, a third run has the floor read frames as a router must (`FLOOR_RELAY_ROUTE=1`),
+# so the routing floor that `added-latency` measures beside the floor proper is trained too.
 train() {
-    for edge in "" --edge; do
-        # shellcheck disable=SC2086 # no edge: no argument
-        env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} \
-            target/release/fleet-load $edge >&2
+    local route
+    for route in "" 1; do
+        [ -z "$route" ] || [ "$floor" = 1 ] || continue
+        for edge in "" --edge; do
+            [ -z "$route" ] || [ -z "$edge" ] || continue
+            # shellcheck disable=SC2086 # no edge: no argument
+            env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" FLOOR_RELAY_ROUTE="$route" \
+                ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} target/release/fleet-load $edge >&2
+        done
     done
 }
 # optimize NAME PACKAGE: the profile-use build of binary NAME from $out/NAME.profdata, linked

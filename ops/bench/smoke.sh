@@ -43,7 +43,9 @@ run "1 and 5: added latency and the edge hop (ops/bench/latency.sh)" \
     'added by codex-fleet: +-?[0-9]+' 'added by HAProxy: +-?[0-9]+' 'added by the floor: +-?[0-9]+' \
     'codex-fleet added median / HAProxy added median = (-?[0-9.]+|-?inf|NaN)' \
     'codex-fleet added median / floor added median = (-?[0-9.]+|-?inf|NaN)' \
-    'CPU per round trip, .*: codex-fleet [0-9.]+; HAProxy [0-9.]+; floor [0-9.]+; floor, 1 thread [0-9.]+;' \
+    'added by the routing floor: +-?[0-9]+' \
+    'codex-fleet added median / routing floor added median = (-?[0-9.]+|-?inf|NaN)' \
+    'CPU per round trip, .*: codex-fleet [0-9.]+; HAProxy [0-9.]+; floor [0-9.]+; floor, 1 thread [0-9.]+; routing floor [0-9.]+;' \
     'added by the node \(one hop, as serve\): p50 +-?[0-9]+' 'added by the edge hop alone: +p50 +-?[0-9]+' \
     'added by the HAProxy hop alone: +p50 +-?[0-9]+' 'edge memory: .* KiB per session' -- \
     env BENCH_PROFILE="$PROFILE" bash ops/bench/latency.sh --rounds 20 --runs 1 --sessions 20 --no-fleet-load

@@ -233,6 +233,19 @@ pub enum Routing {
     Read,
 }
 
+impl Routing {
+    /// [`Routing::Read`] with `FLOOR_RELAY_ROUTE=1` in the environment, else the floor proper:
+    /// how `fleet-load` and `footprint.sh`, which run one floor, are asked to measure the
+    /// routing floor in its place (`added-latency` runs both).
+    pub fn from_env() -> Routing {
+        if std::env::var_os("FLOOR_RELAY_ROUTE").is_some_and(|v| v == "1") {
+            Routing::Read
+        } else {
+            Routing::None
+        }
+    }
+}
+
 /// A connection's routing state for [`Routing::Read`]: the threads it has named (standing in
 /// for the table of which worker owns a thread) and its requests in flight.
 #[derive(Default)]
@@ -270,15 +283,15 @@ impl RouteTable {
 
 /// Starts the built `floor-relay` (`FLOOR_RELAY_BIN`, or beside the running bench binary) with
 /// the certificate `cert` and key `key`, in front of `upstream`, on `threads` runtime threads
-/// (1: current-thread; none: tokio's multi-thread default), its stderr to `stderr`, killed on
-/// drop; returns it once it accepts, with its address. With `FLOOR_RELAY_ROUTE=1` in the
-/// environment it reads every frame as a router must ([`Routing::Read`], `--route`): for
-/// measuring, in place of the floor proper, the least a parsing router adds.
+/// (1: current-thread; none: tokio's multi-thread default), reading frames as `routing` says
+/// (`--route` for [`Routing::Read`]), its stderr to `stderr`, killed on drop; returns it once it
+/// accepts, with its address.
 pub async fn spawn(
     cert: &Path,
     key: &Path,
     upstream: &Upstream,
     threads: Option<u16>,
+    routing: Routing,
     stderr: Stdio,
 ) -> anyhow::Result<(Child, SocketAddr)> {
     let bin = crate::built_bin("floor-relay", "FLOOR_RELAY_BIN")?;
@@ -286,7 +299,7 @@ pub async fn spawn(
     if let Some(n) = threads {
         cmd.arg("--worker-threads").arg(n.to_string());
     }
-    if std::env::var_os("FLOOR_RELAY_ROUTE").is_some_and(|v| v == "1") {
+    if routing == Routing::Read {
         cmd.arg("--route");
     }
     match upstream {

@@ -1,5 +1,5 @@
 //! Added latency, side by side in one run: the same `thread/read` round trip (a thread with one
-//! turn) measured five ways, interleaved round by round so that whatever else the machine does
+//! turn) measured seven ways, interleaved round by round so that whatever else the machine does
 //! hits every path alike:
 //!
 //! - `direct-unix`: WebSocket straight onto the codex-fleet worker's Unix socket;
@@ -13,12 +13,17 @@
 //!   codex-fleet runs;
 //! - `floor-1t`: the same relay on tokio's current-thread runtime (`--worker-threads 1`): no
 //!   wake-up crosses threads, so it shows what the runtime's flavour alone costs;
+//! - `floor-route`: the floor relay reading every frame as any router that routes by thread must
+//!   (`--route`, `codex_fleet_bench::floor::Routing::Read`: the envelope, the `threadId`, a
+//!   table lookup, the id kept in flight) and relaying it unchanged: the least a parsing router
+//!   adds to this stack;
 //! - `direct-ws`: plain `ws://` onto a second app-server on the same CODEX_HOME, listening on
 //!   loopback TCP (shown for reference only: app-server's TCP listener leaves Nagle on, so its
 //!   two-part writes can wait for the client's delayed ACK, which makes it no fair baseline).
 //!
 //! Added latency is each proxy's time minus `direct-unix`. The ratios of codex-fleet's added
-//! median to HAProxy's and to the floor's are the numbers to compare across machines; absolute
+//! median to HAProxy's, to the floor's and to the routing floor's are the numbers to compare
+//! across machines; absolute
 //! numbers are not. Needs `CODEX_BIN`, a built `codex-fleet` and `floor-relay` (release, beside
 //! this binary, or `CODEX_FLEET_BIN` / `FLOOR_RELAY_BIN`) and `haproxy` on PATH
 //! (`ops/bench/latency.sh` installs it from Debian).
@@ -29,7 +34,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
-use codex_fleet_bench::floor::Upstream;
+use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::latency::{
     connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
     TIMEOUT, WARM_UP,
@@ -95,29 +100,33 @@ fn start_ws_worker(files: &FleetFiles, home: &Path, port: u16) -> anyhow::Result
 }
 
 /// The floor relay in front of `upstream`, with the fleet's certificate, on `threads` runtime
-/// threads (1: current-thread; none: tokio's default); returns it with its port.
+/// threads (1: current-thread; none: tokio's default), reading frames as `routing` says;
+/// returns it with its port.
 async fn start_floor(
     dir: &Path,
     upstream: &Path,
     threads: Option<u16>,
+    routing: Routing,
 ) -> anyhow::Result<(Child, u16)> {
     let (child, addr) = codex_fleet_bench::floor::spawn(
         &dir.join("tls.crt"),
         &dir.join("tls.key"),
         &Upstream::Socket(upstream.to_path_buf()),
         threads,
+        routing,
         Stdio::inherit(),
     )
     .await?;
     Ok((child, addr.port()))
 }
 
-const PATHS: [&str; 6] = [
+const PATHS: [&str; 7] = [
     "direct-unix",
     "fleet",
     "haproxy",
     "floor",
     "floor-1t",
+    "floor-route",
     "direct-ws",
 ];
 
@@ -128,15 +137,22 @@ struct Added {
     haproxy: f64,
     floor: f64,
     floor_1t: f64,
-    cpu: [f64; 4],
+    floor_route: f64,
+    cpu: [f64; 5],
 }
 
 /// The proxies whose CPU time is counted, in [`Added::cpu`]'s order.
-const PROXIES: [&str; 4] = ["codex-fleet", "HAProxy", "floor", "floor, 1 thread"];
+const PROXIES: [&str; 5] = [
+    "codex-fleet",
+    "HAProxy",
+    "floor",
+    "floor, 1 thread",
+    "routing floor",
+];
 
 /// Every proxy's CPU time so far, in µs ([`codex_fleet_bench::cpu_micros`]).
-fn cpu_now(pids: &[u32; 4]) -> anyhow::Result<[f64; 4]> {
-    let mut cpu = [0.0; 4];
+fn cpu_now(pids: &[u32; 5]) -> anyhow::Result<[f64; 5]> {
+    let mut cpu = [0.0; 5];
     for (c, pid) in cpu.iter_mut().zip(pids) {
         *c = codex_fleet_bench::cpu_micros(*pid)
             .ok_or_else(|| anyhow::anyhow!("no CPU time for pid {pid}: did it exit?"))?;
@@ -144,7 +160,7 @@ fn cpu_now(pids: &[u32; 4]) -> anyhow::Result<[f64; 4]> {
     Ok(cpu)
 }
 
-fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
+fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
     let s: Vec<Summary> = samples.iter().map(|v| summarize(v)).collect();
     println!(
         "{label}: round trip in µs (p50 / p99 / p99.9), {} rounds",
@@ -158,11 +174,13 @@ fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
     let haproxy = added(&s[2], &s[0]);
     let floor = added(&s[3], &s[0]);
     let floor_1t = added(&s[4], &s[0]);
+    let floor_route = added(&s[5], &s[0]);
     for (name, a) in [
         ("codex-fleet:", fleet),
         ("HAProxy:", haproxy),
         ("the floor:", floor),
         ("the floor, 1 thread:", floor_1t),
+        ("the routing floor:", floor_route),
     ] {
         println!(
             "  added by {name:<20} {:>6.0} {:>6.0} {:>6.0}",
@@ -185,6 +203,14 @@ fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
         "  codex-fleet added median / 1-thread floor added median = {:.2}",
         fleet.0 / floor_1t.0
     );
+    println!(
+        "  codex-fleet added median / routing floor added median = {:.2}",
+        fleet.0 / floor_route.0
+    );
+    println!(
+        "  routing floor added median / floor added median = {:.2}",
+        floor_route.0 / floor.0
+    );
     print!("  CPU per round trip, µs:");
     for (name, c) in PROXIES.iter().zip(cpu) {
         print!(" {name} {c:.1};");
@@ -195,6 +221,7 @@ fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
         haproxy: haproxy.0,
         floor: floor.0,
         floor_1t: floor_1t.0,
+        floor_route: floor_route.0,
         cpu,
     }
 }
@@ -203,23 +230,27 @@ fn report(label: &str, samples: &[Vec<f64>; 6], cpu: [f64; 4]) -> Added {
 fn table(rows: &[(String, Added)]) {
     println!("added median, µs, per run (BENCHMARKS.md, bench 1):");
     println!(
-        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | CPU µs per round trip: fleet / HAProxy / floor / floor 1t |"
+        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | routing floor | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | fleet/routing floor | routing floor/floor | CPU µs per round trip: fleet / HAProxy / floor / floor 1t / routing floor |"
     );
-    println!("  |---|---|---|---|---|---|---|---|---|");
+    println!("  |---|---|---|---|---|---|---|---|---|---|---|---|");
     for (label, a) in rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
             a.fleet,
             a.haproxy,
             a.floor,
             a.floor_1t,
+            a.floor_route,
             a.fleet / a.haproxy,
             a.fleet / a.floor,
             a.fleet / a.floor_1t,
+            a.fleet / a.floor_route,
+            a.floor_route / a.floor,
             a.cpu[0],
             a.cpu[1],
             a.cpu[2],
-            a.cpu[3]
+            a.cpu[3],
+            a.cpu[4]
         );
     }
 }
@@ -262,17 +293,24 @@ async fn main() -> anyhow::Result<()> {
         &format!("unix@{}", socket.display()),
     )?;
     wait_port(proxy_port).await?;
-    let (floor, floor_port) = start_floor(&dir, &socket, None).await?;
-    let (floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1)).await?;
+    let (floor, floor_port) = start_floor(&dir, &socket, None, Routing::None).await?;
+    let (floor_1t, floor_1t_port) = start_floor(&dir, &socket, Some(1), Routing::None).await?;
+    let (floor_route, floor_route_port) = start_floor(&dir, &socket, None, Routing::Read).await?;
     let pid = |c: &Child| {
         c.id()
             .ok_or_else(|| anyhow::anyhow!("a proxy exited early"))
     };
-    let pids = [pid(&fleet)?, pid(&haproxy)?, pid(&floor)?, pid(&floor_1t)?];
+    let pids = [
+        pid(&fleet)?,
+        pid(&haproxy)?,
+        pid(&floor)?,
+        pid(&floor_1t)?,
+        pid(&floor_route)?,
+    ];
 
     let params = json!({"threadId": thread, "includeTurns": args.include_turns});
-    let mut all: [Vec<f64>; 6] = Default::default();
-    let mut all_cpu = [0.0; 4];
+    let mut all: [Vec<f64>; 7] = Default::default();
+    let mut all_cpu = [0.0; 5];
     let mut rows = Vec::new();
     for run in 1..=args.runs {
         let mut conns = [
@@ -296,6 +334,12 @@ async fn main() -> anyhow::Result<()> {
                 None,
             )
             .await?,
+            connect_ws(
+                &format!("wss://localhost:{floor_route_port}/"),
+                Some(&files.ca),
+                None,
+            )
+            .await?,
             connect_ws(&format!("ws://127.0.0.1:{ws_port}/"), None, None).await?,
         ];
         let before = cpu_now(&pids)?;
@@ -303,7 +347,7 @@ async fn main() -> anyhow::Result<()> {
         let after = cpu_now(&pids)?;
         // Each connection's warm-up calls count too: the CPU time covers them.
         let calls = (args.rounds + WARM_UP) as f64;
-        let cpu: [f64; 4] = std::array::from_fn(|i| (after[i] - before[i]) / calls);
+        let cpu: [f64; 5] = std::array::from_fn(|i| (after[i] - before[i]) / calls);
         for (a, c) in all_cpu.iter_mut().zip(cpu) {
             *a += c / args.runs as f64;
         }

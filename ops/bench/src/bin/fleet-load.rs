@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use codex_fleet_bench::floor::Upstream;
+use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
 use codex_fleet_bench::{peak_rss_kib, terminate, Binaries, Work};
@@ -373,6 +373,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         &dir.path().join("tls.key"),
         &Upstream::Dir(dir.path().join("d")),
         None,
+        Routing::from_env(),
         Stdio::from(std::fs::File::create(&floor_log)?),
     )
     .await
