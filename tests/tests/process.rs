@@ -1,5 +1,6 @@
 //! codex-fleet as a real process: signals (SIGTERM, SIGINT, a second one, SIGKILL) leave no
-//! worker behind; workers get only the allowlisted environment; start-up warnings; the npm launcher.
+//! worker behind; workers get only the allowlisted environment; start-up warnings; the npm launcher;
+//! one tenant taking every file descriptor the process may open.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -326,4 +327,122 @@ async fn the_npm_launcher_is_resolved_to_the_native_binary() -> anyhow::Result<(
         assert_eq!(exe, native, "worker {pid} runs {}", exe.display());
     }
     fleet.stop().await
+}
+
+/// The process's open files in use: the entries of `/proc/PID/fd`.
+fn open_files(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// One tenant takes every file descriptor the process may open (its open-files limit lowered
+/// under it with `prlimit`, so the per-tenant connection cap does not stop it first): the
+/// accept loop meets EMFILE, logs it and keeps going; another tenant's session already open
+/// keeps working, a turn included; once the hog lets go, a new session of the other tenant
+/// connects and runs on a new leg. Nothing is refused for good and the process does not exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .tenant_pool("hog", 1, 1)
+        .limits_toml(
+            "handshakes_per_sec_per_ip = 100000\nhandshake_burst = 100000\nmax_connections_per_tenant = 10000",
+        )
+        .prepare()
+        .await?;
+    let proc = FleetProcess::spawn(&files).await?;
+    let pid = proc.pid().context("pid")?;
+    let mut acme = proc.client(&files, &files.token("acme")).await?;
+    let thread = acme.start_thread().await?;
+    acme.start_turn(&thread, "before the hog").await?;
+    acme.until_turn_completed(&thread).await?;
+    // The limit is lowered under the running process: a little room above what it holds now.
+    let limit = open_files(pid) + 24;
+    let status = std::process::Command::new("prlimit")
+        .arg(format!("--pid={pid}"))
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()?;
+    anyhow::ensure!(status.success(), "prlimit: {status}");
+    // The hog opens sessions, each told to open a leg to its worker, until three cannot: the
+    // answer is app-server's overloaded error (the leg could not be opened), or nothing while
+    // the TLS handshake waits in the listen queue because accept fails.
+    let mut hog = Vec::new();
+    let mut refused = Vec::new();
+    for _ in 0..limit {
+        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
+            let mut c = proc.client(&files, &files.token("hog")).await?;
+            c.request("thread/loaded/list", serde_json::json!({}))
+                .await?;
+            anyhow::Ok(c)
+        })
+        .await;
+        match attempt {
+            Ok(Ok(c)) => hog.push(c),
+            Ok(Err(e)) => refused.push(e.to_string()),
+            Err(_) => refused.push("no answer within 3 s".to_owned()),
+        }
+        if refused.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(
+        refused.len(),
+        3,
+        "the hog never ran out of descriptors: {} sessions",
+        hog.len()
+    );
+    for r in &refused {
+        assert!(
+            r.contains("\"code\":-32001") && r.contains("workerUnreachable")
+                || r == "no answer within 3 s",
+            "{r}"
+        );
+    }
+    eprintln!(
+        "measured: the hog holds {} sessions, the process {} descriptors (limit {limit}); refused: {refused:?}",
+        hog.len(),
+        open_files(pid)
+    );
+    assert!(
+        proc.wait_for_stderr("Too many open files", Duration::from_secs(5))
+            .await,
+        "the accept loop met EMFILE and said so: {}",
+        proc.stderr()
+    );
+    // The other tenant's open session keeps working: a request and a whole turn.
+    let read = acme
+        .request("thread/read", serde_json::json!({"threadId": thread}))
+        .await?;
+    assert_eq!(read["thread"]["id"], thread.as_str());
+    acme.start_turn(&thread, "while the hog holds everything")
+        .await?;
+    let msgs = acme.until_turn_completed(&thread).await?;
+    assert_eq!(
+        agent_text(&msgs).as_deref(),
+        Some(reply_text("while the hog holds everything").as_str())
+    );
+    // The hog lets go; a new session of the other tenant gets in and opens a new leg.
+    for c in hog {
+        c.close().await;
+    }
+    let mut again = None;
+    for _ in 0..20 {
+        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
+            let mut c = proc.client(&files, &files.token("acme")).await?;
+            c.request("thread/read", serde_json::json!({"threadId": thread}))
+                .await?;
+            anyhow::Ok(c)
+        })
+        .await;
+        if let Ok(Ok(c)) = attempt {
+            again = Some(c);
+            break;
+        }
+    }
+    assert!(
+        again.is_some(),
+        "no new session after the hog let go: {}",
+        proc.stderr()
+    );
+    assert!(testkit::process_alive(i32::try_from(pid)?));
+    Ok(())
 }
