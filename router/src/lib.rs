@@ -103,6 +103,12 @@ impl Server {
             }
         };
         let metrics = RouterMetrics::register(&registry)?;
+        // The process's own CPU, memory, threads and open files against its limit
+        // (`process_open_fds` / `process_max_fds`): past that limit connections wait in the
+        // listen queue and legs cannot open, so the alert rules watch it.
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
         session::metrics::init_series(&metrics);
         let audit = audit::Audit::start(&cfg.audit, &registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;

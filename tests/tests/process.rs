@@ -402,6 +402,35 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
         hog.len(),
         open_files(pid)
     );
+    // Near the limit, what the alert CodexFleetOpenFilesNearLimit watches says so. At the limit
+    // itself nothing can be read (the scrape's connection and the reading of /proc each need a
+    // descriptor: the target is down for Prometheus), so two hog sessions let go first.
+    for c in hog.drain(..2) {
+        c.close().await;
+    }
+    let mut fds = None;
+    for _ in 0..50 {
+        if let Ok(Ok((200, body))) = tokio::time::timeout(
+            Duration::from_secs(1),
+            testkit::http_get(proc.admin, "/metrics"),
+        )
+        .await
+        {
+            let value = |name: &str| {
+                body.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            };
+            if let (Some(open), Some(max)) = (value("process_open_fds"), value("process_max_fds")) {
+                fds = Some((open, max));
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (open, max) = fds.context("no process_open_fds in /metrics")?;
+    eprintln!("measured: /metrics says {open} of {max} descriptors open");
+    assert_eq!(max, limit as f64);
+    assert!(open / max > 0.8, "{open} of {max}");
     assert!(
         proc.wait_for_stderr("Too many open files", Duration::from_secs(5))
             .await,
