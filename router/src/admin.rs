@@ -35,19 +35,21 @@ pub struct Admin {
     pub warnings: Vec<String>,
     /// The edge, when this process is one: `/readyz` says which nodes and tenants it reaches.
     pub edge: Option<std::sync::Arc<crate::edge::Edge>>,
+    /// Counts this port's failed accepts.
+    pub accept_errors: prometheus::IntCounter,
 }
 
 impl Admin {
     /// Serves until `stop`.
     pub async fn run(self) {
         let this = Arc::new(self);
+        let mut failures = crate::listener::AcceptFailures::new("admin", &this.accept_errors);
         loop {
             let (tcp, _) = tokio::select! {
                 r = this.tcp.accept() => match r {
                     Ok(c) => c,
                     Err(e) => {
-                        tracing::warn!(error = %e, "admin accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        failures.on_error(&e).await;
                         continue;
                     }
                 },

@@ -251,6 +251,7 @@ impl Server {
                 tracker: admin_tracker.clone(),
                 warnings: self.warnings.clone(),
                 edge: self.edge().cloned(),
+                accept_errors: self.metrics.accept_errors.with_label_values(&["admin"]),
             }
             .run(),
         );

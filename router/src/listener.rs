@@ -112,6 +112,56 @@ struct Conn {
     role: Role,
 }
 
+/// How long an accept loop waits after a failed accept before the next one.
+const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// How often, at most, an accept loop logs its failures.
+const ACCEPT_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// An accept loop's failures: EMFILE when the process holds every file descriptor it may open
+/// (ENFILE, ENOMEM and the like alike). The connection stays in the listen queue and the loop
+/// tries again after [`ACCEPT_RETRY`]. Each failure is counted; the log says so at most once per
+/// [`ACCEPT_LOG_EVERY`], with how many failed since the last line, so whoever keeps the process
+/// at its limit cannot fill the log at 20 lines a second.
+pub(crate) struct AcceptFailures {
+    listener: &'static str,
+    counter: prometheus::IntCounter,
+    last_log: Option<tokio::time::Instant>,
+    unlogged: u64,
+}
+
+impl AcceptFailures {
+    pub(crate) fn new(listener: &'static str, counter: &prometheus::IntCounter) -> AcceptFailures {
+        AcceptFailures {
+            listener,
+            counter: counter.clone(),
+            last_log: None,
+            unlogged: 0,
+        }
+    }
+
+    /// Counts `e`, logs it if the last line is old enough, and waits before the next accept.
+    pub(crate) async fn on_error(&mut self, e: &std::io::Error) {
+        self.counter.inc();
+        self.unlogged += 1;
+        let now = tokio::time::Instant::now();
+        if self
+            .last_log
+            .is_none_or(|t| now.duration_since(t) >= ACCEPT_LOG_EVERY)
+        {
+            tracing::warn!(
+                listener = self.listener,
+                error = %e,
+                failed = self.unlogged,
+                "accept failed; the connection waits in the listen queue"
+            );
+            self.last_log = Some(now);
+            self.unlogged = 0;
+        }
+        tokio::time::sleep(ACCEPT_RETRY).await;
+    }
+}
+
 // === impl Listener ===
 
 impl Listener {
@@ -120,6 +170,10 @@ impl Listener {
         let this = Arc::new(self);
         let backstop = accept_backstop(this.admission.config().max_connections);
         let connections = Arc::new(Semaphore::new(backstop));
+        let mut failures = AcceptFailures::new(
+            "client",
+            &this.metrics.accept_errors.with_label_values(&["client"]),
+        );
         loop {
             let permit = tokio::select! {
                 p = connections.clone().acquire_owned() => match p {
@@ -132,8 +186,7 @@ impl Listener {
                 r = this.tcp.accept() => match r {
                     Ok(c) => c,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        failures.on_error(&e).await;
                         continue;
                     }
                 },

@@ -8,6 +8,8 @@ use prometheus::{
 pub mod names {
     /// Client connections accepted at TCP level.
     pub const CONNECTIONS_ACCEPTED: &str = "codex_fleet_connections_accepted_total";
+    /// Failed `accept`s, by listener.
+    pub const ACCEPT_ERRORS: &str = "codex_fleet_accept_errors_total";
     /// Upgrades refused, by reason.
     pub const UPGRADES_REFUSED: &str = "codex_fleet_upgrades_refused_total";
     /// Open client sessions, by tenant.
@@ -54,6 +56,8 @@ pub mod names {
 pub struct RouterMetrics {
     /// See [`names::CONNECTIONS_ACCEPTED`].
     pub connections_accepted: prometheus::IntCounter,
+    /// See [`names::ACCEPT_ERRORS`]; label `listener` (`client`, `admin`).
+    pub accept_errors: IntCounterVec,
     /// See [`names::UPGRADES_REFUSED`]; label `reason`.
     pub upgrades_refused: IntCounterVec,
     /// See [`names::SESSIONS`]; label `tenant`.
@@ -254,6 +258,14 @@ impl RouterMetrics {
                 names::CONNECTIONS_ACCEPTED,
                 "Client TCP connections accepted.",
             )?,
+            accept_errors: IntCounterVec::new(
+                Opts::new(
+                    names::ACCEPT_ERRORS,
+                    "Failed accepts (EMFILE: the process is out of file descriptors), by \
+                     listener; the connection waits in the listen queue.",
+                ),
+                &["listener"],
+            )?,
             upgrades_refused: IntCounterVec::new(
                 Opts::new(
                     names::UPGRADES_REFUSED,
@@ -374,6 +386,10 @@ impl RouterMetrics {
             )?,
         };
         registry.register(Box::new(m.connections_accepted.clone()))?;
+        registry.register(Box::new(m.accept_errors.clone()))?;
+        for listener in ["client", "admin"] {
+            m.accept_errors.with_label_values(&[listener]);
+        }
         registry.register(Box::new(m.limits.clone()))?;
         registry.register(Box::new(m.tenant_limits.clone()))?;
         registry.register(Box::new(m.tenant_rejections.clone()))?;

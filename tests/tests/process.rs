@@ -335,10 +335,11 @@ fn open_files(pid: u32) -> usize {
 }
 
 /// One tenant takes every file descriptor the process may open (its open-files limit lowered
-/// under it with `prlimit`, so the per-tenant connection cap does not stop it first): the
-/// accept loop meets EMFILE, logs it and keeps going; another tenant's session already open
-/// keeps working, a turn included; once the hog lets go, a new session of the other tenant
-/// connects and runs on a new leg. Nothing is refused for good and the process does not exit.
+/// under it with `prlimit`, so the per-tenant connection cap does not stop it first), and bare
+/// TCP connections take the rest: the accept loop meets EMFILE, counts every failure, logs at
+/// most one line a second and keeps going; another tenant's session already open keeps
+/// working, a turn included; once the hog lets go, a new session of the other tenant connects
+/// and runs on a new leg. Nothing is refused for good and the process does not exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> anyhow::Result<()> {
     let files = FleetBuilder::new()
@@ -431,13 +432,17 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     eprintln!("measured: /metrics says {open} of {max} descriptors open");
     assert_eq!(max, limit as f64);
     assert!(open / max > 0.8, "{open} of {max}");
-    assert!(
-        proc.wait_for_stderr("Too many open files", Duration::from_secs(5))
-            .await,
-        "the accept loop met EMFILE and said so: {}",
-        proc.stderr()
-    );
-    // The other tenant's open session keeps working: a request and a whole turn.
+    // Connections that never start TLS (anyone's, before any token) take what is left; the
+    // rest wait in the listen queue while every accept fails. The log says so once a second at
+    // most, however often the accept loop tries (every 50 ms).
+    let failures_logged = || proc.stderr().matches("accept failed").count();
+    let logged_before = failures_logged();
+    let mut raw = Vec::new();
+    for _ in 0..8 {
+        raw.push(tokio::net::TcpStream::connect(proc.addr).await?);
+    }
+    let held = tokio::time::Instant::now();
+    // The other tenant's open session keeps working meanwhile: a request and a whole turn.
     let read = acme
         .request("thread/read", serde_json::json!({"threadId": thread}))
         .await?;
@@ -449,7 +454,22 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
         agent_text(&msgs).as_deref(),
         Some(reply_text("while the hog holds everything").as_str())
     );
+    tokio::time::sleep_until(held + Duration::from_secs(3)).await;
+    let lines = failures_logged() - logged_before;
+    let held = held.elapsed().as_secs_f64();
+    eprintln!("measured: {lines} accept-failure lines logged in {held:.1} s of EMFILE");
+    assert!(
+        lines >= 1 && lines as f64 <= held.ceil() + 1.0,
+        "{lines} lines in {held:.1} s: {}",
+        proc.stderr()
+    );
+    assert!(
+        proc.stderr().contains("Too many open files"),
+        "{}",
+        proc.stderr()
+    );
     // The hog lets go; a new session of the other tenant gets in and opens a new leg.
+    drop(raw);
     for c in hog {
         c.close().await;
     }
@@ -472,6 +492,18 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
         "no new session after the hog let go: {}",
         proc.stderr()
     );
+    // Every failed accept was counted, not only those logged.
+    let (_, metrics) = testkit::http_get(proc.admin, "/metrics").await?;
+    let failed = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("codex_fleet_accept_errors_total{listener=\"client\"} ")?
+                .parse::<f64>()
+                .ok()
+        })
+        .context("codex_fleet_accept_errors_total")?;
+    eprintln!("measured: {failed} failed accepts counted");
+    assert!(failed > lines as f64, "{failed} counted, {lines} logged");
     assert!(testkit::process_alive(i32::try_from(pid)?));
     Ok(())
 }
