@@ -80,16 +80,15 @@ cargo build --locked --release -p codex-fleet-bench -p codex-fleet-sim --bins >&
 # With --floor, a third run has the floor read frames as a router must (`FLOOR_RELAY_ROUTE=1`),
 # so the routing floor that `added-latency` measures beside the floor proper is trained too.
 train() {
-    local route
-    for route in "" 1; do
-        [ -z "$route" ] || [ "$floor" = 1 ] || continue
-        for edge in "" --edge; do
-            [ -z "$route" ] || [ -z "$edge" ] || continue
-            # shellcheck disable=SC2086 # no edge: no argument
-            env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" FLOOR_RELAY_ROUTE="$route" \
-                ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} target/release/fleet-load $edge >&2
-        done
+    for edge in "" --edge; do
+        # shellcheck disable=SC2086 # no edge: no argument
+        env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} \
+            target/release/fleet-load $edge >&2
     done
+    if [ "$floor" = 1 ]; then
+        env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" FLOOR_RELAY_ROUTE=1 \
+            ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} target/release/fleet-load >&2
+    fi
 }
 # optimize NAME PACKAGE: the profile-use build of binary NAME from $out/NAME.profdata, linked
 # with its relocations kept for llvm-bolt, in $out/use (codex-fleet) or $out/NAME-use.

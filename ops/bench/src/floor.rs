@@ -235,8 +235,8 @@ pub enum Routing {
 
 impl Routing {
     /// [`Routing::Read`] with `FLOOR_RELAY_ROUTE=1` in the environment, else the floor proper:
-    /// how `fleet-load` and `footprint.sh`, which run one floor, are asked to measure the
-    /// routing floor in its place (`added-latency` runs both).
+    /// how `fleet-load`, which runs one floor, is asked to measure the routing floor in its
+    /// place (`added-latency`, and `footprint.sh` through it, run both).
     pub fn from_env() -> Routing {
         if std::env::var_os("FLOOR_RELAY_ROUTE").is_some_and(|v| v == "1") {
             Routing::Read

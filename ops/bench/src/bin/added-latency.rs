@@ -23,10 +23,9 @@
 //!
 //! Added latency is each proxy's time minus `direct-unix`. The ratios of codex-fleet's added
 //! median to HAProxy's, to the floor's and to the routing floor's are the numbers to compare
-//! across machines; absolute
-//! numbers are not. Needs `CODEX_BIN`, a built `codex-fleet` and `floor-relay` (release, beside
-//! this binary, or `CODEX_FLEET_BIN` / `FLOOR_RELAY_BIN`) and `haproxy` on PATH
-//! (`ops/bench/latency.sh` installs it from Debian).
+//! across machines; absolute numbers are not. Needs `CODEX_BIN`, a built `codex-fleet` and
+//! `floor-relay` (release, beside this binary, or `CODEX_FLEET_BIN` / `FLOOR_RELAY_BIN`) and
+//! `haproxy` on PATH (`ops/bench/latency.sh` installs it from Debian).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
