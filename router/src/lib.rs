@@ -8,6 +8,7 @@ pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod credentials;
+pub mod descriptors;
 pub mod door;
 pub mod edge;
 pub mod end;
@@ -104,11 +105,12 @@ impl Server {
         };
         let metrics = RouterMetrics::register(&registry)?;
         // The process's own CPU, memory, threads and open files against its limit
-        // (`process_open_fds` / `process_max_fds`): past that limit connections wait in the
+        // (`process_open_fds` / `process_max_fds`): near that limit connections wait in the
         // listen queue and legs cannot open, so the alert rules watch it.
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
+        descriptors::prepare()?;
         session::metrics::init_series(&metrics);
         let audit = audit::Audit::start(&cfg.audit, &registry)?;
         let worker_metrics = worker::metrics::WorkerMetrics::register(&registry)?;

@@ -119,8 +119,9 @@ const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
 const ACCEPT_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// An accept loop's failures: EMFILE when the process holds every file descriptor it may open
-/// (ENFILE, ENOMEM and the like alike). The connection stays in the listen queue and the loop
-/// tries again after [`ACCEPT_RETRY`]. Each failure is counted; the log says so at most once per
+/// (ENFILE, ENOMEM and the like alike), or, for the client port, every one below the reserve
+/// ([`crate::descriptors`]). The connection stays in the listen queue and the loop tries again
+/// after [`ACCEPT_RETRY`]. Each failure is counted; the log says so at most once per
 /// [`ACCEPT_LOG_EVERY`], with how many failed since the last line, so whoever keeps the process
 /// at its limit cannot fill the log at 20 lines a second.
 pub(crate) struct AcceptFailures {
@@ -182,6 +183,12 @@ impl Listener {
                 },
                 () = this.shutdown.cancelled() => return,
             };
+            // Client connections leave the descriptors above the reserve's line to the admin
+            // port and the workers: past it, a connection waits in the listen queue.
+            if let Err(e) = crate::descriptors::room() {
+                failures.on_error(&e).await;
+                continue;
+            }
             let (tcp, addr) = tokio::select! {
                 r = this.tcp.accept() => match r {
                     Ok(c) => c,
@@ -192,6 +199,12 @@ impl Listener {
                 },
                 () = this.shutdown.cancelled() => return,
             };
+            // Another thread took the free descriptor in between: this one is closed.
+            if let Err(e) = crate::descriptors::check(&tcp) {
+                drop(tcp);
+                failures.on_error(&e).await;
+                continue;
+            }
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
             // Edges are trusted peers of a node: their addresses carry many clients each.

@@ -261,8 +261,9 @@ impl RouterMetrics {
             accept_errors: IntCounterVec::new(
                 Opts::new(
                     names::ACCEPT_ERRORS,
-                    "Failed accepts (EMFILE: the process is out of file descriptors), by \
-                     listener; the connection waits in the listen queue.",
+                    "Deferred or failed accepts (out of file descriptors: on the client port, \
+                     of those below the reserve), by listener; the connection waits in the \
+                     listen queue.",
                 ),
                 &["listener"],
             )?,

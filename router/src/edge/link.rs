@@ -50,6 +50,15 @@ pub enum LinkError {
         /// What cannot be carried.
         source: headers::HeaderError,
     },
+    /// This edge has no descriptor below its reserve for the link ([`crate::descriptors`]): the
+    /// edge's own limit, not the node's (no link error is counted, readiness is untouched).
+    #[error("no descriptor for a link to node {node}: {reason}")]
+    Descriptors {
+        /// The node.
+        node: String,
+        /// The limit and the reserve.
+        reason: String,
+    },
     /// The tenant's node is not ready within the backend's start timeout.
     #[error("node {node} still starting")]
     Starting {
@@ -223,13 +232,15 @@ impl Edge {
                 .with_label_values(&[&who.node])
                 .observe(started.elapsed().as_secs_f64()),
             // Not the node's failure: neither counted against it nor its readiness.
-            Err(LinkError::Session { .. }) => {}
+            Err(LinkError::Session { .. } | LinkError::Descriptors { .. }) => {}
             Err(e) => {
                 let reason = match e {
                     LinkError::Unreachable { .. }
                     | LinkError::Starting { .. }
                     | LinkError::StartFailed { .. } => "unreachable",
-                    LinkError::Refused { .. } | LinkError::Session { .. } => "refused",
+                    LinkError::Refused { .. }
+                    | LinkError::Session { .. }
+                    | LinkError::Descriptors { .. } => "refused",
                 };
                 self.metrics
                     .errors
@@ -261,7 +272,15 @@ impl Edge {
                 source,
             }
         })?;
+        // A link leaves the descriptors above the reserve's line to what the edge shares.
+        let reserved = |e: std::io::Error| LinkError::Descriptors {
+            node: node.clone(),
+            reason: e.to_string(),
+        };
+        crate::descriptors::room().map_err(reserved)?;
         let tls = self.tls_to(target).await.map_err(unreachable)?;
+        // Another thread took the free descriptor in between: this link is closed.
+        crate::descriptors::check(tls.get_ref().0).map_err(reserved)?;
         let mut request = format!("wss://{}/", target.addr)
             .into_client_request()
             .map_err(|e| unreachable(e.to_string()))?;

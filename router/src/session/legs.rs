@@ -156,11 +156,21 @@ impl Leg {
         slots: WorkerSlots,
     ) -> Result<(Leg, LegFrames), LegError> {
         let worker = handle.id;
+        // A leg leaves the descriptors above the reserve's line to what the process shares.
+        let reserved = |e: std::io::Error| LegError::Connect {
+            worker,
+            reason: e.to_string(),
+        };
+        crate::descriptors::room().map_err(reserved)?;
         // Checks the listener is the worker itself; a mismatch is reported to the pool, which
         // replaces the worker. The session only sees this request fail.
         let connect = handle.connect(max_message_bytes);
         let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
-            Ok(Ok(s)) => s,
+            Ok(Ok(s)) => {
+                // Another thread took the free descriptor in between: this leg is closed.
+                crate::descriptors::check(s.get_ref().get_ref()).map_err(reserved)?;
+                s
+            }
             Ok(Err(e)) => {
                 return Err(LegError::Connect {
                     worker,

@@ -65,6 +65,12 @@ impl UnixIo {
     }
 }
 
+impl std::os::fd::AsFd for UnixIo {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.socket.get_ref().as_fd()
+    }
+}
+
 /// Registers `socket` with tokio for `interest` alone.
 ///
 /// tokio 1.54 deprecates its safe constructors in favour of `unsafe` ones, because a generic
