@@ -163,3 +163,75 @@ pub fn root_or_explicit_skip(what: &str) -> bool {
          ops/test.sh`), or set {SKIP_ROOT_TESTS}=1 to skip the root-only tests knowingly"
     );
 }
+
+/// A process's open files: the entries of `/proc/<pid>/fd`.
+pub fn open_files(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// A codex-fleet process's open-files limit lowered under it (`prlimit`), so that its
+/// connections have `room` descriptors left above what it holds now, and the reserve
+/// ([`router::descriptors::RESERVE`]) stays above those.
+#[derive(Debug, Clone, Copy)]
+pub struct LoweredLimit {
+    /// The open-files limit, soft and hard.
+    pub limit: usize,
+    /// The first descriptor connections may not take.
+    pub line: usize,
+}
+
+impl LoweredLimit {
+    /// Lowers `pid`'s limit ([`LoweredLimit`]).
+    pub fn set(pid: u32, room: usize) -> anyhow::Result<LoweredLimit> {
+        let reserve = usize::try_from(router::descriptors::RESERVE)?;
+        let limit = open_files(pid) + room + reserve;
+        let status = std::process::Command::new("prlimit")
+            .arg(format!("--pid={pid}"))
+            .arg(format!("--nofile={limit}:{limit}"))
+            .status()?;
+        anyhow::ensure!(status.success(), "prlimit: {status}");
+        Ok(LoweredLimit {
+            limit,
+            line: limit - reserve,
+        })
+    }
+
+    /// With connections holding every descriptor below the line: the admin port at `admin`
+    /// answers 5 liveness probes of 5 from the reserve, and a scrape whose descriptor values
+    /// say the process holds the line but not the whole reserve. Returns the open descriptors
+    /// the scrape read.
+    pub async fn admin_answers(&self, admin: std::net::SocketAddr) -> anyhow::Result<f64> {
+        for probe in 0..5 {
+            let answer = tokio::time::timeout(
+                Duration::from_secs(1),
+                crate::client::http_get(admin, "/healthz"),
+            )
+            .await;
+            anyhow::ensure!(
+                matches!(answer, Ok(Ok((200, _)))),
+                "liveness probe {probe} at the line: {answer:?}"
+            );
+        }
+        let (status, body) = tokio::time::timeout(
+            Duration::from_secs(1),
+            crate::client::http_get(admin, "/metrics"),
+        )
+        .await??;
+        anyhow::ensure!(status == 200, "/metrics at the line: {status}");
+        let value = |name: &str| {
+            body.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        };
+        let open = value("process_open_fds").ok_or_else(|| anyhow::anyhow!("process_open_fds"))?;
+        let max = value("process_max_fds").ok_or_else(|| anyhow::anyhow!("process_max_fds"))?;
+        anyhow::ensure!(
+            max == self.limit as f64,
+            "process_max_fds {max}, limit {self:?}"
+        );
+        anyhow::ensure!(
+            open >= self.line as f64 && open < self.limit as f64,
+            "{open} descriptors open at {self:?}"
+        );
+        Ok(open)
+    }
+}

@@ -15,8 +15,8 @@ use router::admission::FLOOD_CLOSE_REASON;
 use serde_json::{json, Value};
 use testkit::kube_cluster::{Cluster, Options};
 use testkit::{
-    fleet_bin, metric_at, rss_kib, wait_until_async, Client, FleetBuilder, FleetProcess, Split,
-    Upgrade,
+    agent_text, fleet_bin, metric_at, open_files, reply_text, rss_kib, wait_until_async, Client,
+    FleetBuilder, FleetProcess, LoweredLimit, Split, Upgrade,
 };
 use tokio::time::Instant;
 
@@ -606,5 +606,113 @@ async fn an_unread_flood_costs_an_edge_what_it_costs_serve() -> anyhow::Result<(
         edge_peak / 1024,
         serve_peak / 1024
     );
+    Ok(())
+}
+
+/// One tenant takes every descriptor an edge lets connections open (the edge's open-files
+/// limit lowered under it with `prlimit`): each of its sessions holds a client connection and a
+/// link. Its new sessions are refused — 503 `nodeUnavailable` with `Retry-After` when the link
+/// cannot open, or left in the listen queue — and those refusals are the edge's, never counted
+/// against the node nor its readiness. Meanwhile the edge's admin port answers from the reserve,
+/// and another tenant's session through the edge runs a turn; once the hog lets go, a new session
+/// of the other tenant gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_that_takes_every_descriptor_of_an_edge_does_not_stop_another(
+) -> anyhow::Result<()> {
+    let s = Split::start(
+        &[("acme", "n1"), ("hog", "n2")],
+        1,
+        "handshakes_per_sec_per_ip = 100000\nhandshake_burst = 100000\nmax_connections_per_tenant = 10000",
+    )
+    .await?;
+    let edge = &s.edges[0];
+    let pid = edge.pid().context("edge pid")?;
+    let mut acme = s.client(0, "acme").await?;
+    let thread = acme.start_thread().await?;
+    acme.start_turn(&thread, "before the hog").await?;
+    acme.until_turn_completed(&thread).await?;
+    let lowered = LoweredLimit::set(pid, 24)?;
+    let (mut hog, mut refused) = (Vec::new(), Vec::new());
+    for _ in 0..lowered.limit {
+        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
+            match Client::try_connect(&edge.url(), &s.files.ca, Some(&s.token("hog"))).await? {
+                Upgrade::Open(mut c) => {
+                    c.initialize("hog").await?;
+                    anyhow::Ok(Ok(c))
+                }
+                Upgrade::Refused {
+                    status,
+                    retry_after,
+                    body,
+                } => Ok(Err(format!("{status} {retry_after:?} {body}"))),
+            }
+        })
+        .await;
+        match attempt {
+            Ok(Ok(Ok(c))) => hog.push(c),
+            Ok(Ok(Err(answer))) => refused.push(answer),
+            Ok(Err(e)) => anyhow::bail!("hog session {}: {e:#}", hog.len()),
+            Err(_) => refused.push("no answer within 3 s".to_owned()),
+        }
+        if refused.len() == 3 {
+            break;
+        }
+    }
+    eprintln!(
+        "measured: the hog holds {} sessions through the edge, which holds {} descriptors ({lowered:?}); refused: {refused:?}",
+        hog.len(),
+        open_files(pid)
+    );
+    assert_eq!(refused.len(), 3, "{} hog sessions", hog.len());
+    for r in &refused {
+        assert!(
+            r.starts_with("503 Some(") && r.contains("nodeUnavailable")
+                || r == "no answer within 3 s",
+            "{r}"
+        );
+    }
+    let open = lowered.admin_answers(edge.admin).await?;
+    eprintln!("measured: at the line the edge's /metrics says {open} descriptors open");
+    // Not the node's failure: no link error counted, and the edge still reaches both nodes.
+    for node in ["n1", "n2"] {
+        let errors = metric_at(
+            edge.admin,
+            "codex_fleet_link_errors_total",
+            &[("node", node), ("reason", "unreachable")],
+        )
+        .await
+        .unwrap_or(0.0);
+        assert_eq!(errors, 0.0, "link errors counted against {node}");
+    }
+    let ready = s.edge_readyz(0).await?;
+    assert_eq!(ready["edge"]["unreachableTenants"], json!([]), "{ready}");
+    // The other tenant's session through the edge keeps working: a request and a whole turn.
+    acme.request("thread/read", json!({"threadId": thread}))
+        .await?;
+    acme.start_turn(&thread, "while the hog holds the edge")
+        .await?;
+    let msgs = acme.until_turn_completed(&thread).await?;
+    assert_eq!(
+        agent_text(&msgs).as_deref(),
+        Some(reply_text("while the hog holds the edge").as_str())
+    );
+    for c in hog {
+        c.close().await;
+    }
+    let back = wait_until_async(Duration::from_secs(20), || async {
+        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
+            let mut c = s.client(0, "acme").await?;
+            c.request("thread/read", json!({"threadId": thread})).await
+        })
+        .await;
+        matches!(attempt, Ok(Ok(_)))
+    })
+    .await;
+    assert!(
+        back,
+        "no new session after the hog let go: {}",
+        edge.stderr()
+    );
+    assert!(testkit::process_alive(i32::try_from(pid)?));
     Ok(())
 }

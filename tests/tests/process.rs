@@ -9,7 +9,8 @@ use anyhow::Context;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use testkit::{
-    agent_text, reply_text, workers_under, Client, FleetBuilder, FleetFiles, FleetProcess,
+    agent_text, open_files, reply_text, workers_under, Client, FleetBuilder, FleetFiles,
+    FleetProcess, LoweredLimit,
 };
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -329,11 +330,6 @@ async fn the_npm_launcher_is_resolved_to_the_native_binary() -> anyhow::Result<(
     fleet.stop().await
 }
 
-/// The process's open files in use: the entries of `/proc/PID/fd`.
-fn open_files(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
-}
-
 /// One tenant takes every file descriptor the process lets connections open (its open-files
 /// limit lowered under it with `prlimit`, so the per-tenant connection cap does not stop it
 /// first: connections stop [`router::descriptors::RESERVE`] under the limit), and bare TCP
@@ -345,7 +341,6 @@ fn open_files(pid: u32) -> usize {
 /// good and the process does not exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> anyhow::Result<()> {
-    const RESERVE: usize = router::descriptors::RESERVE as usize;
     let files = FleetBuilder::new()
         .tenant_pool("acme", 1, 1)
         .tenant_pool("hog", 1, 1)
@@ -362,13 +357,8 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     acme.until_turn_completed(&thread).await?;
     // The limit is lowered under the running process: connections get a little room above
     // what it holds now, and the reserve stays above that.
-    let limit = open_files(pid) + 24 + RESERVE;
-    let line = limit - RESERVE;
-    let status = std::process::Command::new("prlimit")
-        .arg(format!("--pid={pid}"))
-        .arg(format!("--nofile={limit}:{limit}"))
-        .status()?;
-    anyhow::ensure!(status.success(), "prlimit: {status}");
+    let lowered = LoweredLimit::set(pid, 24)?;
+    let LoweredLimit { limit, line } = lowered;
     // The hog opens sessions, each told to open a leg to its worker, until three cannot: the
     // answer is app-server's overloaded error (the leg could not be opened), or nothing while
     // the TLS handshake waits in the listen queue because the accept loop defers it.
@@ -426,36 +416,8 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     let held = tokio::time::Instant::now();
     // The admin port answers from the reserve: the liveness probe, every time, and a scrape
     // that says how close the process is (what the alert CodexFleetOpenFilesNearLimit watches).
-    for probe in 0..5 {
-        let answer = tokio::time::timeout(
-            Duration::from_secs(1),
-            testkit::http_get(proc.admin, "/healthz"),
-        )
-        .await;
-        assert!(
-            matches!(answer, Ok(Ok((200, _)))),
-            "probe {probe} at the line: {answer:?}"
-        );
-    }
-    let (status, body) = tokio::time::timeout(
-        Duration::from_secs(1),
-        testkit::http_get(proc.admin, "/metrics"),
-    )
-    .await??;
-    assert_eq!(status, 200);
-    let value = |name: &str| {
-        body.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-    };
-    let open = value("process_open_fds").context("process_open_fds")?;
-    let max = value("process_max_fds").context("process_max_fds")?;
-    eprintln!("measured: at the line /metrics says {open} of {max} descriptors open");
-    assert_eq!(max, limit as f64);
-    assert!(open >= line as f64, "{open} open, line {line}");
-    assert!(
-        open < limit as f64,
-        "the reserve was used up: {open} of {limit}"
-    );
+    let open = lowered.admin_answers(proc.admin).await?;
+    eprintln!("measured: at the line /metrics says {open} of {limit} descriptors open");
     // The other tenant's open session keeps working meanwhile: a request and a whole turn.
     let read = acme
         .request("thread/read", serde_json::json!({"threadId": thread}))
