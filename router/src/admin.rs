@@ -89,8 +89,10 @@ impl Admin {
         }
     }
 
-    /// 200 while accepting work; 503 while draining, or when no tenant can get a worker (every
-    /// tenant's pool is quarantined or misconfigured). The JSON detail says why.
+    /// 200 while accepting work; 503 while draining, when no tenant can get a worker (every
+    /// tenant's pool is quarantined or misconfigured), or while connections hold every file
+    /// descriptor below the reserve (new ones wait in the listen queue: [`crate::descriptors`]).
+    /// The JSON detail says why.
     fn readyz(&self) -> Response<Full<Bytes>> {
         let draining = self.draining.is_cancelled();
         let current = self.tenants.current();
@@ -134,7 +136,11 @@ impl Admin {
                 "no capacity: no tenant can get a worker (see tenants[].unavailable)".to_owned(),
             );
         }
-        let mut ready = !draining && !no_capacity;
+        let descriptors = crate::descriptors::room();
+        if let Err(e) = &descriptors {
+            reasons.push(format!("no descriptors for new connections: {e}"));
+        }
+        let mut ready = !draining && !no_capacity && descriptors.is_ok();
         let mut body = json!({
             "ready": ready,
             "draining": draining,

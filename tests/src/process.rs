@@ -197,9 +197,9 @@ impl LoweredLimit {
     }
 
     /// With connections holding every descriptor below the line: the admin port at `admin`
-    /// answers 5 liveness probes of 5 from the reserve, and a scrape whose descriptor values
-    /// say the process holds the line but not the whole reserve. Returns the open descriptors
-    /// the scrape read.
+    /// answers 5 liveness probes of 5 from the reserve, a scrape whose descriptor values say
+    /// the process holds the line but not the whole reserve, and a readiness probe that says
+    /// not ready for that reason. Returns the open descriptors the scrape read.
     pub async fn admin_answers(&self, admin: std::net::SocketAddr) -> anyhow::Result<f64> {
         for probe in 0..5 {
             let answer = tokio::time::timeout(
@@ -218,6 +218,16 @@ impl LoweredLimit {
         )
         .await??;
         anyhow::ensure!(status == 200, "/metrics at the line: {status}");
+        // Not ready: new connections would wait in the listen queue.
+        let (ready, detail) = tokio::time::timeout(
+            Duration::from_secs(1),
+            crate::client::http_get(admin, "/readyz"),
+        )
+        .await??;
+        anyhow::ensure!(
+            ready == 503 && detail.contains("no descriptors for new connections"),
+            "/readyz at the line: {ready} {detail}"
+        );
         let value = |name: &str| {
             body.lines()
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())

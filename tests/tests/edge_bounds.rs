@@ -713,6 +713,11 @@ async fn a_tenant_that_takes_every_descriptor_of_an_edge_does_not_stop_another(
         "no new session after the hog let go: {}",
         edge.stderr()
     );
+    let ready = s.edge_readyz(0).await?;
+    assert_eq!(
+        ready["ready"], true,
+        "ready again once the hog let go: {ready}"
+    );
     assert!(testkit::process_alive(i32::try_from(pid)?));
     Ok(())
 }

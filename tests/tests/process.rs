@@ -469,6 +469,8 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
         "no new session after the hog let go: {}",
         proc.stderr()
     );
+    let (ready, detail) = testkit::http_get(proc.admin, "/readyz").await?;
+    assert_eq!(ready, 200, "ready again once the hog let go: {detail}");
     // Every deferred accept was counted, not only those logged.
     let (_, metrics) = testkit::http_get(proc.admin, "/metrics").await?;
     let failed = metrics
