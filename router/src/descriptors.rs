@@ -63,6 +63,35 @@ fn below(fd: impl AsFd, line: u64) -> bool {
     u64::try_from(fd.as_fd().as_raw_fd()).is_ok_and(|n| n < line)
 }
 
+/// Descriptors a worker holds in this process: its control leg and its output pipes, with
+/// room for its start.
+pub const PER_WORKER: usize = 4;
+
+/// A warning when the caps let connections need more descriptors than the open-files limit
+/// leaves them: `per_connection` each (a client's socket and a leg, or an edge's link) for
+/// `max_connections`, [`PER_WORKER`] for each of `max_workers`, and the [`RESERVE`]. Connections
+/// would then stop at the line before the connection caps, with no cap naming why.
+pub fn sizing_warning(
+    max_connections: usize,
+    per_connection: usize,
+    max_workers: usize,
+) -> Option<String> {
+    let limit = usize::try_from(line()? + RESERVE).ok()?;
+    let needed = max_connections
+        .saturating_mul(per_connection)
+        .saturating_add(max_workers.saturating_mul(PER_WORKER))
+        .saturating_add(usize::try_from(RESERVE).ok()?);
+    (needed > limit).then(|| {
+        format!(
+            "the open-files limit ({limit}) is below what the caps may need (about {needed}: \
+             {per_connection} per connection for limits.max_connections = {max_connections}, \
+             {PER_WORKER} per worker for {max_workers} workers, {RESERVE} reserved): connections \
+             would stop at the descriptor limit before the connection caps; raise the hard \
+             limit (nofile) or lower limits.max_connections"
+        )
+    })
+}
+
 /// Opens the descriptor [`room`] duplicates, while the process is far from its limit.
 pub fn prepare() -> io::Result<()> {
     probe().map(|_| ())
@@ -95,6 +124,21 @@ mod tests {
         let (soft, _) =
             nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).unwrap();
         assert_eq!(line(), Some(soft - RESERVE));
+    }
+
+    #[test]
+    fn the_caps_are_sized_against_the_limit() {
+        let limit = usize::try_from(line().unwrap() + RESERVE).unwrap();
+        let reserve = usize::try_from(RESERVE).unwrap();
+        // Exactly what fits: no warning; one connection more: a warning that names the numbers.
+        let fits = (limit - reserve - 2 * PER_WORKER) / 2;
+        assert_eq!(sizing_warning(fits, 2, 2), None);
+        let over = sizing_warning(fits + 1, 2, 2).unwrap();
+        assert!(
+            over.contains(&format!("limits.max_connections = {}", fits + 1))
+                && over.contains(&format!("open-files limit ({limit})")),
+            "{over}"
+        );
     }
 
     #[test]

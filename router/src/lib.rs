@@ -138,6 +138,17 @@ impl Server {
             tracing::warn!("{w}");
             warnings.push(w);
         }
+        // A session holds its client's socket and a leg (on an edge, a link); workers run
+        // only where sessions do.
+        let workers = match cfg.role() {
+            config::Role::Edge => 0,
+            _ => cfg.workers.max_workers,
+        };
+        let max_connections = cfg.limits.admission.max_connections;
+        if let Some(w) = descriptors::sizing_warning(max_connections, 2, workers) {
+            tracing::warn!("{w}");
+            warnings.push(w);
+        }
         // Per-tenant series exist at zero for every configured tenant, now and after reloads.
         metrics.init_config(&cfg);
         let init_metrics = metrics.clone();
