@@ -8,7 +8,7 @@ pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod credentials;
-pub mod descriptors;
+pub use worker::descriptors;
 pub mod door;
 pub mod edge;
 pub mod end;

@@ -1,6 +1,7 @@
 //! Supervisor of codex app-server worker processes: spawn, place, watch, restart, drain, stop idle.
 
 pub mod control;
+pub mod descriptors;
 pub mod error;
 pub mod fleet;
 pub mod id;

@@ -89,7 +89,12 @@ fn writable(socket: &UnixStream) -> io::Result<AsyncFd<UnixStream>> {
     if tests::NO_DESCRIPTORS.get() {
         return Err(io::Error::from_raw_os_error(nix::libc::EMFILE));
     }
-    register(socket.try_clone()?, Interest::WRITABLE)
+    let second = socket.try_clone()?;
+    // Not from the reserve: without a descriptor below the line the write waits on a timer.
+    if crate::descriptors::check(&second).is_err() {
+        return Err(io::Error::from_raw_os_error(nix::libc::EMFILE));
+    }
+    register(second, Interest::WRITABLE)
 }
 
 /// Whether `e` says that no descriptor was free (the process's limit or the system's).

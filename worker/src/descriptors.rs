@@ -1,8 +1,10 @@
 //! The process's file descriptors, in two parts: connections that anyone can multiply (client
-//! connections, sessions' legs to workers, an edge's links to nodes) open only descriptors below
-//! a line [`RESERVE`] under the open-files limit; the descriptors above the line stay for what
-//! the whole process shares: the admin port (the kubelet's probes, Prometheus's scrapes and the
-//! reading of `/proc` they need), worker starts and their control legs, reloads, log files.
+//! connections, sessions' legs to workers, an edge's links to nodes, a leg's second descriptor
+//! while a write waits) open only descriptors below a line [`RESERVE`] under the open-files
+//! limit; the descriptors above the line stay for what the whole process shares: the admin port
+//! (the kubelet's probes, Prometheus's scrapes and the reading of `/proc` they need), worker
+//! starts and their control legs, reloads, log files. (Here, in the worker library, because a
+//! leg's socket lives here; the router uses it as `router::descriptors`.)
 //!
 //! Without it, one tenant (or anyone, with bare TCP connections before any token) holding every
 //! descriptor also took the liveness probe's, and the kubelet restarted the pod under every
@@ -92,7 +94,8 @@ pub fn sizing_warning(
     })
 }
 
-/// Opens the descriptor [`room`] duplicates, while the process is far from its limit.
+/// Opens the descriptor [`room`] duplicates, while the process is far from its limit (the
+/// router's `Server::build` does).
 pub fn prepare() -> io::Result<()> {
     probe().map(|_| ())
 }
