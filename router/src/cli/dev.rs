@@ -188,6 +188,11 @@ tls_key = {key}
 [admin]
 addr = "{admin}"
 
+[limits]
+# One local developer: far fewer connections than a shared fleet's default, so any open-files
+# limit fits the caps.
+max_connections = 256
+
 [workers]
 command = [{command}]
 state_dir = {state}
@@ -242,6 +247,16 @@ mod tests {
         assert_eq!(cfg.tenants[0].id, "dev");
         assert_eq!(cfg.workers.command[0], "/opt/codex \"x\"");
         assert_eq!(cfg.tenants[0].config_overrides, ["model=\"mock-model\""]);
+        // A dev fleet's caps fit any open-files limit: no sizing warning at start.
+        assert_eq!(cfg.limits.admission.max_connections, 256);
+        assert_eq!(
+            crate::descriptors::sizing_warning(
+                cfg.limits.admission.max_connections,
+                2,
+                cfg.workers.max_workers
+            ),
+            None
+        );
         use std::os::unix::fs::PermissionsExt;
         for p in [&setup.token_path, &setup.config_path, &cfg.listen.tls_key] {
             let mode = fs::metadata(p).unwrap().permissions().mode() & 0o777;
