@@ -196,6 +196,30 @@ impl LoweredLimit {
         })
     }
 
+    /// A hog's sessions, opened one after another by `attempt` until 3 are refused, at most
+    /// [`Self::limit`]: the open ones, and each refusal's text ("no answer within 3 s" when the
+    /// connection waits in the listen queue). `attempt` answers `Ok(Err(text))` for a refusal;
+    /// its own `Err` is a failure of the test.
+    pub async fn fill<C, F, Fut>(&self, mut attempt: F) -> anyhow::Result<(Vec<C>, Vec<String>)>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<Result<C, String>>>,
+    {
+        let (mut open, mut refused) = (Vec::new(), Vec::new());
+        for _ in 0..self.limit {
+            match tokio::time::timeout(Duration::from_secs(3), attempt()).await {
+                Ok(Ok(Ok(c))) => open.push(c),
+                Ok(Ok(Err(answer))) => refused.push(answer),
+                Ok(Err(e)) => anyhow::bail!("hog session {}: {e:#}", open.len()),
+                Err(_) => refused.push("no answer within 3 s".to_owned()),
+            }
+            if refused.len() == 3 {
+                break;
+            }
+        }
+        Ok((open, refused))
+    }
+
     /// With connections holding every descriptor below the line: the admin port at `admin`
     /// answers 5 liveness probes of 5 from the reserve, a scrape whose descriptor values say
     /// the process holds the line but not the whole reserve, and a readiness probe that says

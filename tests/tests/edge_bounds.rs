@@ -632,9 +632,8 @@ async fn a_tenant_that_takes_every_descriptor_of_an_edge_does_not_stop_another(
     acme.start_turn(&thread, "before the hog").await?;
     acme.until_turn_completed(&thread).await?;
     let lowered = LoweredLimit::set(pid, 24)?;
-    let (mut hog, mut refused) = (Vec::new(), Vec::new());
-    for _ in 0..lowered.limit {
-        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
+    let (hog, refused) = lowered
+        .fill(|| async {
             match Client::try_connect(&edge.url(), &s.files.ca, Some(&s.token("hog"))).await? {
                 Upgrade::Open(mut c) => {
                     c.initialize("hog").await?;
@@ -647,17 +646,7 @@ async fn a_tenant_that_takes_every_descriptor_of_an_edge_does_not_stop_another(
                 } => Ok(Err(format!("{status} {retry_after:?} {body}"))),
             }
         })
-        .await;
-        match attempt {
-            Ok(Ok(Ok(c))) => hog.push(c),
-            Ok(Ok(Err(answer))) => refused.push(answer),
-            Ok(Err(e)) => anyhow::bail!("hog session {}: {e:#}", hog.len()),
-            Err(_) => refused.push("no answer within 3 s".to_owned()),
-        }
-        if refused.len() == 3 {
-            break;
-        }
-    }
+        .await?;
     eprintln!(
         "measured: the hog holds {} sessions through the edge, which holds {} descriptors ({lowered:?}); refused: {refused:?}",
         hog.len(),

@@ -362,25 +362,18 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     // The hog opens sessions, each told to open a leg to its worker, until three cannot: the
     // answer is app-server's overloaded error (the leg could not be opened), or nothing while
     // the TLS handshake waits in the listen queue because the accept loop defers it.
-    let mut hog = Vec::new();
-    let mut refused = Vec::new();
-    for _ in 0..limit {
-        let attempt = tokio::time::timeout(Duration::from_secs(3), async {
-            let mut c = proc.client(&files, &files.token("hog")).await?;
-            c.request("thread/loaded/list", serde_json::json!({}))
-                .await?;
-            anyhow::Ok(c)
+    let (hog, refused) = lowered
+        .fill(|| async {
+            // Every error is a refusal here: the upgrade's, or the leg's answer to the request.
+            let session = async {
+                let mut c = proc.client(&files, &files.token("hog")).await?;
+                c.request("thread/loaded/list", serde_json::json!({}))
+                    .await?;
+                anyhow::Ok(c)
+            };
+            anyhow::Ok(session.await.map_err(|e| e.to_string()))
         })
-        .await;
-        match attempt {
-            Ok(Ok(c)) => hog.push(c),
-            Ok(Err(e)) => refused.push(e.to_string()),
-            Err(_) => refused.push("no answer within 3 s".to_owned()),
-        }
-        if refused.len() == 3 {
-            break;
-        }
-    }
+        .await?;
     assert_eq!(
         refused.len(),
         3,
