@@ -5,6 +5,16 @@
 # fail when not root, unless CODEX_FLEET_SKIP_ROOT_TESTS=1 skips them knowingly.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# One build from a clean tree: incremental caches would only cost disk (several GiB) and time.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# The build and the suite need about DISK_NEEDED_GIB free under target/; say so before starting
+# rather than fail with "No space left on device" half way through.
+DISK_NEEDED_GIB=12
+mkdir -p target
+avail_gib=$(( $(df -Pk target | awk 'NR == 2 { print $4 }') / 1048576 ))
+if (( avail_gib < DISK_NEEDED_GIB )); then
+  echo "warning: ${avail_gib} GiB free under target/; the suite needs about ${DISK_NEEDED_GIB} GiB" >&2
+fi
 # The fast lane first: a formatting slip, a lint or a unit test fails here, in the first
 # minutes, before anything is installed or any worker starts.
 cargo fmt --all -- --check
