@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # The build and the suite need about DISK_NEEDED_GIB free under target/; say so before starting
 # rather than fail with "No space left on device" half way through.
-DISK_NEEDED_GIB=12
+DISK_NEEDED_GIB=8
 mkdir -p target
 avail_gib=$(( $(df -Pk target | awk 'NR == 2 { print $4 }') / 1048576 ))
 if (( avail_gib < DISK_NEEDED_GIB )); then
