@@ -1123,6 +1123,32 @@ fn normalize(msgs: &[Value], n: &mut Normalizer, conn: &str) -> Value {
     json!({ "ordered": ordered, "threads": threads, "unthreaded": unthreaded })
 }
 
+/// A repeated `notLoaded` (app-server's archive says it once or twice) is compared once; any
+/// other repeated status, or a `notLoaded` after another status, still counts.
+#[test]
+fn only_a_repeated_not_loaded_is_compared_once() {
+    let status = |s: &str| {
+        json!({ "method": "thread/status/changed",
+            "params": { "threadId": "t", "status": { "type": s } } })
+    };
+    let step = |msgs: &[Value]| {
+        let mut n = Normalizer {
+            ids: HashMap::new(),
+            dir: "/nowhere".into(),
+        };
+        normalize(msgs, &mut n, "first")
+    };
+    let gone = status("notLoaded");
+    let idle = status("idle");
+    assert_eq!(step(&[gone.clone()]), step(&[gone.clone(), gone.clone()]));
+    assert_ne!(step(&[idle.clone()]), step(&[idle.clone(), idle.clone()]));
+    assert_ne!(step(&[gone.clone()]), step(&[idle.clone(), gone.clone()]));
+    assert_ne!(
+        step(&[gone.clone(), gone.clone()]),
+        step(&[gone.clone(), idle, gone])
+    );
+}
+
 /// Each message of a step and how often it came (for the duplicates a pool could add).
 fn counts(step: &Value) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
