@@ -58,9 +58,11 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     deltas: u64,
     /// Simulator processes for the direct baseline and the floor relay (capped by tenants ×
-    /// workers).
-    #[arg(long, default_value_t = 16)]
-    direct_workers: usize,
+    /// workers). By default as many as the fleet path runs, so every path spreads the sessions
+    /// over as many processes: on 16 (the default until 2026-12-03) direct ran about 1.5× as
+    /// fast as on 100, fewer processes waking for the same frames (BENCHMARKS.md, bench 4).
+    #[arg(long)]
+    direct_workers: Option<usize>,
     #[command(flatten)]
     bins: Binaries,
     /// Give up after this long in total.
@@ -353,7 +355,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let hwm = peak_rss_kib(pid);
 
     // --- phase 2: directly on simulator sockets ---
-    let direct_n = args.direct_workers.clamp(1, total_workers);
+    let direct_n = args
+        .direct_workers
+        .unwrap_or(total_workers)
+        .clamp(1, total_workers);
     let (sims, socks) = start_sims(&sim_bin, &dir.path().join("d"), direct_n, script).await?;
     let socks = Arc::new(socks);
     let direct = phase(
