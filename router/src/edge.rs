@@ -68,6 +68,13 @@ pub const NODE_START_FAILED_CODE: u16 = 1011;
 pub const NODE_START_FAILED_REASON: &str =
     "codex-fleet: the tenant's node cannot start; the error's data.cause says why";
 
+/// Close code for a session this edge has no descriptor for (its link would take one from the
+/// reserve, [`crate::descriptors`]): 1013, try again later, at this edge or another.
+pub const EDGE_FULL_CODE: u16 = 1013;
+/// Its reason.
+pub const EDGE_FULL_REASON: &str =
+    "codex-fleet: this edge is at its open-files limit; retry after retryAfterMs";
+
 /// The link to one node.
 pub(crate) type Link = WebSocketStream<TlsStream<TcpStream>>;
 

@@ -611,8 +611,8 @@ async fn an_unread_flood_costs_an_edge_what_it_costs_serve() -> anyhow::Result<(
 
 /// One tenant takes every descriptor an edge lets connections open (the edge's open-files
 /// limit lowered under it with `prlimit`): each of its sessions holds a client connection and a
-/// link. Its new sessions are refused — 503 `nodeUnavailable` with `Retry-After` when the link
-/// cannot open, or left in the listen queue — and those refusals are the edge's, never counted
+/// link. Its new sessions are refused — 503 with `Retry-After`, scope `fleet`, reason
+/// `tooManyConnections` (the edge is full; the node is not at fault) when the link cannot open, or left in the listen queue — and those refusals are the edge's, never counted
 /// against the node nor its readiness. Meanwhile the edge's admin port answers from the reserve,
 /// and another tenant's session through the edge runs a turn; once the hog lets go, a new session
 /// of the other tenant gets in.
@@ -655,13 +655,35 @@ async fn a_tenant_that_takes_every_descriptor_of_an_edge_does_not_stop_another(
     assert_eq!(refused.len(), 3, "{} hog sessions", hog.len());
     for r in &refused {
         assert!(
-            r.starts_with("503 Some(") && r.contains("nodeUnavailable")
+            r.starts_with("503 Some(") && r.contains("scope fleet, reason tooManyConnections")
                 || r == "no answer within 3 s",
             "{r}"
         );
     }
     let open = lowered.admin_answers(edge.admin).await?;
     eprintln!("measured: at the line the edge's /metrics says {open} descriptors open");
+    // Counted as the edge's own refusals (the fleet is full here), never as the node's.
+    let rejections = "codex_fleet_admission_rejections_total";
+    let answered = refused.iter().filter(|r| r.starts_with("503")).count();
+    let full = metric_at(
+        edge.admin,
+        rejections,
+        &[("scope", "fleet"), ("reason", "tooManyConnections")],
+    )
+    .await
+    .unwrap_or(0.0);
+    assert!(
+        full >= answered as f64,
+        "{full} counted, {answered} answered"
+    );
+    let unavailable = metric_at(
+        edge.admin,
+        rejections,
+        &[("scope", "worker"), ("reason", "nodeUnavailable")],
+    )
+    .await
+    .unwrap_or(0.0);
+    assert_eq!(unavailable, 0.0, "the edge blamed a node for its own limit");
     // Not the node's failure: no link error counted, and the edge still reaches both nodes.
     for node in ["n1", "n2"] {
         let errors = metric_at(

@@ -19,8 +19,9 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::relay::{Relay, Waited};
 use super::{
-    Admitted, Edge, Link, LinkError, RelayCtx, NODE_LOST_CODE, NODE_LOST_REASON,
-    NODE_STARTING_CODE, NODE_STARTING_REASON, NODE_START_FAILED_CODE, NODE_START_FAILED_REASON,
+    Admitted, Edge, Link, LinkError, RelayCtx, EDGE_FULL_CODE, EDGE_FULL_REASON, NODE_LOST_CODE,
+    NODE_LOST_REASON, NODE_STARTING_CODE, NODE_STARTING_REASON, NODE_START_FAILED_CODE,
+    NODE_START_FAILED_REASON,
 };
 use proto::rpc::RequestId;
 
@@ -82,6 +83,16 @@ impl Edge {
                     r.headers_mut().insert(header::RETRY_AFTER, v);
                 }
                 return r;
+            }
+            Err(e @ LinkError::Descriptors { .. }) => {
+                // The edge's own limit, not the node's: the fleet is full here, for now.
+                tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: the edge has no descriptor for a link");
+                let r = Rejection::cap(
+                    crate::admission::Scope::Fleet,
+                    crate::admission::Reason::TooManyConnections,
+                    NODE_RETRY,
+                );
+                return door.overloaded(&r, "edge_descriptors");
             }
             Err(e) => {
                 tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: node unavailable");
@@ -159,32 +170,38 @@ impl Edge {
             Waited::Linked(link, pending) => (link, pending),
             Waited::Ended(ending) => return relay.end(ending).await,
             Waited::Failed(e, pending) => {
-                let (reason, retry_after, code, text) = match &e {
+                let (scope, reason, retry_after, code, text) = match &e {
                     LinkError::Starting { retry_after, .. } => (
+                        crate::admission::Scope::Worker,
                         crate::admission::Reason::NodeStarting,
                         *retry_after,
                         NODE_STARTING_CODE,
                         NODE_STARTING_REASON,
                     ),
                     LinkError::StartFailed { .. } => (
+                        crate::admission::Scope::Worker,
                         crate::admission::Reason::NodeStartFailed,
                         NODE_START_FAILED_RETRY,
                         NODE_START_FAILED_CODE,
                         NODE_START_FAILED_REASON,
                     ),
+                    LinkError::Descriptors { .. } => (
+                        crate::admission::Scope::Fleet,
+                        crate::admission::Reason::TooManyConnections,
+                        NODE_RETRY,
+                        EDGE_FULL_CODE,
+                        EDGE_FULL_REASON,
+                    ),
                     _ => (
+                        crate::admission::Scope::Worker,
                         crate::admission::Reason::NodeUnavailable,
-                        Duration::from_secs(2),
+                        NODE_RETRY,
                         NODE_LOST_CODE,
                         NODE_LOST_REASON,
                     ),
                 };
                 tracing::warn!(tenant = %who.tenant, error = %e, "session refused: no node");
-                let r = crate::admission::Rejection::cap(
-                    crate::admission::Scope::Worker,
-                    reason,
-                    retry_after,
-                );
+                let r = crate::admission::Rejection::cap(scope, reason, retry_after);
                 // A start that cannot succeed is answered with its cause; a refusal can come
                 // before the client's first request has arrived, so that request is waited for
                 // (briefly) rather than the session closed bare.
