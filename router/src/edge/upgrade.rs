@@ -84,24 +84,23 @@ impl Edge {
                 }
                 return r;
             }
-            Err(e @ LinkError::Descriptors { .. }) => {
-                // The edge's own limit, not the node's: the fleet is full here, for now.
-                tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: the edge has no descriptor for a link");
-                let r = Rejection::cap(
-                    crate::admission::Scope::Fleet,
-                    crate::admission::Reason::TooManyConnections,
-                    NODE_RETRY,
-                );
-                return door.overloaded(&r, "edge_descriptors");
-            }
             Err(e) => {
-                tracing::warn!(tenant = %who.tenant, error = %e, "upgrade refused: node unavailable");
-                let r = Rejection::cap(
-                    crate::admission::Scope::Worker,
-                    crate::admission::Reason::NodeUnavailable,
-                    NODE_RETRY,
-                );
-                return door.overloaded(&r, "node_unavailable");
+                // An edge out of descriptors is its own limit, not the node's: a full fleet here,
+                // for now.
+                let (scope, reason, label) = match e {
+                    LinkError::Descriptors { .. } => (
+                        crate::admission::Scope::Fleet,
+                        crate::admission::Reason::TooManyConnections,
+                        "edge_descriptors",
+                    ),
+                    _ => (
+                        crate::admission::Scope::Worker,
+                        crate::admission::Reason::NodeUnavailable,
+                        "node_unavailable",
+                    ),
+                };
+                tracing::warn!(tenant = %who.tenant, error = %e, reason = reason.as_str(), "upgrade refused: no link to the node");
+                return door.overloaded(&Rejection::cap(scope, reason, NODE_RETRY), label);
             }
         };
         self.spawn_relay(door, req, key, started, (who, guard), Some(link))
