@@ -1,6 +1,7 @@
 //! `fleet-load` (BENCHMARKS.md, bench 4): starts the built `codex-fleet` with simulated workers
 //! (`codex-app-server-sim`), T tenants × W workers, runs S sessions of K turns each over wss, runs
-//! the same sessions directly against simulator sockets, then through the floor relay
+//! the same sessions directly against simulator sockets (as many as the fleet path runs workers,
+//! by default), then through the floor relay
 //! (`floor-relay --upstream-dir`, wss and TLS but no routing, `codex_fleet_bench::floor`) onto
 //! those same sockets, each session to the socket its direct run used. Prints readiness time,
 //! turns per second and latency on the three paths, the ratios through/direct, floor/direct and
