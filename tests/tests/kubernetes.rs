@@ -506,10 +506,13 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
         .collect();
     // The 422's first request is sent after the refusal: it still gets the answer with the
     // cause, not a bare close.
-    for (code, reason, needle, delay) in [
+    for (refused, (code, reason, needle, delay)) in [
         (403, "forbidden", "PodSecurity", 0),
         (422, "invalid", "Invalid value", 300),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         c.fake.refuse_pod_creates(code, usize::MAX);
         let (answer, took, close) =
             refused_start_after(&c, "acme", Duration::from_millis(delay)).await?;
@@ -568,6 +571,17 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
                 &[("reason", "timeout")]
             ),
             0.0,
+            "{m}"
+        );
+        // Every refused request is counted with the admission refusals, the held one (403)
+        // and the one that came after the refusal (422) alike.
+        assert_eq!(
+            metric(
+                &m,
+                "codex_fleet_admission_rejections_total",
+                &[("scope", "worker"), ("reason", "nodeStartFailed")]
+            ),
+            (refused + 1) as f64,
             "{m}"
         );
     }

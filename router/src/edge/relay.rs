@@ -36,7 +36,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Admission, ConnectionGuard, QueueBytes};
+use crate::admission::{Admission, ConnectionGuard, QueueBytes, Rejection};
 use crate::credentials::Lease;
 use crate::end::End;
 use crate::gate::Gate;
@@ -399,13 +399,14 @@ where
         Waited::Ended(ended)
     }
 
-    /// The node could not take the session: each held request is answered with `answer`,
-    /// then the client is closed with `code` and `reason`. With `linger`, a session that held
-    /// no request yet waits that long for its first one and answers it too, so the client learns
-    /// why rather than seeing a bare close.
+    /// The node could not take the session: each held request is answered with `answer` and
+    /// counted as refused for `refusal`, then the client is closed with `code` and `reason`.
+    /// With `linger`, a session that held no request yet waits that long for its first one and
+    /// answers it too, so the client learns why rather than seeing a bare close.
     pub(super) async fn refuse(
         mut self,
         pending: Vec<Message>,
+        refusal: &Rejection,
         answer: impl Fn(&RequestId) -> String,
         linger: Option<Duration>,
         code: u16,
@@ -417,6 +418,7 @@ where
             if let Message::Text(text) = &m {
                 if let Ok(Rpc::Request { id, .. }) = rpc::parse(text) {
                     answered = true;
+                    self.metrics.rejected_for(self.guard.tenant(), refusal);
                     if self.out.push(answer(&id).into()).is_err() {
                         break;
                     }
@@ -441,6 +443,7 @@ where
             })
             .await;
             if let Ok(Some(id)) = first {
+                self.metrics.rejected_for(self.guard.tenant(), refusal);
                 let _queued = self.out.push(answer(&id).into());
             }
         }

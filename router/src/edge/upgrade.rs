@@ -218,7 +218,7 @@ impl Edge {
                     }
                     None => r.to_error_response(id),
                 };
-                return relay.refuse(pending, answer, linger, code, text).await;
+                return relay.refuse(pending, &r, answer, linger, code, text).await;
             }
         };
         self.relay_pending(relay, link, who, pending).await;
