@@ -612,8 +612,9 @@ async fn an_unread_flood_costs_an_edge_what_it_costs_serve() -> anyhow::Result<(
 /// One tenant takes every descriptor an edge lets connections open (the edge's open-files
 /// limit lowered under it with `prlimit`): each of its sessions holds a client connection and a
 /// link. Its new sessions are refused — 503 with `Retry-After`, scope `fleet`, reason
-/// `tooManyConnections` (the edge is full; the node is not at fault) when the link cannot open, or left in the listen queue — and those refusals are the edge's, never counted
-/// against the node nor its readiness. Meanwhile the edge's admin port answers from the reserve,
+/// `tooManyConnections` (the edge is full; the node is not at fault) when the link cannot open,
+/// or left in the listen queue — and those refusals are the edge's, never counted against the
+/// node nor its readiness. Meanwhile the edge's admin port answers from the reserve,
 /// and another tenant's session through the edge runs a turn; once the hog lets go, a new session
 /// of the other tenant gets in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,6 +16,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Error as WsError;
 
 use super::{headers, Admitted, Backend, Edge, Link, Target};
+use crate::admission::{Reason, Scope};
 
 /// Why a link could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,19 @@ pub enum LinkError {
         /// Why, for the client (never a secret).
         cause: String,
     },
+}
+
+impl LinkError {
+    /// The admission refusal a session gets for this failure: the node's (scope `worker`), or,
+    /// when the edge itself has no descriptor for the link, the edge's, as a full fleet.
+    pub(super) fn refusal(&self) -> (Scope, Reason) {
+        match self {
+            LinkError::Starting { .. } => (Scope::Worker, Reason::NodeStarting),
+            LinkError::StartFailed { .. } => (Scope::Worker, Reason::NodeStartFailed),
+            LinkError::Descriptors { .. } => (Scope::Fleet, Reason::TooManyConnections),
+            _ => (Scope::Worker, Reason::NodeUnavailable),
+        }
+    }
 }
 
 /// Link metrics, by node.

@@ -87,17 +87,10 @@ impl Edge {
             Err(e) => {
                 // An edge out of descriptors is its own limit, not the node's: a full fleet here,
                 // for now.
-                let (scope, reason, label) = match e {
-                    LinkError::Descriptors { .. } => (
-                        crate::admission::Scope::Fleet,
-                        crate::admission::Reason::TooManyConnections,
-                        "edge_descriptors",
-                    ),
-                    _ => (
-                        crate::admission::Scope::Worker,
-                        crate::admission::Reason::NodeUnavailable,
-                        "node_unavailable",
-                    ),
+                let (scope, reason) = e.refusal();
+                let label = match e {
+                    LinkError::Descriptors { .. } => "edge_descriptors",
+                    _ => "node_unavailable",
                 };
                 tracing::warn!(tenant = %who.tenant, error = %e, reason = reason.as_str(), "upgrade refused: no link to the node");
                 return door.overloaded(&Rejection::cap(scope, reason, NODE_RETRY), label);
@@ -169,35 +162,18 @@ impl Edge {
             Waited::Linked(link, pending) => (link, pending),
             Waited::Ended(ending) => return relay.end(ending).await,
             Waited::Failed(e, pending) => {
-                let (scope, reason, retry_after, code, text) = match &e {
-                    LinkError::Starting { retry_after, .. } => (
-                        crate::admission::Scope::Worker,
-                        crate::admission::Reason::NodeStarting,
-                        *retry_after,
-                        NODE_STARTING_CODE,
-                        NODE_STARTING_REASON,
-                    ),
+                let (scope, reason) = e.refusal();
+                let (retry_after, code, text) = match &e {
+                    LinkError::Starting { retry_after, .. } => {
+                        (*retry_after, NODE_STARTING_CODE, NODE_STARTING_REASON)
+                    }
                     LinkError::StartFailed { .. } => (
-                        crate::admission::Scope::Worker,
-                        crate::admission::Reason::NodeStartFailed,
                         NODE_START_FAILED_RETRY,
                         NODE_START_FAILED_CODE,
                         NODE_START_FAILED_REASON,
                     ),
-                    LinkError::Descriptors { .. } => (
-                        crate::admission::Scope::Fleet,
-                        crate::admission::Reason::TooManyConnections,
-                        NODE_RETRY,
-                        EDGE_FULL_CODE,
-                        EDGE_FULL_REASON,
-                    ),
-                    _ => (
-                        crate::admission::Scope::Worker,
-                        crate::admission::Reason::NodeUnavailable,
-                        NODE_RETRY,
-                        NODE_LOST_CODE,
-                        NODE_LOST_REASON,
-                    ),
+                    LinkError::Descriptors { .. } => (NODE_RETRY, EDGE_FULL_CODE, EDGE_FULL_REASON),
+                    _ => (NODE_RETRY, NODE_LOST_CODE, NODE_LOST_REASON),
                 };
                 tracing::warn!(tenant = %who.tenant, error = %e, "session refused: no node");
                 let r = crate::admission::Rejection::cap(scope, reason, retry_after);
