@@ -108,7 +108,7 @@ pub struct RouterMetrics {
 }
 
 /// The `reason` values of `codex_fleet_upgrades_refused_total` (listener and edge).
-pub const UPGRADE_REFUSALS: [&str; 13] = [
+pub const UPGRADE_REFUSALS: [&str; 14] = [
     "auth_missing",
     "auth_malformed",
     "auth_invalid",
@@ -121,6 +121,7 @@ pub const UPGRADE_REFUSALS: [&str; 13] = [
     "handshake_timeout",
     "node_refused",
     "node_unavailable",
+    "edge_descriptors",
     "tenant_not_here",
 ];
 
