@@ -14,9 +14,10 @@
 //! the line means every one below it is in use. A connection checks before it opens
 //! ([`room`]: the lowest free number, by duplicating a descriptor kept for that) and again after
 //! ([`check`]: another thread may have taken the free one in between), and is refused with the
-//! answer of its kind: a client connection waits in the listen queue (or, in that race, is
-//! closed), a leg is answered `-32001` `workerUnreachable` with a `retryAfterMs`, an edge's
-//! link `-32001` `nodeUnavailable`. The limit is read each time: `prlimit` can change it under
+//! answer of its kind: a client connection waits in the listen queue (or, in that race, waits
+//! accepted, unserved, until [`move_below`] can move it below the line), a leg is answered
+//! `-32001` `workerUnreachable` with a `retryAfterMs`, an edge's link 503 or `-32001` scope
+//! `fleet` `tooManyConnections` (the edge is full). The limit is read each time: `prlimit` can change it under
 //! a running process.
 
 use std::io;
@@ -52,12 +53,29 @@ pub fn room() -> io::Result<()> {
     }
 }
 
-/// Fails when `fd`, just opened for a connection, lies in the reserve: the caller closes it
-/// (drops it) and refuses the connection.
+/// Fails when `fd`, just opened for a connection, lies in the reserve: the caller refuses the
+/// connection and closes it, or, for a client's, holds it unserved until [`move_below`] can
+/// move it out of the reserve.
 pub fn check(fd: impl AsFd) -> io::Result<()> {
     match line() {
         Some(line) if !below(&fd, line) => Err(exhausted(line, None)),
         _ => Ok(()),
+    }
+}
+
+/// Moves `fd`, opened in the reserve, onto the lowest free descriptor when that one lies below
+/// the line, closing the one it had; otherwise hands it back, unmoved, with why. What holds a
+/// connection accepted in the race [`check`] names can wait for room and then keep it, where
+/// closing it would refuse a client without a word.
+pub fn move_below(fd: OwnedFd) -> Result<OwnedFd, (OwnedFd, io::Error)> {
+    let Some(line) = line() else { return Ok(fd) };
+    if below(&fd, line) {
+        return Ok(fd);
+    }
+    match fd.try_clone() {
+        Ok(moved) if below(&moved, line) => Ok(moved),
+        Ok(_) => Err((fd, exhausted(line, None))),
+        Err(e) => Err((fd, exhausted(line, Some(e)))),
     }
 }
 
