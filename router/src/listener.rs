@@ -199,12 +199,22 @@ impl Listener {
                 },
                 () = this.shutdown.cancelled() => return,
             };
-            // Another thread took the free descriptor in between: this one is closed.
-            if let Err(e) = crate::descriptors::check(&tcp) {
-                drop(tcp);
-                failures.on_error(&e).await;
-                continue;
-            }
+            // Another thread took the free descriptor in between (a session's leg or link
+            // opens after the look above): the connection waits, accepted but unserved, as it
+            // would have in the listen queue, and moves below the line once there is room.
+            let tcp = match crate::descriptors::check(&tcp) {
+                Ok(()) => tcp,
+                Err(e) => {
+                    let moved = tokio::select! {
+                        m = below_the_line(tcp, e, &mut failures) => m,
+                        () = this.shutdown.cancelled() => return,
+                    };
+                    match moved {
+                        Some(tcp) => tcp,
+                        None => continue,
+                    }
+                }
+            };
             this.metrics.connections_accepted.inc();
             let _nodelay = tcp.set_nodelay(true);
             // Edges are trusted peers of a node: their addresses carry many clients each.
@@ -240,6 +250,33 @@ impl Listener {
                 }
                 .instrument(span),
             );
+        }
+    }
+}
+
+/// Moves `tcp`, accepted onto a descriptor in the reserve (`lacking` says so), below the line
+/// once there is room there, counting and logging each wait as [`AcceptFailures`] does; `None`
+/// when the socket cannot be handed back to the runtime (it is closed). The accept loop takes
+/// nothing else meanwhile, so at most one client connection holds a reserve descriptor, and
+/// only while it waits: closing it instead would refuse a client without a word.
+async fn below_the_line(
+    tcp: tokio::net::TcpStream,
+    mut lacking: std::io::Error,
+    failures: &mut AcceptFailures,
+) -> Option<tokio::net::TcpStream> {
+    let mut fd = std::os::fd::OwnedFd::from(tcp.into_std().ok()?);
+    loop {
+        failures.on_error(&lacking).await;
+        if let Err(e) = crate::descriptors::room() {
+            lacking = e;
+            continue;
+        }
+        match crate::descriptors::move_below(fd) {
+            Ok(moved) => {
+                let tcp = tokio::net::TcpStream::from_std(std::net::TcpStream::from(moved));
+                return tcp.ok();
+            }
+            Err((unmoved, e)) => (fd, lacking) = (unmoved, e),
         }
     }
 }
