@@ -61,6 +61,12 @@ impl Door {
         let _charged = self.admission.check_handshake(self.addr.ip());
     }
     pub(crate) fn refused(&self, reason: &str) {
+        // A label outside the list would have no series until its first refusal, and no place
+        // on the dashboard's panels: debug builds (every test's) say so at its first use.
+        debug_assert!(
+            crate::metrics::is_upgrade_refusal(reason),
+            "upgrade refusal label {reason:?} is not in UPGRADE_REFUSALS"
+        );
         self.metrics
             .upgrades_refused
             .with_label_values(&[reason])

@@ -107,8 +107,9 @@ pub struct RouterMetrics {
     pub usage: crate::usage::UsageMetrics,
 }
 
-/// The `reason` values of `codex_fleet_upgrades_refused_total` (listener and edge).
-pub const UPGRADE_REFUSALS: [&str; 14] = [
+/// The `reason` values of `codex_fleet_upgrades_refused_total` (listener, edge and node),
+/// besides authentication's ([`crate::auth::AuthError::ALL`]).
+pub const UPGRADE_REFUSALS: [&str; 15] = [
     "auth_missing",
     "auth_malformed",
     "auth_invalid",
@@ -123,7 +124,16 @@ pub const UPGRADE_REFUSALS: [&str; 14] = [
     "node_unavailable",
     "edge_descriptors",
     "tenant_not_here",
+    "link_header",
 ];
+
+/// Whether `reason` is a `codex_fleet_upgrades_refused_total` label registered at zero.
+pub fn is_upgrade_refusal(reason: &str) -> bool {
+    UPGRADE_REFUSALS.contains(&reason)
+        || crate::auth::AuthError::ALL
+            .iter()
+            .any(|e| e.reason() == reason)
+}
 
 /// The `limit` values of `codex_fleet_limit`.
 pub const FLEET_LIMITS: [&str; 7] = [
