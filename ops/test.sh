@@ -7,13 +7,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # One build from a clean tree: incremental caches would only cost disk (several GiB) and time.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
-# The build and the suite need about DISK_NEEDED_GIB free under target/; say so before starting
-# rather than fail with "No space left on device" half way through.
+# The build and the suite need about DISK_NEEDED_GIB free where cargo builds (target/, or
+# CARGO_TARGET_DIR); say so before starting rather than fail with "No space left on device"
+# half way through.
 DISK_NEEDED_GIB=8
-mkdir -p target
-avail_gib=$(( $(df -Pk target | awk 'NR == 2 { print $4 }') / 1048576 ))
+target_dir="${CARGO_TARGET_DIR:-target}"
+mkdir -p "$target_dir"
+avail_gib=$(( $(df -Pk "$target_dir" | awk 'NR == 2 { print $4 }') / 1048576 ))
 if (( avail_gib < DISK_NEEDED_GIB )); then
-  echo "warning: ${avail_gib} GiB free under target/; the suite needs about ${DISK_NEEDED_GIB} GiB" >&2
+  echo "warning: ${avail_gib} GiB free under ${target_dir}/; the suite needs about ${DISK_NEEDED_GIB} GiB" >&2
 fi
 # The fast lane first: a formatting slip, a lint or a unit test fails here, in the first
 # minutes, before anything is installed or any worker starts.
