@@ -17,8 +17,8 @@
 //! answer of its kind: a client connection waits in the listen queue (or, in that race, waits
 //! accepted, unserved, until [`move_below`] can move it below the line), a leg is answered
 //! `-32001` `workerUnreachable` with a `retryAfterMs`, an edge's link 503 or `-32001` scope
-//! `fleet` `tooManyConnections` (the edge is full). The limit is read each time: `prlimit` can change it under
-//! a running process.
+//! `fleet` `tooManyConnections` (the edge is full). The limit is read each time: `prlimit` can
+//! change it under a running process.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
