@@ -34,7 +34,8 @@ pub use metrics::{metric_at, metric_in, readyz_ready_workers};
 pub use mock_model::{reply_text, MockModel, MOCK_USAGE};
 pub use process::{
     codex_bin, fleet_bin, open_files, process_alive, processes_running, processes_under,
-    root_or_explicit_skip, rss_kib, stop_process, workers_under, LoweredLimit, SKIP_ROOT_TESTS,
+    root_or_explicit_skip, rss_kib, stop_process, until_open_files_at_most, workers_under,
+    LoweredLimit, SKIP_ROOT_TESTS,
 };
 pub use split::{edge_config_text, free_port, node_config_text, write_link_pki, Node, Split};
 pub use tmux::Tmux;

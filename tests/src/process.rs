@@ -169,6 +169,18 @@ pub fn open_files(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
 }
 
+/// Waits (up to 20 s) until `pid` holds at most `settled` open files again: what a hog's
+/// closed sessions held is released before the next measurement starts from it.
+pub async fn until_open_files_at_most(pid: u32, settled: usize) -> anyhow::Result<()> {
+    let quiet = crate::wait_until(Duration::from_secs(20), || open_files(pid) <= settled).await;
+    anyhow::ensure!(
+        quiet,
+        "the process still holds {} descriptors",
+        open_files(pid)
+    );
+    Ok(())
+}
+
 /// A codex-fleet process's open-files limit lowered under it (`prlimit`), so that its
 /// connections have `room` descriptors left above what it holds now, and the reserve
 /// ([`router::descriptors::RESERVE`]) stays above those.
