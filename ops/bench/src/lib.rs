@@ -189,6 +189,26 @@ impl Work {
     }
 }
 
+/// CPU seconds every core of the machine has been busy so far (`/proc/stat`: user, nice, system,
+/// irq, softirq and steal; not idle or iowait), in clock ticks' 10 ms steps. Over a phase, less
+/// what the client and the proxy used, it is what everything else (here the simulators) cost.
+pub fn machine_busy_secs() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let f: Vec<u64> = s
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal …
+    let busy = f.get(..3)?.iter().sum::<u64>() + f.get(5..8)?.iter().sum::<u64>();
+    let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()? as f64;
+    Some(busy as f64 / per_sec)
+}
+
 /// On-CPU time of a process's live threads so far, in µs: the scheduler's own nanosecond
 /// counts (`/proc/<pid>/task/*/schedstat`), precise where [`cpu_secs`] moves in 10 ms steps. A
 /// thread that already ended is not counted: a proxy that ends threads during a run (tokio's

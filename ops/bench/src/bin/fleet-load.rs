@@ -19,7 +19,7 @@ use clap::Parser;
 use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
-use codex_fleet_bench::{peak_rss_kib, terminate, Binaries, Work};
+use codex_fleet_bench::{cpu_secs, machine_busy_secs, peak_rss_kib, terminate, Binaries, Work};
 use proto::Method;
 use serde_json::json;
 use testkit::rss_kib;
@@ -159,6 +159,9 @@ struct PhaseResult {
     turn_latencies: Samples,
     /// What `at_barrier` sampled: the proxy's VmRSS (KiB) and work so far, every session open.
     at_barrier: Option<(u64, Work)>,
+    /// CPU seconds over the turns: the whole machine busy, and this process (the clients).
+    machine_secs: Option<f64>,
+    client_secs: Option<f64>,
 }
 
 /// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
@@ -196,6 +199,8 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let sampled = at_barrier();
+    let me = std::process::id();
+    let (machine0, client0) = (machine_busy_secs(), cpu_secs(me));
     let t0 = Instant::now();
     let _ = go_tx.send(true);
     let mut res = PhaseResult {
@@ -208,6 +213,8 @@ where
         latencies: Samples(Vec::new()),
         turn_latencies: Samples(Vec::new()),
         at_barrier: sampled,
+        machine_secs: None,
+        client_secs: None,
     };
     for t in tasks {
         match t.await? {
@@ -225,6 +232,8 @@ where
         }
     }
     res.turn_wall = t0.elapsed();
+    res.machine_secs = machine0.zip(machine_busy_secs()).map(|(a, b)| b - a);
+    res.client_secs = client0.zip(cpu_secs(me)).map(|(a, b)| b - a);
     Ok(res)
 }
 
@@ -513,6 +522,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 1000.0 * w.kernel_secs / turns,
                 w.voluntary as f64 / turns,
                 w.preempted as f64 / turns,
+            );
+        }
+    }
+    // Where the machine's CPU went per turn on each path: the clients (this process), the proxy,
+    // and the rest (the simulators, and whatever else ran; codex-fleet idles beside the last two).
+    for (name, r, proxy) in [
+        ("through codex-fleet", &fleet, cpu_end.zip(fleet.at_barrier)),
+        ("direct", &direct, None),
+        (
+            "through the floor",
+            &floor,
+            floor_cpu_end.zip(floor.at_barrier),
+        ),
+    ] {
+        if let (Some(m), Some(c)) = (r.machine_secs, r.client_secs) {
+            let turns = r.turns.max(1) as f64;
+            let p = proxy.map_or(0.0, |(w1, (_, w0))| w1.since(w0).cpu_secs());
+            println!(
+                "machine CPU per turn {name}: {:.2} ms = clients {:.2} + proxy {:.2} + the rest (simulators) {:.2}; cores busy {:.2}",
+                1000.0 * m / turns,
+                1000.0 * c / turns,
+                1000.0 * p / turns,
+                1000.0 * (m - c - p) / turns,
+                m / r.turn_wall.as_secs_f64().max(1e-9),
             );
         }
     }
