@@ -458,3 +458,72 @@ async fn a_fork_loop_stops_at_its_tenants_process_limit_and_the_neighbour_still_
     }
     fleet.stop().await
 }
+
+/// A process's nice value (`/proc/<pid>/stat`, field 19; `self` for this one).
+fn nice_of(pid: &str) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let after_name = stat.rsplit_once(')').expect("stat has a name").1;
+    // Field 3 (state) is the first after the name, so field 19 is the 17th.
+    after_name
+        .split_whitespace()
+        .nth(16)
+        .and_then(|v| v.parse().ok())
+        .expect("nice")
+}
+
+/// `workers.nice`: every tenant's workers, and the commands their models run, run below
+/// codex-fleet's CPU priority, so one tenant's busy worker competes with its neighbours' and not
+/// with the router that serves them all. A tenant cannot climb back: a lower nice value needs
+/// `CAP_SYS_NICE`, which a tenant's uid does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_run_below_the_fleets_cpu_priority_and_a_tenant_cannot_climb_back(
+) -> anyhow::Result<()> {
+    if !testkit::root_or_explicit_skip("the per-tenant uid boundary") {
+        return Ok(());
+    }
+    // The fleet runs in this process: its workers are forked from one of its threads.
+    let own = nice_of("self");
+    let want = (own + 7).min(19);
+    let (fleet, mut a, _b) = two_tenants(
+        FleetBuilder::new()
+            .workers_toml("nice = 7")
+            .tenant("a")
+            .tenant("b"),
+    )
+    .await?;
+    let workers = testkit::workers_under(fleet.files.dir.path());
+    assert!(workers.len() >= 2, "both tenants' workers run: {workers:?}");
+    for pid in workers {
+        assert_eq!(nice_of(&pid.to_string()), want, "worker {pid}");
+    }
+    // a's command reports its priority, tries to take codex-fleet's back, and reports it again.
+    let r = a
+        .request(
+            "command/exec",
+            json!({
+                "command": ["sh", "-c", format!(
+                    "cut -d' ' -f19 /proc/self/stat; renice -n {own} -p $$ >/dev/null; \
+                     echo renice=$?; cut -d' ' -f19 /proc/self/stat"
+                )],
+                "timeoutMs": 10_000,
+            }),
+        )
+        .await?;
+    let out: Vec<&str> = r["stdout"].as_str().unwrap_or_default().lines().collect();
+    let want = want.to_string();
+    assert_eq!(out.first(), Some(&want.as_str()), "{r}");
+    assert_ne!(
+        out.get(1),
+        Some(&"renice=0"),
+        "a tenant raised its priority: {r}"
+    );
+    assert_eq!(out.get(2), Some(&want.as_str()), "{r}");
+    assert!(
+        r["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Permission denied"),
+        "{r}"
+    );
+    fleet.stop().await
+}

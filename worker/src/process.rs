@@ -101,6 +101,8 @@ pub(crate) struct Spawn<'a> {
     pub cwd: &'a Path,
     pub user: Option<WorkerUser>,
     pub rlimits: Rlimits,
+    /// Steps below this process's CPU priority (`nice`); 0 keeps it.
+    pub nice: u8,
 }
 
 /// A running worker process. Dropping it kills its process group.
@@ -134,7 +136,7 @@ impl WorkerProcess {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        child_hygiene(&mut command, spec.user, spec.rlimits);
+        child_hygiene(&mut command, spec.user, spec.rlimits, spec.nice);
         let mut child = command.spawn().map_err(|source| StartError::Spawn {
             program: spec.program.to_path_buf(),
             source,
@@ -296,17 +298,26 @@ fn killed_by_owner() -> ExitReport {
     }
 }
 
-/// Installs the one `pre_exec` hook: resource limits, then the tenant's identity (no way back),
-/// then parent-death signal, parent check and umask.
-fn child_hygiene(command: &mut Command, user: Option<WorkerUser>, rlimits: Rlimits) {
+/// Installs the one `pre_exec` hook: resource limits and the lower CPU priority, then the
+/// tenant's identity (no way back), then parent-death signal, parent check and umask.
+fn child_hygiene(command: &mut Command, user: Option<WorkerUser>, rlimits: Rlimits, nice: u8) {
     let parent = nix::unistd::getpid();
     let limits = rlimits.pairs();
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (setrlimit, setgroups, setgid, setuid, get*id, prctl, getppid, umask); it
-    // allocates nothing and takes no locks.
+    // system calls (setrlimit, nice, setgroups, setgid, setuid, get*id, prctl, getppid, umask)
+    // and touches errno; it allocates nothing and takes no locks.
     #[allow(unsafe_code)]
     unsafe {
         command.pre_exec(move || {
+            if nice > 0 {
+                // Relative to the thread that forked (the child's one thread inherits its
+                // value); lowering a priority needs no privilege. `nice` returns the new value,
+                // which may be -1, so only errno tells a failure.
+                Errno::clear();
+                if nix::libc::nice(i32::from(nice)) == -1 && Errno::last_raw() != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             for (resource, value) in limits {
                 if let Some(value) = value {
                     nix::sys::resource::setrlimit(resource, value, value)?;

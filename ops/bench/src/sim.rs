@@ -43,6 +43,8 @@ pub struct SimFleet {
     pub sim_bin: PathBuf,
     /// The node every tenant is on, for an edge in front ([`SimFleetFiles::behind_edge`]).
     pub node: Option<String>,
+    /// `workers.nice`: steps below codex-fleet's CPU priority its workers run at.
+    pub nice: u8,
 }
 
 /// What [`SimFleet::write`] wrote.
@@ -84,7 +86,7 @@ impl SimFleet {
              [admin]\naddr = \"127.0.0.1:0\"\n\n\
              [workers]\ncommand = [{sim}, \"app-server\"]\nstate_dir = {state}\n\
              config_overrides = [\"{turn_ms}\", \"{deltas}\"]\n\
-             per_tenant_uid = false\nmax_workers = {total}\nready_timeout_secs = 60\n\
+             per_tenant_uid = false\nmax_workers = {total}\nnice = {nice}\nready_timeout_secs = 60\n\
              stop_grace_secs = 5\n\n\
              [drain]\nsettle_secs = 0\n\n\
              [limits]\nhandshakes_per_sec_per_ip = {big}\nhandshake_burst = {big}\n\
@@ -96,6 +98,7 @@ impl SimFleet {
             sim = q(&self.sim_bin),
             state = q(&dir.join("s")),
             total = self.total_workers(),
+            nice = self.nice,
         );
         let mut tokens = Vec::new();
         for t in 0..self.tenants {
@@ -194,13 +197,16 @@ pub async fn wait_workers_ready(
     }
 }
 
-/// `n` bare simulators on sockets `dir/0.sock`… with `script`, killed on drop, once every
-/// socket accepts.
+/// `n` bare simulators on sockets `dir/0.sock`… with `script`, `nice` steps below this process's
+/// CPU priority (through `nice(1)`; as codex-fleet runs its workers with `workers.nice`, so the
+/// direct path's simulators compete for the CPU as the fleet path's do), killed on drop, once
+/// every socket accepts.
 pub async fn start_sims(
     sim_bin: &Path,
     dir: &Path,
     n: usize,
     script: Script,
+    nice: u8,
 ) -> anyhow::Result<(Vec<Child>, Vec<PathBuf>)> {
     std::fs::create_dir_all(dir)?;
     let mut sims = Vec::new();
@@ -209,8 +215,11 @@ pub async fn start_sims(
         let sock = dir.join(format!("{i}.sock"));
         let home = dir.join(format!("h{i}"));
         std::fs::create_dir_all(&home)?;
-        let mut cmd = Command::new(sim_bin);
-        cmd.arg("app-server")
+        let mut cmd = Command::new("nice");
+        cmd.arg("-n")
+            .arg(nice.to_string())
+            .arg(sim_bin)
+            .arg("app-server")
             .arg("--listen")
             .arg(format!("unix://{}", sock.display()));
         for o in script.overrides() {

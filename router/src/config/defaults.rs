@@ -68,6 +68,9 @@ pub fn rlimit_nofile() -> Option<u64> {
 pub fn max_processes() -> u64 {
     4096
 }
+pub fn nice() -> u8 {
+    super::DEFAULT_WORKER_NICE
+}
 pub fn load_mark() -> usize {
     4
 }

@@ -142,6 +142,31 @@ fn max_processes_is_inherited_or_large_enough_for_app_server() {
 }
 
 #[test]
+fn workers_run_below_the_fleets_priority_by_default_and_nice_stays_in_the_kernels_range() {
+    assert_eq!(Config::parse(&minimal("")).expect("valid").workers.nice, 10);
+    assert_eq!(
+        Config::parse(&minimal("nice = 0\n"))
+            .expect("valid")
+            .workers
+            .nice,
+        0
+    );
+    assert_eq!(
+        Config::parse(&minimal("nice = 19\n"))
+            .expect("valid")
+            .workers
+            .nice,
+        19
+    );
+    let err = Config::parse(&minimal("nice = 20\n")).unwrap_err();
+    assert!(
+        err.to_string().contains("workers.nice must be 0 to 19"),
+        "{err}"
+    );
+    assert!(Config::parse(&minimal("nice = -1\n")).is_err());
+}
+
+#[test]
 fn unknown_keys_are_refused_by_name() {
     let err = Config::parse(&minimal("bogus_key = 1\n")).unwrap_err();
     assert!(err.to_string().contains("bogus_key"), "{err}");
@@ -285,6 +310,7 @@ fn a_minimal_config_gets_the_documented_defaults() {
         ("workers.rlimit_as_bytes", opt(w.rlimit_as_bytes)),
         ("workers.rlimit_cpu_secs", opt(w.rlimit_cpu_secs)),
         ("workers.max_processes", w.max_processes.to_string()),
+        ("workers.nice", w.nice.to_string()),
         ("tenants[].max_processes", opt(t.max_processes)),
         ("workers.max_worker_rss_bytes", opt(w.max_worker_rss_bytes)),
         (

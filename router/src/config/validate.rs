@@ -3,7 +3,9 @@
 
 use std::collections::HashSet;
 
-use super::{valid_tenant_id, Config, ConfigError, Tenant, MAX_SOCKET_PATH, MIN_PROCESSES};
+use super::{
+    valid_tenant_id, Config, ConfigError, Tenant, MAX_NICE, MAX_SOCKET_PATH, MIN_PROCESSES,
+};
 use crate::config::nodes::{Nodes, NodesBackend};
 use crate::credentials::parse_digest;
 
@@ -29,6 +31,12 @@ impl Config {
             return bad(format!(
                 "workers.state_dir is too long for Unix socket paths ({} > {MAX_SOCKET_PATH} bytes with the longest tenant id); use a shorter state_dir",
                 longest
+            ));
+        }
+        if self.workers.nice > MAX_NICE {
+            return bad(format!(
+                "workers.nice must be 0 to {MAX_NICE} (steps below codex-fleet's own CPU priority), got {}",
+                self.workers.nice
             ));
         }
         if self.workers.thread_unload_delay_secs > 365 * 24 * 3600 {

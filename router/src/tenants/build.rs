@@ -110,6 +110,7 @@ pub(super) fn pool_config(
         fleet: fleet.clone(),
         max_worker_rss: w.max_worker_rss_bytes,
         user,
+        nice: w.nice,
         rlimits: Rlimits {
             nofile: w.rlimit_nofile.map(within_hard_nofile),
             address_space: w.rlimit_as_bytes,

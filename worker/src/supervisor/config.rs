@@ -75,6 +75,8 @@ pub struct PoolConfig {
     pub user: Option<WorkerUser>,
     /// Resource limits of each worker process.
     pub rlimits: Rlimits,
+    /// Steps below the supervisor's own CPU priority each worker runs at (`nice`, 0 to 19).
+    pub nice: u8,
 }
 
 impl Default for PoolConfig {
@@ -104,6 +106,7 @@ impl Default for PoolConfig {
             max_worker_rss: None,
             user: None,
             rlimits: Rlimits::default(),
+            nice: 0,
         }
     }
 }
@@ -217,6 +220,7 @@ impl fmt::Debug for PoolConfig {
             .field("max_worker_rss", &self.max_worker_rss)
             .field("user", &self.user)
             .field("rlimits", &self.rlimits)
+            .field("nice", &self.nice)
             .finish()
     }
 }

@@ -215,6 +215,7 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
         cwd: &cfg.cwd,
         user: cfg.user,
         rlimits: cfg.rlimits,
+        nice: cfg.nice,
     })
 }
 

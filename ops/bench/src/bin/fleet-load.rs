@@ -64,6 +64,10 @@ struct Args {
     /// fast as on 100, fewer processes waking for the same frames (BENCHMARKS.md, bench 4).
     #[arg(long)]
     direct_workers: Option<usize>,
+    /// Steps below codex-fleet's CPU priority the simulators run at, on every path
+    /// (`workers.nice` of codex-fleet's config; the direct path's through `nice(1)`).
+    #[arg(long, default_value_t = router::config::DEFAULT_WORKER_NICE)]
+    worker_nice: u8,
     #[command(flatten)]
     bins: Binaries,
     /// Give up after this long in total.
@@ -274,6 +278,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         script,
         sim_bin: sim_bin.clone(),
         node: args.edge.then(|| "n1".to_owned()),
+        nice: args.worker_nice,
     };
     let total_workers = spec.total_workers();
     let files = spec.write(dir.path())?;
@@ -369,7 +374,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .direct_workers
         .unwrap_or(total_workers)
         .clamp(1, total_workers);
-    let (sims, socks) = start_sims(&sim_bin, &dir.path().join("d"), direct_n, script).await?;
+    let (sims, socks) = start_sims(
+        &sim_bin,
+        &dir.path().join("d"),
+        direct_n,
+        script,
+        args.worker_nice,
+    )
+    .await?;
     let socks = Arc::new(socks);
     let direct = phase(
         &args,

@@ -51,6 +51,10 @@ struct Args {
     /// n × 72 / deltas characters: 15 by default, a few tokens as a model streams them).
     #[arg(long, default_value_t = 200)]
     words: usize,
+    /// Steps below codex-fleet's CPU priority the simulators run at, on every path
+    /// (`workers.nice` of codex-fleet's config; the direct path's through `nice(1)`).
+    #[arg(long, default_value_t = router::config::DEFAULT_WORKER_NICE)]
+    worker_nice: u8,
     #[command(flatten)]
     bins: Binaries,
 }
@@ -203,6 +207,7 @@ async fn main() -> anyhow::Result<()> {
         script,
         sim_bin: sim_bin.clone(),
         node: None,
+        nice: args.worker_nice,
     }
     .write(dir.path())?;
     println!(
@@ -240,7 +245,14 @@ async fn main() -> anyhow::Result<()> {
     drop(child);
 
     // --- directly on bare simulators ---
-    let (sims, socks) = start_sims(&sim_bin, &dir.path().join("d"), args.workers, script).await?;
+    let (sims, socks) = start_sims(
+        &sim_bin,
+        &dir.path().join("d"),
+        args.workers,
+        script,
+        args.worker_nice,
+    )
+    .await?;
     let (direct, _) = phase(
         &args,
         |i| {
