@@ -65,6 +65,45 @@ async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyh
     fleet.stop().await
 }
 
+/// A session's first leg (its home, opened for `initialize`) places no thread and is not counted
+/// as a placement; the session's first thread then goes to that same worker while the workers are
+/// loaded alike, so the session keeps to one connection (a second would get every broadcast of its
+/// worker once more). Load still comes first: the next thread goes to the other worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_thread_goes_to_its_home_workers_leg_while_loads_are_alike() -> anyhow::Result<()>
+{
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 2, 2)
+        .start()
+        .await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await
+    );
+    let legs = [("tenant", "acme")];
+    let mut c = fleet.client("acme").await?;
+    assert_eq!(
+        fleet.metric("codex_fleet_legs_opened_total", &legs).await?,
+        1.0
+    );
+    let first = c.start_thread().await?;
+    assert_eq!(
+        fleet.metric("codex_fleet_legs_opened_total", &legs).await?,
+        1.0,
+        "the first thread took the home leg's worker"
+    );
+    let second = c.start_thread().await?;
+    let t = fleet.tenant("acme");
+    let (a, b) = (t.find_owner(&first), t.find_owner(&second));
+    assert!(a.is_some() && b.is_some() && a != b, "{a:?} {b:?}");
+    assert_eq!(
+        fleet.metric("codex_fleet_legs_opened_total", &legs).await?,
+        2.0
+    );
+    fleet.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Result<()> {
     let fleet = FleetBuilder::new()

@@ -24,4 +24,6 @@ pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
 pub use process::ExitReport;
 pub use run_as::{Rlimits, WorkerUser};
-pub use supervisor::{Pool, PoolConfig, PoolEvent, Sizes, WorkerHandle, WorkerInfo, WorkerState};
+pub use supervisor::{
+    Pool, PoolConfig, PoolEvent, Purpose, Sizes, WorkerHandle, WorkerInfo, WorkerState,
+};

@@ -108,6 +108,19 @@ pub enum PoolEvent {
 #[derive(Debug)]
 pub(crate) struct Load;
 
+/// What a worker is acquired for ([`Pool::acquire_for`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Purpose<'a> {
+    /// A new thread: counted as a placement until the worker reports the thread. Of the workers
+    /// loaded least, one the caller already holds a connection to (`prefer`) comes first, so a
+    /// session's thread lands on its home leg's worker instead of opening a second connection
+    /// (which would get every broadcast of that worker once more, for nothing).
+    Thread { prefer: &'a [WorkerId] },
+    /// A connection that places no thread (a session's home leg, for requests without one): the
+    /// least-loaded worker, not counted as a placement, since no thread follows from it.
+    Connection,
+}
+
 /// A ready worker, as handed to the router. Cloning counts as another outstanding handle.
 #[derive(Debug, Clone)]
 pub struct WorkerHandle {
@@ -248,9 +261,13 @@ impl Shared {
     }
 
     /// One placement attempt; see [`PoolState::pick`].
-    fn pick(self: &Arc<Self>, deadline: Instant) -> Result<Option<WorkerHandle>, PoolError> {
+    fn pick(
+        self: &Arc<Self>,
+        purpose: Purpose<'_>,
+        deadline: Instant,
+    ) -> Result<Option<WorkerHandle>, PoolError> {
         let mut state = self.lock();
-        let pick = state.pick(&self.cfg, Instant::now(), deadline);
+        let pick = state.pick(&self.cfg, purpose, Instant::now(), deadline);
         let (handle, start, changed) = match pick {
             Pick::Ready { handle, start } => (Some(handle), start, false),
             Pick::Wait { changed } => (None, None, changed),
@@ -325,6 +342,12 @@ impl Pool {
     /// one (caps allowing) and waits at most `ready_timeout`; fails early when no start can succeed
     /// in time.
     pub async fn acquire(&self) -> Result<WorkerHandle, PoolError> {
+        self.acquire_for(Purpose::Thread { prefer: &[] }).await
+    }
+
+    /// As [`Pool::acquire`], for `purpose`: a new thread (preferring, of the workers loaded
+    /// least, one the caller is already connected to) or a connection that places none.
+    pub async fn acquire_for(&self, purpose: Purpose<'_>) -> Result<WorkerHandle, PoolError> {
         if let Some(e) = &self.shared.invalid {
             return Err(PoolError::Config {
                 tenant: self.shared.cfg.tenant.clone(),
@@ -336,7 +359,7 @@ impl Pool {
         let mut epoch = self.shared.epoch.subscribe();
         loop {
             epoch.borrow_and_update();
-            if let Some(handle) = self.shared.pick(deadline)? {
+            if let Some(handle) = self.shared.pick(purpose, deadline)? {
                 return Ok(handle);
             }
             if !matches!(timeout_at(deadline, epoch.changed()).await, Ok(Ok(()))) {

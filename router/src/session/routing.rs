@@ -112,9 +112,19 @@ impl Session {
         }
     }
 
+    /// A leg for a new thread: to the least-loaded worker, and of those loaded alike to one this
+    /// session already has a leg to (its home leg's, usually), so a session keeps to one
+    /// connection where it can.
     pub(super) async fn placed_leg(&mut self) -> Result<WorkerId, Reason> {
-        let handle = self.ctx.tenant.pool.acquire().await.map_err(|e| {
-            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, "no worker for a new thread");
+        let mine: Vec<WorkerId> = self.legs.keys().copied().collect();
+        self.acquired_leg(worker::Purpose::Thread { prefer: &mine })
+            .await
+    }
+
+    /// A leg to the worker the pool picks for `purpose`, opened unless the session has it.
+    async fn acquired_leg(&mut self, purpose: worker::Purpose<'_>) -> Result<WorkerId, Reason> {
+        let handle = self.ctx.tenant.pool.acquire_for(purpose).await.map_err(|e| {
+            tracing::warn!(tenant = %self.ctx.tenant.id, error = %e, ?purpose, "no worker to open a leg to");
             match e {
                 worker::PoolError::FleetFull { .. } => Reason::FleetWorkerLimit,
                 _ => Reason::NoWorkerAvailable,
@@ -199,7 +209,8 @@ impl Session {
         if let Some(home) = self.home.filter(|h| self.legs.contains_key(h)) {
             return Ok(home);
         }
-        let worker = self.placed_leg().await?;
+        // No thread follows from it: not counted as a placement.
+        let worker = self.acquired_leg(worker::Purpose::Connection).await?;
         self.home = Some(worker);
         Ok(worker)
     }

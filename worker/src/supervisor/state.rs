@@ -6,7 +6,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{slot_number, Fault, Load, PoolConfig, WorkerHandle, WorkerInfo, WorkerState};
+use super::{slot_number, Fault, Load, PoolConfig, Purpose, WorkerHandle, WorkerInfo, WorkerState};
 use crate::control::ControlCommand;
 use crate::error::PoolError;
 use crate::fleet::FleetPermit;
@@ -252,23 +252,34 @@ impl PoolState {
         )
     }
 
-    /// Placement of a new thread: the least-loaded ready worker (starting another in the background
-    /// when all are at or above `load_mark`); else wait for a start in progress; else start one;
-    /// else wait for a backoff that ends before `deadline`; else fail.
-    pub fn pick(&mut self, cfg: &PoolConfig, now: Instant, deadline: Instant) -> Pick {
+    /// Placement of a new thread (or of a connection, [`Purpose`]): the least-loaded ready worker
+    /// (starting another in the background when all are at or above `load_mark`); else wait for a
+    /// start in progress; else start one; else wait for a backoff that ends before `deadline`;
+    /// else fail.
+    pub fn pick(
+        &mut self,
+        cfg: &PoolConfig,
+        purpose: Purpose<'_>,
+        now: Instant,
+        deadline: Instant,
+    ) -> Pick {
         let sizes = self.sizes(cfg);
         if self.stopping {
             return Pick::Fail(PoolError::ShuttingDown {
                 tenant: self.tenant,
             });
         }
-        if let Some((handle, busy)) = self.least_loaded(cfg, sizes, now) {
-            if let Some(live) = self
+        let prefer = match purpose {
+            Purpose::Thread { prefer } => prefer,
+            Purpose::Connection => &[],
+        };
+        if let Some((handle, busy)) = self.least_loaded(cfg, sizes, prefer, now) {
+            let live = self
                 .slots
                 .iter_mut()
                 .filter_map(|s| s.live.as_mut())
-                .find(|l| l.id == handle.id)
-            {
+                .find(|l| l.id == handle.id);
+            if let (Some(live), Purpose::Thread { .. }) = (live, purpose) {
                 live.placed_at(now);
             }
             let start = if busy && !self.start_pending() {
@@ -290,11 +301,13 @@ impl PoolState {
         self.wait_for_retry(now, deadline)
     }
 
-    /// The ready worker to place on, and whether even it is at or above `load_mark`.
+    /// The ready worker to place on, and whether even it is at or above `load_mark`: the least
+    /// loaded, and of those loaded alike one in `prefer` before the one with fewest handles.
     fn least_loaded(
         &self,
         cfg: &PoolConfig,
         sizes: Sizes,
+        prefer: &[WorkerId],
         now: Instant,
     ) -> Option<(WorkerHandle, bool)> {
         let (index, key) = self
@@ -304,7 +317,11 @@ impl PoolState {
             .filter(|(_, s)| s.state == WorkerState::Ready)
             .filter_map(|(i, s)| s.live.as_ref().map(|live| (i, live)))
             .filter(|(_, live)| !live.has_exited() && live.retire.is_none())
-            .map(|(i, live)| (i, live.load_key(now)))
+            .map(|(i, live)| {
+                let (active, loaded, handles) = live.load_key(now);
+                let elsewhere = !prefer.contains(&live.id);
+                (i, (active, loaded, elsewhere, handles))
+            })
             .min_by_key(|(_, key)| *key)?;
         Some((self.handle(index, cfg)?, key.0 >= sizes.load_mark))
     }

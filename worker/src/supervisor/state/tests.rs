@@ -3,6 +3,9 @@ use crate::fleet::FleetCap;
 use crate::load::Lifecycle;
 use tokio::time::Duration;
 
+/// A new thread's placement, from a caller connected to no worker yet.
+const NEW: Purpose<'static> = Purpose::Thread { prefer: &[] };
+
 fn cfg(max_workers: usize, fleet: &FleetCap) -> PoolConfig {
     PoolConfig {
         tenant: "st".into(),
@@ -81,17 +84,17 @@ async fn placement_orders_by_active_then_loaded_then_handles() {
     status(&mut s, b, "t2", false);
     status(&mut s, b, "t3", false);
     // b has more loaded threads but no active turn.
-    let (slot, _) = picked(s.pick(&cfg, now, now));
+    let (slot, _) = picked(s.pick(&cfg, NEW, now, now));
     assert_eq!(slot, 1);
     status(&mut s, b, "t2", true);
     // Both have one active turn: a has fewer loaded threads.
-    assert_eq!(picked(s.pick(&cfg, now, now)).0, 0);
+    assert_eq!(picked(s.pick(&cfg, NEW, now, now)).0, 0);
     status(&mut s, a, "t4", false);
     status(&mut s, a, "t5", false);
     // Equal on active and loaded (once the placements above have settled): handles decide.
     let later = now + Duration::from_secs(3);
     let held = s.handle(a, &cfg).unwrap();
-    assert_eq!(picked(s.pick(&cfg, later, later)).0, 1);
+    assert_eq!(picked(s.pick(&cfg, NEW, later, later)).0, 1);
     drop(held);
 }
 
@@ -104,12 +107,69 @@ async fn placements_close_together_spread_before_the_counts_arrive() {
     ready(&mut s);
     let now = Instant::now();
     // Nothing reported yet: each placement counts until the control leg's counts arrive.
-    let slots: Vec<u32> = (0..4).map(|_| picked(s.pick(&cfg, now, now)).0).collect();
+    let slots: Vec<u32> = (0..4)
+        .map(|_| picked(s.pick(&cfg, NEW, now, now)).0)
+        .collect();
     assert_eq!(slots.iter().filter(|s| **s == 0).count(), 2, "{slots:?}");
     assert_eq!(slots.iter().filter(|s| **s == 1).count(), 2, "{slots:?}");
     // Settled placements no longer count.
     let later = now + Duration::from_secs(3);
-    assert_eq!(picked(s.pick(&cfg, later, later)).0, 0);
+    assert_eq!(picked(s.pick(&cfg, NEW, later, later)).0, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thread_goes_to_a_worker_its_session_holds_unless_that_one_is_loaded_more() {
+    let fleet = FleetCap::new(8);
+    let cfg = cfg(4, &fleet);
+    let mut s = state();
+    let (a, b) = (ready(&mut s), ready(&mut s));
+    let (ida, idb) = (s.id(a), s.id(b));
+    let now = Instant::now();
+    // b has a handle more (the session's own leg), so without a preference a would win.
+    let held = s.handle(b, &cfg).unwrap();
+    assert_eq!(picked(s.pick(&cfg, Purpose::Connection, now, now)).0, 0);
+    let mine = Purpose::Thread { prefer: &[idb] };
+    assert_eq!(
+        picked(s.pick(&cfg, mine, now, now)).0,
+        1,
+        "b, the session's"
+    );
+    // That placement counts on b until its thread shows: now a is loaded less, and wins.
+    assert_eq!(picked(s.pick(&cfg, mine, now, now)).0, 0, "a, loaded less");
+    // Loaded alike again: a preference for either decides, whatever the handles say.
+    let settled = now + Duration::from_secs(3);
+    status(&mut s, a, "t1", true);
+    status(&mut s, b, "t2", true);
+    let either = Purpose::Thread {
+        prefer: &[ida, idb],
+    };
+    assert_eq!(picked(s.pick(&cfg, either, settled, settled)).0, 0);
+    let b_only = Purpose::Thread { prefer: &[idb] };
+    let later = settled + Duration::from_secs(3);
+    assert_eq!(picked(s.pick(&cfg, b_only, later, later)).0, 1);
+    // An active turn more on b: load wins over the preference.
+    status(&mut s, b, "t3", true);
+    let latest = later + Duration::from_secs(3);
+    assert_eq!(picked(s.pick(&cfg, b_only, latest, latest)).0, 0);
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_is_not_counted_as_a_placement() {
+    let fleet = FleetCap::new(8);
+    let cfg = cfg(4, &fleet);
+    let mut s = state();
+    ready(&mut s);
+    ready(&mut s);
+    let now = Instant::now();
+    // Connections place no thread: they leave no mark, so they all find slot 0 (least handles,
+    // then the first), and so does the first thread after them.
+    for _ in 0..3 {
+        assert_eq!(picked(s.pick(&cfg, Purpose::Connection, now, now)).0, 0);
+    }
+    assert_eq!(picked(s.pick(&cfg, NEW, now, now)).0, 0);
+    // A thread does leave one: the next thread goes to slot 1.
+    assert_eq!(picked(s.pick(&cfg, NEW, now, now)).0, 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -121,19 +181,23 @@ async fn at_the_mark_placement_starts_one_more_within_the_caps() {
     let a = ready(&mut s);
     let now = Instant::now();
     status(&mut s, a, "t1", true);
-    assert_eq!(picked(s.pick(&cfg, now, now)), (0, false), "below the mark");
+    assert_eq!(
+        picked(s.pick(&cfg, NEW, now, now)),
+        (0, false),
+        "below the mark"
+    );
     status(&mut s, a, "t2", true);
     let Pick::Ready {
         start: Some(Start::Add(permit)),
         ..
-    } = s.pick(&cfg, now, now)
+    } = s.pick(&cfg, NEW, now, now)
     else {
         panic!("expected a background start");
     };
     assert_eq!(fleet.in_use(), 2);
     let b = s.push_slot(Some(permit));
     assert_eq!(
-        picked(s.pick(&cfg, now, now)),
+        picked(s.pick(&cfg, NEW, now, now)),
         (0, false),
         "one start at a time"
     );
@@ -144,7 +208,7 @@ async fn at_the_mark_placement_starts_one_more_within_the_caps() {
     drop(s.slots[b].live.take());
     s.enter(b, WorkerState::Stopped);
     s.slots[b].requested = false;
-    assert_eq!(picked(s.pick(&cfg, now, now)), (0, false));
+    assert_eq!(picked(s.pick(&cfg, NEW, now, now)), (0, false));
 }
 
 #[tokio::test(start_paused = true)]
@@ -155,7 +219,7 @@ async fn no_ready_worker_and_a_full_fleet_fails_fast() {
     let mut s = state();
     let now = Instant::now();
     assert!(matches!(
-        s.pick(&cfg, now, now),
+        s.pick(&cfg, NEW, now, now),
         Pick::Fail(PoolError::FleetFull { max: 1, .. })
     ));
 }
@@ -211,7 +275,10 @@ async fn memory_guard_waits_for_the_active_turn() {
     assert!(matches!(v, Verdict::Keep));
     assert_eq!(s.slots[a].state, WorkerState::Draining);
     assert!(s.get(id, &cfg).is_some(), "still routes to its threads");
-    assert!(matches!(s.pick(&cfg, now, now), Pick::Start(Start::Add(_))));
+    assert!(matches!(
+        s.pick(&cfg, NEW, now, now),
+        Pick::Start(Start::Add(_))
+    ));
     let v = s.on_lifecycle(
         a,
         id,
