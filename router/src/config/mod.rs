@@ -24,8 +24,9 @@ pub mod nodes;
 pub mod quantity;
 mod validate;
 
-/// `workers.nice` unless set.
-pub const DEFAULT_WORKER_NICE: u8 = 10;
+/// `workers.nice` unless set: the same priority as codex-fleet (BENCHMARKS.md, bench 4, "Workers
+/// below the router's CPU priority": lower costs streaming throughput when the cores are short).
+pub const DEFAULT_WORKER_NICE: u8 = 0;
 /// Largest `workers.nice`: the kernel's lowest priority is 19 above the highest (-20 to 19).
 pub const MAX_NICE: u8 = 19;
 /// Smallest `max_processes` accepted (other than 0): app-server alone runs about 20 threads.
@@ -159,10 +160,11 @@ pub struct Workers {
     #[serde(default = "defaults::max_processes")]
     pub max_processes: u64,
     /// How many steps below codex-fleet's own CPU priority workers run (`nice`, added to
-    /// codex-fleet's own value and capped at 19; 0: the same priority). codex-fleet serves every
-    /// tenant, a worker (and every command its model runs) one: when the CPU is short, the
-    /// kernel runs codex-fleet first, so one tenant's busy worker cannot slow every tenant's
-    /// traffic. A worker cannot raise its priority back (that needs `CAP_SYS_NICE`).
+    /// codex-fleet's own value and capped at 19; 0, the default: the same priority). codex-fleet
+    /// serves every tenant, a worker (and every command its model runs) one: set, when the CPU
+    /// is short the kernel runs codex-fleet first, so one tenant's busy worker cannot slow every
+    /// tenant's traffic; the price is streaming throughput while the cores are short. A worker
+    /// cannot raise its priority back (that needs `CAP_SYS_NICE`).
     #[serde(default = "defaults::nice")]
     pub nice: u8,
     /// Resident memory above which a worker takes no new threads and is replaced once idle.

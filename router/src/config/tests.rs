@@ -142,14 +142,14 @@ fn max_processes_is_inherited_or_large_enough_for_app_server() {
 }
 
 #[test]
-fn workers_run_below_the_fleets_priority_by_default_and_nice_stays_in_the_kernels_range() {
-    assert_eq!(Config::parse(&minimal("")).expect("valid").workers.nice, 10);
+fn workers_run_at_the_fleets_priority_by_default_and_nice_stays_in_the_kernels_range() {
+    assert_eq!(Config::parse(&minimal("")).expect("valid").workers.nice, 0);
     assert_eq!(
-        Config::parse(&minimal("nice = 0\n"))
+        Config::parse(&minimal("nice = 10\n"))
             .expect("valid")
             .workers
             .nice,
-        0
+        10
     );
     assert_eq!(
         Config::parse(&minimal("nice = 19\n"))
