@@ -1,7 +1,10 @@
 //! What a worker's process group uses, read from `/proc`: resident memory and CPU time of every
 //! process in the group (the app-server and the commands it runs), for the capacity metrics.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// One sample of a process group.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -55,13 +58,76 @@ fn parse_stat(text: &str) -> Option<Stat> {
     })
 }
 
-/// Samples the process group led by `pgid` (the worker runs in its own group).
-pub fn group_usage(pgid: u32) -> Usage {
-    let (ticks, page) = units();
-    let mut own = 0u64;
-    let mut rss_pages = 0u64;
+/// How old a scan of `/proc` may be when a group is sampled from it. Every worker's health probe
+/// samples its group, and a scan reads the `stat` of every process on the machine: one scan per
+/// sample made the cost grow with the square of the workers (100 workers probed every 10 s read
+/// about 2,500 `stat` files a second). One scan a second serves them all.
+const SCAN_MAX_AGE: Duration = Duration::from_secs(1);
+
+/// What one group's processes used, summed over one scan.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct GroupTicks {
+    /// CPU ticks of the live members, and the reaped children's of the leader.
+    ticks: u64,
+    rss_pages: u64,
+}
+
+/// One pass over `/proc`, summed by process group.
+struct Scan {
+    at: Instant,
+    groups: HashMap<i64, GroupTicks>,
+}
+
+/// Scans of `/proc` shared by every sample taken within [`SCAN_MAX_AGE`] of one.
+pub(crate) struct ProcTable {
+    max_age: Duration,
+    last: Mutex<Option<Scan>>,
+    /// Scans taken, for the tests.
+    scans: AtomicU64,
+}
+
+// === impl ProcTable ===
+
+impl ProcTable {
+    const fn new(max_age: Duration) -> Self {
+        Self {
+            max_age,
+            last: Mutex::new(None),
+            scans: AtomicU64::new(0),
+        }
+    }
+
+    /// The group led by `pgid` as of a scan no older than `max_age` at `now` (taken now if
+    /// there is none). Callers meanwhile wait for that scan rather than take their own.
+    fn usage(&self, pgid: u32, now: Instant) -> Usage {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = last
+            .as_ref()
+            .is_some_and(|scan| now.saturating_duration_since(scan.at) < self.max_age);
+        if !fresh {
+            self.scans.fetch_add(1, Ordering::Relaxed);
+            *last = Some(Scan {
+                at: now,
+                groups: scan_groups(),
+            });
+        }
+        let group = last
+            .as_ref()
+            .and_then(|scan| scan.groups.get(&i64::from(pgid)).copied())
+            .unwrap_or_default();
+        let (ticks, page) = units();
+        Usage {
+            rss_bytes: group.rss_pages.saturating_mul(page),
+            cpu_secs: group.ticks as f64 / ticks,
+        }
+    }
+}
+
+/// Every process's `stat`, summed by process group.
+fn scan_groups() -> HashMap<i64, GroupTicks> {
+    let mut groups: HashMap<i64, GroupTicks> = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Usage::default();
+        return groups;
     };
     for entry in dir.flatten() {
         let name = entry.file_name();
@@ -74,19 +140,23 @@ pub fn group_usage(pgid: u32) -> Usage {
         let Some(stat) = parse_stat(&text) else {
             continue;
         };
-        if stat.pgrp != i64::from(pgid) {
-            continue;
-        }
-        own += stat.own_ticks;
-        rss_pages += stat.rss_pages;
-        if pid == pgid {
-            own += stat.children_ticks;
+        let group = groups.entry(stat.pgrp).or_default();
+        group.ticks += stat.own_ticks;
+        group.rss_pages += stat.rss_pages;
+        if i64::from(pid) == stat.pgrp {
+            group.ticks += stat.children_ticks;
         }
     }
-    Usage {
-        rss_bytes: rss_pages.saturating_mul(page),
-        cpu_secs: own as f64 / ticks,
-    }
+    groups
+}
+
+/// The machine's scans, shared by every pool.
+static TABLE: ProcTable = ProcTable::new(SCAN_MAX_AGE);
+
+/// Samples the process group led by `pgid` (the worker runs in its own group), from a scan of
+/// `/proc` at most [`SCAN_MAX_AGE`] old.
+pub fn group_usage(pgid: u32) -> Usage {
+    TABLE.usage(pgid, Instant::now())
 }
 
 #[cfg(test)]
@@ -120,5 +190,31 @@ mod tests {
         let u = group_usage(pgid);
         assert!(u.rss_bytes > 1 << 20, "{u:?}");
         assert!(u.cpu_secs > 0.0, "{u:?}");
+    }
+
+    /// Samples within the scan's age share it; the first after it takes a new one, which sees
+    /// what the group did meanwhile.
+    #[test]
+    fn samples_within_a_scans_age_share_it() {
+        let table = ProcTable::new(Duration::from_secs(1));
+        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+        let t0 = Instant::now();
+        let first = table.usage(pgid, t0);
+        assert!(first.rss_bytes > 0, "{first:?}");
+        let mut x = 0u64;
+        for i in 0..50_000_000u64 {
+            x = x.wrapping_add(i * i);
+        }
+        assert!(x > 0);
+        let shared = table.usage(pgid, t0 + Duration::from_millis(900));
+        assert_eq!(table.scans.load(Ordering::Relaxed), 1);
+        assert_eq!(shared, first, "a sample within the age reads the same scan");
+        // Another group is read from the same scan, and one with no process is empty.
+        table.usage(1, t0 + Duration::from_millis(950));
+        assert_eq!(table.usage(u32::MAX, t0), Usage::default());
+        assert_eq!(table.scans.load(Ordering::Relaxed), 1);
+        let later = table.usage(pgid, t0 + Duration::from_secs(1));
+        assert_eq!(table.scans.load(Ordering::Relaxed), 2);
+        assert!(later.cpu_secs > first.cpu_secs, "{first:?} then {later:?}");
     }
 }
