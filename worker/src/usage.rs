@@ -60,8 +60,9 @@ fn parse_stat(text: &str) -> Option<Stat> {
 
 /// How old a scan of `/proc` may be when a group is sampled from it. Every worker's health probe
 /// samples its group, and a scan reads the `stat` of every process on the machine: one scan per
-/// sample made the cost grow with the square of the workers (100 workers probed every 10 s read
-/// about 2,500 `stat` files a second). One scan a second serves them all.
+/// sample made the cost grow with the square of the workers (100 workers probed every 10 s took
+/// 10 scans a second, each reading every worker's `stat` and more). One scan a second serves
+/// them all.
 const SCAN_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// What one group's processes used, summed over one scan.
@@ -79,7 +80,7 @@ struct Scan {
 }
 
 /// Scans of `/proc` shared by every sample taken within [`SCAN_MAX_AGE`] of one.
-pub(crate) struct ProcTable {
+struct ProcTable {
     max_age: Duration,
     last: Mutex<Option<Scan>>,
     /// Scans taken, for the tests.
@@ -192,6 +193,26 @@ mod tests {
         assert!(u.cpu_secs > 0.0, "{u:?}");
     }
 
+    /// Spins until this process has used `spent` more CPU time (user and system), however
+    /// busy the machine is and however the loop is optimized.
+    fn burn_cpu(spent: Duration) {
+        use nix::sys::resource::{getrusage, UsageWho};
+        let used = || {
+            let u = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage");
+            let micros = |t: nix::sys::time::TimeVal| {
+                Duration::from_secs(t.tv_sec() as u64) + Duration::from_micros(t.tv_usec() as u64)
+            };
+            micros(u.user_time()) + micros(u.system_time())
+        };
+        let start = used();
+        let mut x = 0u64;
+        while used() - start < spent {
+            for i in 0..100_000u64 {
+                x = std::hint::black_box(x.wrapping_add(i * i));
+            }
+        }
+    }
+
     /// Samples within the scan's age share it; the first after it takes a new one, which sees
     /// what the group did meanwhile.
     #[test]
@@ -201,11 +222,7 @@ mod tests {
         let t0 = Instant::now();
         let first = table.usage(pgid, t0);
         assert!(first.rss_bytes > 0, "{first:?}");
-        let mut x = 0u64;
-        for i in 0..50_000_000u64 {
-            x = x.wrapping_add(i * i);
-        }
-        assert!(x > 0);
+        burn_cpu(Duration::from_millis(50));
         let shared = table.usage(pgid, t0 + Duration::from_millis(900));
         assert_eq!(table.scans.load(Ordering::Relaxed), 1);
         assert_eq!(shared, first, "a sample within the age reads the same scan");
