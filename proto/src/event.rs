@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use serde::de::{Deserialize, Deserializer};
+use serde::de::{self, Deserialize, Deserializer, Visitor};
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
@@ -39,15 +39,19 @@ pub enum Event<'a> {
         /// The thread.
         thread: Cow<'a, str>,
     },
-    /// `turn/started` (`params.threadId`).
+    /// `turn/started` (`params.threadId`, and what `params.turn` says of itself).
     TurnStarted {
         /// The thread.
         thread: Cow<'a, str>,
+        /// The turn.
+        turn: TurnHead<'a>,
     },
-    /// `turn/completed` (`params.threadId`).
+    /// `turn/completed` (`params.threadId`, and what `params.turn` says of itself).
     TurnCompleted {
         /// The thread.
         thread: Cow<'a, str>,
+        /// The turn.
+        turn: TurnHead<'a>,
     },
 }
 
@@ -71,6 +75,136 @@ pub enum Turn {
     Started,
     /// No turn runs any more (`turn/completed`, `thread/closed`, or a status other than `active`).
     Ended,
+}
+
+/// What a `turn/*` notification's `params.turn` says of itself, read in the same pass as the
+/// thread id (its `items` skipped). Read leniently: a missing or oddly shaped field is `None`,
+/// and a `turn` that is not an object is an empty head, never the loss of the event.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TurnHead<'a> {
+    /// `turn.id`.
+    pub id: Option<Cow<'a, str>>,
+    /// `turn.status` (`completed`, `interrupted`, `failed`, `inProgress`).
+    pub status: Option<Cow<'a, str>>,
+    /// `turn.durationMs`.
+    pub duration_ms: Option<u64>,
+}
+
+impl TurnHead<'_> {
+    fn into_owned(self) -> TurnHead<'static> {
+        let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
+        TurnHead {
+            id: self.id.map(own),
+            status: self.status.map(own),
+            duration_ms: self.duration_ms,
+        }
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for TurnHead<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match Loose::deserialize(d)? {
+            Loose::Turn(head) => head,
+            Loose::Str(_) | Loose::U64(_) | Loose::Other => TurnHead::default(),
+        })
+    }
+}
+
+/// One JSON value read leniently: a string, an unsigned integer, an object read as a turn's
+/// head, or anything else skipped.
+enum Loose<'a> {
+    Str(Cow<'a, str>),
+    U64(u64),
+    Turn(TurnHead<'a>),
+    Other,
+}
+
+impl<'a> Loose<'a> {
+    fn str(self) -> Option<Cow<'a, str>> {
+        match self {
+            Loose::Str(s) => Some(s),
+            Loose::U64(_) | Loose::Turn(_) | Loose::Other => None,
+        }
+    }
+
+    fn u64(self) -> Option<u64> {
+        match self {
+            Loose::U64(n) => Some(n),
+            Loose::Str(_) | Loose::Turn(_) | Loose::Other => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Loose<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(LooseVisitor)
+    }
+}
+
+struct LooseVisitor;
+
+impl<'de> Visitor<'de> for LooseVisitor {
+    type Value = Loose<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Loose<'de>, E> {
+        Ok(Loose::Str(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Loose<'de>, E> {
+        Ok(Loose::Str(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Loose<'de>, E> {
+        Ok(Loose::U64(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Loose<'de>, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Loose<'de>, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Loose<'de>, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Loose<'de>, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Loose<'de>, E> {
+        Ok(Loose::Other)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Loose<'de>, D::Error> {
+        Loose::deserialize(d)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut a: A) -> Result<Loose<'de>, A::Error> {
+        while a.next_element::<de::IgnoredAny>()?.is_some() {}
+        Ok(Loose::Other)
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, mut a: A) -> Result<Loose<'de>, A::Error> {
+        let mut head = TurnHead::default();
+        while let Some(key) = a.next_key::<Loose<'de>>()? {
+            match key.str().as_deref() {
+                Some("id") => head.id = a.next_value::<Loose<'de>>()?.str(),
+                Some("status") => head.status = a.next_value::<Loose<'de>>()?.str(),
+                Some("durationMs") => head.duration_ms = a.next_value::<Loose<'de>>()?.u64(),
+                _ => {
+                    a.next_value::<de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(Loose::Turn(head))
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -105,6 +239,14 @@ struct StatusParams<'a> {
 struct ThreadParams<'a> {
     #[serde(rename = "threadId", borrow)]
     thread_id: Cow<'a, str>,
+}
+
+#[derive(serde::Deserialize)]
+struct TurnParams<'a> {
+    #[serde(rename = "threadId", borrow)]
+    thread_id: Cow<'a, str>,
+    #[serde(default, borrow)]
+    turn: TurnHead<'a>,
 }
 
 // === impl Event ===
@@ -143,12 +285,20 @@ impl<'a> Event<'a> {
             Method::ThreadClosed => Event::ThreadClosed {
                 thread: ThreadParams::deserialize(params).ok()?.thread_id,
             },
-            Method::TurnStarted => Event::TurnStarted {
-                thread: ThreadParams::deserialize(params).ok()?.thread_id,
-            },
-            Method::TurnCompleted => Event::TurnCompleted {
-                thread: ThreadParams::deserialize(params).ok()?.thread_id,
-            },
+            Method::TurnStarted => {
+                let p = TurnParams::deserialize(params).ok()?;
+                Event::TurnStarted {
+                    thread: p.thread_id,
+                    turn: p.turn,
+                }
+            }
+            Method::TurnCompleted => {
+                let p = TurnParams::deserialize(params).ok()?;
+                Event::TurnCompleted {
+                    thread: p.thread_id,
+                    turn: p.turn,
+                }
+            }
             _ => return None,
         })
     }
@@ -168,11 +318,13 @@ impl<'a> Event<'a> {
             Event::ThreadClosed { thread } => Event::ThreadClosed {
                 thread: own(thread),
             },
-            Event::TurnStarted { thread } => Event::TurnStarted {
+            Event::TurnStarted { thread, turn } => Event::TurnStarted {
                 thread: own(thread),
+                turn: turn.into_owned(),
             },
-            Event::TurnCompleted { thread } => Event::TurnCompleted {
+            Event::TurnCompleted { thread, turn } => Event::TurnCompleted {
                 thread: own(thread),
+                turn: turn.into_owned(),
             },
         }
     }
@@ -183,8 +335,8 @@ impl<'a> Event<'a> {
             Event::ThreadStarted { thread, .. }
             | Event::ThreadStatusChanged { thread, .. }
             | Event::ThreadClosed { thread }
-            | Event::TurnStarted { thread }
-            | Event::TurnCompleted { thread } => thread,
+            | Event::TurnStarted { thread, .. }
+            | Event::TurnCompleted { thread, .. } => thread,
         }
     }
 
@@ -338,6 +490,65 @@ mod tests {
         );
         let t = ev("turn/completed", r#"{"threadId":"t1","turn":{}}"#).unwrap();
         assert_eq!(t.turn(), Some(Turn::Ended));
+    }
+
+    #[test]
+    fn a_turns_head_is_read_with_its_thread_and_leniently() {
+        let done = ev(
+            "turn/completed",
+            r#"{"threadId":"t1","turn":{"items":[{"id":"x","text":"a \"quoted\" {"}],"id":"u1","status":"interrupted","durationMs":2500,"error":null}}"#,
+        )
+        .unwrap();
+        let head = TurnHead {
+            id: Some("u1".into()),
+            status: Some("interrupted".into()),
+            duration_ms: Some(2500),
+        };
+        assert_eq!(
+            done,
+            Event::TurnCompleted {
+                thread: "t1".into(),
+                turn: head.clone()
+            }
+        );
+        assert_eq!(done.clone().into_owned(), done);
+        // Odd shapes lose the field, never the event (turn tracking rests on the thread id).
+        for (params, head) in [
+            (r#"{"threadId":"t1"}"#, TurnHead::default()),
+            (r#"{"threadId":"t1","turn":null}"#, TurnHead::default()),
+            (r#"{"threadId":"t1","turn":"u1"}"#, TurnHead::default()),
+            (
+                r#"{"threadId":"t1","turn":[1,{"id":"u1"}]}"#,
+                TurnHead::default(),
+            ),
+            (
+                r#"{"threadId":"t1","turn":{"id":7,"status":{"type":"x"},"durationMs":-1}}"#,
+                TurnHead::default(),
+            ),
+            (
+                r#"{"threadId":"t1","turn":{"id":"a\u0062","durationMs":1.5}}"#,
+                TurnHead {
+                    id: Some("ab".into()),
+                    ..TurnHead::default()
+                },
+            ),
+        ] {
+            assert_eq!(
+                ev("turn/started", params),
+                Some(Event::TurnStarted {
+                    thread: "t1".into(),
+                    turn: head
+                }),
+                "{params}"
+            );
+        }
+        // The same from a parsed value.
+        let v =
+            json!({"method": "turn/started", "params": {"threadId": "t1", "turn": {"id": "u2"}}});
+        assert!(matches!(
+            Event::from_value(&v),
+            Some(Event::TurnStarted { turn: TurnHead { id: Some(id), .. }, .. }) if id == "u2"
+        ));
     }
 
     #[test]

@@ -9,15 +9,19 @@
 //! total): app-server restates the last usage to a connection that resumes or forks a thread,
 //! and those restatements are not new spending.
 
+use std::borrow::Cow;
 use std::collections::{HashSet, VecDeque};
-use std::hash::Hash;
-use std::sync::{Mutex, PoisonError};
+use std::hash::{BuildHasher, Hash, RandomState};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use worker::WorkerId;
 
+use proto::event::Event;
 use proto::rpc::RequestId;
 use proto::Method;
 
@@ -169,41 +173,62 @@ impl<T: Eq + Hash + Clone> Recent<T> {
     }
 }
 
-/// What one tenant has counted already.
+/// What one tenant has counted already, and its series.
 #[derive(Default)]
 pub struct Counted {
     inner: Mutex<Inner>,
+    /// The keys turn ids are remembered by (random per tenant and process).
+    keys: RandomState,
+    /// The tenant's series, looked up once: a lookup hashes the labels under the vector's lock.
+    series: OnceLock<Series>,
 }
 
+/// Turns are remembered by a keyed 64-bit digest of their id, not the id: 8 bytes instead of a
+/// string held twice, which bounds what a tenant's busy history costs. Two ids of one tenant
+/// colliding (odds about 2^-40 among what is remembered) would leave one turn uncounted.
 #[derive(Default)]
 struct Inner {
-    started: Recent<String>,
-    completed: Recent<String>,
-    usage: Recent<(String, u64)>,
+    started: Recent<u64>,
+    completed: Recent<u64>,
+    /// (turn, running total) pairs.
+    usage: Recent<u64>,
     approvals: Recent<(WorkerId, RequestId)>,
     answered: Recent<(WorkerId, RequestId)>,
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct TurnParams {
-    turn: Turn,
+/// One tenant's children of the usage metrics.
+struct Series {
+    turns_started: IntCounter,
+    /// In the order of [`TURN_STATUSES`].
+    turns_completed: [IntCounter; TURN_STATUSES.len()],
+    turn_seconds: Histogram,
+    /// In the order of [`TOKEN_KINDS`].
+    tokens: [IntCounter; TOKEN_KINDS.len()],
+    approvals_requested: IntCounter,
+    /// In the order of [`DECISIONS`].
+    approvals_answered: [IntCounter; DECISIONS.len()],
+}
+
+impl Series {
+    fn new(m: &UsageMetrics, tenant: &str) -> Self {
+        Series {
+            turns_started: m.turns_started.with_label_values(&[tenant]),
+            turns_completed: TURN_STATUSES
+                .map(|status| m.turns_completed.with_label_values(&[tenant, status])),
+            turn_seconds: m.turn_seconds.with_label_values(&[tenant]),
+            tokens: TOKEN_KINDS.map(|kind| m.tokens.with_label_values(&[tenant, kind])),
+            approvals_requested: m.approvals_requested.with_label_values(&[tenant]),
+            approvals_answered: DECISIONS
+                .map(|decision| m.approvals_answered.with_label_values(&[tenant, decision])),
+        }
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Turn {
-    id: String,
-    #[serde(default)]
-    status: Option<String>,
-    #[serde(default)]
-    duration_ms: Option<u64>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct UsageParams {
-    turn_id: String,
+struct UsageParams<'a> {
+    #[serde(borrow)]
+    turn_id: Cow<'a, str>,
     token_usage: TokenUsage,
 }
 
@@ -228,76 +253,77 @@ struct Tokens {
     reasoning_output_tokens: u64,
 }
 
+/// The position of `name` in `list`, or of its last entry (`other`).
+fn index_of(list: &[&str], name: &str) -> usize {
+    list.iter()
+        .position(|known| *known == name)
+        .unwrap_or(list.len() - 1)
+}
+
 impl Counted {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A notification a session received from a worker: counts turns and tokens once.
+    fn series(&self, metrics: &UsageMetrics, tenant: &str) -> &Series {
+        self.series.get_or_init(|| Series::new(metrics, tenant))
+    }
+
+    /// A notification a session received from a worker: counts turns and tokens once. `event` is
+    /// the lifecycle or turn event the session parsed from it, if any.
     pub fn notification(
         &self,
         metrics: &UsageMetrics,
         tenant: &str,
         method: &Method<'_>,
         params: Option<&RawValue>,
+        event: Option<&Event<'_>>,
     ) {
-        let Some(params) = params else { return };
-        match method {
-            Method::TurnStarted => {
-                let Ok(p) = serde_json::from_str::<TurnParams>(params.get()) else {
-                    return;
-                };
-                if self.lock().started.insert(p.turn.id) {
-                    metrics.turns_started.with_label_values(&[tenant]).inc();
+        match event {
+            Some(Event::TurnStarted { turn, .. }) => {
+                let Some(id) = &turn.id else { return };
+                if self.lock().started.insert(self.keys.hash_one(id)) {
+                    self.series(metrics, tenant).turns_started.inc();
                 }
             }
-            Method::TurnCompleted => {
-                let Ok(p) = serde_json::from_str::<TurnParams>(params.get()) else {
-                    return;
-                };
-                if !self.lock().completed.insert(p.turn.id) {
+            Some(Event::TurnCompleted { turn, .. }) => {
+                let Some(id) = &turn.id else { return };
+                if !self.lock().completed.insert(self.keys.hash_one(id)) {
                     return;
                 }
-                let status = p
-                    .turn
-                    .status
-                    .as_deref()
-                    .filter(|s| TURN_STATUSES.contains(s))
-                    .unwrap_or("other");
-                metrics
-                    .turns_completed
-                    .with_label_values(&[tenant, status])
-                    .inc();
-                if let Some(ms) = p.turn.duration_ms {
-                    metrics
-                        .turn_seconds
-                        .with_label_values(&[tenant])
-                        .observe(ms as f64 / 1000.0);
+                let series = self.series(metrics, tenant);
+                let status = turn.status.as_deref().unwrap_or("other");
+                series.turns_completed[index_of(&TURN_STATUSES, status)].inc();
+                if let Some(ms) = turn.duration_ms {
+                    series.turn_seconds.observe(ms as f64 / 1000.0);
                 }
             }
-            Method::Other(name) if name == "thread/tokenUsage/updated" => {
-                let Ok(p) = serde_json::from_str::<UsageParams>(params.get()) else {
+            _ if matches!(method, Method::Other(name) if name == "thread/tokenUsage/updated") => {
+                let Some(p) =
+                    params.and_then(|p| serde_json::from_str::<UsageParams<'_>>(p.get()).ok())
+                else {
                     return;
                 };
+                let turn = self.keys.hash_one(&p.turn_id);
+                let spent = self
+                    .keys
+                    .hash_one((&p.turn_id, p.token_usage.total.total_tokens));
                 {
                     let mut inner = self.lock();
                     // A turn this process did not see start is history being restated.
-                    if !inner.started.contains(&p.turn_id)
-                        || !inner
-                            .usage
-                            .insert((p.turn_id, p.token_usage.total.total_tokens))
-                    {
+                    if !inner.started.contains(&turn) || !inner.usage.insert(spent) {
                         return;
                     }
                 }
                 let last = &p.token_usage.last;
-                for (kind, n) in [
-                    ("input", last.input_tokens),
-                    ("cached_input", last.cached_input_tokens),
-                    ("output", last.output_tokens),
-                    ("reasoning_output", last.reasoning_output_tokens),
-                ] {
-                    metrics.tokens.with_label_values(&[tenant, kind]).inc_by(n);
+                let tokens = &self.series(metrics, tenant).tokens;
+                for (counter, n) in tokens.iter().zip([
+                    last.input_tokens,
+                    last.cached_input_tokens,
+                    last.output_tokens,
+                    last.reasoning_output_tokens,
+                ]) {
+                    counter.inc_by(n);
                 }
             }
             _ => {}
@@ -316,10 +342,7 @@ impl Counted {
         if APPROVALS.contains(&method.as_str())
             && self.lock().approvals.insert((worker, id.clone()))
         {
-            metrics
-                .approvals_requested
-                .with_label_values(&[tenant])
-                .inc();
+            self.series(metrics, tenant).approvals_requested.inc();
         }
     }
 
@@ -341,10 +364,7 @@ impl Counted {
             }
         }
         let decision = result.map_or("other", decision_of);
-        metrics
-            .approvals_answered
-            .with_label_values(&[tenant, decision])
-            .inc();
+        self.series(metrics, tenant).approvals_answered[index_of(&DECISIONS, decision)].inc();
     }
 }
 
@@ -395,16 +415,20 @@ mod tests {
         let done =
             raw(r#"{"threadId":"th","turn":{"id":"u1","status":"interrupted","durationMs":2500}}"#);
         let other = Method::Other("thread/tokenUsage/updated".into());
+        let notify = |method: &Method<'_>, params: &RawValue| {
+            let event = Event::parse(method, Some(params));
+            c.notification(&m, "t", method, Some(params), event.as_ref());
+        };
         for _session in 0..2 {
-            c.notification(&m, "t", &Method::TurnStarted, Some(&started));
-            c.notification(&m, "t", &other, Some(&usage("u1", 110, 100)));
-            c.notification(&m, "t", &other, Some(&usage("u1", 220, 110)));
-            c.notification(&m, "t", &Method::TurnCompleted, Some(&done));
+            notify(&Method::TurnStarted, &started);
+            notify(&other, &usage("u1", 110, 100));
+            notify(&other, &usage("u1", 220, 110));
+            notify(&Method::TurnCompleted, &done);
         }
         // A replay (resume, fork) restates the last usage: not counted again.
-        c.notification(&m, "t", &other, Some(&usage("u1", 220, 110)));
+        notify(&other, &usage("u1", 220, 110));
         // Usage of a turn this process never saw start is history.
-        c.notification(&m, "t", &other, Some(&usage("old", 999, 999)));
+        notify(&other, &usage("old", 999, 999));
         assert_eq!(m.turns_started.with_label_values(&["t"]).get(), 1);
         assert_eq!(
             m.turns_completed
@@ -427,6 +451,49 @@ mod tests {
             m.tokens.with_label_values(&["t", "reasoning_output"]).get(),
             6
         );
+    }
+
+    #[test]
+    fn another_tenant_with_the_same_turn_id_counts_its_own_and_odd_turns_are_other() {
+        let (_r, m) = metrics();
+        m.init_tenant("u");
+        let (mine, theirs) = (Counted::default(), Counted::default());
+        let count = |c: &Counted, tenant: &str, method: Method<'_>, params: &str| {
+            let params = raw(params);
+            let event = Event::parse(&method, Some(&params));
+            c.notification(&m, tenant, &method, Some(&params), event.as_ref());
+        };
+        // A tenant that copies another's turn id (or guesses it) cannot stop that turn counting.
+        for (c, tenant) in [(&mine, "t"), (&theirs, "u")] {
+            count(
+                c,
+                tenant,
+                Method::TurnStarted,
+                r#"{"threadId":"a","turn":{"id":"same"}}"#,
+            );
+            count(
+                c,
+                tenant,
+                Method::TurnCompleted,
+                r#"{"threadId":"a","turn":{"id":"same","status":"weird"}}"#,
+            );
+        }
+        // No id: nothing to count once, so nothing is counted.
+        count(
+            &mine,
+            "t",
+            Method::TurnStarted,
+            r#"{"threadId":"a","turn":{}}"#,
+        );
+        for tenant in ["t", "u"] {
+            assert_eq!(m.turns_started.with_label_values(&[tenant]).get(), 1);
+            assert_eq!(
+                m.turns_completed
+                    .with_label_values(&[tenant, "other"])
+                    .get(),
+                1
+            );
+        }
     }
 
     #[test]

@@ -151,7 +151,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
                 continue;
             };
             seen(&method);
-            if let Some(Event::TurnCompleted { thread: done }) = Event::parse(&method, params) {
+            if let Some(Event::TurnCompleted { thread: done, .. }) = Event::parse(&method, params) {
                 if done == thread {
                     return Ok(());
                 }

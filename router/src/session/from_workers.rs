@@ -135,6 +135,7 @@ impl Session {
                     self.tenant(),
                     &method,
                     params,
+                    event.as_ref(),
                 );
                 if method == Method::ThreadClosed {
                     self.audit(
@@ -145,7 +146,7 @@ impl Session {
                         }),
                     );
                 }
-                if self.follow_notification(worker, &method, params, event.as_ref()) {
+                if self.follow_notification(worker, &method, params, event.as_ref(), shared) {
                     return Ok(());
                 }
                 if method.is_delta()

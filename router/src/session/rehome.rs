@@ -17,6 +17,7 @@ use proto::event::Event;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::WorkerId;
 
 use super::{End, Session};
@@ -30,12 +31,13 @@ pub(super) const REHOME_ID_PREFIX: &str = "codex-fleet:rehome:";
 /// thread, to the resuming connection or to all.
 const MOVE_ECHOES: [&str; 2] = ["thread/goal/cleared", "thread/tokenUsage/updated"];
 
-/// A thread this session follows: where it is loaded, the turn running on it (the object its
-/// `turn/started` carried), and its place in the tenant's subscriber count.
+/// A thread this session follows: where it is loaded, the turn running on it (its `turn/started`
+/// frame, shared with the client's queue and parsed only if the turn must be ended for the
+/// client), and its place in the tenant's subscriber count.
 #[derive(Debug)]
 pub(super) struct Followed {
     worker: WorkerId,
-    turn: Option<Value>,
+    turn: Option<Utf8Bytes>,
     _counted: Subscription,
 }
 
@@ -109,11 +111,12 @@ impl Session {
         method: &Method<'_>,
         params: Option<&RawValue>,
         event: Option<&Event<'_>>,
+        frame: &Utf8Bytes,
     ) -> bool {
         match method {
             Method::TurnStarted | Method::TurnCompleted | Method::ThreadClosed => {
                 if let Some(event) = event.filter(|_| !self.following.threads.is_empty()) {
-                    self.follow_turn(worker, params, event);
+                    self.follow_turn(worker, event, frame);
                 }
                 false
             }
@@ -125,8 +128,8 @@ impl Session {
         }
     }
 
-    /// `event` is the notification's, parsed once where it arrived.
-    fn follow_turn(&mut self, worker: WorkerId, params: Option<&RawValue>, event: &Event<'_>) {
+    /// `event` is the notification's, parsed once where it arrived; `frame` is its text.
+    fn follow_turn(&mut self, worker: WorkerId, event: &Event<'_>, frame: &Utf8Bytes) {
         let thread = event.thread();
         let Some(f) = self
             .following
@@ -138,9 +141,7 @@ impl Session {
         };
         match event {
             Event::TurnStarted { .. } => {
-                f.turn = params
-                    .and_then(|p| serde_json::from_str::<Value>(p.get()).ok())
-                    .map(|mut p| p["turn"].take());
+                f.turn = Some(frame.clone());
                 self.following
                     .usage_replays
                     .remove(&(thread.to_owned(), worker));
@@ -211,7 +212,7 @@ impl Session {
             }
             return Ok(());
         };
-        if let Some(turn) = followed.turn.take() {
+        if let Some(turn) = followed.turn.take().and_then(|f| started_turn(&f)) {
             let frames = rehome::turn_ended_frames(
                 &order.thread,
                 &turn,
@@ -350,4 +351,11 @@ impl Session {
                 .observe(since.elapsed().as_secs_f64());
         }
     }
+}
+
+/// The turn object a `turn/started` frame carries (null if its params have none).
+fn started_turn(frame: &str) -> Option<Value> {
+    let mut frame = serde_json::from_str::<Value>(frame).ok()?;
+    let params = frame.get_mut("params")?;
+    Some(params.get_mut("turn").map_or(Value::Null, Value::take))
 }
