@@ -160,6 +160,13 @@ pub fn group_usage(pgid: u32) -> Usage {
     TABLE.usage(pgid, Instant::now())
 }
 
+/// [`group_usage`] on tokio's blocking pool. A scan reads every process's `stat` (milliseconds on
+/// a machine with many processes), and a sample waits for a scan another pool is taking: neither
+/// may hold a thread that serves sessions. An error only if the sampling task panicked.
+pub async fn sample(pgid: u32) -> Result<Usage, tokio::task::JoinError> {
+    tokio::task::spawn_blocking(move || group_usage(pgid)).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +218,35 @@ mod tests {
                 x = std::hint::black_box(x.wrapping_add(i * i));
             }
         }
+    }
+
+    /// While a scan holds the table (on another thread here), a sample waits for it off the
+    /// runtime: the runtime's only thread goes on running other tasks meanwhile.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_sample_waiting_for_a_scan_leaves_the_runtime_thread_free() {
+        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _scanning = TABLE.last.lock().unwrap_or_else(|e| e.into_inner());
+            held_tx.send(()).expect("test alive");
+            // Released by the test's task, which can only run if the sample left its thread free.
+            release_rx.recv_timeout(Duration::from_secs(5)).is_ok()
+        });
+        held_rx.recv().expect("holder");
+        let sampling = tokio::spawn(sample(pgid));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!sampling.is_finished(), "the sample waits for the scan");
+        release_tx.send(()).expect("holder waits");
+        assert!(
+            holder.join().expect("holder"),
+            "the runtime's thread was held while the sample waited"
+        );
+        let usage = sampling.await.expect("sampled").expect("no panic");
+        assert!(usage.rss_bytes > 0, "{usage:?}");
     }
 
     /// Samples within the scan's age share it; the first after it takes a new one, which sees

@@ -271,6 +271,7 @@ async fn supervise(
         report = process.exited() => Err(report),
         end = control.run(health, commands, &mut observe) => Ok(end),
         reason = fault.reported() => return faulted(process, reason).await,
+        never = sample_usage(shared, index, process, health.interval) => match never {},
     };
     if shared.is_stopping() {
         // Draining: the worker drops its connections and exits; shutdown kills it after the grace.
@@ -322,18 +323,36 @@ fn observe(shared: &Shared, index: usize, process: &WorkerProcess, seen: Observe
         }
         Observed::Loaded(threads) => {
             let rss = process::rss_bytes(process.pid());
-            let usage = crate::usage::group_usage(process.pid());
             let verdict = shared.update(|state| {
-                let verdict =
-                    state.on_loaded(index, id, &threads, rss, &shared.cfg, Instant::now());
-                state.on_usage(index, id, usage);
-                verdict
+                state.on_loaded(index, id, &threads, rss, &shared.cfg, Instant::now())
             });
             act(verdict);
             shared.publish(PoolEvent::Loaded {
                 worker: id,
                 threads,
             });
+        }
+    }
+}
+
+/// Samples what the worker's process group uses, every `every` (the health interval), one sample
+/// after another. A sample may scan `/proc`, which takes milliseconds where there are many
+/// processes, and waits for a scan another pool started (crate::usage): it runs on the blocking
+/// pool, never on the threads that serve sessions.
+async fn sample_usage(
+    shared: &Shared,
+    index: usize,
+    process: &WorkerProcess,
+    every: Duration,
+) -> std::convert::Infallible {
+    let (id, pgid) = (process.id(), process.pid());
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        match crate::usage::sample(pgid).await {
+            Ok(usage) => shared.update(|state| state.on_usage(index, id, usage)),
+            Err(e) => warn!(error = %e, "sampling the worker's usage failed"),
         }
     }
 }
