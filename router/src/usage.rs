@@ -184,8 +184,8 @@ pub struct Counted {
 }
 
 /// Turns are remembered by a keyed 64-bit digest of their id, not the id: 8 bytes instead of a
-/// string held twice, which bounds what a tenant's busy history costs. Two ids of one tenant
-/// colliding (odds about 2^-40 among what is remembered) would leave one turn uncounted.
+/// string held twice, which bounds what a tenant's busy history costs. A new id whose digest
+/// equals one of the 4,096 remembered (odds 2^-52 per id) would leave that turn uncounted.
 #[derive(Default)]
 struct Inner {
     started: Recent<u64>,

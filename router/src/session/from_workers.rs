@@ -146,7 +146,7 @@ impl Session {
                         }),
                     );
                 }
-                if self.follow_notification(worker, &method, params, event.as_ref(), shared) {
+                if self.follow_notification(worker, &method, params, event.as_ref()) {
                     return Ok(());
                 }
                 if method.is_delta()

@@ -17,7 +17,6 @@ use proto::event::Event;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::WorkerId;
 
 use super::{End, Session};
@@ -31,13 +30,14 @@ pub(super) const REHOME_ID_PREFIX: &str = "codex-fleet:rehome:";
 /// thread, to the resuming connection or to all.
 const MOVE_ECHOES: [&str; 2] = ["thread/goal/cleared", "thread/tokenUsage/updated"];
 
-/// A thread this session follows: where it is loaded, the turn running on it (its `turn/started`
-/// frame, shared with the client's queue and parsed only if the turn must be ended for the
-/// client), and its place in the tenant's subscriber count.
+/// A thread this session follows: where it is loaded, the turn running on it (a copy of its
+/// `turn/started` params, parsed only if the turn must be ended for the client; a copy, not the
+/// frame, which may share a whole read buffer for as long as the turn runs), and its place in the
+/// tenant's subscriber count.
 #[derive(Debug)]
 pub(super) struct Followed {
     worker: WorkerId,
-    turn: Option<Utf8Bytes>,
+    turn: Option<Box<RawValue>>,
     _counted: Subscription,
 }
 
@@ -111,12 +111,11 @@ impl Session {
         method: &Method<'_>,
         params: Option<&RawValue>,
         event: Option<&Event<'_>>,
-        frame: &Utf8Bytes,
     ) -> bool {
         match method {
             Method::TurnStarted | Method::TurnCompleted | Method::ThreadClosed => {
                 if let Some(event) = event.filter(|_| !self.following.threads.is_empty()) {
-                    self.follow_turn(worker, event, frame);
+                    self.follow_turn(worker, params, event);
                 }
                 false
             }
@@ -128,8 +127,8 @@ impl Session {
         }
     }
 
-    /// `event` is the notification's, parsed once where it arrived; `frame` is its text.
-    fn follow_turn(&mut self, worker: WorkerId, event: &Event<'_>, frame: &Utf8Bytes) {
+    /// `event` is the notification's, parsed once where it arrived.
+    fn follow_turn(&mut self, worker: WorkerId, params: Option<&RawValue>, event: &Event<'_>) {
         let thread = event.thread();
         let Some(f) = self
             .following
@@ -141,7 +140,7 @@ impl Session {
         };
         match event {
             Event::TurnStarted { .. } => {
-                f.turn = Some(frame.clone());
+                f.turn = params.map(ToOwned::to_owned);
                 self.following
                     .usage_replays
                     .remove(&(thread.to_owned(), worker));
@@ -212,7 +211,7 @@ impl Session {
             }
             return Ok(());
         };
-        if let Some(turn) = followed.turn.take().and_then(|f| started_turn(&f)) {
+        if let Some(turn) = followed.turn.take().and_then(|p| started_turn(&p)) {
             let frames = rehome::turn_ended_frames(
                 &order.thread,
                 &turn,
@@ -353,9 +352,8 @@ impl Session {
     }
 }
 
-/// The turn object a `turn/started` frame carries (null if its params have none).
-fn started_turn(frame: &str) -> Option<Value> {
-    let mut frame = serde_json::from_str::<Value>(frame).ok()?;
-    let params = frame.get_mut("params")?;
+/// The turn object `turn/started` params carry (null if they have none).
+fn started_turn(params: &RawValue) -> Option<Value> {
+    let mut params = serde_json::from_str::<Value>(params.get()).ok()?;
     Some(params.get_mut("turn").map_or(Value::Null, Value::take))
 }
