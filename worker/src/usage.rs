@@ -162,8 +162,13 @@ pub fn group_usage(pgid: u32) -> Usage {
 
 /// [`group_usage`] on tokio's blocking pool. A scan reads every process's `stat` (milliseconds on
 /// a machine with many processes), and a sample waits for a scan another pool is taking: neither
-/// may hold a thread that serves sessions. An error only if the sampling task panicked.
+/// may hold a thread that serves sessions. One sample at a time is handed to the pool; the others
+/// wait here, as tasks: every worker of a fleet that started together samples at once, and each
+/// would otherwise hold a blocking thread of its own while one of them scans. An error only if
+/// the sampling task panicked.
 pub async fn sample(pgid: u32) -> Result<Usage, tokio::task::JoinError> {
+    static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    let _turn = ONE_AT_A_TIME.acquire().await;
     tokio::task::spawn_blocking(move || group_usage(pgid)).await
 }
 
@@ -220,20 +225,27 @@ mod tests {
         }
     }
 
-    /// While a scan holds the table (on another thread here), a sample waits for it off the
-    /// runtime: the runtime's only thread goes on running other tasks meanwhile.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_sample_waiting_for_a_scan_leaves_the_runtime_thread_free() {
-        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+    /// Holds the machine's table on another thread, as a long scan would, until told to release
+    /// it; the thread answers whether it was told within 5 s.
+    fn hold_the_table() -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<bool>) {
         let (held_tx, held_rx) = std::sync::mpsc::channel();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let holder = std::thread::spawn(move || {
             let _scanning = TABLE.last.lock().unwrap_or_else(|e| e.into_inner());
             held_tx.send(()).expect("test alive");
-            // Released by the test's task, which can only run if the sample left its thread free.
             release_rx.recv_timeout(Duration::from_secs(5)).is_ok()
         });
         held_rx.recv().expect("holder");
+        (release_tx, holder)
+    }
+
+    /// While a scan holds the table (on another thread here), a sample waits for it off the
+    /// runtime: the runtime's only thread goes on running other tasks meanwhile.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_sample_waiting_for_a_scan_leaves_the_runtime_thread_free() {
+        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+        // Released by the test's task, which can only run if the sample left its thread free.
+        let (release_tx, holder) = hold_the_table();
         let sampling = tokio::spawn(sample(pgid));
         for _ in 0..10 {
             tokio::task::yield_now().await;
@@ -247,6 +259,37 @@ mod tests {
         );
         let usage = sampling.await.expect("sampled").expect("no panic");
         assert!(usage.rss_bytes > 0, "{usage:?}");
+    }
+
+    /// Threads of this process, from `/proc/self/status`.
+    fn threads() -> usize {
+        std::fs::read_to_string("/proc/self/status")
+            .expect("status")
+            .lines()
+            .find_map(|l| l.strip_prefix("Threads:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("Threads:")
+    }
+
+    /// Many samples waiting for one scan hold one blocking thread between them, not one each.
+    #[tokio::test(flavor = "current_thread")]
+    async fn samples_waiting_for_a_scan_hold_one_thread_between_them() {
+        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+        let (release_tx, holder) = hold_the_table();
+        let before = threads();
+        let waiting: Vec<_> = (0..100).map(|_| tokio::spawn(sample(pgid))).collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let during = threads();
+        release_tx.send(()).expect("holder waits");
+        holder.join().expect("holder");
+        for w in waiting {
+            w.await.expect("task").expect("sampled");
+        }
+        // Other tests of this binary start threads meanwhile: the margin is theirs.
+        assert!(
+            during < before + 20,
+            "{before} threads before, {during} while 100 samples waited"
+        );
     }
 
     /// Samples within the scan's age share it; the first after it takes a new one, which sees
