@@ -1,6 +1,8 @@
 //! Prometheus metrics of the worker supervisor, registered on an explicit registry.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use tokio::time::Duration;
 
 use crate::lifecycle::WorkerState;
@@ -80,6 +82,37 @@ pub struct WorkerMetrics {
     resident: IntGaugeVec,
     largest_rss: IntGaugeVec,
     cpu: prometheus::CounterVec,
+}
+
+/// A tenant's load and memory gauges, looked up by label once. A pool sets them on every
+/// lifecycle event its workers broadcast (several a turn, each on the tenant's lock), and each
+/// lookup by label hashed and compared the tenant's id under the vector's lock (BENCHMARKS.md,
+/// bench 4, "A pool's gauges looked up once").
+#[derive(Debug, Clone)]
+pub(crate) struct LoadGauges {
+    active_turns: IntGauge,
+    loaded_threads: IntGauge,
+    resident: IntGauge,
+    largest_rss: IntGauge,
+}
+
+impl LoadGauges {
+    /// Sets the tenant's load totals (summed over its workers, to keep labels bounded).
+    pub(crate) fn load(&self, active_turns: usize, loaded_threads: usize) {
+        self.active_turns.set(gauge(active_turns));
+        self.loaded_threads.set(gauge(loaded_threads));
+    }
+
+    /// Sets the tenant's memory totals: all its workers' process groups, and its largest worker.
+    pub(crate) fn resources(&self, resident: u64, largest: u64) {
+        self.resident.set(gauge(resident));
+        self.largest_rss.set(gauge(largest));
+    }
+}
+
+/// A count as a gauge's value, saturating.
+fn gauge(n: impl TryInto<i64>) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
 }
 
 // === impl WorkerMetrics ===
@@ -208,26 +241,15 @@ impl WorkerMetrics {
             .observe(elapsed.as_secs_f64());
     }
 
-    /// Sets a tenant's load totals (summed over its workers, to keep labels bounded).
-    pub(crate) fn load(&self, tenant: &str, active_turns: usize, loaded_threads: usize) {
-        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.active_turns
-            .with_label_values(&[tenant])
-            .set(gauge(active_turns));
-        self.loaded_threads
-            .with_label_values(&[tenant])
-            .set(gauge(loaded_threads));
-    }
-
-    /// Sets a tenant's memory totals: all its workers' process groups, and its largest worker.
-    pub(crate) fn resources(&self, tenant: &str, resident: u64, largest: u64) {
-        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.resident
-            .with_label_values(&[tenant])
-            .set(gauge(resident));
-        self.largest_rss
-            .with_label_values(&[tenant])
-            .set(gauge(largest));
+    /// `tenant`'s load and memory gauges, looked up once for a pool to set as often as it
+    /// likes.
+    pub(crate) fn load_gauges(&self, tenant: &str) -> LoadGauges {
+        LoadGauges {
+            active_turns: self.active_turns.with_label_values(&[tenant]),
+            loaded_threads: self.loaded_threads.with_label_values(&[tenant]),
+            resident: self.resident.with_label_values(&[tenant]),
+            largest_rss: self.largest_rss.with_label_values(&[tenant]),
+        }
     }
 
     /// Adds CPU time a tenant's workers used.
@@ -250,5 +272,48 @@ impl WorkerMetrics {
         if let Some(to) = to {
             self.workers.with_label_values(&[tenant, to.as_str()]).inc();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `name`'s series labelled `tenant` in `registry`.
+    fn value(registry: &Registry, name: &str, tenant: &str) -> Option<i64> {
+        registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .find(|m| m.get_label().iter().any(|l| l.value() == tenant))
+            .map(|m| m.get_gauge().get_value() as i64)
+    }
+
+    #[test]
+    fn a_pools_gauges_set_its_own_tenants_series_and_no_other() {
+        let registry = Registry::new();
+        let metrics = WorkerMetrics::register(&registry).unwrap();
+        let acme = metrics.load_gauges("acme");
+        let globex = metrics.load_gauges("globex");
+        acme.load(3, 7);
+        acme.resources(1 << 20, 1 << 19);
+        globex.load(1, 2);
+        for (name, want_acme, want_globex) in [
+            (ACTIVE_TURNS, 3, 1),
+            (LOADED_THREADS, 7, 2),
+            (RESIDENT_BYTES, 1 << 20, 0),
+            (LARGEST_RSS_BYTES, 1 << 19, 0),
+        ] {
+            assert_eq!(value(&registry, name, "acme"), Some(want_acme), "{name}");
+            assert_eq!(
+                value(&registry, name, "globex"),
+                Some(want_globex),
+                "{name}"
+            );
+        }
+        // Counts beyond a gauge's range saturate rather than wrap.
+        acme.resources(u64::MAX, 0);
+        assert_eq!(value(&registry, RESIDENT_BYTES, "acme"), Some(i64::MAX));
     }
 }

@@ -13,7 +13,7 @@ use crate::fleet::FleetPermit;
 use crate::id::Peer;
 use crate::id::WorkerId;
 use crate::load::{Misses, Owners, ThreadView};
-use crate::metrics::{ExitReason, WorkerMetrics};
+use crate::metrics::{ExitReason, LoadGauges, WorkerMetrics};
 use crate::process::{ExitReport, ProcessGroup};
 
 /// The process currently running in a slot.
@@ -160,6 +160,8 @@ pub(super) enum Verdict {
 pub(super) struct PoolState {
     tenant: &'static str,
     metrics: WorkerMetrics,
+    /// The tenant's load and memory gauges, set on every lifecycle event.
+    gauges: LoadGauges,
     /// Shutdown began (or the pool is dropped): no new starts.
     pub stopping: bool,
     /// The pool was dropped: its slots no longer count in the gauges.
@@ -206,6 +208,7 @@ impl PoolState {
     pub fn new(tenant: &'static str, metrics: WorkerMetrics) -> Self {
         Self {
             tenant,
+            gauges: metrics.load_gauges(tenant),
             metrics,
             stopping: false,
             detached: false,
@@ -520,11 +523,11 @@ impl PoolState {
             .fold((0, 0), |(a, l), live| {
                 (a + live.threads.active(), l + live.threads.loaded())
             });
-        self.metrics.load(self.tenant, active, loaded);
+        self.gauges.load(active, loaded);
         let live = self.slots.iter().filter_map(|s| s.live.as_ref());
         let resident: u64 = live.clone().map(|l| l.usage.rss_bytes).sum();
         let largest = live.filter_map(|l| l.rss).max().unwrap_or(0);
-        self.metrics.resources(self.tenant, resident, largest);
+        self.gauges.resources(resident, largest);
     }
 
     /// What worker `id`'s process group used at a health ping: its CPU time since the last
@@ -637,7 +640,7 @@ impl PoolState {
             for slot in &self.slots {
                 self.metrics.transition(self.tenant, Some(slot.state), None);
             }
-            self.metrics.load(self.tenant, 0, 0);
+            self.gauges.load(0, 0);
             self.detached = true;
         }
         let tasks = self
