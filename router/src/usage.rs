@@ -401,6 +401,19 @@ mod tests {
         (r, m)
     }
 
+    /// Metrics with tenants `t` and `u`, and what each has counted.
+    fn two_tenants() -> (Registry, UsageMetrics, Counted, Counted) {
+        let (r, m) = metrics();
+        m.init_tenant("u");
+        (r, m, Counted::default(), Counted::default())
+    }
+
+    /// `tenant`'s session saw the notification `method` with `params`.
+    fn notify(m: &UsageMetrics, c: &Counted, tenant: &str, method: Method<'_>, params: &RawValue) {
+        let event = Event::parse(&method, Some(params));
+        c.notification(m, tenant, &method, Some(params), event.as_ref());
+    }
+
     fn usage(turn: &str, total: u64, last_in: u64) -> Box<RawValue> {
         raw(&format!(
             r#"{{"threadId":"th","turnId":"{turn}","tokenUsage":{{"total":{{"totalTokens":{total}}},"last":{{"totalTokens":{last_in},"inputTokens":{last_in},"cachedInputTokens":1,"outputTokens":2,"reasoningOutputTokens":3}}}}}}"#
@@ -455,13 +468,9 @@ mod tests {
 
     #[test]
     fn another_tenant_with_the_same_turn_id_counts_its_own_and_odd_turns_are_other() {
-        let (_r, m) = metrics();
-        m.init_tenant("u");
-        let (mine, theirs) = (Counted::default(), Counted::default());
+        let (_r, m, mine, theirs) = two_tenants();
         let count = |c: &Counted, tenant: &str, method: Method<'_>, params: &str| {
-            let params = raw(params);
-            let event = Event::parse(&method, Some(&params));
-            c.notification(&m, tenant, &method, Some(&params), event.as_ref());
+            notify(&m, c, tenant, method, &raw(params));
         };
         // A tenant that copies another's turn id (or guesses it) cannot stop that turn counting.
         for (c, tenant) in [(&mine, "t"), (&theirs, "u")] {
@@ -494,6 +503,60 @@ mod tests {
                 1
             );
         }
+    }
+
+    /// A tenant that floods its workers' usage with made-up turns: its memory of them stays
+    /// within the bound, and another tenant's turn that started before the flood and ends after
+    /// it is counted once, its tokens too (its memory is its own, not evicted by the flood).
+    #[test]
+    fn a_tenant_flooding_turn_ids_stays_bounded_and_another_tenants_turn_still_counts_once() {
+        let (_r, m, flood, quiet) = two_tenants();
+        let count = |c: &Counted, tenant: &str, method: Method<'_>, params: &RawValue| {
+            notify(&m, c, tenant, method, params);
+        };
+        let usage_method = || Method::Other("thread/tokenUsage/updated".into());
+        let started = raw(r#"{"threadId":"b","turn":{"id":"b1"}}"#);
+        count(&quiet, "u", Method::TurnStarted, &started);
+        let turns = 3 * REMEMBERED;
+        for n in 0..turns {
+            let id = format!("flood-{n}");
+            let params = raw(&format!(r#"{{"threadId":"a","turn":{{"id":"{id}"}}}}"#));
+            count(&flood, "t", Method::TurnStarted, &params);
+            count(&flood, "t", usage_method(), &usage(&id, 10, 10));
+            let params = raw(&format!(
+                r#"{{"threadId":"a","turn":{{"id":"{id}","status":"completed"}}}}"#
+            ));
+            count(&flood, "t", Method::TurnCompleted, &params);
+        }
+        {
+            let inner = flood.lock();
+            for (kind, len) in [
+                ("started", inner.started.order.len()),
+                ("completed", inner.completed.order.len()),
+                ("usage", inner.usage.order.len()),
+            ] {
+                assert_eq!(len, REMEMBERED, "{kind}");
+            }
+            assert_eq!(inner.started.set.len(), REMEMBERED);
+        }
+        // The quiet tenant's turn, seen again by a second session, then its usage and its end.
+        count(&quiet, "u", Method::TurnStarted, &started);
+        count(&quiet, "u", usage_method(), &usage("b1", 50, 40));
+        let done = raw(r#"{"threadId":"b","turn":{"id":"b1","status":"completed"}}"#);
+        count(&quiet, "u", Method::TurnCompleted, &done);
+        count(&quiet, "u", Method::TurnCompleted, &done);
+        assert_eq!(m.turns_started.with_label_values(&["u"]).get(), 1);
+        assert_eq!(
+            m.turns_completed
+                .with_label_values(&["u", "completed"])
+                .get(),
+            1
+        );
+        assert_eq!(m.tokens.with_label_values(&["u", "input"]).get(), 40);
+        // The flood counted what it sent, once each.
+        let sent = u64::try_from(turns).unwrap();
+        assert_eq!(m.turns_started.with_label_values(&["t"]).get(), sent);
+        assert_eq!(m.tokens.with_label_values(&["t", "input"]).get(), 10 * sent);
     }
 
     #[test]
