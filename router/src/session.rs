@@ -146,6 +146,9 @@ struct Init {
     text: String,
     answered: bool,
     initialized: bool,
+    /// The notification methods the client opted out of (`optOutNotificationMethods`: exact
+    /// names, as app-server matches them).
+    opt_out: HashSet<Box<str>>,
 }
 
 struct InFlight {

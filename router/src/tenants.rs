@@ -65,6 +65,8 @@ pub struct Relayed {
     /// The notification as sent to clients: one allocation, shared by every session that
     /// forwards it.
     pub text: Utf8Bytes,
+    /// Its method, which a client may have opted out of (`optOutNotificationMethods`).
+    pub method: Arc<str>,
     /// Sent to every session, legs or not (the router's own news, e.g. a worker's death).
     pub to_all: bool,
     /// The thread whose turn this notification ends, if it ends one (read once here, so no
@@ -173,6 +175,7 @@ impl Tenant {
         let _receivers = self.relay.send(Relayed {
             worker,
             text: notice.text.clone(),
+            method: Arc::from(notice.method.as_str()),
             to_all: false,
             turn_ended,
             rehome: None,
@@ -232,6 +235,7 @@ impl Tenant {
                 let _receivers = tenant.relay.send(Relayed {
                     worker,
                     text: Utf8Bytes::from_static(""),
+                    method: Arc::from(""),
                     to_all: true,
                     turn_ended: Some(thread.clone()),
                     status_of: None,
@@ -251,10 +255,11 @@ impl Tenant {
     /// Tells every session that `thread` is gone (it went `status`, then closed).
     fn broadcast_closed(&self, worker: WorkerId, thread: &str, status: &str) {
         let ended: Arc<str> = Arc::from(thread);
-        for text in rehome::thread_closed_frames(thread, status) {
+        for frame in rehome::thread_closed_frames(thread, status) {
             let _receivers = self.relay.send(Relayed {
                 worker,
-                text: Utf8Bytes::from(text),
+                text: Utf8Bytes::from(frame.text),
+                method: Arc::from(frame.method),
                 to_all: true,
                 turn_ended: Some(ended.clone()),
                 rehome: None,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures_util::future::try_join_all;
 use serde_json::{json, Value};
-use testkit::{agent_text, ready_workers, reply_text, wait_until, FleetBuilder};
+use testkit::{agent_text, ready_workers, reply_text, wait_until, Fleet, FleetBuilder};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyhow::Result<()> {
@@ -72,15 +72,7 @@ async fn threads_spread_across_workers_and_answers_reach_their_session() -> anyh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_thread_goes_to_its_home_workers_leg_while_loads_are_alike() -> anyhow::Result<()>
 {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await
-    );
+    let fleet = two_ready_workers().await?;
     let legs = [("tenant", "acme")];
     let mut c = fleet.client("acme").await?;
     assert_eq!(
@@ -106,15 +98,7 @@ async fn a_sessions_thread_goes_to_its_home_workers_leg_while_loads_are_alike() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await
-    );
+    let fleet = two_ready_workers().await?;
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first, so the thread is on disk")
@@ -127,13 +111,7 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         .expect("owner known");
     // B's home leg went to the other worker (placement by load), so B reaches the thread
     // through a leg opened on demand.
-    let homes: Vec<usize> = fleet
-        .tenant("acme")
-        .pool
-        .workers()
-        .iter()
-        .map(|w| w.handles)
-        .collect();
+    let homes = legs_per_worker(&fleet);
     assert!(
         homes.iter().all(|h| *h >= 1),
         "both workers hold a leg: {homes:?}"
@@ -242,6 +220,86 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
     fleet.stop().await
 }
 
+/// A client that opted out of a notification method (`optOutNotificationMethods`) does not get
+/// it from codex-fleet either: app-server leaves it out of every broadcast to that connection,
+/// and codex-fleet must not relay it from another worker's control leg. A session without the
+/// opt-out, in the same place, sees the thread's statuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_the_client_opted_out_of_is_not_relayed_to_it() -> anyhow::Result<()> {
+    let fleet = two_ready_workers().await?;
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    let mut quiet = fleet.connect("acme").await?;
+    quiet
+        .send(&json!({
+            "id": "initialize",
+            "method": "initialize",
+            "params": {
+                "clientInfo": { "name": "e2e-quiet", "title": null, "version": "0.0.1" },
+                "capabilities": {
+                    "experimentalApi": true,
+                    "optOutNotificationMethods": ["thread/status/changed"]
+                }
+            }
+        }))
+        .await?;
+    let answer = quiet.wait_for(|v| v["id"] == "initialize").await?;
+    assert!(answer.get("error").is_none(), "{answer}");
+    quiet.send(&json!({ "method": "initialized" })).await?;
+    // The quiet session's home leg went to the other worker (placement by load): the thread's
+    // broadcasts can reach it only through the relay.
+    let homes = legs_per_worker(&fleet);
+    assert!(
+        homes.iter().all(|h| *h >= 1),
+        "a leg on each worker: {homes:?}"
+    );
+    // Neither asks anything (`thread/loaded/list` would open a leg to every worker).
+    let mut plain = fleet.client("acme").await?;
+    a.start_turn(&thread, "hello").await?;
+    a.until_turn_completed(&thread).await?;
+    let mut seen_plain = Vec::new();
+    while statuses(&seen_plain, &thread).last().map(String::as_str) != Some("idle") {
+        seen_plain.push(plain.wait_for(|_| true).await?);
+    }
+    assert!(statuses(&seen_plain, &thread).len() >= 2, "{seen_plain:?}");
+    // A relayed copy would have reached the quiet session by now, as it reached the plain one.
+    let relayed = quiet
+        .wait_for_within(
+            |v| v["method"] == "thread/status/changed",
+            Duration::from_secs(2),
+        )
+        .await;
+    assert!(relayed.is_err(), "opted out, yet relayed: {relayed:?}");
+    fleet.stop().await
+}
+
+/// A fleet whose tenant `acme` has two workers, both ready.
+async fn two_ready_workers() -> anyhow::Result<Fleet> {
+    both_ready(FleetBuilder::new().tenant_pool("acme", 2, 2)).await
+}
+
+/// `fleet` started, once both of `acme`'s workers are ready.
+async fn both_ready(fleet: FleetBuilder) -> anyhow::Result<Fleet> {
+    let fleet = fleet.start().await?;
+    assert!(
+        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
+            == 2)
+        .await
+    );
+    Ok(fleet)
+}
+
+/// How many legs each of `acme`'s workers holds.
+fn legs_per_worker(fleet: &Fleet) -> Vec<usize> {
+    fleet
+        .tenant("acme")
+        .pool
+        .workers()
+        .iter()
+        .map(|w| w.handles)
+        .collect()
+}
+
 /// The `thread/status/changed` sequence a session saw for `thread` ("active:[flags]", "idle", …).
 fn statuses(msgs: &[Value], thread: &str) -> Vec<String> {
     msgs.iter()
@@ -348,16 +406,12 @@ async fn a_client_that_reconnects_mid_approval_answers_it() -> anyhow::Result<()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconciliation_heals_a_lost_route() -> anyhow::Result<()> {
-    let fleet = FleetBuilder::new()
-        .tenant_pool("acme", 2, 2)
-        .workers_toml("health_interval_secs = 1")
-        .start()
-        .await?;
-    assert!(
-        wait_until(Duration::from_secs(30), || ready_workers(&fleet, "acme")
-            == 2)
-        .await
-    );
+    let fleet = both_ready(
+        FleetBuilder::new()
+            .tenant_pool("acme", 2, 2)
+            .workers_toml("health_interval_secs = 1"),
+    )
+    .await?;
     let mut a = fleet.client("acme").await?;
     let thread = a.start_thread().await?;
     let tenant = fleet.tenant("acme");

@@ -84,7 +84,7 @@ impl Session {
         if self.init.as_ref().is_none_or(|i| !i.answered) || self.holds_back_relayed(&r) {
             return Ok(());
         }
-        if r.to_all || !self.live.contains(&r.worker) {
+        if (r.to_all || !self.live.contains(&r.worker)) && !self.opted_out(&r.method) {
             return self.to_client(r.text);
         }
         Ok(())
@@ -101,6 +101,7 @@ mod tests {
         Relayed {
             worker: WorkerId::new("t", 0, 1),
             text: text.into(),
+            method: std::sync::Arc::from("thread/status/changed"),
             to_all: false,
             turn_ended: None,
             rehome: None,

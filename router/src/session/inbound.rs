@@ -2,6 +2,7 @@
 //! rate, the tenant's admission, the host-access policy), is routed and dispatched to its
 //! worker's leg, or parks for a worker slot.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use serde_json::json;
@@ -208,9 +209,10 @@ impl Session {
         }
         let first_initialize = *method == Method::Initialize && self.init.is_none();
         if first_initialize {
-            let info = serde_json::from_str::<serde_json::Value>(text)
-                .map(|v| v["params"]["clientInfo"].clone())
+            let params = serde_json::from_str::<serde_json::Value>(text)
+                .map(|mut v| v["params"].take())
                 .unwrap_or_default();
+            let info = &params["clientInfo"];
             self.audit(
                 "session.initialized",
                 json!({
@@ -223,6 +225,7 @@ impl Session {
                 text: text.to_owned(),
                 answered: false,
                 initialized: false,
+                opt_out: opt_outs(&params["capabilities"]["optOutNotificationMethods"]),
             });
         } else if self.init.is_none() {
             self.count_error(ClientError::NotInitialized);
@@ -398,5 +401,44 @@ impl Session {
             self.send_to_leg(worker, text);
         }
         Ok(())
+    }
+}
+
+/// The most notification methods a client's opt-out keeps (app-server has about 80; the rest of
+/// a longer list is ignored), and the longest name it keeps (longer ones name no method): the
+/// set lives as long as the session, so a client cannot make it large.
+const MAX_OPT_OUTS: usize = 256;
+const MAX_OPT_OUT_NAME: usize = 128;
+
+/// `optOutNotificationMethods` of a client's initialize, as app-server reads it: exact names,
+/// anything but a list of strings ignored.
+fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .filter(|name| name.len() <= MAX_OPT_OUT_NAME)
+        .take(MAX_OPT_OUTS)
+        .map(Box::from)
+        .collect()
+}
+
+#[cfg(test)]
+mod opt_out_tests {
+    use super::*;
+
+    #[test]
+    fn opt_outs_are_exact_names_and_a_long_list_stays_bounded() {
+        let read = opt_outs(&json!(["thread/status/changed", 7, null, "item/*"]));
+        let want: HashSet<Box<str>> = ["thread/status/changed", "item/*"]
+            .into_iter()
+            .map(Box::from)
+            .collect();
+        assert_eq!(read, want);
+        assert!(opt_outs(&json!(null)).is_empty());
+        assert!(opt_outs(&json!("thread/status/changed")).is_empty());
+        let flood: Vec<String> = (0..10_000).map(|n| format!("m/{n}")).collect();
+        assert_eq!(opt_outs(&json!(flood)).len(), MAX_OPT_OUTS);
+        assert!(opt_outs(&json!(["x".repeat(MAX_OPT_OUT_NAME + 1)])).is_empty());
     }
 }

@@ -207,7 +207,10 @@ impl Session {
                 return self.thread_closed(&order.thread);
             }
             if order.was_active && self.init.as_ref().is_some_and(|i| i.answered) {
-                return self.to_client(rehome::thread_idle_frame(&order.thread));
+                return self.notify_client(rehome::Synthesized {
+                    method: rehome::STATUS_CHANGED,
+                    text: rehome::thread_idle_frame(&order.thread),
+                });
             }
             return Ok(());
         };
@@ -219,7 +222,7 @@ impl Session {
                 rehome::now_ms(),
             );
             for frame in frames {
-                self.to_client(frame)?;
+                self.notify_client(frame)?;
             }
         }
         let Some(to) = order.to else {
@@ -329,7 +332,7 @@ impl Session {
             return Ok(());
         }
         for frame in rehome::thread_closed_frames(thread, "systemError") {
-            self.to_client(frame)?;
+            self.notify_client(frame)?;
         }
         Ok(())
     }

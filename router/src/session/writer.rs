@@ -187,6 +187,25 @@ fn shared_below(frame: &Utf8Bytes, queued: usize) -> Utf8Bytes {
 // === impl Session ===
 
 impl Session {
+    /// Whether the client asked not to get notifications of `method` (its initialize's
+    /// `optOutNotificationMethods`). Its workers leave those out of what they send its legs;
+    /// this is for what codex-fleet sends it on their behalf (relayed broadcasts, and what it
+    /// writes for a worker that ended).
+    pub(super) fn opted_out(&self, method: &str) -> bool {
+        self.init
+            .as_ref()
+            .is_some_and(|i| i.opt_out.contains(method))
+    }
+
+    /// Queues a notification codex-fleet wrote itself, unless the client opted out of its
+    /// method.
+    pub(super) fn notify_client(&self, n: crate::tenants::rehome::Synthesized) -> Result<(), End> {
+        if self.opted_out(n.method) {
+            return Ok(());
+        }
+        self.to_client(n.text)
+    }
+
     /// Queues a frame for the client; a client whose queue is full (in frames, or in bytes for
     /// the session or its tenant) is too slow and is closed. A `String` moves in without a copy;
     /// a shared frame ([`Utf8Bytes`]) is queued by reference.

@@ -247,7 +247,12 @@ impl std::fmt::Debug for Subscription {
 /// app-server itself gives such a turn once the thread is resumed from disk (measured on the
 /// pinned app-server: a turn whose process was killed reads back as `interrupted`), with the
 /// message in the turn's `error`.
-pub fn turn_ended_frames(thread: &str, turn: &Value, message: &str, now_ms: u64) -> [String; 3] {
+pub fn turn_ended_frames(
+    thread: &str,
+    turn: &Value,
+    message: &str,
+    now_ms: u64,
+) -> [Synthesized; 3] {
     let error = json!({"message": message, "codexErrorInfo": null, "additionalDetails": null});
     let mut turn = turn.clone();
     let turn_id = turn.get("id").cloned().unwrap_or(Value::Null);
@@ -266,33 +271,62 @@ pub fn turn_ended_frames(thread: &str, turn: &Value, message: &str, now_ms: u64)
         }
     }
     [
-        json!({"method": "error", "params": {"error": error, "willRetry": false, "threadId": thread, "turnId": turn_id}})
-            .to_string(),
-        thread_idle_frame(thread),
-        json!({"method": "turn/completed", "params": {"threadId": thread, "turn": turn}}).to_string(),
+        Synthesized {
+            method: "error",
+            text: json!({"method": "error", "params": {"error": error, "willRetry": false, "threadId": thread, "turnId": turn_id}})
+                .to_string(),
+        },
+        Synthesized {
+            method: STATUS_CHANGED,
+            text: thread_idle_frame(thread),
+        },
+        Synthesized {
+            method: "turn/completed",
+            text: json!({"method": "turn/completed", "params": {"threadId": thread, "turn": turn}})
+                .to_string(),
+        },
     ]
 }
 
 /// What every session is told about a thread that was not re-homed: it failed (`systemError`)
 /// or, after a retirement, simply unloaded (`notLoaded`), then it closed.
-pub fn thread_closed_frames(thread: &str, status: &str) -> [String; 2] {
+pub fn thread_closed_frames(thread: &str, status: &str) -> [Synthesized; 2] {
     [
-        json!({"method": "thread/status/changed", "params": {"threadId": thread, "status": {"type": status}}})
-            .to_string(),
-        json!({"method": "thread/closed", "params": {"threadId": thread}}).to_string(),
+        Synthesized {
+            method: STATUS_CHANGED,
+            text: json!({"method": STATUS_CHANGED, "params": {"threadId": thread, "status": {"type": status}}})
+                .to_string(),
+        },
+        Synthesized {
+            method: "thread/closed",
+            text: json!({"method": "thread/closed", "params": {"threadId": thread}}).to_string(),
+        },
     ]
 }
+
+/// A notification codex-fleet writes itself, as app-server would have sent it, with its method
+/// (a client that opted out of the method does not get it).
+pub struct Synthesized {
+    pub method: &'static str,
+    pub text: String,
+}
+
+/// The method of [`thread_idle_frame`]'s notification.
+pub const STATUS_CHANGED: &str = "thread/status/changed";
+
+/// The method of [`request_resolved_frame`]'s notification.
+pub const REQUEST_RESOLVED: &str = "serverRequest/resolved";
 
 /// A thread that was active is idle again (its worker ended; told to sessions that do not
 /// follow it, which saw it active).
 pub fn thread_idle_frame(thread: &str) -> String {
-    json!({"method": "thread/status/changed", "params": {"threadId": thread, "status": {"type": "idle"}}})
+    json!({"method": STATUS_CHANGED, "params": {"threadId": thread, "status": {"type": "idle"}}})
         .to_string()
 }
 
 /// `serverRequest/resolved` for a prompt of a worker that ended (its answer can reach nobody).
 pub fn request_resolved_frame(thread: &str, request_id: i64) -> String {
-    json!({"method": "serverRequest/resolved", "params": {"threadId": thread, "requestId": request_id}})
+    json!({"method": REQUEST_RESOLVED, "params": {"threadId": thread, "requestId": request_id}})
         .to_string()
 }
 
@@ -312,6 +346,9 @@ mod tests {
         let started = json!({"id": "t1", "items": [], "itemsView": "notLoaded", "status": "inProgress",
             "error": null, "startedAt": 1000, "completedAt": null, "durationMs": null, "rootTurnId": "t1"});
         let [error, idle, completed] = turn_ended_frames("th", &started, "worker ended", 1_002_500);
+        let methods = [error.method, idle.method, completed.method];
+        assert_eq!(methods, ["error", STATUS_CHANGED, "turn/completed"]);
+        let (error, idle, completed) = (error.text, idle.text, completed.text);
         let error: Value = serde_json::from_str(&error).unwrap();
         assert_eq!(error["method"], "error");
         assert_eq!(error["params"]["willRetry"], false);
