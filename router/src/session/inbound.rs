@@ -404,9 +404,9 @@ impl Session {
     }
 }
 
-/// The most notification methods a client's opt-out keeps (app-server has about 80; the rest of
-/// a longer list is ignored), and the longest name it keeps (longer ones name no method): the
-/// set lives as long as the session, so a client cannot make it large.
+/// The most notification methods a client's opt-out keeps (the pinned app-server sends 87; the
+/// rest of a longer list is ignored), and the longest name it keeps (longer ones name no method):
+/// the set lives as long as the session, so a client cannot make it large.
 const MAX_OPT_OUTS: usize = 256;
 const MAX_OPT_OUT_NAME: usize = 128;
 
