@@ -259,7 +259,7 @@ impl Tenant {
             let _receivers = self.relay.send(Relayed {
                 worker,
                 text: Utf8Bytes::from(frame.text),
-                method: Arc::from(frame.method),
+                method: Arc::from(frame.method.as_str()),
                 to_all: true,
                 turn_ended: Some(ended.clone()),
                 rehome: None,

@@ -262,10 +262,9 @@ impl Session {
                 self.audit_approval_withdrawn(asked, "worker_lost");
             }
             if let Some(thread) = w.thread {
-                self.notify_client(crate::tenants::rehome::Synthesized {
-                    method: crate::tenants::rehome::REQUEST_RESOLVED,
-                    text: crate::tenants::rehome::request_resolved_frame(&thread, w.sid),
-                })?;
+                self.notify_client(crate::tenants::rehome::request_resolved_frame(
+                    &thread, w.sid,
+                ))?;
             }
         }
         self.moves_lost(worker)?;

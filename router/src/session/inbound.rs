@@ -424,7 +424,7 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
 }
 
 #[cfg(test)]
-mod opt_out_tests {
+mod tests {
     use super::*;
 
     #[test]

@@ -207,10 +207,7 @@ impl Session {
                 return self.thread_closed(&order.thread);
             }
             if order.was_active && self.init.as_ref().is_some_and(|i| i.answered) {
-                return self.notify_client(rehome::Synthesized {
-                    method: rehome::STATUS_CHANGED,
-                    text: rehome::thread_idle_frame(&order.thread),
-                });
+                return self.notify_client(rehome::thread_idle_frame(&order.thread));
             }
             return Ok(());
         };

@@ -200,7 +200,7 @@ impl Session {
     /// Queues a notification codex-fleet wrote itself, unless the client opted out of its
     /// method.
     pub(super) fn notify_client(&self, n: crate::tenants::rehome::Synthesized) -> Result<(), End> {
-        if self.opted_out(n.method) {
+        if self.opted_out(n.method.as_str()) {
             return Ok(());
         }
         self.to_client(n.text)

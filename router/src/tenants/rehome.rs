@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use proto::Method;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use worker::metrics::ExitReason;
@@ -271,20 +272,15 @@ pub fn turn_ended_frames(
         }
     }
     [
-        Synthesized {
-            method: "error",
-            text: json!({"method": "error", "params": {"error": error, "willRetry": false, "threadId": thread, "turnId": turn_id}})
-                .to_string(),
-        },
-        Synthesized {
-            method: STATUS_CHANGED,
-            text: thread_idle_frame(thread),
-        },
-        Synthesized {
-            method: "turn/completed",
-            text: json!({"method": "turn/completed", "params": {"threadId": thread, "turn": turn}})
-                .to_string(),
-        },
+        Synthesized::new(
+            Method::Other("error".into()),
+            json!({"error": error, "willRetry": false, "threadId": thread, "turnId": turn_id}),
+        ),
+        thread_idle_frame(thread),
+        Synthesized::new(
+            Method::TurnCompleted,
+            json!({"threadId": thread, "turn": turn}),
+        ),
     ]
 }
 
@@ -292,42 +288,43 @@ pub fn turn_ended_frames(
 /// or, after a retirement, simply unloaded (`notLoaded`), then it closed.
 pub fn thread_closed_frames(thread: &str, status: &str) -> [Synthesized; 2] {
     [
-        Synthesized {
-            method: STATUS_CHANGED,
-            text: json!({"method": STATUS_CHANGED, "params": {"threadId": thread, "status": {"type": status}}})
-                .to_string(),
-        },
-        Synthesized {
-            method: "thread/closed",
-            text: json!({"method": "thread/closed", "params": {"threadId": thread}}).to_string(),
-        },
+        Synthesized::new(
+            Method::ThreadStatusChanged,
+            json!({"threadId": thread, "status": {"type": status}}),
+        ),
+        Synthesized::new(Method::ThreadClosed, json!({"threadId": thread})),
     ]
 }
 
 /// A notification codex-fleet writes itself, as app-server would have sent it, with its method
 /// (a client that opted out of the method does not get it).
 pub struct Synthesized {
-    pub method: &'static str,
+    pub method: Method<'static>,
     pub text: String,
 }
 
-/// The method of [`thread_idle_frame`]'s notification.
-pub const STATUS_CHANGED: &str = "thread/status/changed";
-
-/// The method of [`request_resolved_frame`]'s notification.
-pub const REQUEST_RESOLVED: &str = "serverRequest/resolved";
+impl Synthesized {
+    fn new(method: Method<'static>, params: Value) -> Synthesized {
+        let text = json!({"method": method.as_str(), "params": params}).to_string();
+        Synthesized { method, text }
+    }
+}
 
 /// A thread that was active is idle again (its worker ended; told to sessions that do not
 /// follow it, which saw it active).
-pub fn thread_idle_frame(thread: &str) -> String {
-    json!({"method": STATUS_CHANGED, "params": {"threadId": thread, "status": {"type": "idle"}}})
-        .to_string()
+pub fn thread_idle_frame(thread: &str) -> Synthesized {
+    Synthesized::new(
+        Method::ThreadStatusChanged,
+        json!({"threadId": thread, "status": {"type": "idle"}}),
+    )
 }
 
 /// `serverRequest/resolved` for a prompt of a worker that ended (its answer can reach nobody).
-pub fn request_resolved_frame(thread: &str, request_id: i64) -> String {
-    json!({"method": REQUEST_RESOLVED, "params": {"threadId": thread, "requestId": request_id}})
-        .to_string()
+pub fn request_resolved_frame(thread: &str, request_id: i64) -> Synthesized {
+    Synthesized::new(
+        Method::ServerRequestResolved,
+        json!({"threadId": thread, "requestId": request_id}),
+    )
 }
 
 /// Milliseconds since the Unix epoch.
@@ -346,8 +343,15 @@ mod tests {
         let started = json!({"id": "t1", "items": [], "itemsView": "notLoaded", "status": "inProgress",
             "error": null, "startedAt": 1000, "completedAt": null, "durationMs": null, "rootTurnId": "t1"});
         let [error, idle, completed] = turn_ended_frames("th", &started, "worker ended", 1_002_500);
-        let methods = [error.method, idle.method, completed.method];
-        assert_eq!(methods, ["error", STATUS_CHANGED, "turn/completed"]);
+        let methods = [
+            error.method.as_str(),
+            idle.method.as_str(),
+            completed.method.as_str(),
+        ];
+        assert_eq!(
+            methods,
+            ["error", "thread/status/changed", "turn/completed"]
+        );
         let (error, idle, completed) = (error.text, idle.text, completed.text);
         let error: Value = serde_json::from_str(&error).unwrap();
         assert_eq!(error["method"], "error");
