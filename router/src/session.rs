@@ -46,7 +46,7 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::{Sink, Stream, StreamExt};
@@ -81,6 +81,8 @@ const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
 const MAX_PROTOCOL_ERRORS: u32 = 32;
 /// Leg frames handled in one go when they are ready together (one write and flush for all).
 const LEG_BURST: usize = 64;
+/// Relayed broadcasts handled in one go when they are ready together, likewise.
+const RELAY_BURST: usize = 64;
 /// How long the closing frame may take to reach the client.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long after a turn was seen to start the workers' own count must include it.
@@ -297,6 +299,23 @@ enum Rare {
     Relayed(Option<crate::tenants::Relayed>),
 }
 
+/// Shutdown, the credential's end, then the tenant's broadcasts, in that order (polled behind
+/// the session's [`Gate`]).
+fn poll_rare(
+    cx: &mut Context<'_>,
+    shut_down: Pin<&mut impl Future<Output = ()>>,
+    credential_ended: Pin<&mut impl Future<Output = crate::credentials::CredentialEnd>>,
+    relay: &mut Relay,
+) -> Poll<Rare> {
+    if shut_down.poll(cx).is_ready() {
+        return Poll::Ready(Rare::Shutdown);
+    }
+    if let Poll::Ready(e) = credential_ended.poll(cx) {
+        return Poll::Ready(Rare::CredentialEnded(e));
+    }
+    relay.poll_recv(cx).map(Rare::Relayed)
+}
+
 /// The parked request's wait for a worker slot; pending while none is parked.
 async fn slot_wait(slot: &mut Option<SlotWait>) -> Result<InFlightPermit, Rejection> {
     match slot.as_mut() {
@@ -361,19 +380,39 @@ where
             () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
             () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
             Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-            event = std::future::poll_fn(|cx| rare.poll(cx, |cx| {
-                if shut_down.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Rare::Shutdown);
+            event = std::future::poll_fn(|cx| {
+                rare.poll(cx, |cx| poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut(), &mut relay))
+            }) => {
+                let mut event = event;
+                let mut handled = 0;
+                loop {
+                    match event {
+                        Rare::Relayed(r) => {
+                            if let Err(end) = session.on_relayed(r).await {
+                                break Err(end);
+                            }
+                        }
+                        Rare::Shutdown => break Err(End::Shutdown),
+                        Rare::CredentialEnded(e) => break Err(End::from(e)),
+                    }
+                    // What else the relay holds now goes out in the same write (a big tenant's
+                    // sessions each get many status changes at once); bounded like legs' bursts.
+                    handled += 1;
+                    if handled == RELAY_BURST {
+                        break Ok(None);
+                    }
+                    let next = std::future::poll_fn(|cx| {
+                        Poll::Ready(rare.poll(cx, |cx| {
+                            poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut(), &mut relay)
+                        }))
+                    })
+                    .await;
+                    match next {
+                        Poll::Ready(e) => event = e,
+                        Poll::Pending => break Ok(None),
+                    }
                 }
-                if let Poll::Ready(e) = credential_ended.as_mut().poll(cx) {
-                    return Poll::Ready(Rare::CredentialEnded(e));
-                }
-                relay.poll_recv(cx).map(Rare::Relayed)
-            })) => match event {
-                Rare::Relayed(r) => session.on_relayed(r).await.map(|()| None),
-                Rare::Shutdown => Err(End::Shutdown),
-                Rare::CredentialEnded(e) => Err(End::from(e)),
-            },
+            }
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
             w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),
         };

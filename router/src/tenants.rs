@@ -120,6 +120,12 @@ impl Tenant {
         self.relay.subscribe()
     }
 
+    /// Relays `r` to the tenant's sessions as a control leg's broadcast would be.
+    #[cfg(test)]
+    pub(crate) fn relay(&self, r: Relayed) {
+        let _receivers = self.relay.send(r);
+    }
+
     /// Asks for a reconciliation with every worker soon (after a leg or worker loss).
     pub fn reconcile_soon(&self) {
         self.reconcile.notify_one();

@@ -278,19 +278,69 @@ pub(super) mod in_memory {
         to_session: chan::UnboundedSender<Result<Message, WsError>>,
         pub(crate) from_session: chan::UnboundedReceiver<Message>,
         pub(crate) session: tokio::task::JoinHandle<End>,
+        /// Flushes of the client's sink that followed at least one frame.
+        pub(crate) flushes: Arc<std::sync::atomic::AtomicUsize>,
+        pub(crate) tenant: Arc<Tenant>,
         _dir: tempfile::TempDir,
+    }
+
+    /// The client's side of the session: frames go to a channel, and each flush that follows
+    /// frames is counted (a flush is a TLS record and a system call on a real socket).
+    struct Recording {
+        tx: chan::UnboundedSender<Message>,
+        unflushed: bool,
+        flushes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Sink<Message> for Recording {
+        type Error = WsError;
+
+        fn poll_ready(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn start_send(mut self: Pin<&mut Self>, msg: Message) -> Result<(), WsError> {
+            self.tx.send(msg).map_err(|_| WsError::ConnectionClosed)?;
+            self.unflushed = true;
+            Ok(())
+        }
+
+        fn poll_flush(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Result<(), WsError>> {
+            if std::mem::take(&mut self.unflushed) {
+                self.flushes
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            self.poll_flush(cx)
+        }
     }
 
     async fn start(limits: &str) -> Harness {
         start_with(limits, "", Vec::new()).await
     }
 
-    /// A session whose legs are `legs` (frames a test writes as if from workers), with `more`
-    /// config after `[limits]`.
+    /// [`start_as`], for a client that has not initialized yet.
     pub(crate) async fn start_with(
         limits: &str,
         more: &str,
         legs: Vec<legs::LegFrames>,
+    ) -> Harness {
+        start_as(limits, more, legs, false).await
+    }
+
+    /// A session whose legs are `legs` (frames a test writes as if from workers), with `more`
+    /// config after `[limits]`; `initialized`: as if its client's `initialize` had been answered.
+    pub(crate) async fn start_as(
+        limits: &str,
+        more: &str,
+        legs: Vec<legs::LegFrames>,
+        initialized: bool,
     ) -> Harness {
         let dir = tempfile::tempdir().unwrap();
         let more = more.replace("{dir}", &dir.path().display().to_string());
@@ -320,24 +370,35 @@ pub(super) mod in_memory {
             audit: crate::audit::Audit::start(&cfg.audit, &registry).unwrap(),
         };
         let (to_session, stream) = chan::unbounded_channel();
-        let (sink, from_session) = chan::unbounded_channel();
+        let (tx, from_session) = chan::unbounded_channel();
         let stream = Box::pin(futures_util::stream::unfold(stream, |mut rx| async move {
             rx.recv().await.map(|m| (m, rx))
         }));
-        let sink = Box::pin(futures_util::sink::unfold(
-            sink,
-            |tx: chan::UnboundedSender<Message>, msg: Message| async move {
-                tx.send(msg).map_err(|_| WsError::ConnectionClosed)?;
-                Ok::<_, WsError>(tx)
-            },
-        ));
-        let session = Session::new(ctx, guard);
+        let flushes = Arc::default();
+        let sink = Recording {
+            tx,
+            unflushed: false,
+            flushes: Arc::clone(&flushes),
+        };
+        let tenant = ctx.tenant.clone();
+        let mut session = Session::new(ctx, guard);
         session.new_legs.lock().unwrap().extend(legs);
+        if initialized {
+            session.init = Some(Init {
+                id: RequestId::Int(0),
+                text: r#"{"id":0,"method":"initialize","params":{}}"#.into(),
+                answered: true,
+                initialized: true,
+                opt_out: HashSet::new(),
+            });
+        }
         let session = tokio::spawn(run(session, sink, stream));
         Harness {
             to_session,
             from_session,
             session,
+            flushes,
+            tenant,
             _dir: dir,
         }
     }
@@ -406,6 +467,48 @@ pub(super) mod in_memory {
     async fn settle() {
         for _ in 0..20 {
             tokio::task::yield_now().await;
+        }
+    }
+
+    /// Broadcasts relayed together reach the client in one flush, in order (a big tenant's
+    /// sessions each get many status changes at once: one TLS record and one system call for
+    /// them, not one each), and a burst is bounded.
+    #[tokio::test(start_paused = true)]
+    async fn broadcasts_relayed_together_reach_the_client_in_one_flush_in_order() {
+        let mut h = start_as("", "", Vec::new(), true).await;
+        let worker = WorkerId::new("acme", 9, 1);
+        let relay = |h: &Harness, n: usize| {
+            let text = json!({
+                "method": "thread/status/changed",
+                "params": { "threadId": format!("th-{n}"), "status": { "type": "idle" } },
+            });
+            h.tenant.relay(crate::tenants::Relayed {
+                worker,
+                text: text.to_string().into(),
+                method: Arc::from("thread/status/changed"),
+                to_all: false,
+                turn_ended: None,
+                rehome: None,
+                status_of: None,
+            });
+        };
+        for (sent, want_flushes) in [(10, 1), (2 * RELAY_BURST + 1, 3)] {
+            settle().await; // the session waits on its client, its legs and the relay
+            let before = h.flushes.load(std::sync::atomic::Ordering::Relaxed);
+            for n in 0..sent {
+                relay(&h, n);
+            }
+            for n in 0..sent {
+                let v = h.next().await;
+                assert_eq!(v["params"]["threadId"], format!("th-{n}"), "{v}");
+            }
+            settle().await;
+            assert!(h.from_session.try_recv().is_err(), "each once");
+            assert_eq!(
+                h.flushes.load(std::sync::atomic::Ordering::Relaxed) - before,
+                want_flushes,
+                "{sent} relayed broadcasts"
+            );
         }
     }
 
