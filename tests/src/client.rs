@@ -262,12 +262,33 @@ impl Client {
         name: &str,
         within: Duration,
     ) -> anyhow::Result<Value> {
+        self.initialize_with(name, json!({ "experimentalApi": true }), within)
+            .await
+    }
+
+    /// [`Client::initialize`] for a client that opted out of `methods`
+    /// (`optOutNotificationMethods`).
+    pub async fn initialize_opting_out(
+        &mut self,
+        name: &str,
+        methods: &[&str],
+    ) -> anyhow::Result<Value> {
+        let capabilities = json!({ "experimentalApi": true, "optOutNotificationMethods": methods });
+        self.initialize_with(name, capabilities, STEP).await
+    }
+
+    async fn initialize_with(
+        &mut self,
+        name: &str,
+        capabilities: Value,
+        within: Duration,
+    ) -> anyhow::Result<Value> {
         self.send(&json!({
             "id": "initialize",
             "method": "initialize",
             "params": {
                 "clientInfo": { "name": name, "title": null, "version": "0.0.1" },
-                "capabilities": { "experimentalApi": true }
+                "capabilities": capabilities
             }
         }))
         .await?;

@@ -330,12 +330,11 @@ fn codex_wrapper(
     Ok((dir, flag, wrapper))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
-) -> anyhow::Result<()> {
-    // The tenant's only worker runs through a wrapper that refuses to start once `broken`
-    // exists, so after the crash no replacement ever becomes ready.
-    let (_dir, flag, wrapper) = codex_wrapper("exit 1")?;
+/// A fleet whose tenant acme has one worker, run through a wrapper (in the returned directory)
+/// that refuses to start once its flag exists (see [`kill_for_good`]), and a client whose thread
+/// ran a turn on it.
+async fn one_worker_with_a_thread() -> anyhow::Result<(tempfile::TempDir, Fleet, Client, String)> {
+    let (dir, _flag, wrapper) = codex_wrapper("exit 1")?;
     let fleet = FleetBuilder::new()
         .tenant_pool("acme", 1, 1)
         .tenant_toml(&format!(
@@ -350,10 +349,28 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
     let thread = a.start_thread().await?;
     a.start_turn(&thread, "first").await?;
     a.until_turn_completed(&thread).await?;
-    let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
-    std::fs::write(&flag, "")?;
+    Ok((dir, fleet, a, thread))
+}
+
+/// Kills the worker of [`one_worker_with_a_thread`] after setting its wrapper's flag, so no
+/// replacement ever becomes ready.
+async fn kill_for_good(
+    fleet: &Fleet,
+    wrapper: &tempfile::TempDir,
+    thread: &str,
+) -> anyhow::Result<()> {
+    let owner = fleet.tenant("acme").find_owner(thread).context("owner")?;
+    std::fs::write(wrapper.path().join("flag"), "")?;
+    kill(Pid::from_raw(pid_of(fleet, owner)?), Signal::SIGKILL)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
+) -> anyhow::Result<()> {
+    let (wrapper, fleet, mut a, thread) = one_worker_with_a_thread().await?;
     let killed = Instant::now();
-    kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
+    kill_for_good(&fleet, &wrapper, &thread).await?;
     a.wait_for(|v| {
         v["method"] == "thread/status/changed"
             && v["params"]["threadId"] == thread.as_str()
@@ -381,6 +398,35 @@ async fn with_no_worker_to_take_it_the_thread_closes_and_the_reason_is_counted(
     assert_eq!(no_worker, 1.0);
     assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
     a.close().await;
+    fleet.stop().await
+}
+
+/// A client's `optOutNotificationMethods` holds for what codex-fleet writes itself when a worker
+/// ends: of the same thread's close, a session that opted out of `thread/status/changed` gets
+/// `thread/closed` and not the `systemError` its neighbour gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_written_for_a_worker_that_ended_leaves_out_what_the_client_opted_out_of(
+) -> anyhow::Result<()> {
+    let (wrapper, fleet, mut a, thread) = one_worker_with_a_thread().await?;
+    let mut quiet = fleet.connect("acme").await?;
+    quiet
+        .initialize_opting_out("e2e-quiet", &["thread/status/changed"])
+        .await?;
+    quiet
+        .request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    kill_for_good(&fleet, &wrapper, &thread).await?;
+    closed_as_app_server_closes(&mut a, &thread, false).await?;
+    let mut seen = Vec::new();
+    while !seen.last().is_some_and(|v| is_closed(v, &thread)) {
+        seen.push(quiet.wait_for(|_| true).await.context("thread/closed")?);
+    }
+    assert!(
+        !seen.iter().any(|v| v["method"] == "thread/status/changed"),
+        "opted out, yet told: {seen:?}"
+    );
+    a.close().await;
+    quiet.close().await;
     fleet.stop().await
 }
 

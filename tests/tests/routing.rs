@@ -231,21 +231,8 @@ async fn a_broadcast_the_client_opted_out_of_is_not_relayed_to_it() -> anyhow::R
     let thread = a.start_thread().await?;
     let mut quiet = fleet.connect("acme").await?;
     quiet
-        .send(&json!({
-            "id": "initialize",
-            "method": "initialize",
-            "params": {
-                "clientInfo": { "name": "e2e-quiet", "title": null, "version": "0.0.1" },
-                "capabilities": {
-                    "experimentalApi": true,
-                    "optOutNotificationMethods": ["thread/status/changed"]
-                }
-            }
-        }))
+        .initialize_opting_out("e2e-quiet", &["thread/status/changed"])
         .await?;
-    let answer = quiet.wait_for(|v| v["id"] == "initialize").await?;
-    assert!(answer.get("error").is_none(), "{answer}");
-    quiet.send(&json!({ "method": "initialized" })).await?;
     // The quiet session's home leg went to the other worker (placement by load): the thread's
     // broadcasts can reach it only through the relay.
     let homes = legs_per_worker(&fleet);
