@@ -34,6 +34,11 @@ pub enum End {
     /// The workers asked more approvals than the session may hold unanswered (1008,
     /// [`TOO_MANY_PROMPTS_REASON`]): forgetting one would let its decision pass unaudited.
     TooManyPrompts,
+    /// The session fell further behind its tenant's relayed broadcasts than the relay holds
+    /// (1008, [`RELAY_LAGGED_REASON`]): what it missed (status changes, a followed thread's move)
+    /// is gone, so the client reconnects and reads the threads afresh rather than go on with a
+    /// wrong picture, as app-server disconnects a connection whose outbound queue filled.
+    RelayLagged,
 }
 
 /// Close reason of a session whose JWT expired.
@@ -42,6 +47,9 @@ pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect
 pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
 /// Close reason of a session holding too many unanswered approvals.
 pub const TOO_MANY_PROMPTS_REASON: &str = "codex-fleet: too many approvals awaiting an answer";
+/// Close reason of a session that missed relayed broadcasts.
+pub const RELAY_LAGGED_REASON: &str =
+    "codex-fleet: fell behind the tenant's broadcasts; reconnect to read the threads afresh";
 
 impl From<crate::credentials::CredentialEnd> for End {
     fn from(e: crate::credentials::CredentialEnd) -> End {
@@ -54,7 +62,7 @@ impl From<crate::credentials::CredentialEnd> for End {
 
 impl End {
     /// Every way a session ends, so each series exists (at zero) from the start.
-    pub const ALL: [End; 9] = [
+    pub const ALL: [End; 10] = [
         End::ClientGone,
         End::Shutdown,
         End::SlowClient,
@@ -64,6 +72,7 @@ impl End {
         End::CredentialExpired,
         End::CredentialRevoked,
         End::TooManyPrompts,
+        End::RelayLagged,
     ];
 
     /// The `reason` of `codex_fleet_sessions_closed_total`.
@@ -78,6 +87,7 @@ impl End {
             End::CredentialExpired => "credential_expired",
             End::CredentialRevoked => "credential_revoked",
             End::TooManyPrompts => "too_many_prompts",
+            End::RelayLagged => "relay_lagged",
         }
     }
 
@@ -93,6 +103,7 @@ impl End {
             End::CredentialExpired => (CloseCode::Policy, EXPIRED_REASON),
             End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
             End::TooManyPrompts => (CloseCode::Policy, TOO_MANY_PROMPTS_REASON),
+            End::RelayLagged => (CloseCode::Policy, RELAY_LAGGED_REASON),
         };
         Some(CloseFrame {
             code,

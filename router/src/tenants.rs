@@ -27,9 +27,10 @@ pub use build::{
 use build::{fingerprint, pool_config, pool_sizes, tenant_roots};
 pub use program::resolve_program;
 
-/// Relayed broadcasts buffered per tenant; a session that lags this far misses some (logged).
-/// tokio allocates every slot up front, so this is a fixed cost per tenant.
-const RELAY_CAPACITY: usize = 512;
+/// Relayed broadcasts buffered per tenant; a session that falls this far behind has missed some and
+/// is closed ([`crate::end::End::RelayLagged`]). tokio allocates every slot up front, so this is a
+/// fixed cost per tenant.
+pub(crate) const RELAY_CAPACITY: usize = 512;
 
 /// One tenant: its id, its pool of workers and the table of which worker owns each thread.
 pub struct Tenant {

@@ -54,7 +54,10 @@ impl Relay {
                 Poll::Ready(Some(r))
             }
             Err(broadcast::error::RecvError::Lagged(n)) => {
-                tracing::warn!(missed = n, "session lagged behind the tenant's broadcasts");
+                tracing::warn!(
+                    missed = n,
+                    "session fell behind the tenant's broadcasts; closing it"
+                );
                 receiving.set(receive(rx));
                 Poll::Ready(None)
             }
@@ -71,8 +74,12 @@ impl Relay {
 impl Session {
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
     /// to that worker delivers it (so each broadcast arrives once).
+    /// `None` (the session fell behind the relay and missed broadcasts) ends the session:
+    /// [`End::RelayLagged`].
     pub(super) async fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
-        let Some(r) = relayed else { return Ok(()) };
+        let Some(r) = relayed else {
+            return Err(End::RelayLagged);
+        };
         // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
         // "active" after the leg's turn/completed would count a finished turn as running.
         if let Some(thread) = &r.turn_ended {

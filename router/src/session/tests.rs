@@ -470,33 +470,52 @@ pub(super) mod in_memory {
         }
     }
 
+    /// A status change of thread `th-{n}`, relayed to the tenant's sessions as from a worker
+    /// they have no leg to.
+    fn relay_status(h: &Harness, n: usize) {
+        let text = json!({
+            "method": "thread/status/changed",
+            "params": { "threadId": format!("th-{n}"), "status": { "type": "idle" } },
+        });
+        h.tenant.relay(crate::tenants::Relayed {
+            worker: WorkerId::new("acme", 9, 1),
+            text: text.to_string().into(),
+            method: Arc::from("thread/status/changed"),
+            to_all: false,
+            turn_ended: None,
+            rehome: None,
+            status_of: None,
+        });
+    }
+
+    /// A session further behind its tenant's broadcasts than the relay holds has lost some (a
+    /// status change, or a followed thread's move): it is closed with a reason, as app-server
+    /// closes a connection whose outbound queue filled, rather than go on with a wrong picture.
+    #[tokio::test(start_paused = true)]
+    async fn a_session_that_fell_behind_the_relay_is_closed_not_left_wrong() {
+        let mut h = start_as("", "", Vec::new(), true).await;
+        settle().await;
+        relay_status(&h, 0);
+        assert_eq!(h.next().await["params"]["threadId"], "th-0", "keeping up");
+        // More than the relay holds, before the session runs again.
+        for n in 1..=crate::tenants::RELAY_CAPACITY + 1 {
+            relay_status(&h, n);
+        }
+        assert_eq!(h.next().await, json!({ "close": 1008 }));
+        assert_eq!(h.session.await.unwrap(), End::RelayLagged);
+    }
+
     /// Broadcasts relayed together reach the client in one flush, in order (a big tenant's
     /// sessions each get many status changes at once: one TLS record and one system call for
     /// them, not one each), and a burst is bounded.
     #[tokio::test(start_paused = true)]
     async fn broadcasts_relayed_together_reach_the_client_in_one_flush_in_order() {
         let mut h = start_as("", "", Vec::new(), true).await;
-        let worker = WorkerId::new("acme", 9, 1);
-        let relay = |h: &Harness, n: usize| {
-            let text = json!({
-                "method": "thread/status/changed",
-                "params": { "threadId": format!("th-{n}"), "status": { "type": "idle" } },
-            });
-            h.tenant.relay(crate::tenants::Relayed {
-                worker,
-                text: text.to_string().into(),
-                method: Arc::from("thread/status/changed"),
-                to_all: false,
-                turn_ended: None,
-                rehome: None,
-                status_of: None,
-            });
-        };
         for (sent, want_flushes) in [(10, 1), (2 * RELAY_BURST + 1, 3)] {
             settle().await; // the session waits on its client, its legs and the relay
             let before = h.flushes.load(std::sync::atomic::Ordering::Relaxed);
             for n in 0..sent {
-                relay(&h, n);
+                relay_status(&h, n);
             }
             for n in 0..sent {
                 let v = h.next().await;
