@@ -292,28 +292,16 @@ where
     .await
 }
 
-/// What woke the session's [`Gate`].
-enum Rare {
-    Shutdown,
-    CredentialEnded(crate::credentials::CredentialEnd),
-    Relayed(Option<crate::tenants::Relayed>),
-}
-
-/// Shutdown, the credential's end, then the tenant's broadcasts, in that order (polled behind
-/// the session's [`Gate`]).
+/// Shutdown or the credential's end, whichever came (polled behind the session's `rare` [`Gate`]).
 fn poll_rare(
     cx: &mut Context<'_>,
     shut_down: Pin<&mut impl Future<Output = ()>>,
     credential_ended: Pin<&mut impl Future<Output = crate::credentials::CredentialEnd>>,
-    relay: &mut Relay,
-) -> Poll<Rare> {
+) -> Poll<End> {
     if shut_down.poll(cx).is_ready() {
-        return Poll::Ready(Rare::Shutdown);
+        return Poll::Ready(End::Shutdown);
     }
-    if let Poll::Ready(e) = credential_ended.poll(cx) {
-        return Poll::Ready(Rare::CredentialEnded(e));
-    }
-    relay.poll_recv(cx).map(Rare::Relayed)
+    credential_ended.poll(cx).map(End::from)
 }
 
 /// The parked request's wait for a worker slot; pending while none is parked.
@@ -344,9 +332,11 @@ where
     tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
     let mut relay = Relay::new(session.ctx.tenant.subscribe());
-    // Shutdown, the credential's end and the tenant's broadcasts are polled only when one of
-    // them woke the task, not on every pass (each poll takes a lock).
+    // Shutdown and the credential's end, and apart from them the tenant's broadcasts, are polled
+    // only when one of them woke the task, not on every pass (each poll takes a lock; the
+    // shutdown token's is shared by every session, so a broadcast does not poll it).
     let mut rare = Gate::new();
+    let mut relayed = Gate::new();
     let mut slot: Option<SlotWait> = None;
     let end = loop {
         let new_legs = session
@@ -380,37 +370,31 @@ where
             () = legs::write_legs(session.legs.values_mut()), if writing_legs => Ok(None),
             () = session.leg_budget.tenant_room(), if tenant_full => Ok(None),
             Some(ev) = from_workers.next() => session.on_leg_events(ev, &mut from_workers).await.map(|()| None),
-            event = std::future::poll_fn(|cx| {
-                rare.poll(cx, |cx| poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut(), &mut relay))
-            }) => {
-                let mut event = event;
+            end = std::future::poll_fn(|cx| {
+                rare.poll(cx, |cx| poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut()))
+            }) => Err(end),
+            first = std::future::poll_fn(|cx| relayed.poll(cx, |cx| relay.poll_recv(cx))) => {
+                // What else the relay holds now goes out in the same write (a big tenant's
+                // sessions each get many status changes at once); bounded like legs' bursts.
+                let mut next = Some(first);
                 let mut handled = 0;
                 loop {
-                    match event {
-                        Rare::Relayed(r) => {
-                            if let Err(end) = session.on_relayed(r).await {
-                                break Err(end);
-                            }
-                        }
-                        Rare::Shutdown => break Err(End::Shutdown),
-                        Rare::CredentialEnded(e) => break Err(End::from(e)),
+                    let Some(r) = next.take() else { break Ok(None) };
+                    if let Err(end) = session.on_relayed(r).await {
+                        break Err(end);
                     }
-                    // What else the relay holds now goes out in the same write (a big tenant's
-                    // sessions each get many status changes at once); bounded like legs' bursts.
                     handled += 1;
                     if handled == RELAY_BURST {
                         break Ok(None);
                     }
-                    let next = std::future::poll_fn(|cx| {
-                        Poll::Ready(rare.poll(cx, |cx| {
-                            poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut(), &mut relay)
-                        }))
+                    let ready = std::future::poll_fn(|cx| {
+                        Poll::Ready(relayed.poll(cx, |cx| relay.poll_recv(cx)))
                     })
                     .await;
-                    match next {
-                        Poll::Ready(e) => event = e,
-                        Poll::Pending => break Ok(None),
-                    }
+                    next = match ready {
+                        Poll::Ready(r) => Some(r),
+                        Poll::Pending => None,
+                    };
                 }
             }
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
