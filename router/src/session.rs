@@ -332,9 +332,9 @@ where
     tokio::pin!(credential_ended);
     let admission = session.ctx.admission.clone();
     let mut relay = Relay::new(session.ctx.tenant.subscribe());
-    // Shutdown and the credential's end, and apart from them the tenant's broadcasts, are polled
-    // only when one of them woke the task, not on every pass (each poll takes a lock; the
-    // shutdown token's is shared by every session, so a broadcast does not poll it).
+    // Shutdown and the credential's end (one gate), and the tenant's broadcasts (another), are
+    // polled only when they woke the task, not on every pass: each poll takes a lock, and the
+    // shutdown token's is shared by every session, so a broadcast does not poll it.
     let mut rare = Gate::new();
     let mut relayed = Gate::new();
     let mut slot: Option<SlotWait> = None;

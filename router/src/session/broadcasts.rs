@@ -74,11 +74,16 @@ impl Relay {
 impl Session {
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
     /// to that worker delivers it (so each broadcast arrives once).
-    /// `None` (the session fell behind the relay and missed broadcasts) ends the session:
-    /// [`End::RelayLagged`].
+    ///
+    /// `None`: the session fell behind the relay and missed broadcasts. Once its client is
+    /// initialized that ends the session ([`End::RelayLagged`]); before, it would have dropped
+    /// them all anyway.
     pub(super) async fn on_relayed(&mut self, relayed: Option<Relayed>) -> Result<(), End> {
         let Some(r) = relayed else {
-            return Err(End::RelayLagged);
+            return match &self.init {
+                Some(init) if init.answered => Err(End::RelayLagged),
+                _ => Ok(()),
+            };
         };
         // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
         // "active" after the leg's turn/completed would count a finished turn as running.

@@ -503,6 +503,18 @@ pub(super) mod in_memory {
         }
         assert_eq!(h.next().await, json!({ "close": 1008 }));
         assert_eq!(h.session.await.unwrap(), End::RelayLagged);
+        // Before its initialize is answered a session forwards nothing, so it has lost nothing.
+        let mut h = start_as("", "", Vec::new(), false).await;
+        settle().await;
+        for n in 0..=crate::tenants::RELAY_CAPACITY {
+            relay_status(&h, n);
+        }
+        settle().await;
+        h.send(Message::text(
+            r#"{"id":1,"method":"thread/list","params":{}}"#,
+        ));
+        assert_eq!(h.next().await["error"]["message"], "Not initialized");
+        assert!(!h.session.is_finished());
     }
 
     /// Broadcasts relayed together reach the client in one flush, in order (a big tenant's
