@@ -58,6 +58,30 @@ pub struct Tenant {
     events: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
+/// The end of a thread's turn, relayed to every session of the tenant and counted against the
+/// tenant's active turns by the first to take it: the count is the tenant's, and one call under
+/// admission's lock (shared by every tenant) does what one per session did, hundreds of times a
+/// turn in a big tenant.
+#[derive(Debug)]
+pub struct TurnEnd {
+    thread: Arc<str>,
+    taken: std::sync::atomic::AtomicBool,
+}
+
+impl TurnEnd {
+    pub fn new(thread: Arc<str>) -> Arc<TurnEnd> {
+        Arc::new(TurnEnd {
+            thread,
+            taken: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// The thread, to the first caller only.
+    pub fn take(&self) -> Option<&str> {
+        (!self.taken.swap(true, std::sync::atomic::Ordering::AcqRel)).then_some(&*self.thread)
+    }
+}
+
 /// A broadcast about one of the tenant's threads, seen on a worker's control leg.
 #[derive(Clone, Debug)]
 pub struct Relayed {
@@ -72,7 +96,7 @@ pub struct Relayed {
     pub to_all: bool,
     /// The thread whose turn this notification ends, if it ends one (read once here, so no
     /// session parses the text again).
-    pub turn_ended: Option<Arc<str>>,
+    pub turn_ended: Option<Arc<TurnEnd>>,
     /// An order about a thread of a worker that ended (no text to forward): each session acts
     /// on it for itself.
     pub rehome: Option<Arc<Rehome>>,
@@ -178,7 +202,8 @@ impl Tenant {
             .event
             .as_ref()
             .filter(|e| e.turn() == Some(Turn::Ended))
-            .and(notice.thread.clone());
+            .and(notice.thread.clone())
+            .map(TurnEnd::new);
         let _receivers = self.relay.send(Relayed {
             worker,
             text: notice.text.clone(),
@@ -244,7 +269,7 @@ impl Tenant {
                     text: Utf8Bytes::from_static(""),
                     method: Arc::from(""),
                     to_all: true,
-                    turn_ended: Some(thread.clone()),
+                    turn_ended: Some(TurnEnd::new(thread.clone())),
                     status_of: None,
                     rehome: Some(Arc::new(Rehome {
                         thread,
@@ -268,7 +293,7 @@ impl Tenant {
                 text: Utf8Bytes::from(frame.text),
                 method: Arc::from(frame.method.as_str()),
                 to_all: true,
-                turn_ended: Some(ended.clone()),
+                turn_ended: Some(TurnEnd::new(ended.clone())),
                 rehome: None,
                 status_of: None,
             });

@@ -8,7 +8,7 @@ use tokio::sync::broadcast::{self, error::RecvError, Receiver};
 use tokio_util::sync::ReusableBoxFuture;
 
 use super::{End, Session};
-use crate::tenants::Relayed;
+use crate::tenants::{Relayed, TurnEnd};
 
 /// One receive from the relay, holding the receiver until it is done.
 type Receiving = ReusableBoxFuture<'static, (Result<Relayed, RecvError>, Receiver<Relayed>)>;
@@ -87,7 +87,7 @@ impl Session {
         };
         // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
         // "active" after the leg's turn/completed would count a finished turn as running.
-        if let Some(thread) = &r.turn_ended {
+        if let Some(thread) = r.turn_ended.as_deref().and_then(TurnEnd::take) {
             self.ctx.admission.turn_ended(self.tenant(), thread);
         }
         if let Some(order) = &r.rehome {
@@ -119,6 +119,28 @@ mod tests {
             rehome: None,
             status_of: None,
         }
+    }
+
+    #[tokio::test]
+    async fn a_relayed_turn_end_is_taken_by_the_first_session_only() {
+        let (tx, rx1) = broadcast::channel(4);
+        let rx2 = tx.subscribe();
+        let mut r = relayed("idle");
+        r.turn_ended = Some(TurnEnd::new(std::sync::Arc::from("th")));
+        tx.send(r).unwrap();
+        let (mut one, mut two) = (Relay::new(rx1), Relay::new(rx2));
+        let (a, b) = (one.recv().await.unwrap(), two.recv().await.unwrap());
+        let takes = [a, b].map(|r| {
+            r.turn_ended
+                .as_deref()
+                .and_then(TurnEnd::take)
+                .map(str::to_owned)
+        });
+        assert_eq!(
+            takes,
+            [Some("th".to_owned()), None],
+            "counted once for the tenant"
+        );
     }
 
     #[tokio::test]
