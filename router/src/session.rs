@@ -374,28 +374,7 @@ where
                 rare.poll(cx, |cx| poll_rare(cx, shut_down.as_mut(), credential_ended.as_mut()))
             }) => Err(end),
             first = std::future::poll_fn(|cx| relayed.poll(cx, |cx| relay.poll_recv(cx))) => {
-                // What else the relay holds now goes out in the same write (a big tenant's
-                // sessions each get many status changes at once); bounded like legs' bursts.
-                let mut next = Some(first);
-                let mut handled = 0;
-                loop {
-                    let Some(r) = next.take() else { break Ok(None) };
-                    if let Err(end) = session.on_relayed(r).await {
-                        break Err(end);
-                    }
-                    handled += 1;
-                    if handled == RELAY_BURST {
-                        break Ok(None);
-                    }
-                    let ready = std::future::poll_fn(|cx| {
-                        Poll::Ready(relayed.poll(cx, |cx| relay.poll_recv(cx)))
-                    })
-                    .await;
-                    next = match ready {
-                        Poll::Ready(r) => Some(r),
-                        Poll::Pending => None,
-                    };
-                }
+                session.on_relayed_burst(first, &mut relayed, &mut relay).await.map(|()| None)
             }
             () = fanout_deadline => session.fanouts_expired().map(|()| None),
             w = session.out.write(&mut sink), if writing => w.map(|_| None).map_err(|_| End::ClientGone),

@@ -1,5 +1,6 @@
 //! Tenants at run time: each configured tenant with its worker pool and its token digests.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,20 +66,20 @@ pub struct Tenant {
 #[derive(Debug)]
 pub struct TurnEnd {
     thread: Arc<str>,
-    taken: std::sync::atomic::AtomicBool,
+    taken: AtomicBool,
 }
 
 impl TurnEnd {
     pub fn new(thread: Arc<str>) -> Arc<TurnEnd> {
         Arc::new(TurnEnd {
             thread,
-            taken: std::sync::atomic::AtomicBool::new(false),
+            taken: AtomicBool::new(false),
         })
     }
 
     /// The thread, to the first caller only.
     pub fn take(&self) -> Option<&str> {
-        (!self.taken.swap(true, std::sync::atomic::Ordering::AcqRel)).then_some(&*self.thread)
+        (!self.taken.swap(true, Ordering::AcqRel)).then_some(&*self.thread)
     }
 }
 

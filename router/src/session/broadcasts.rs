@@ -7,7 +7,8 @@ use std::task::{ready, Context, Poll};
 use tokio::sync::broadcast::{self, error::RecvError, Receiver};
 use tokio_util::sync::ReusableBoxFuture;
 
-use super::{End, Session};
+use super::{End, Session, RELAY_BURST};
+use crate::gate::Gate;
 use crate::tenants::{Relayed, TurnEnd};
 
 /// One receive from the relay, holding the receiver until it is done.
@@ -72,6 +73,28 @@ impl Relay {
 // === impl Session ===
 
 impl Session {
+    /// A relayed broadcast, and then whatever else the relay holds now (up to [`RELAY_BURST`]),
+    /// so that it goes to the client in one write: a big tenant's sessions each get many status
+    /// changes at once. `relayed` is the gate the session loop polls the relay behind.
+    pub(super) async fn on_relayed_burst(
+        &mut self,
+        first: Option<Relayed>,
+        relayed: &mut Gate,
+        relay: &mut Relay,
+    ) -> Result<(), End> {
+        self.on_relayed(first).await?;
+        for _ in 1..RELAY_BURST {
+            let ready =
+                std::future::poll_fn(|cx| Poll::Ready(relayed.poll(cx, |cx| relay.poll_recv(cx))))
+                    .await;
+            match ready {
+                Poll::Ready(r) => self.on_relayed(r).await?,
+                Poll::Pending => break,
+            }
+        }
+        Ok(())
+    }
+
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
     /// to that worker delivers it (so each broadcast arrives once).
     ///
