@@ -114,7 +114,8 @@ impl Session {
             self.ctx.admission.turn_ended(self.tenant(), thread);
         }
         if let Some(order) = &r.rehome {
-            return self.on_rehome(order).await;
+            // Boxed: rare, and every relayed broadcast's future would carry it otherwise.
+            return Box::pin(self.on_rehome(order)).await;
         }
         if self.init.as_ref().is_none_or(|i| !i.answered) || self.holds_back_relayed(&r) {
             return Ok(());

@@ -240,7 +240,13 @@ impl Session {
             return self.reject(&id, &r);
         }
         let target = self.target(method, thread.as_deref());
-        let worker = match self.leg_for(target, *method == Method::ThreadResume).await {
+        // The leg at hand without a future; only opening one is awaited, boxed, so a request's
+        // future does not carry the opening's state (see `Leg::open`).
+        let worker = match self.leg_at_hand(&target) {
+            Some(w) => Ok(w),
+            None => Box::pin(self.leg_for(target, *method == Method::ThreadResume)).await,
+        };
+        let worker = match worker {
             Ok(w) => w,
             Err(reason) => {
                 if first_initialize {
@@ -338,7 +344,9 @@ impl Session {
             },
         );
         if let Some(merge) = fan_out {
-            return self.fan_out(&id, worker, merge, &text).await;
+            // Boxed: rare, and the request's future would carry its state on every round trip
+            // otherwise (see `Leg::open`).
+            return Box::pin(self.fan_out(&id, worker, merge, &text)).await;
         }
         if !self.send_to_leg(worker, text) {
             self.in_flight.remove(&id);

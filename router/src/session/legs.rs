@@ -164,7 +164,10 @@ impl Leg {
         crate::descriptors::room().map_err(reserved)?;
         // Checks the listener is the worker itself; a mismatch is reported to the pool, which
         // replaces the worker. The session only sees this request fail.
-        let connect = handle.connect(max_message_bytes);
+        // Boxed: the handshake's state is kilobytes, and every future that may open a leg
+        // (the request's and the answer's, on every round trip) would carry it and move it
+        // whole at each `.await` (BENCHMARKS.md, bench 1, "Futures moved whole").
+        let connect = Box::pin(handle.connect(max_message_bytes));
         let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(s)) => {
                 // Another thread took the free descriptor in between: this leg is closed.

@@ -87,6 +87,15 @@ impl Session {
         }
     }
 
+    /// The leg a target resolves to when the session already has it: nothing to wait for.
+    pub(super) fn leg_at_hand(&self, target: &Target) -> Option<WorkerId> {
+        match *target {
+            Target::Home => self.home.filter(|h| self.legs.contains_key(h)),
+            Target::Owner(w) => self.legs.contains_key(&w).then_some(w),
+            Target::Place => None,
+        }
+    }
+
     /// The leg a target resolves to, opened on demand (with the client's initialize replayed).
     pub(super) async fn leg_for(
         &mut self,
@@ -175,8 +184,13 @@ impl Session {
                 // Another worker holds the thread: find it and send the resume there, once. When
                 // two resumes raced, the winner holds the writer lock before its worker lists the
                 // thread as loaded, so look again for a moment.
-                let owner = self.find_other_owner(&thread, worker).await?;
-                let target = self.leg_for(Target::Owner(owner), false).await.ok()?;
+                // Boxed: the answer's future would carry this rare path's state on every round
+                // trip otherwise (see `Leg::open`).
+                let target = Box::pin(async {
+                    let owner = self.find_other_owner(&thread, worker).await?;
+                    self.leg_for(Target::Owner(owner), false).await.ok()
+                })
+                .await?;
                 self.ctx
                     .metrics
                     .resume_retries
@@ -222,12 +236,14 @@ impl Session {
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
         let slots = self.ctx.admission.worker_slots(handle.id);
-        let (mut leg, frames) = Leg::open(
+        // Boxed, as every rare path the round trip's futures would otherwise carry (see
+        // `Leg::open`): a leg opens once per session and worker.
+        let (mut leg, frames) = Box::pin(Leg::open(
             handle,
             self.ctx.max_message_bytes,
             self.leg_budget.clone(),
             slots,
-        )
+        ))
         .await
         .map_err(|e| {
             tracing::warn!(error = %e, "cannot open leg");
