@@ -158,7 +158,11 @@ impl Edge {
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let mut relay = Relay::new(client, ctx);
-        let (link, pending) = match relay.wait(self.connect(who, addr), &who.lease).await {
+        // Boxed: waiting (the node's connect and TLS handshake inside it) takes kilobytes more
+        // than relaying, and the task would otherwise keep them for as long as it relays;
+        // the linked path shares the task's code, so every edge session would.
+        let waited = Box::pin(relay.wait(self.connect(who, addr), &who.lease)).await;
+        let (link, pending) = match waited {
             Waited::Linked(link, pending) => (link, pending),
             Waited::Ended(ending) => return relay.end(ending).await,
             Waited::Failed(e, pending) => {
