@@ -236,14 +236,14 @@ impl Session {
         handle: worker::WorkerHandle,
     ) -> Result<WorkerId, Reason> {
         let slots = self.ctx.admission.worker_slots(handle.id);
-        // Boxed, as every rare path the round trip's futures would otherwise carry (see
-        // `Leg::open`): a leg opens once per session and worker.
-        let (mut leg, frames) = Box::pin(Leg::open(
+        // Not boxed again here: `Leg::open` boxes its handshake, and every path to this one is
+        // already boxed where the round trip awaits it (`leg_for`'s callers, fan-out, re-home).
+        let (mut leg, frames) = Leg::open(
             handle,
             self.ctx.max_message_bytes,
             self.leg_budget.clone(),
             slots,
-        ))
+        )
         .await
         .map_err(|e| {
             tracing::warn!(error = %e, "cannot open leg");
