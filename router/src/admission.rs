@@ -1,9 +1,11 @@
 //! Admission control: rate limits and caps that every frame passes before it costs a worker anything.
 //!
-//! One [`Admission`] is shared by all sessions. It holds governor (GCRA) limiters keyed by
-//! tenant and by source address, a direct limiter per connection (inside its
-//! [`ConnectionGuard`]), counters for connections and active turns, and a semaphore per worker
-//! that bounds the requests in flight on it. Every refusal is a [`Rejection`] that knows its
+//! One [`Admission`] is shared by all sessions. It holds a governor (GCRA) limiter per tenant
+//! for its request rate (each of the tenant's connections holds it in its [`ConnectionGuard`],
+//! so a request is checked without a lookup), limiters keyed by tenant for turns and by source
+//! address for handshakes, a direct limiter per connection (inside its guard), counters for
+//! connections and active turns, and a semaphore per worker that bounds the requests in flight
+//! on it. Every refusal is a [`Rejection`] that knows its
 //! scope, its reason and when to come back; the session turns it into a JSON-RPC `-32001`
 //! (or, at the upgrade, HTTP 429/503 with `Retry-After`). See
 //! docs/decisions/0007-admission-before-work.md.
@@ -18,8 +20,9 @@
 //! 2. Every client text frame, once parsed: [`ConnectionGuard::check_frame`]. A refused
 //!    request gets [`Rejection::to_error_response`]; a refused notification or response
 //!    closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
-//! 3. Every client request: [`Admission::check_request`] (tenant rate; for `turn/start` the
-//!    turn rate and active-turn cap), then the host-access policy, then routing.
+//! 3. Every client request: [`Admission::check_request`] with the connection's guard (tenant
+//!    rate; for `turn/start` the turn rate and active-turn cap), then the host-access policy,
+//!    then routing.
 //! 4. Before forwarding it to the chosen worker: [`Admission::try_worker_slot`] (or
 //!    [`Admission::worker_slot`] from a task that may wait); keep the [`InFlightPermit`] with
 //!    the in-flight entry until the worker answers or the leg is gone.
@@ -37,7 +40,7 @@ mod rejection;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -212,7 +215,7 @@ struct Quotas {
 /// The limiters of one configuration; replaced as a whole on reload when a quota changes.
 struct Limiters {
     quotas: Quotas,
-    tenant: KeyedLimiter<String>,
+    tenant: Mutex<TenantRates>,
     turn_start: KeyedLimiter<String>,
     handshake: KeyedLimiter<IpAddr>,
 }
@@ -221,15 +224,57 @@ impl Limiters {
     fn new(quotas: Quotas) -> Limiters {
         Limiters {
             quotas,
-            tenant: keyed(quotas.tenant),
+            tenant: Mutex::default(),
             turn_start: keyed(quotas.turn_start),
             handshake: keyed(quotas.handshake),
         }
     }
 
     fn keys(&self) -> usize {
-        self.tenant.len() + self.turn_start.len() + self.handshake.len()
+        lock(&self.tenant).by_name.len() + self.turn_start.len() + self.handshake.len()
     }
+
+    /// Replaced by a reload: every rate it made is retired, and it makes no more.
+    fn retire(&self) {
+        let mut rates = lock(&self.tenant);
+        rates.retired = true;
+        for rate in rates.by_name.values() {
+            rate.retired.store(true, Ordering::Release);
+        }
+    }
+
+    /// Drops the rates no connection holds that are back at a full burst: a fresh one is the
+    /// same, so a tenant gains nothing by reconnecting after this.
+    fn prune_tenant_rates(&self) {
+        let refill =
+            self.quotas.tenant.replenish_interval() * self.quotas.tenant.burst_size().get();
+        let mut rates = lock(&self.tenant);
+        rates.by_name.retain(|_, rate| {
+            Arc::strong_count(rate) > 1
+                || lock(&rate.released).is_some_and(|at| at.elapsed() < refill)
+        });
+        rates.by_name.shrink_to_fit();
+    }
+}
+
+/// The tenants' request rates of one [`Limiters`].
+#[derive(Default)]
+struct TenantRates {
+    by_name: HashMap<String, Arc<TenantRate>>,
+    /// Its limiters were replaced by a reload: rates are looked up in the new ones.
+    retired: bool,
+}
+
+/// One tenant's request rate, summed over its connections. Each of them holds it in its
+/// [`ConnectionGuard`], so a request checks it directly: no lookup by name, no shared map's
+/// lock, nothing allocated.
+struct TenantRate {
+    limiter: DirectLimiter,
+    /// A reload replaced it (its quota changed): the holders look the tenant's new one up.
+    retired: AtomicBool,
+    /// When a connection last let go of it. Kept while it may not be back at a full burst, held
+    /// or not, so closing every connection and opening one does not reset the tenant's rate.
+    released: Mutex<Option<Instant>>,
 }
 
 fn keyed<K: std::hash::Hash + Eq + Clone>(quota: Quota) -> KeyedLimiter<K> {
@@ -317,8 +362,11 @@ impl Admission {
     pub fn reconfigure(&self, cfg: AdmissionConfig) -> Result<(), AdmissionConfigError> {
         let quotas = cfg.quotas()?;
         let old = self.config();
-        if read(&self.limiters).quotas != quotas {
+        let limiters = read(&self.limiters);
+        if limiters.quotas != quotas {
+            // The new ones first: a rate looked up from here on is looked up in them.
             write(&self.limiters, Arc::new(Limiters::new(quotas)));
+            limiters.retire();
         }
         let new_cap = old.max_in_flight_per_worker != cfg.max_in_flight_per_worker;
         write(&self.cfg, Arc::new(cfg));
@@ -382,33 +430,60 @@ impl Admission {
             admission: Arc::downgrade(self),
             tenant: tenant.to_owned(),
             frames: RateLimiter::direct_with_clock(quota, TokioClock::new()),
+            rate: self.tenant_rate(tenant),
         })
     }
 
-    /// Admits one client request of `tenant`: the tenant's request rate, and for `turn/start`
+    /// `tenant`'s request rate in the limiters in force, made on first use.
+    fn tenant_rate(&self, tenant: &str) -> Arc<TenantRate> {
+        loop {
+            let limiters = read(&self.limiters);
+            let mut rates = lock(&limiters.tenant);
+            if rates.retired {
+                continue; // a reload replaced them since the read: the new ones are in force
+            }
+            if let Some(rate) = rates.by_name.get(tenant) {
+                return rate.clone();
+            }
+            let rate = Arc::new(TenantRate {
+                limiter: RateLimiter::direct_with_clock(limiters.quotas.tenant, TokioClock::new()),
+                retired: AtomicBool::new(false),
+                released: Mutex::new(None),
+            });
+            rates.by_name.insert(tenant.to_owned(), rate.clone());
+            return rate;
+        }
+    }
+
+    /// Admits one client request on `conn`: its tenant's request rate, and for `turn/start`
     /// also the tenant's turn rate and active-turn cap. A `turn/start` naming a thread that
     /// already runs a turn steers it and is not counted as a new turn.
     pub fn check_request(
         &self,
-        tenant: &str,
+        conn: &mut ConnectionGuard,
         method: &str,
         thread_id: Option<&str>,
     ) -> Result<(), Rejection> {
-        let limiters = read(&self.limiters);
-        let key = tenant.to_owned();
-        let rate = |limiter: &KeyedLimiter<String>, reason| {
-            limiter.check_key(&key).map_err(|not_until| {
-                Rejection::rate(
-                    Scope::Tenant,
-                    reason,
-                    not_until.wait_time_from(limiter.clock().now()),
-                )
-            })
-        };
-        rate(&limiters.tenant, Reason::TenantRateLimited)?;
+        if conn.rate.retired.load(Ordering::Acquire) {
+            conn.rate = self.tenant_rate(&conn.tenant);
+        }
+        let limiter = &conn.rate.limiter;
+        limiter.check().map_err(|not_until| {
+            Rejection::rate(
+                Scope::Tenant,
+                Reason::TenantRateLimited,
+                not_until.wait_time_from(limiter.clock().now()),
+            )
+        })?;
         if method != TURN_START {
             return Ok(());
         }
+        self.check_turn_start(&conn.tenant, thread_id)
+    }
+
+    /// `turn/start`'s own admission: the tenant's active-turn cap (unless it steers a running
+    /// turn), then its turn rate.
+    fn check_turn_start(&self, tenant: &str, thread_id: Option<&str>) -> Result<(), Rejection> {
         let cfg = self.config();
         {
             let counts = lock(&self.counts);
@@ -425,7 +500,15 @@ impl Admission {
                 ));
             }
         }
-        rate(&limiters.turn_start, Reason::TurnRateLimited)
+        let limiters = read(&self.limiters);
+        let limiter = &limiters.turn_start;
+        limiter.check_key(&tenant.to_owned()).map_err(|not_until| {
+            Rejection::rate(
+                Scope::Tenant,
+                Reason::TurnRateLimited,
+                not_until.wait_time_from(limiter.clock().now()),
+            )
+        })
     }
 
     /// Records that `thread_id` of `tenant` runs a turn (`turn/started`). Idempotent, so every
@@ -616,10 +699,9 @@ impl Admission {
     /// worker semaphores, and active turns older than the TTL.
     pub fn prune(&self) {
         let limiters = read(&self.limiters);
-        limiters.tenant.retain_recent();
+        limiters.prune_tenant_rates();
         limiters.turn_start.retain_recent();
         limiters.handshake.retain_recent();
-        limiters.tenant.shrink_to_fit();
         limiters.turn_start.shrink_to_fit();
         limiters.handshake.shrink_to_fit();
         let cfg = self.config();
@@ -681,6 +763,8 @@ pub struct ConnectionGuard {
     admission: Weak<Admission>,
     tenant: String,
     frames: DirectLimiter,
+    /// The tenant's request rate, shared with its other connections.
+    rate: Arc<TenantRate>,
 }
 
 impl ConnectionGuard {
@@ -705,6 +789,7 @@ impl ConnectionGuard {
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
+        *lock(&self.rate.released) = Some(Instant::now());
         if let Some(admission) = self.admission.upgrade() {
             admission.close_connection(&self.tenant);
         }

@@ -78,18 +78,57 @@ async fn connection_frames_burst_then_refuse_then_recover() {
 #[tokio::test]
 async fn tenant_rate_is_shared_by_its_connections_only() {
     let adm = Admission::new(small()).unwrap();
-    for _ in 0..3 {
-        adm.check_request("acme", "thread/list", None).unwrap();
-    }
-    let r = adm.check_request("acme", "model/list", None).unwrap_err();
+    let mut one = adm.open_connection("acme").unwrap();
+    let mut two = adm.open_connection("acme").unwrap();
+    let mut other = adm.open_connection("other").unwrap();
+    adm.check_request(&mut one, "thread/list", None).unwrap();
+    adm.check_request(&mut two, "thread/list", None).unwrap();
+    adm.check_request(&mut one, "thread/list", None).unwrap();
+    let r = adm.check_request(&mut two, "model/list", None).unwrap_err();
     assert_eq!(
         (r.scope, r.reason),
         (Scope::Tenant, Reason::TenantRateLimited)
     );
     assert!(r.retry_after > Duration::ZERO);
-    adm.check_request("other", "thread/list", None).unwrap();
+    assert!(adm.check_request(&mut one, "thread/list", None).is_err());
+    adm.check_request(&mut other, "thread/list", None).unwrap();
     tokio::time::sleep(r.retry_after + Duration::from_millis(2)).await;
-    adm.check_request("acme", "thread/list", None).unwrap();
+    adm.check_request(&mut two, "thread/list", None).unwrap();
+}
+
+/// A tenant at its rate cannot start afresh by closing its connections and opening new ones:
+/// its rate is kept until it is back at a full burst, and only then forgotten.
+#[tokio::test]
+async fn a_tenant_does_not_reset_its_rate_by_reconnecting() {
+    let cfg = AdmissionConfig {
+        tenant_rps: 20, // a full burst of 3 back in 150 ms
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    let mut conn = adm.open_connection("acme").unwrap();
+    for _ in 0..3 {
+        adm.check_request(&mut conn, "thread/list", None).unwrap();
+    }
+    drop(conn);
+    adm.prune();
+    assert_eq!(adm.limiter_keys(), 1, "kept: not back at a full burst");
+    let mut conn = adm.open_connection("acme").unwrap();
+    let r = adm
+        .check_request(&mut conn, "thread/list", None)
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::TenantRateLimited);
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(160)).await;
+    adm.prune();
+    assert_eq!(adm.limiter_keys(), 0, "back at a full burst: forgotten");
+    let mut conn = adm.open_connection("acme").unwrap();
+    for _ in 0..3 {
+        adm.check_request(&mut conn, "thread/list", None).unwrap();
+    }
+    // Held by a connection, it is never forgotten, however long it waits.
+    tokio::time::sleep(Duration::from_millis(160)).await;
+    adm.prune();
+    assert_eq!(adm.limiter_keys(), 1);
 }
 
 #[tokio::test]
@@ -100,10 +139,13 @@ async fn turn_start_has_its_own_rate() {
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
-    adm.check_request("acme", "turn/start", Some("t1")).unwrap();
-    adm.check_request("acme", "turn/start", Some("t2")).unwrap();
+    let mut conn = adm.open_connection("acme").unwrap();
+    adm.check_request(&mut conn, "turn/start", Some("t1"))
+        .unwrap();
+    adm.check_request(&mut conn, "turn/start", Some("t2"))
+        .unwrap();
     let r = adm
-        .check_request("acme", "turn/start", Some("t3"))
+        .check_request(&mut conn, "turn/start", Some("t3"))
         .unwrap_err();
     assert_eq!(
         (r.scope, r.reason),
@@ -111,10 +153,11 @@ async fn turn_start_has_its_own_rate() {
     );
     assert!(r.retry_after > Duration::ZERO && r.retry_after <= Duration::from_millis(100));
     // Other methods are still admitted.
-    adm.check_request("acme", "thread/read", Some("t1"))
+    adm.check_request(&mut conn, "thread/read", Some("t1"))
         .unwrap();
     tokio::time::sleep(r.retry_after + Duration::from_millis(2)).await;
-    adm.check_request("acme", "turn/start", Some("t3")).unwrap();
+    adm.check_request(&mut conn, "turn/start", Some("t3"))
+        .unwrap();
 }
 
 #[test]
@@ -125,12 +168,14 @@ fn active_turn_cap_counts_threads_and_lets_steering_through() {
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
+    let mut acme = adm.open_connection("acme").unwrap();
+    let mut other = adm.open_connection("other").unwrap();
     adm.turn_started("acme", "t1");
     adm.turn_started("acme", "t1"); // the same broadcast seen by a second session
     adm.turn_started("acme", "t2");
     assert_eq!(adm.active_turns("acme"), 2);
     let r = adm
-        .check_request("acme", "turn/start", Some("t3"))
+        .check_request(&mut acme, "turn/start", Some("t3"))
         .unwrap_err();
     assert_eq!(
         (r.scope, r.reason),
@@ -139,14 +184,16 @@ fn active_turn_cap_counts_threads_and_lets_steering_through() {
     assert_eq!(r.retry_after, Duration::from_millis(500));
     assert_eq!(r.http_status(), 503);
     // A turn/start on a thread that runs a turn steers it.
-    adm.check_request("acme", "turn/start", Some("t1")).unwrap();
+    adm.check_request(&mut acme, "turn/start", Some("t1"))
+        .unwrap();
     // Another tenant has its own count.
-    adm.check_request("other", "turn/start", Some("t9"))
+    adm.check_request(&mut other, "turn/start", Some("t9"))
         .unwrap();
     adm.turn_ended("acme", "t2");
     adm.turn_ended("acme", "t2");
     assert_eq!(adm.active_turns("acme"), 1);
-    adm.check_request("acme", "turn/start", Some("t3")).unwrap();
+    adm.check_request(&mut acme, "turn/start", Some("t3"))
+        .unwrap();
 }
 
 #[test]
@@ -205,12 +252,13 @@ async fn idle_keyed_state_is_pruned() {
         tenant_burst: 1,
         handshakes_per_sec_per_ip: 1000,
         handshake_burst: 1,
+        max_connections: 1000,
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
     for i in 0..200_u8 {
-        adm.check_request(&format!("t{i}"), "thread/list", None)
-            .unwrap();
+        let mut conn = adm.open_connection(&format!("t{i}")).unwrap();
+        adm.check_request(&mut conn, "thread/list", None).unwrap();
         adm.check_handshake(IpAddr::V4(Ipv4Addr::new(10, 0, 0, i)))
             .unwrap();
     }
@@ -313,12 +361,12 @@ async fn slots_a_leg_keeps_are_the_workers_and_follow_a_new_cap() {
 #[tokio::test]
 async fn reconfigure_keeps_counts_and_applies_new_limits() {
     let adm = Admission::new(small()).unwrap();
-    let _c = adm.open_connection("a").unwrap();
+    let mut c = adm.open_connection("a").unwrap();
     adm.turn_started("a", "t1");
     for _ in 0..3 {
-        adm.check_request("a", "thread/list", None).unwrap();
+        adm.check_request(&mut c, "thread/list", None).unwrap();
     }
-    assert!(adm.check_request("a", "thread/list", None).is_err());
+    assert!(adm.check_request(&mut c, "thread/list", None).is_err());
     let wider = AdmissionConfig {
         tenant_burst: 10,
         max_connections_per_tenant: 1,
@@ -327,7 +375,11 @@ async fn reconfigure_keeps_counts_and_applies_new_limits() {
     adm.reconfigure(wider).unwrap();
     assert_eq!(adm.connections("a"), (1, 1));
     assert_eq!(adm.active_turns("a"), 1);
-    adm.check_request("a", "thread/list", None).unwrap();
+    // The open connection takes the new quota: a full burst of 10, shared as before.
+    for _ in 0..10 {
+        adm.check_request(&mut c, "thread/list", None).unwrap();
+    }
+    assert!(adm.check_request(&mut c, "thread/list", None).is_err());
     assert!(adm.open_connection("a").is_err());
     assert!(adm
         .reconfigure(AdmissionConfig {
@@ -346,13 +398,17 @@ async fn the_pruner_runs_and_stops_when_dropped() {
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
-    adm.check_request("a", "thread/list", None).unwrap();
+    let mut conn = adm.open_connection("a").unwrap();
+    adm.check_request(&mut conn, "thread/list", None).unwrap();
+    drop(conn);
     let pruner = adm.spawn_pruner(Duration::from_millis(10));
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(adm.limiter_keys(), 0);
     drop(pruner);
     tokio::time::sleep(Duration::from_millis(5)).await;
-    adm.check_request("a", "thread/list", None).unwrap();
+    let mut conn = adm.open_connection("a").unwrap();
+    adm.check_request(&mut conn, "thread/list", None).unwrap();
+    drop(conn);
     tokio::time::sleep(Duration::from_millis(40)).await;
     assert_eq!(adm.limiter_keys(), 1, "a dropped pruner must not run");
 }
@@ -376,7 +432,10 @@ async fn tracked_turns_are_corrected_by_the_workers_count_once_settled() {
     adm.turn_started("acme", "t1");
     tokio::time::sleep(Duration::from_millis(60)).await;
     adm.turn_started("acme", "t2");
-    assert!(adm.check_request("acme", TURN_START, Some("t3")).is_err());
+    let mut conn = adm.open_connection("acme").unwrap();
+    assert!(adm
+        .check_request(&mut conn, TURN_START, Some("t3"))
+        .is_err());
     // The workers say none runs: only t1 is old enough to be dropped (t2 may just not have
     // reached the workers' count yet).
     adm.reconcile_turns("acme", 0, settled);

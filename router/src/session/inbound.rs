@@ -2,6 +2,7 @@
 //! rate, the tenant's admission, the host-access policy), is routed and dispatched to its
 //! worker's leg, or parks for a worker slot.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -132,7 +133,7 @@ impl Session {
                 }
                 let admitted = self.guard.check_frame().and_then(|()| {
                     self.ctx.admission.check_request(
-                        self.tenant(),
+                        &mut self.guard,
                         method.as_str(),
                         thread.as_deref(),
                     )
@@ -196,7 +197,7 @@ impl Session {
         &mut self,
         id: RequestId,
         method: &Method<'_>,
-        thread: Option<String>,
+        thread: Option<Cow<'_, str>>,
         text: &str,
     ) -> Result<(), End> {
         if let Some(why) = self.unusable_id(&id) {
@@ -263,10 +264,12 @@ impl Session {
         let learn = match (method, thread) {
             (Method::ThreadStart | Method::ThreadFork, _) => Learn::NewThread,
             (Method::ThreadResume, Some(thread)) => Learn::Resume {
-                thread,
+                thread: thread.into_owned(),
                 retry: Some(text.to_owned()),
             },
-            (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe { thread },
+            (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe {
+                thread: thread.into_owned(),
+            },
             (m, _) => fanout::Merge::of(m).map_or(Learn::Nothing, Learn::FanOut),
         };
         let parked = Parked {
