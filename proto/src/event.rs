@@ -392,7 +392,7 @@ pub struct Notice {
 #[derive(serde::Deserialize)]
 struct ThreadIdOnly<'a> {
     #[serde(rename = "threadId", borrow)]
-    thread_id: Option<Cow<'a, str>>,
+    thread_id: Option<crate::rpc::Text<'a>>,
 }
 
 impl Notice {
@@ -404,7 +404,7 @@ impl Notice {
             None if method.is_thread_scoped() => params
                 .and_then(|p| serde_json::from_str::<ThreadIdOnly<'_>>(p.get()).ok())
                 .and_then(|p| p.thread_id)
-                .map(|t| Arc::from(t.as_ref())),
+                .map(|t| Arc::from(t.0.as_ref())),
             None => None,
         };
         Self {

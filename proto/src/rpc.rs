@@ -138,7 +138,7 @@ struct Envelope<'a> {
     #[serde(default, borrow, deserialize_with = "present")]
     id: Option<&'a RawValue>,
     #[serde(default, borrow)]
-    method: Option<Cow<'a, str>>,
+    method: Option<Text<'a>>,
     #[serde(default, borrow, deserialize_with = "present")]
     params: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
@@ -146,6 +146,11 @@ struct Envelope<'a> {
     #[serde(default, borrow, deserialize_with = "present")]
     error: Option<&'a RawValue>,
 }
+
+/// A string read in place unless it has escapes. serde borrows a `Cow` only where a field is
+/// one: an `Option<Cow<str>>` is always read into a new `String`.
+#[derive(Deserialize)]
+pub(crate) struct Text<'a>(#[serde(borrow)] pub(crate) Cow<'a, str>);
 
 /// A field that is present (even as `null`) is `Some(raw)`; only an absent one is `None`.
 fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
@@ -196,7 +201,7 @@ impl<'a> Frame<'a> {
                 }
             })?),
         };
-        let message = match (id, env.method) {
+        let message = match (id, env.method.map(|m| m.0)) {
             (Some(id), Some(method)) => Message::Request {
                 id,
                 method: Method::parse(method),
@@ -281,15 +286,16 @@ pub fn result_head(text: &str) -> Option<(RequestId, &str)> {
     (!space(bytes.first()) && !space(bytes.last())).then_some((id, result))
 }
 
-/// The `threadId` of a request's params, when it names one.
-pub fn thread_id(params: Option<&RawValue>) -> Option<String> {
+/// The `threadId` of a request's params, when it names one: borrowed from them unless it has
+/// escapes, so routing a request by its thread allocates nothing.
+pub fn thread_id(params: Option<&RawValue>) -> Option<Cow<'_, str>> {
     #[derive(Deserialize)]
     struct P<'a> {
         #[serde(rename = "threadId", borrow, default)]
-        thread_id: Option<Cow<'a, str>>,
+        thread_id: Option<Text<'a>>,
     }
     let p: P<'_> = serde_json::from_str(params?.get()).ok()?;
-    p.thread_id.map(Cow::into_owned)
+    p.thread_id.map(|t| t.0)
 }
 
 /// An error response, serialized.

@@ -259,7 +259,7 @@ impl RouteTable {
         let Ok(rpc::Message::Request { id, params, .. }) = rpc::parse(text) else {
             return None;
         };
-        let thread = rpc::thread_id(params);
+        let thread = rpc::thread_id(params).map(std::borrow::Cow::into_owned);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.1.insert(id);
         let thread = thread?;

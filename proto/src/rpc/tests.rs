@@ -57,6 +57,21 @@ fn bad_input_gets_a_defined_error() {
 }
 
 #[test]
+fn a_method_is_read_in_place() {
+    let m = parse(r#"{"method":"x/made-up","params":{}}"#).unwrap();
+    let Message::Notification { method, .. } = m else {
+        panic!()
+    };
+    assert!(
+        matches!(
+            method,
+            crate::Method::Other(std::borrow::Cow::Borrowed("x/made-up"))
+        ),
+        "{method:?}"
+    );
+}
+
+#[test]
 fn thread_ids_come_from_params() {
     let m =
         parse(r#"{"id":1,"method":"turn/start","params":{"threadId":"t-1","input":[]}}"#).unwrap();
@@ -64,7 +79,17 @@ fn thread_ids_come_from_params() {
         panic!()
     };
     assert_eq!(thread_id(params).as_deref(), Some("t-1"));
+    assert!(
+        matches!(thread_id(params), Some(std::borrow::Cow::Borrowed(_))),
+        "read in place"
+    );
     assert_eq!(thread_id(None), None);
+    // An escaped id is read as what it means.
+    let m = parse(r#"{"id":1,"method":"thread/read","params":{"threadId":"t\u002d1"}}"#).unwrap();
+    let Message::Request { params, .. } = m else {
+        panic!()
+    };
+    assert_eq!(thread_id(params).as_deref(), Some("t-1"));
 }
 
 #[test]

@@ -19,6 +19,7 @@ use super::{rehome, server_requests, turns, Answer, End, Session, LEG_BURST, REP
 use crate::admission::{Reason, Scope};
 use crate::metrics::ClientError;
 use futures_util::StreamExt;
+use std::borrow::Cow;
 use std::task::Poll;
 
 // === impl Session ===
@@ -101,7 +102,7 @@ impl Session {
                 let sid = match self.server_requests.insert(
                     worker,
                     id,
-                    rpc::thread_id(params),
+                    rpc::thread_id(params).map(Cow::into_owned),
                     approval.clone(),
                 ) {
                     Ok(sid) => sid,
@@ -141,7 +142,7 @@ impl Session {
                     self.audit(
                         "thread.closed",
                         json!({
-                            "thread": event.as_ref().map(|e| e.thread().to_owned()).or_else(|| rpc::thread_id(params)),
+                            "thread": event.as_ref().map(|e| e.thread().to_owned()).or_else(|| rpc::thread_id(params).map(Cow::into_owned)),
                             "worker": worker.to_string(),
                         }),
                     );

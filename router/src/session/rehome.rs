@@ -11,6 +11,7 @@
 //! gets what a single app-server's death would have meant for the thread: `systemError`, then
 //! `thread/closed`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use proto::event::Event;
@@ -166,7 +167,7 @@ impl Session {
         // params the event parse refused) read it from the params.
         let Some(thread) = event
             .map(|e| e.thread().to_owned())
-            .or_else(|| rpc::thread_id(params))
+            .or_else(|| rpc::thread_id(params).map(Cow::into_owned))
         else {
             return false;
         };
