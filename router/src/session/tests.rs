@@ -281,7 +281,7 @@ pub(super) mod in_memory {
         /// Flushes of the client's sink that followed at least one frame.
         pub(crate) flushes: Arc<std::sync::atomic::AtomicUsize>,
         pub(crate) tenant: Arc<Tenant>,
-        _dir: tempfile::TempDir,
+        _dir: Arc<tempfile::TempDir>,
     }
 
     /// The client's side of the session: frames go to a channel, and each flush that follows
@@ -342,64 +342,97 @@ pub(super) mod in_memory {
         legs: Vec<legs::LegFrames>,
         initialized: bool,
     ) -> Harness {
-        let dir = tempfile::tempdir().unwrap();
-        let more = more.replace("{dir}", &dir.path().display().to_string());
-        let toml = crate::config::tests::minimal(&format!(
-            "command = [\"/bin/true\"]\n[limits]\n{limits}\n{more}\n"
-        ))
-        .replace("/var/lib/codex-fleet", &dir.path().display().to_string())
-            + "min_workers = 0\n";
-        let cfg = crate::config::Config::parse(&toml).unwrap();
-        let registry = prometheus::Registry::new();
-        let worker_metrics = worker::metrics::WorkerMetrics::register(&registry).unwrap();
-        let tenants = crate::tenants::Tenants::build(&cfg, &worker_metrics).unwrap();
-        let tenant = tenants.get("acme").unwrap().clone();
-        let admission = Admission::new(cfg.limits.admission.clone()).unwrap();
-        let guard = admission.open_connection("acme").unwrap();
-        let ctx = SessionCtx {
-            tenant,
-            metrics: RouterMetrics::register(&registry).unwrap(),
-            max_message_bytes: cfg.limits.max_message_bytes,
-            client_queue: cfg.limits.client_queue,
-            client_queue_bytes: cfg.limits.client_queue_bytes,
-            tenant_queue_bytes: cfg.limits.tenant_queue_bytes,
-            admission,
-            shutdown: CancellationToken::new(),
-            lease: crate::credentials::Lease::unbounded(),
-            subject: "test".into(),
-            audit: crate::audit::Audit::start(&cfg.audit, &registry).unwrap(),
-        };
-        let (to_session, stream) = chan::unbounded_channel();
-        let (tx, from_session) = chan::unbounded_channel();
-        let stream = Box::pin(futures_util::stream::unfold(stream, |mut rx| async move {
-            rx.recv().await.map(|m| (m, rx))
-        }));
-        let flushes = Arc::default();
-        let sink = Recording {
-            tx,
-            unflushed: false,
-            flushes: Arc::clone(&flushes),
-        };
-        let tenant = ctx.tenant.clone();
-        let mut session = Session::new(ctx, guard);
-        session.new_legs.lock().unwrap().extend(legs);
-        if initialized {
-            session.init = Some(Init {
-                id: RequestId::Int(0),
-                text: r#"{"id":0,"method":"initialize","params":{}}"#.into(),
-                answered: true,
-                initialized: true,
-                opt_out: HashSet::new(),
-            });
+        Process::new(limits, more, "").session("acme", legs, initialized)
+    }
+
+    /// What every session of one router process shares: its tenants (`acme`, then `tenants`),
+    /// admission, metrics and audit log.
+    pub(crate) struct Process {
+        cfg: crate::config::Config,
+        tenants: crate::tenants::Tenants,
+        admission: Arc<Admission>,
+        metrics: RouterMetrics,
+        audit: crate::audit::Audit,
+        dir: Arc<tempfile::TempDir>,
+    }
+
+    impl Process {
+        pub(crate) fn new(limits: &str, more: &str, tenants: &str) -> Process {
+            let dir = tempfile::tempdir().unwrap();
+            let more = more.replace("{dir}", &dir.path().display().to_string());
+            let toml = crate::config::tests::minimal(&format!(
+                "command = [\"/bin/true\"]\n[limits]\n{limits}\n{more}\n"
+            ))
+            .replace("/var/lib/codex-fleet", &dir.path().display().to_string())
+                + "min_workers = 0\n"
+                + tenants;
+            let cfg = crate::config::Config::parse(&toml).unwrap();
+            let registry = prometheus::Registry::new();
+            let worker_metrics = worker::metrics::WorkerMetrics::register(&registry).unwrap();
+            Process {
+                tenants: crate::tenants::Tenants::build(&cfg, &worker_metrics).unwrap(),
+                admission: Admission::new(cfg.limits.admission.clone()).unwrap(),
+                metrics: RouterMetrics::register(&registry).unwrap(),
+                audit: crate::audit::Audit::start(&cfg.audit, &registry).unwrap(),
+                cfg,
+                dir: Arc::new(dir),
+            }
         }
-        let session = tokio::spawn(run(session, sink, stream));
-        Harness {
-            to_session,
-            from_session,
-            session,
-            flushes,
-            tenant,
-            _dir: dir,
+
+        /// [`start_as`], for a client of `tenant`.
+        pub(crate) fn session(
+            &self,
+            tenant: &str,
+            legs: Vec<legs::LegFrames>,
+            initialized: bool,
+        ) -> Harness {
+            let cfg = &self.cfg;
+            let guard = self.admission.open_connection(tenant).unwrap();
+            let ctx = SessionCtx {
+                tenant: self.tenants.get(tenant).unwrap().clone(),
+                metrics: self.metrics.clone(),
+                max_message_bytes: cfg.limits.max_message_bytes,
+                client_queue: cfg.limits.client_queue,
+                client_queue_bytes: cfg.limits.client_queue_bytes,
+                tenant_queue_bytes: cfg.limits.tenant_queue_bytes,
+                admission: self.admission.clone(),
+                shutdown: CancellationToken::new(),
+                lease: crate::credentials::Lease::unbounded(),
+                subject: "test".into(),
+                audit: self.audit.clone(),
+            };
+            let (to_session, stream) = chan::unbounded_channel();
+            let (tx, from_session) = chan::unbounded_channel();
+            let stream = Box::pin(futures_util::stream::unfold(stream, |mut rx| async move {
+                rx.recv().await.map(|m| (m, rx))
+            }));
+            let flushes = Arc::default();
+            let sink = Recording {
+                tx,
+                unflushed: false,
+                flushes: Arc::clone(&flushes),
+            };
+            let tenant = ctx.tenant.clone();
+            let mut session = Session::new(ctx, guard);
+            session.new_legs.lock().unwrap().extend(legs);
+            if initialized {
+                session.init = Some(Init {
+                    id: RequestId::Int(0),
+                    text: r#"{"id":0,"method":"initialize","params":{}}"#.into(),
+                    answered: true,
+                    initialized: true,
+                    opt_out: HashSet::new(),
+                });
+            }
+            let session = tokio::spawn(run(session, sink, stream));
+            Harness {
+                to_session,
+                from_session,
+                session,
+                flushes,
+                tenant,
+                _dir: self.dir.clone(),
+            }
         }
     }
 
@@ -473,12 +506,17 @@ pub(super) mod in_memory {
     /// A status change of thread `th-{n}`, relayed to the tenant's sessions as from a worker
     /// they have no leg to.
     fn relay_status(h: &Harness, n: usize) {
+        relay_status_of(h, WorkerId::new("acme", 9, 1), &format!("th-{n}"));
+    }
+
+    /// A status change of `thread`, relayed to `h`'s tenant's sessions as from `worker`.
+    fn relay_status_of(h: &Harness, worker: WorkerId, thread: &str) {
         let text = json!({
             "method": "thread/status/changed",
-            "params": { "threadId": format!("th-{n}"), "status": { "type": "idle" } },
+            "params": { "threadId": thread, "status": { "type": "idle" } },
         });
         h.tenant.relay(crate::tenants::Relayed {
-            worker: WorkerId::new("acme", 9, 1),
+            worker,
             text: text.to_string().into(),
             method: Arc::from("thread/status/changed"),
             to_all: false,
@@ -515,6 +553,47 @@ pub(super) mod in_memory {
         ));
         assert_eq!(h.next().await["error"]["message"], "Not initialized");
         assert!(!h.session.is_finished());
+    }
+
+    /// A tenant's relay is its own: a tenant flooding it past what it holds (as a hostile tenant's
+    /// workers could) closes its own lagging session, while a session of another tenant of the
+    /// same process, its broadcasts relayed in between, gets exactly its own, in order, and goes
+    /// on answering.
+    #[tokio::test(start_paused = true)]
+    async fn one_tenant_flooding_its_relay_closes_only_its_own_lagging_session() {
+        let other = format!(
+            "[[tenants]]\nid = \"other\"\ntoken_sha256 = [\"{}\"]\nmin_workers = 0\n",
+            crate::config::tests::DIGEST.replace('a', "b")
+        );
+        let process = Process::new("", "", &other);
+        let mut a = process.session("acme", Vec::new(), true);
+        let mut b = process.session("other", Vec::new(), true);
+        settle().await; // both subscribe to their tenant's relay
+        let (wa, wb) = (WorkerId::new("acme", 9, 1), WorkerId::new("other", 9, 1));
+        // More than the relay holds, before either session runs again; the other tenant's
+        // broadcasts go in between.
+        let mut sent = Vec::new();
+        for n in 1..=crate::tenants::RELAY_CAPACITY + 1 {
+            relay_status_of(&a, wa, &format!("acme-{n}"));
+            if n % 128 == 0 {
+                sent.push(format!("other-{n}"));
+                relay_status_of(&b, wb, &format!("other-{n}"));
+            }
+        }
+        assert_eq!(a.next().await, json!({ "close": 1008 }));
+        assert_eq!(a.session.await.unwrap(), End::RelayLagged);
+        for thread in &sent {
+            let v = b.next().await;
+            assert_eq!(v["params"]["threadId"], *thread, "{v}");
+        }
+        settle().await;
+        assert!(b.from_session.try_recv().is_err(), "none of acme's");
+        assert!(!b.session.is_finished());
+        relay_status_of(&b, wb, "other-after");
+        assert_eq!(b.next().await["params"]["threadId"], "other-after");
+        b.send(Message::text("{not json"));
+        assert_eq!(b.next().await["error"]["code"], codes::PARSE_ERROR);
+        assert!(!b.session.is_finished());
     }
 
     /// Broadcasts relayed together reach the client in one flush, in order (a big tenant's
