@@ -2,8 +2,8 @@
 # Latency side by side in one run (BENCHMARKS.md): bench 1 (`added-latency`: codex-fleet, HAProxy
 # and the floor relay in front of the same worker socket), then bench 5 (`edge-latency`: the edge
 # hop against HAProxy in TCP/TLS mode as the same second hop), then bench 4 (`fleet-load` at its
-# default size once per run, where the through/direct and through/floor ratios come from; a few
-# seconds a run).
+# default size once per run, where the through/direct ratio and codex-fleet's against both floors,
+# the floor proper and the routing floor, come from; a few seconds a run).
 # Installs HAProxy (Debian) and the pinned codex if missing, builds release binaries, runs.
 # codex-fleet itself is the profile-guided build laid out by llvm-bolt (ops/bench/pgo.sh, as the
 # image ships it), and so is the floor relay (`pgo.sh --floor`: the same training, so the floor
@@ -84,13 +84,20 @@ echo "== bench 5: the edge hop against HAProxy as a second hop"
 if [ "$fleet_load" = 1 ]; then
     out="$(mktemp)"
     trap 'rm -f "$out"' EXIT
-    ratios=() floors=()
+    ratios=() floors=() floor_direct=() routed=() routed_direct=()
     for ((i = 1; i <= runs; i++)); do
         echo "== bench 4: fleet-load (default size), run $i of $runs"
         "$BIN/fleet-load" | tee "$out"
-        ratios+=("$(grep -o 'through/direct = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
-        floors+=("$(grep -o 'through/floor = [0-9.]*' "$out" | head -1 | cut -d' ' -f3)")
+        ratio() { grep -o "turns/s $1 = [0-9.]*" "$out" | head -1 | awk '{print $NF}'; }
+        ratios+=("$(ratio through/direct)")
+        floors+=("$(ratio through/floor)")
+        floor_direct+=("$(ratio floor/direct)")
+        routed+=("$(ratio 'through/routing floor')")
+        routed_direct+=("$(ratio 'routing floor/direct')")
     done
     echo "fleet-load turns/s through/direct per run: ${ratios[*]}"
+    echo "fleet-load turns/s floor/direct per run: ${floor_direct[*]}"
+    echo "fleet-load turns/s routing floor/direct per run: ${routed_direct[*]}"
     echo "fleet-load turns/s through/floor per run: ${floors[*]}"
+    echo "fleet-load turns/s through/routing floor per run: ${routed[*]}"
 fi

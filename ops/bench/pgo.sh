@@ -76,19 +76,15 @@ RUSTFLAGS="-Cprofile-generate=$out/profiles" \
 echo "== pgo: the trainers (fleet-load, the simulator)" >&2
 cargo build --locked --release -p codex-fleet-bench -p codex-fleet-sim --bins >&2
 # The training: both roles' paths, through codex-fleet at $1 and the floor relay at $2 (an
-# instrumented build writes its profile as it exits, under $3 when given).
-# With --floor, a third run has the floor read frames as a router must (`FLOOR_RELAY_ROUTE=1`),
-# so the routing floor that `added-latency` measures beside the floor proper is trained too.
+# instrumented build writes its profile as it exits, under $3 when given). Each `fleet-load` run
+# has the floor relay run as the floor proper and then reading frames as a router must, so with
+# --floor the routing floor that `added-latency` measures beside the floor proper is trained too.
 train() {
     for edge in "" --edge; do
         # shellcheck disable=SC2086 # no edge: no argument
         env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} \
             target/release/fleet-load $edge >&2
     done
-    if [ "$floor" = 1 ]; then
-        env CODEX_FLEET_BIN="$1" FLOOR_RELAY_BIN="$2" FLOOR_RELAY_ROUTE=1 \
-            ${3:+"LLVM_PROFILE_FILE=$3/%p-%m.profraw"} target/release/fleet-load >&2
-    fi
 }
 # optimize NAME PACKAGE: the profile-use build of binary NAME from $out/NAME.profdata, linked
 # with its relocations kept for llvm-bolt, in $out/use (codex-fleet) or $out/NAME-use.

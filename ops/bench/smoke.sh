@@ -60,6 +60,8 @@ run "4 fleet-load" \
     'through codex-fleet .*: 4 sessions ok, 0 failed' 'turns/s through/direct = [0-9.]+' \
     'through the floor relay .*: 4 sessions ok, 0 failed' 'turns/s through/floor = [0-9.]+' \
     'floor relay CPU during the turns' \
+    'through the routing floor .*: 4 sessions ok, 0 failed' 'turns/s through/routing floor = [0-9.]+' \
+    'routing floor CPU during the turns' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2
 run "4 fleet-load through an edge (the profile-guided build's training, ops/bench/pgo.sh)" \

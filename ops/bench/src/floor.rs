@@ -233,19 +233,6 @@ pub enum Routing {
     Read,
 }
 
-impl Routing {
-    /// [`Routing::Read`] with `FLOOR_RELAY_ROUTE=1` in the environment, else the floor proper:
-    /// how `fleet-load`, which runs one floor, is asked to measure the routing floor in its
-    /// place (`added-latency`, and `footprint.sh` through it, run both).
-    pub fn from_env() -> Routing {
-        if std::env::var_os("FLOOR_RELAY_ROUTE").is_some_and(|v| v == "1") {
-            Routing::Read
-        } else {
-            Routing::None
-        }
-    }
-}
-
 /// A connection's routing state for [`Routing::Read`]: the threads it has named (standing in
 /// for the table of which worker owns a thread) and its requests in flight.
 #[derive(Default)]

@@ -3,10 +3,11 @@
 //! the same sessions directly against simulator sockets (as many as the fleet path runs workers,
 //! by default), then through the floor relay
 //! (`floor-relay --upstream-dir`, wss and TLS but no routing, `codex_fleet_bench::floor`) onto
-//! those same sockets, each session to the socket its direct run used. Prints readiness time,
-//! turns per second and latency on the three paths, the ratios through/direct, floor/direct and
-//! through/floor, the CPU codex-fleet and the floor relay spent on the turns, and codex-fleet's
-//! memory. With `--edge` the sessions go through an edge in front of codex-fleet as a node (two
+//! those same sockets, each session to the socket its direct run used, then through the routing
+//! floor (the same relay reading every frame as a router that routes by thread must,
+//! [`Routing::Read`]). Prints readiness time, turns per second and latency on the four paths, the
+//! ratios of each to direct and of codex-fleet to each floor, the CPU codex-fleet and the floors
+//! spent on the turns, and codex-fleet's memory. With `--edge` the sessions go through an edge in front of codex-fleet as a node (two
 //! hops), as `ops/bench/pgo.sh` trains both roles. Loopback only; bounded in count and time.
 
 use std::process::Stdio;
@@ -393,38 +394,51 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )
     .await?;
 
-    // --- phase 3: through the floor relay onto the same simulator sockets ---
-    let floor_log = dir.path().join("floor.log");
-    let (mut floor_child, floor_addr) = codex_fleet_bench::floor::spawn(
-        &dir.path().join("tls.crt"),
-        &dir.path().join("tls.key"),
-        &Upstream::Dir(dir.path().join("d")),
-        None,
-        Routing::from_env(),
-        Stdio::from(std::fs::File::create(&floor_log)?),
-    )
-    .await
-    .with_context(|| format!("see {}", floor_log.display()))?;
-    let floor_pid = floor_child.id().context("floor-relay pid")?;
-    let floor = phase(
-        &args,
-        |i| {
-            // `start_sims` names its sockets `d/0.sock`…: session i goes where its direct run did.
-            let url = format!("wss://localhost:{}/{}", floor_addr.port(), i % socks.len());
-            let tls = tls.clone();
-            let token = tokens[i % tokens.len()].clone();
-            async move { connect_wss(&url, tls, &token).await }
-        },
-        || Some((rss_kib(floor_pid)?, Work::of(floor_pid)?)),
-    )
-    .await?;
-    let floor_cpu_end = Work::of(floor_pid);
-    if terminate(&mut floor_child, Duration::from_secs(10))
-        .await?
-        .is_none()
-    {
-        println!("\nthe floor relay did not exit within 10 s of SIGTERM; killed it");
-    }
+    // --- phases 3 and 4: through the floor relay, then the routing floor, onto the same
+    // simulator sockets ---
+    let through_floor = |routing: Routing| {
+        let log = dir.path().join(match routing {
+            Routing::None => "floor.log",
+            Routing::Read => "floor-route.log",
+        });
+        let (args, dir, tls, tokens, socks) = (&args, dir.path(), &tls, &tokens, &socks);
+        async move {
+            let (mut child, addr) = codex_fleet_bench::floor::spawn(
+                &dir.join("tls.crt"),
+                &dir.join("tls.key"),
+                &Upstream::Dir(dir.join("d")),
+                None,
+                routing,
+                Stdio::from(std::fs::File::create(&log)?),
+            )
+            .await
+            .with_context(|| format!("see {}", log.display()))?;
+            let pid = child.id().context("floor-relay pid")?;
+            let result = phase(
+                args,
+                |i| {
+                    // `start_sims` names its sockets `d/0.sock`…: session i goes where its direct
+                    // run did.
+                    let url = format!("wss://localhost:{}/{}", addr.port(), i % socks.len());
+                    let tls = tls.clone();
+                    let token = tokens[i % tokens.len()].clone();
+                    async move { connect_wss(&url, tls, &token).await }
+                },
+                || Some((rss_kib(pid)?, Work::of(pid)?)),
+            )
+            .await?;
+            let cpu_end = Work::of(pid);
+            if terminate(&mut child, Duration::from_secs(10))
+                .await?
+                .is_none()
+            {
+                println!("\nthe floor relay did not exit within 10 s of SIGTERM; killed it");
+            }
+            anyhow::Ok((result, cpu_end))
+        }
+    };
+    let (floor, floor_cpu_end) = through_floor(Routing::None).await?;
+    let (routed, routed_cpu_end) = through_floor(Routing::Read).await?;
     drop(sims);
 
     // --- stop codex-fleet (its edge first) ---
@@ -484,6 +498,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         &format!("through the floor relay onto the same {direct_n} sockets (wss, TLS, no routing)"),
         &floor,
     );
+    report(
+        &format!(
+            "through the routing floor onto the same {direct_n} sockets (wss, TLS, frames read to route)"
+        ),
+        &routed,
+    );
     let through = turns_per_sec(&fleet) / turns_per_sec(&direct).max(1e-9);
     println!(
         "\nturns/s through/direct = {through:.2} (goal ≥ {GOAL_RATIO}: {})",
@@ -501,6 +521,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "turns/s through/floor = {:.2}",
         turns_per_sec(&fleet) / turns_per_sec(&floor).max(1e-9)
     );
+    println!(
+        "turns/s routing floor/direct = {:.2}",
+        turns_per_sec(&routed) / turns_per_sec(&direct).max(1e-9)
+    );
+    println!(
+        "turns/s through/routing floor = {:.2}",
+        turns_per_sec(&fleet) / turns_per_sec(&routed).max(1e-9)
+    );
     let ratio = |a: &PhaseResult, b: &PhaseResult, s: fn(&PhaseResult) -> &Samples, p: f64| {
         s(a).pct(p).as_secs_f64() / s(b).pct(p).as_secs_f64().max(1e-9)
     };
@@ -508,6 +536,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         ("fleet/direct", &fleet, &direct),
         ("floor/direct", &floor, &direct),
         ("fleet/floor", &fleet, &floor),
+        ("routing floor/direct", &routed, &direct),
+        ("fleet/routing floor", &fleet, &routed),
     ] {
         println!(
             "latency ratio {name}: requests p50 {:.1}×, p99 {:.1}×; turns p50 {:.1}×, p99 {:.1}×",
@@ -520,6 +550,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     for (name, r, end) in [
         ("codex-fleet", &fleet, cpu_end),
         ("floor relay", &floor, floor_cpu_end),
+        ("routing floor", &routed, routed_cpu_end),
     ] {
         if let (Some((_, w0)), Some(w1)) = (r.at_barrier, end) {
             let w = w1.since(w0);
@@ -546,6 +577,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "through the floor",
             &floor,
             floor_cpu_end.zip(floor.at_barrier),
+        ),
+        (
+            "through the routing floor",
+            &routed,
+            routed_cpu_end.zip(routed.at_barrier),
         ),
     ] {
         if let (Some(m), Some(c)) = (r.machine_secs, r.client_secs) {
@@ -593,7 +629,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let kept = dir.keep();
         println!("kept {}", kept.display());
     }
-    if fleet.failed > 0 || direct.failed > 0 || floor.failed > 0 {
+    if fleet.failed > 0 || direct.failed > 0 || floor.failed > 0 || routed.failed > 0 {
         bail!("some sessions failed");
     }
     Ok(())
