@@ -5,8 +5,9 @@
 # (32 KiB L1s, a 64 KiB last level) that nothing survives from one round trip to the next, as in
 # the interleaved bench where six other proxies, the worker and the client run between two of
 # codex-fleet's round trips. Each last-level miss is then a distinct cache line the round trip
-# touches: the work a cold CPU fetches from memory. Unlike a latency median it is the same from
-# run to run, so a change can be compared on this noisy machine by one number.
+# touches: the work a cold CPU fetches from memory. It moves far less than a latency median from
+# run to run, but not nothing: two runs of one binary differed by about 25 data lines and 25 code
+# lines (BENCHMARKS.md, 2026-12-05), so a change needs to move more than that to show in one pair.
 #
 # Two bench runs (200 and 1,200 rounds); the difference over the 1,000 extra rounds is one round
 # trip's, without start-up and shutdown. Under a minute once the release binaries exist (35 s
