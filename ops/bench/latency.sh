@@ -85,10 +85,11 @@ if [ "$fleet_load" = 1 ]; then
     out="$(mktemp)"
     trap 'rm -f "$out"' EXIT
     ratios=() floors=() floor_direct=() routed=() routed_direct=()
+    # ratio NAME: the `turns/s NAME = X` of the run just made.
+    ratio() { grep -o "turns/s $1 = [0-9.]*" "$out" | head -1 | awk '{print $NF}'; }
     for ((i = 1; i <= runs; i++)); do
         echo "== bench 4: fleet-load (default size), run $i of $runs"
         "$BIN/fleet-load" | tee "$out"
-        ratio() { grep -o "turns/s $1 = [0-9.]*" "$out" | head -1 | awk '{print $NF}'; }
         ratios+=("$(ratio through/direct)")
         floors+=("$(ratio through/floor)")
         floor_direct+=("$(ratio floor/direct)")

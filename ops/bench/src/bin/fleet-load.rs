@@ -242,6 +242,28 @@ where
     Ok(res)
 }
 
+/// [`phase`] over wss to a proxy (`pid`): session `i` connects to `url(i)` with the `i`th token
+/// (round robin), and the proxy's memory and work are sampled when all are open.
+async fn wss_phase(
+    args: &Args,
+    tls: &Arc<rustls::ClientConfig>,
+    tokens: &Arc<Vec<String>>,
+    url: impl Fn(usize) -> String,
+    pid: u32,
+) -> anyhow::Result<PhaseResult> {
+    phase(
+        args,
+        |i| {
+            let url = url(i);
+            let tls = tls.clone();
+            let token = tokens[i % tokens.len()].clone();
+            async move { connect_wss(&url, tls, &token).await }
+        },
+        || Some((rss_kib(pid)?, Work::of(pid)?)),
+    )
+    .await
+}
+
 fn mib(kb: u64) -> String {
     format!("{:.1} MiB", kb as f64 / 1024.0)
 }
@@ -355,17 +377,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // --- phase 1: through codex-fleet ---
     let tls = testkit::client_tls(&files.ca)?;
     let tokens = Arc::new(files.tokens);
-    let fleet = phase(
-        &args,
-        |i| {
-            let url = url.clone();
-            let tls = tls.clone();
-            let token = tokens[i % tokens.len()].clone();
-            async move { connect_wss(&url, tls, &token).await }
-        },
-        || Some((rss_kib(pid)?, Work::of(pid)?)),
-    )
-    .await?;
+    let fleet = wss_phase(&args, &tls, &tokens, |_| url.clone(), pid).await?;
     let cpu_end = Work::of(pid);
     let rss_end = rss_kib(pid);
     let hwm = peak_rss_kib(pid);
@@ -414,19 +426,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("see {}", log.display()))?;
             let pid = child.id().context("floor-relay pid")?;
-            let result = phase(
-                args,
-                |i| {
-                    // `start_sims` names its sockets `d/0.sock`…: session i goes where its direct
-                    // run did.
-                    let url = format!("wss://localhost:{}/{}", addr.port(), i % socks.len());
-                    let tls = tls.clone();
-                    let token = tokens[i % tokens.len()].clone();
-                    async move { connect_wss(&url, tls, &token).await }
-                },
-                || Some((rss_kib(pid)?, Work::of(pid)?)),
-            )
-            .await?;
+            // `start_sims` names its sockets `d/0.sock`…: session i goes where its direct run did.
+            let url = |i| format!("wss://localhost:{}/{}", addr.port(), i % socks.len());
+            let result = wss_phase(args, tls, tokens, url, pid).await?;
             let cpu_end = Work::of(pid);
             if terminate(&mut child, Duration::from_secs(10))
                 .await?
