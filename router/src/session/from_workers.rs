@@ -142,7 +142,7 @@ impl Session {
                     self.audit(
                         "thread.closed",
                         json!({
-                            "thread": event.as_ref().map(|e| e.thread().to_owned()).or_else(|| rpc::thread_id(params).map(Cow::into_owned)),
+                            "thread": event.as_ref().map(|e| Cow::Borrowed(e.thread())).or_else(|| rpc::thread_id(params)),
                             "worker": worker.to_string(),
                         }),
                     );

@@ -166,8 +166,8 @@ impl Session {
         // The parsed event names the thread as `params.threadId` does; other methods (and
         // params the event parse refused) read it from the params.
         let Some(thread) = event
-            .map(|e| e.thread().to_owned())
-            .or_else(|| rpc::thread_id(params).map(Cow::into_owned))
+            .map(|e| Cow::Borrowed(e.thread()))
+            .or_else(|| rpc::thread_id(params))
         else {
             return false;
         };
@@ -175,7 +175,8 @@ impl Session {
             return true;
         }
         if method == "thread/tokenUsage/updated" {
-            return self.following.usage_replays.remove(&(thread, worker));
+            let replay = (thread.into_owned(), worker);
+            return self.following.usage_replays.remove(&replay);
         }
         let status = match event {
             Some(Event::ThreadStatusChanged { status, .. }) => Some(status.as_ref()),
