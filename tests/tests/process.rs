@@ -1,6 +1,7 @@
 //! codex-fleet as a real process: signals (SIGTERM, SIGINT, a second one, SIGKILL) leave no
 //! worker behind; workers get only the allowlisted environment; start-up warnings; the npm launcher;
-//! one tenant taking every file descriptor the process may open.
+//! one tenant taking every file descriptor the process may open; one tenant's worker flooding its
+//! stderr.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -493,5 +494,106 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     eprintln!("measured: {failed} deferred accepts counted");
     assert!(failed > lines as f64, "{failed} counted, {lines} logged");
     assert!(testkit::process_alive(i32::try_from(pid)?));
+    Ok(())
+}
+
+/// CPU time of a process so far (`utime + stime` of `/proc/<pid>/stat`), in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // Fields 14 and 15 (utime, stime); the first after the name is field 3.
+    fields
+        .get(11..13)
+        .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
+}
+
+/// One tenant's worker floods its stderr (`yes`, started beside app-server, writing warnings as
+/// fast as the pipe takes them). codex-fleet reads a worker's output at its pace and logs it
+/// within its budget: the flood costs codex-fleet a few percent of a core, its log at most the
+/// budget's lines per worker process, and another tenant's requests and turns go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_goes_on(
+) -> anyhow::Result<()> {
+    let codex = testkit::codex_bin();
+    let files = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .limits_toml("turn_start_per_min = 6000\nturn_start_burst = 100")
+        .tenant_pool("hog", 1, 1)
+        .tenant_toml(&format!(
+            "command = [\"/bin/sh\", \"-c\", \"/usr/bin/yes 'WARN flood' >&2 & exec \\\"$0\\\" \\\"$@\\\"\", {:?}, \"app-server\"]",
+            codex.display().to_string()
+        ))
+        .prepare()
+        .await?;
+    let spawned = std::time::Instant::now();
+    let proc = FleetProcess::spawn(&files).await?;
+    let pid = proc.pid().context("pid")?;
+    let flood_lines = || {
+        proc.stderr()
+            .lines()
+            .filter(|l| l.contains("WARN flood"))
+            .count()
+    };
+    anyhow::ensure!(
+        testkit::wait_until(Duration::from_secs(20), || flood_lines() > 0).await,
+        "the hog's flood never reached the log: {}",
+        proc.stderr()
+    );
+    let mut acme = proc.client(&files, &files.token("acme")).await?;
+    let thread = acme.start_thread().await?;
+    let ticks_before = cpu_ticks(pid);
+    let started = std::time::Instant::now();
+    let window = Duration::from_secs(6);
+    let mut turns = 0;
+    while started.elapsed() < window {
+        let prompt = format!("during the flood {turns}");
+        acme.start_turn(&thread, &prompt).await?;
+        let msgs = acme.until_turn_completed(&thread).await?;
+        assert_eq!(
+            agent_text(&msgs).as_deref(),
+            Some(reply_text(&prompt).as_str())
+        );
+        acme.request("thread/read", serde_json::json!({"threadId": thread}))
+            .await?;
+        turns += 1;
+    }
+    let elapsed = started.elapsed();
+    let ticks = cpu_ticks(pid) - ticks_before;
+    let ticks_per_sec =
+        nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("CLK_TCK")? as f64;
+    let share = ticks as f64 / ticks_per_sec / elapsed.as_secs_f64();
+    let log = proc.stderr();
+    let lines = log.lines().filter(|l| l.contains("WARN flood")).count() as u64;
+    let counted: u64 = log
+        .lines()
+        .filter(|l| l.contains("over the log budget"))
+        .filter_map(|l| {
+            l.rsplit_once("lines=")
+                .and_then(|(_, n)| n.trim().parse::<u64>().ok())
+        })
+        .sum();
+    // Every process of the hog's worker (a restart is a new one) has its own budget.
+    let processes = testkit::metric_at(
+        proc.admin,
+        "codex_fleet_worker_starts_total",
+        &[("tenant", "hog")],
+    )
+    .await? as u64;
+    let allowed = processes * (200 + (spawned.elapsed().as_secs_f64() * 20.0).ceil() as u64);
+    eprintln!(
+        "measured: {turns} turns of acme in {elapsed:?} while the hog flooded; codex-fleet used {:.1}% of a core; {lines} flood lines logged from {processes} worker process(es) (at most {allowed}), {counted} counted and left out",
+        share * 100.0
+    );
+    assert!(turns >= 3, "acme ran {turns} turns in {elapsed:?}");
+    assert!(lines <= allowed, "{lines} flood lines logged");
+    assert!(counted > lines, "the flood was read and counted: {counted}");
+    assert!(
+        share < 0.25,
+        "codex-fleet used {:.1}% of a core",
+        share * 100.0
+    );
     Ok(())
 }

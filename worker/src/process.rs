@@ -5,40 +5,35 @@
 //! runtime worker thread (any async task), never from `spawn_blocking`, whose threads retire.
 //! Before exec it sets its resource limits and, when configured, drops to the tenant's uid/gid.
 
-use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
 use nix::sys::stat::Mode;
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::time::{sleep, timeout, Duration};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{debug, info_span, warn, Instrument};
+
+mod output;
 
 use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
 use crate::error::StartError;
 use crate::id::WorkerId;
 use crate::leg;
 use crate::run_as::{Rlimits, WorkerUser};
+use output::{forward_stderr, forward_stdout, StderrTail};
 
-/// Longest stdout/stderr line forwarded to tracing; the rest of a longer line is dropped.
-const MAX_LINE: usize = 4096;
-/// stderr lines kept for error reports.
-const STDERR_TAIL_LINES: usize = 8;
-/// Longest stderr line kept in the tail.
-const STDERR_TAIL_LINE: usize = 512;
 /// Pause between connection attempts while a worker starts.
 const CONNECT_POLL: Duration = Duration::from_millis(10);
 /// How long to wait for a leftover socket to answer before calling it live.
@@ -362,136 +357,6 @@ async fn reap(mut child: Child, group: Arc<ProcessGroup>, exit: watch::Sender<Op
     group.sweep();
     debug!(%status, "worker process reaped");
     exit.send_replace(Some(ExitReport { status }));
-}
-
-async fn forward_stdout(out: impl AsyncRead + Unpin) {
-    let mut reader = BufReader::new(out);
-    let mut line = Vec::with_capacity(256);
-    loop {
-        match read_line_bounded(&mut reader, &mut line, MAX_LINE).await {
-            Ok(true) => debug!(line = %String::from_utf8_lossy(&line), "stdout"),
-            Ok(false) => break,
-            Err(e) => {
-                debug!(error = %e, "stdout read failed");
-                break;
-            }
-        }
-    }
-}
-
-async fn forward_stderr(
-    err: impl AsyncRead + Unpin,
-    tail: Arc<StderrTail>,
-    done: CancellationToken,
-) {
-    let _done = done.drop_guard();
-    let mut reader = BufReader::new(err);
-    let mut line = Vec::with_capacity(256);
-    loop {
-        match read_line_bounded(&mut reader, &mut line, MAX_LINE).await {
-            Ok(true) => {
-                let text = strip_ansi(&String::from_utf8_lossy(&line));
-                if looks_like_warning(&text) {
-                    warn!(line = %text, "stderr");
-                } else {
-                    info!(line = %text, "stderr");
-                }
-                tail.push(text);
-            }
-            Ok(false) => break,
-            Err(e) => {
-                debug!(error = %e, "stderr read failed");
-                break;
-            }
-        }
-    }
-}
-
-/// Reads one line (without its newline) into `line`, keeping at most `max` bytes of it.
-/// Returns `false` at end of input.
-async fn read_line_bounded<R: AsyncBufRead + Unpin>(
-    reader: &mut R,
-    line: &mut Vec<u8>,
-    max: usize,
-) -> io::Result<bool> {
-    line.clear();
-    let mut read_any = false;
-    loop {
-        let buf = reader.fill_buf().await?;
-        if buf.is_empty() {
-            return Ok(read_any);
-        }
-        read_any = true;
-        let (chunk, consumed, complete) = match buf.iter().position(|&b| b == b'\n') {
-            Some(i) => (&buf[..i], i + 1, true),
-            None => (buf, buf.len(), false),
-        };
-        let room = max.saturating_sub(line.len());
-        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        reader.consume(consumed);
-        if complete {
-            return Ok(true);
-        }
-    }
-}
-
-/// Removes ANSI escape sequences (app-server colours its log lines).
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c != '\u{1b}' {
-            out.push(c);
-            continue;
-        }
-        if chars.next() == Some('[') {
-            for c in chars.by_ref() {
-                if ('\u{40}'..='\u{7e}').contains(&c) {
-                    break;
-                }
-            }
-        }
-    }
-    out
-}
-
-/// app-server logs as `<timestamp> LEVEL target: message`; a few lines start with `WARNING:`.
-fn looks_like_warning(text: &str) -> bool {
-    text.split_whitespace()
-        .take(2)
-        .any(|word| word.starts_with("WARN") || word.starts_with("ERROR"))
-}
-
-/// The last few stderr lines of a worker, for error reports.
-#[derive(Debug, Default)]
-struct StderrTail(Mutex<VecDeque<String>>);
-
-impl StderrTail {
-    fn push(&self, mut line: String) {
-        if line.len() > STDERR_TAIL_LINE {
-            let mut cut = STDERR_TAIL_LINE;
-            while !line.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            line.truncate(cut);
-        }
-        let mut tail = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if tail.len() == STDERR_TAIL_LINES {
-            tail.pop_front();
-        }
-        tail.push_back(line);
-    }
-
-    fn summary(&self) -> String {
-        let tail = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if tail.is_empty() {
-            return "(none)".to_owned();
-        }
-        tail.iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>()
-            .join(" | ")
-    }
 }
 
 /// Connects as soon as the socket accepts; retries while it is missing or refusing.

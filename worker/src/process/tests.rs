@@ -1,5 +1,7 @@
+use super::output::*;
 use super::*;
 use crate::id::intern_tenant;
+use tokio::io::BufReader;
 
 #[test]
 fn worker_id_displays_tenant_slot_generation() {
@@ -213,4 +215,113 @@ fn parses_vm_rss() {
     assert_eq!(parse_vm_rss(status), Some(94208 * 1024));
     assert_eq!(parse_vm_rss("Name:\tx\n"), None);
     assert!(rss_bytes(std::process::id()).unwrap() > 0);
+}
+
+/// The events a test saw: each one's level, message and `lines` field (the count of lines left
+/// out of the log).
+#[derive(Clone, Default)]
+struct Seen(Arc<std::sync::Mutex<Vec<SeenEvent>>>);
+
+/// An event's level, its `line` (or else its message), and its `lines` field.
+type SeenEvent = (tracing::Level, String, Option<u64>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Seen {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        #[derive(Default)]
+        struct Fields {
+            message: String,
+            line: String,
+            lines: Option<u64>,
+        }
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "message" => self.message = format!("{value:?}"),
+                    "line" => self.line = format!("{value:?}"),
+                    _ => {}
+                }
+            }
+            fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+                if field.name() == "lines" {
+                    self.lines = Some(value);
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let text = if fields.line.is_empty() {
+            fields.message
+        } else {
+            fields.line
+        };
+        self.0
+            .lock()
+            .unwrap()
+            .push((*event.metadata().level(), text, fields.lines));
+    }
+}
+
+/// A worker's stderr flooded (every line a warning, then a line of 4 MiB without a newline) is
+/// read at its pace and reaches the log within its budget, the lines left out counted exactly,
+/// and the tail still ends with the last words. Time is tokio's paused clock: the pace shows as
+/// time the forwarder waited, not as time the test takes.
+#[tokio::test(start_paused = true)]
+async fn a_flooded_stderr_is_read_at_its_pace_and_logged_within_its_budget() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let seen = Seen::default();
+    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(seen.clone()));
+    let flood_lines = 20_000u64;
+    let mut input = Vec::new();
+    for n in 0..flood_lines {
+        input.extend_from_slice(format!("WARN flood {n}\n").as_bytes());
+    }
+    input.resize(input.len() + (4 << 20), b'x');
+    input.extend_from_slice(b"\nlast words\n");
+    let tail = Arc::new(StderrTail::default());
+    let started = tokio::time::Instant::now();
+    forward_stderr(&input[..], tail.clone(), CancellationToken::new()).await;
+    let took = started.elapsed();
+
+    // Each short line costs LINE_COST, the long one its bytes: all of it at OUTPUT_RATE, less
+    // the first burst.
+    let cost = flood_lines * LINE_COST + (4 << 20) + 2 * LINE_COST;
+    let paced = Duration::from_secs_f64((cost - OUTPUT_RATE) as f64 / OUTPUT_RATE as f64);
+    assert!(
+        took + Duration::from_millis(100) >= paced,
+        "read in {took:?}, paced at {paced:?}"
+    );
+    let seen = seen.0.lock().unwrap().clone();
+    let allowed = LOG_BURST + (took.as_secs_f64() * LOG_LINES_PER_SEC as f64).ceil() as u64 + 1;
+    eprintln!(
+        "measured: {} lines read in {took:?} (paced), {} log events (at most {allowed})",
+        flood_lines + 2,
+        seen.len()
+    );
+    assert!(seen.len() as u64 <= allowed, "{} events", seen.len());
+    let counted: u64 = seen.iter().filter_map(|(_, _, lines)| *lines).sum();
+    let logged = seen.iter().filter(|(_, _, lines)| lines.is_none()).count() as u64;
+    assert_eq!(
+        logged + counted,
+        flood_lines + 2,
+        "every line logged or counted"
+    );
+    assert!(tail.summary().ends_with("last words"), "{}", tail.summary());
+}
+
+/// Under its budget nothing is held back: a worker's ordinary lines are logged as they come,
+/// without a wait.
+#[tokio::test(start_paused = true)]
+async fn ordinary_stderr_is_logged_line_for_line_without_a_wait() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let seen = Seen::default();
+    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(seen.clone()));
+    let input: String = (0..LOG_BURST).map(|n| format!("line {n}\n")).collect();
+    let started = tokio::time::Instant::now();
+    forward_stderr(input.as_bytes(), Arc::default(), CancellationToken::new()).await;
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    let seen = seen.0.lock().unwrap().clone();
+    assert_eq!(seen.len() as u64, LOG_BURST);
+    assert!(seen.iter().all(|(level, text, lines)| {
+        *level == tracing::Level::INFO && text.starts_with("line ") && lines.is_none()
+    }));
 }
