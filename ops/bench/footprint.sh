@@ -2,12 +2,17 @@
 # Code and data footprint per round trip (BENCHMARKS.md, bench 1, "What a cold round trip
 # touches"): codex-fleet, the floor relay and the routing floor (the floor with --route) run
 # under callgrind's cache simulator inside the same `added-latency` bench, with caches so small
-# (32 KiB L1s, a 64 KiB last level) that nothing survives from one round trip to the next, as in
-# the interleaved bench where six other proxies, the worker and the client run between two of
-# codex-fleet's round trips. Each last-level miss is then a distinct cache line the round trip
+# (32 KiB L1s, a 64 KiB last level) that none of codex-fleet's survives from one round trip to the
+# next, as in the interleaved bench where six other proxies, the worker and the client run between
+# two of codex-fleet's round trips. Each last-level miss is then a distinct cache line the round trip
 # touches: the work a cold CPU fetches from memory. It moves far less than a latency median from
 # run to run, but not nothing: two runs of one binary differed by about 25 data lines and 25 code
 # lines (BENCHMARKS.md, 2026-12-05), so a change needs to move more than that to show in one pair.
+# The premise holds for codex-fleet, not quite for the floor: its round trip (about 52 KiB) nearly
+# fits the simulated 64 KiB, so part of it survives to its next round trip and its counts are low
+# (tokio's `pow`, called more often by the floor, costs it half the lines). Compare a
+# binary with itself before and after; the fleet/floor ratios overstate (BENCHMARKS.md, 2026-12-05,
+# "footprint.sh undercounts the floor").
 #
 # Two bench runs (200 and 1,200 rounds); the difference over the 1,000 extra rounds is one round
 # trip's, without start-up and shutdown. Under a minute once the release binaries exist (35 s
