@@ -335,6 +335,7 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_worker_restarts_total{tenant=\"acme\"}",
         "codex_fleet_resume_retries_total{tenant=\"acme\"}",
         "codex_fleet_worker_starts_total{tenant=\"acme\"}",
+        "codex_fleet_worker_log_lines_dropped_total{tenant=\"acme\"}",
         "codex_fleet_sessions_closed_total{reason=\"slow_client\"}",
         "codex_fleet_sessions_closed_total{reason=\"client\"}",
         "codex_fleet_client_errors_total{reason=\"no_worker\"}",

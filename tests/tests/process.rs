@@ -587,6 +587,13 @@ async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_
         "measured: {turns} turns of acme in {elapsed:?} while the hog flooded; codex-fleet used {:.1}% of a core; {lines} flood lines logged from {processes} worker process(es) (at most {allowed}), {counted} counted and left out",
         share * 100.0
     );
+    // The lines left out are the hog's, counted under its name only.
+    let metric = "codex_fleet_worker_log_lines_dropped_total";
+    let hog_dropped = testkit::metric_at(proc.admin, metric, &[("tenant", "hog")]).await?;
+    let acme_dropped = testkit::metric_at(proc.admin, metric, &[("tenant", "acme")]).await?;
+    eprintln!("measured: codex_fleet_worker_log_lines_dropped_total hog {hog_dropped}, acme {acme_dropped}");
+    assert!(hog_dropped >= counted as f64, "{hog_dropped} < {counted}");
+    assert_eq!(acme_dropped, 0.0);
     assert!(turns >= 3, "acme ran {turns} turns in {elapsed:?}");
     assert!(lines <= allowed, "{lines} flood lines logged");
     assert!(counted > lines, "the flood was read and counted: {counted}");

@@ -17,6 +17,7 @@ const LOADED_THREADS: &str = "codex_fleet_worker_loaded_threads";
 const RESIDENT_BYTES: &str = "codex_fleet_worker_resident_bytes";
 const LARGEST_RSS_BYTES: &str = "codex_fleet_worker_largest_rss_bytes";
 const CPU_SECONDS: &str = "codex_fleet_worker_cpu_seconds_total";
+const LOG_LINES_DROPPED: &str = "codex_fleet_worker_log_lines_dropped_total";
 
 const LABEL_TENANT: &str = "tenant";
 const LABEL_REASON: &str = "reason";
@@ -82,6 +83,7 @@ pub struct WorkerMetrics {
     resident: IntGaugeVec,
     largest_rss: IntGaugeVec,
     cpu: prometheus::CounterVec,
+    log_lines_dropped: IntCounterVec,
 }
 
 /// A tenant's load and memory gauges, looked up by label once. A pool sets them on every
@@ -181,6 +183,14 @@ impl WorkerMetrics {
             ),
             &[LABEL_TENANT],
         )?;
+        let log_lines_dropped = IntCounterVec::new(
+            Opts::new(
+                LOG_LINES_DROPPED,
+                "stderr lines of a tenant's workers over the log budget: read, not logged.",
+            ),
+            &[LABEL_TENANT],
+        )?;
+        registry.register(Box::new(log_lines_dropped.clone()))?;
         registry.register(Box::new(resident.clone()))?;
         registry.register(Box::new(largest_rss.clone()))?;
         registry.register(Box::new(cpu.clone()))?;
@@ -202,6 +212,7 @@ impl WorkerMetrics {
             resident,
             largest_rss,
             cpu,
+            log_lines_dropped,
         })
     }
 
@@ -213,12 +224,18 @@ impl WorkerMetrics {
         self.resident.with_label_values(&[tenant]);
         self.largest_rss.with_label_values(&[tenant]);
         self.cpu.with_label_values(&[tenant]);
+        self.log_lines_dropped.with_label_values(&[tenant]);
         for state in WorkerState::ALL {
             self.workers.with_label_values(&[tenant, state.as_str()]);
         }
         for reason in ExitReason::ALL {
             self.exits.with_label_values(&[tenant, reason.as_str()]);
         }
+    }
+
+    /// The tenant's count of worker stderr lines left out of the log, for a worker's forwarder.
+    pub(crate) fn log_lines_dropped(&self, tenant: &str) -> prometheus::IntCounter {
+        self.log_lines_dropped.with_label_values(&[tenant])
     }
 
     pub(crate) fn started(&self, tenant: &str) {

@@ -98,6 +98,8 @@ pub(crate) struct Spawn<'a> {
     pub rlimits: Rlimits,
     /// Steps below this process's CPU priority (`nice`); 0 keeps it.
     pub nice: u8,
+    /// Counts the stderr lines left out of the log (the tenant's series).
+    pub log_lines_dropped: prometheus::IntCounter,
 }
 
 /// A running worker process. Dropping it kills its process group.
@@ -151,7 +153,12 @@ impl WorkerProcess {
             AbortOnDropHandle::new(tokio::spawn(forward_stdout(out).instrument(span.clone())))
         });
         let stderr = child.stderr.take().map(|err| {
-            let forward = forward_stderr(err, stderr_tail.clone(), stderr_done.clone());
+            let forward = forward_stderr(
+                err,
+                stderr_tail.clone(),
+                stderr_done.clone(),
+                spec.log_lines_dropped,
+            );
             AbortOnDropHandle::new(tokio::spawn(forward.instrument(span.clone())))
         });
         let (exit_tx, exit) = watch::channel(None);

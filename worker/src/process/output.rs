@@ -6,10 +6,11 @@
 //! a conversion and a log line on the process and log stream that every tenant shares. So the
 //! pipes are read at most [`OUTPUT_RATE`] bytes a second, each line counted as at least
 //! [`LINE_COST`] bytes (so at most 4,096 lines a second however short): a worker that writes
-//! faster than that waits on its own writes, as it would on a full disk. Of the lines read, at
-//! most [`LOG_LINES_PER_SEC`] a second after a burst of [`LOG_BURST`] reach the log; the rest are
-//! counted, and the count is logged with the next line that fits (and when the output ends). The
-//! stderr tail kept for error reports takes every line.
+//! faster than that waits on its own writes, as it would on a full disk. Of the stderr lines
+//! read, at most [`LOG_LINES_PER_SEC`] a second after a burst of [`LOG_BURST`] reach the log. The
+//! rest are counted in `codex_fleet_worker_log_lines_dropped_total` of the worker's tenant, and
+//! their count is logged in a line's place when the budget next allows (and when the output
+//! ends). The stderr tail kept for error reports takes every line.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -161,6 +162,7 @@ pub(super) async fn forward_stderr(
     err: impl AsyncRead + Unpin,
     tail: std::sync::Arc<StderrTail>,
     done: CancellationToken,
+    dropped: prometheus::IntCounter,
 ) {
     let _done = done.drop_guard();
     let mut reader = BufReader::new(Paced::new(err));
@@ -188,6 +190,7 @@ pub(super) async fn forward_stderr(
                     }
                 } else {
                     unlogged += 1;
+                    dropped.inc();
                 }
                 tail.push(text);
             }

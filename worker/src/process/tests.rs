@@ -279,7 +279,14 @@ async fn a_flooded_stderr_is_read_at_its_pace_and_logged_within_its_budget() {
     input.extend_from_slice(b"\nlast words\n");
     let tail = Arc::new(StderrTail::default());
     let started = tokio::time::Instant::now();
-    forward_stderr(&input[..], tail.clone(), CancellationToken::new()).await;
+    let dropped = prometheus::IntCounter::new("dropped", "lines left out").unwrap();
+    forward_stderr(
+        &input[..],
+        tail.clone(),
+        CancellationToken::new(),
+        dropped.clone(),
+    )
+    .await;
     let took = started.elapsed();
 
     // Each short line costs LINE_COST, the long one its bytes: all of it at OUTPUT_RATE, less
@@ -305,6 +312,11 @@ async fn a_flooded_stderr_is_read_at_its_pace_and_logged_within_its_budget() {
         flood_lines + 2,
         "every line logged or counted"
     );
+    assert_eq!(
+        dropped.get(),
+        counted,
+        "the metric counts what the log says"
+    );
     assert!(tail.summary().ends_with("last words"), "{}", tail.summary());
 }
 
@@ -317,7 +329,15 @@ async fn ordinary_stderr_is_logged_line_for_line_without_a_wait() {
     let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(seen.clone()));
     let input: String = (0..LOG_BURST).map(|n| format!("line {n}\n")).collect();
     let started = tokio::time::Instant::now();
-    forward_stderr(input.as_bytes(), Arc::default(), CancellationToken::new()).await;
+    let dropped = prometheus::IntCounter::new("dropped", "lines left out").unwrap();
+    forward_stderr(
+        input.as_bytes(),
+        Arc::default(),
+        CancellationToken::new(),
+        dropped.clone(),
+    )
+    .await;
+    assert_eq!(dropped.get(), 0);
     assert_eq!(started.elapsed(), Duration::ZERO);
     let seen = seen.0.lock().unwrap().clone();
     assert_eq!(seen.len() as u64, LOG_BURST);

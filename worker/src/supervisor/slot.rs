@@ -216,6 +216,7 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
         user: cfg.user,
         rlimits: cfg.rlimits,
         nice: cfg.nice,
+        log_lines_dropped: shared.metrics.log_lines_dropped(shared.tenant),
     })
 }
 
