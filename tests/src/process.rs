@@ -281,3 +281,22 @@ impl LoweredLimit {
         Ok(open)
     }
 }
+
+/// CPU time (utime + stime) a process has used so far, in seconds (`/proc/<pid>/stat`; clock
+/// ticks, so 10 ms steps).
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    cpu_split(pid).map(|(user, kernel)| user + kernel)
+}
+
+/// `utime` and `stime` of `/proc/<pid>/stat`, in seconds.
+pub fn cpu_split(pid: u32) -> Option<(f64, f64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state is field 3; utime and stime are fields 14 and 15.
+    let tick = |i: usize| f.get(i)?.parse::<u64>().ok();
+    let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()? as f64;
+    Some((tick(11)? as f64 / per_sec, tick(12)? as f64 / per_sec))
+}

@@ -497,19 +497,6 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     Ok(())
 }
 
-/// CPU time of a process so far (`utime + stime` of `/proc/<pid>/stat`), in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(") ")
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    // Fields 14 and 15 (utime, stime); the first after the name is field 3.
-    fields
-        .get(11..13)
-        .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum())
-}
-
 /// One tenant's worker floods its stderr (`yes`, started beside app-server, writing warnings as
 /// fast as the pipe takes them). codex-fleet reads a worker's output at its pace and logs it
 /// within its budget: the flood costs codex-fleet a few percent of a core, its log at most the
@@ -544,7 +531,7 @@ async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_
     );
     let mut acme = proc.client(&files, &files.token("acme")).await?;
     let thread = acme.start_thread().await?;
-    let ticks_before = cpu_ticks(pid);
+    let cpu_before = testkit::process::cpu_secs(pid).context("cpu")?;
     let started = std::time::Instant::now();
     let window = Duration::from_secs(6);
     let mut turns = 0;
@@ -561,10 +548,8 @@ async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_
         turns += 1;
     }
     let elapsed = started.elapsed();
-    let ticks = cpu_ticks(pid) - ticks_before;
-    let ticks_per_sec =
-        nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.context("CLK_TCK")? as f64;
-    let share = ticks as f64 / ticks_per_sec / elapsed.as_secs_f64();
+    let cpu = testkit::process::cpu_secs(pid).context("cpu")? - cpu_before;
+    let share = cpu / elapsed.as_secs_f64();
     let log = proc.stderr();
     let lines = log.lines().filter(|l| l.contains("WARN flood")).count() as u64;
     let counted: u64 = log

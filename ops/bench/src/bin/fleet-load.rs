@@ -515,22 +515,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "not met"
         }
     );
-    println!(
-        "turns/s floor/direct = {:.2}",
-        turns_per_sec(&floor) / turns_per_sec(&direct).max(1e-9)
-    );
-    println!(
-        "turns/s through/floor = {:.2}",
-        turns_per_sec(&fleet) / turns_per_sec(&floor).max(1e-9)
-    );
-    println!(
-        "turns/s routing floor/direct = {:.2}",
-        turns_per_sec(&routed) / turns_per_sec(&direct).max(1e-9)
-    );
-    println!(
-        "turns/s through/routing floor = {:.2}",
-        turns_per_sec(&fleet) / turns_per_sec(&routed).max(1e-9)
-    );
+    for (name, a, b) in [
+        ("floor/direct", &floor, &direct),
+        ("through/floor", &fleet, &floor),
+        ("routing floor/direct", &routed, &direct),
+        ("through/routing floor", &fleet, &routed),
+    ] {
+        let r = turns_per_sec(a) / turns_per_sec(b).max(1e-9);
+        println!("turns/s {name} = {r:.2}");
+    }
     let ratio = |a: &PhaseResult, b: &PhaseResult, s: fn(&PhaseResult) -> &Samples, p: f64| {
         s(a).pct(p).as_secs_f64() / s(b).pct(p).as_secs_f64().max(1e-9)
     };
