@@ -22,6 +22,9 @@ use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 pub struct Rpc<S> {
     /// The underlying client.
     pub client: Client<WebSocketStream<S>>,
+    /// Frames other than answers read so far (notifications and server requests): what a path
+    /// sends a client beyond what it asked for.
+    pub unasked: u64,
 }
 
 /// A session through codex-fleet.
@@ -75,6 +78,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
     pub fn new(ws: WebSocketStream<S>) -> Self {
         Rpc {
             client: Client::new(ws),
+            unasked: 0,
         }
     }
 
@@ -86,9 +90,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
         params: Value,
     ) -> anyhow::Result<(Value, Duration)> {
         let t0 = Instant::now();
+        let unasked = &mut self.unasked;
         let reply = self
             .client
-            .call_with(&method, params, accept_server_request)
+            .call_with(&method, params, |text, m| {
+                *unasked += 1;
+                accept_server_request(text, m)
+            })
             .await?;
         let took = t0.elapsed();
         Ok((reply.result()?, took))
@@ -139,6 +147,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Rpc<S> {
     ) -> anyhow::Result<()> {
         loop {
             let text = self.client.next_text().await?;
+            self.unasked += 1;
             let frame = match Frame::parse(&text) {
                 Ok(frame) => frame,
                 Err(ParseError::NotJson(e)) => bail!("invalid JSON: {e}"),

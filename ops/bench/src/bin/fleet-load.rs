@@ -110,6 +110,9 @@ struct SessionStats {
     turn_latencies: Vec<Duration>,
     turns: usize,
     deltas: usize,
+    /// Frames the session read over its turns that it did not ask for (notifications and server
+    /// requests, deltas included).
+    unasked: u64,
 }
 
 /// One session: initialize, thread/start, wait at the barrier, then K × (turn, reads).
@@ -130,6 +133,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
     arrived.fetch_add(1, Ordering::SeqCst);
     let thread = r?;
     let _ = go.wait_for(|g| *g).await;
+    let unasked_before = rpc.unasked;
     for k in 0..args.turns {
         let t0 = Instant::now();
         let took = rpc.start_turn(&thread, &format!("load turn {k}")).await?;
@@ -149,6 +153,7 @@ async fn session<S: AsyncRead + AsyncWrite + Unpin>(
             stats.latencies.push(took);
         }
     }
+    stats.unasked = rpc.unasked - unasked_before;
     let _ = rpc.client.close().await;
     Ok(stats)
 }
@@ -159,6 +164,7 @@ struct PhaseResult {
     first_error: Option<String>,
     turns: usize,
     deltas: usize,
+    unasked: u64,
     turn_wall: Duration,
     latencies: Samples,
     turn_latencies: Samples,
@@ -214,6 +220,7 @@ where
         first_error: None,
         turns: 0,
         deltas: 0,
+        unasked: 0,
         turn_wall: Duration::ZERO,
         latencies: Samples(Vec::new()),
         turn_latencies: Samples(Vec::new()),
@@ -227,6 +234,7 @@ where
                 res.ok += 1;
                 res.turns += s.turns;
                 res.deltas += s.deltas;
+                res.unasked += s.unasked;
                 res.latencies.0.extend(s.latencies);
                 res.turn_latencies.0.extend(s.turn_latencies);
             }
@@ -465,11 +473,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 .unwrap_or_default()
         );
         println!(
-            "  turns: {} in {:.2} s = {:.0} turns/s ({} deltas received)",
+            "  turns: {} in {:.2} s = {:.0} turns/s ({} deltas received; {:.1} frames per turn unasked for, deltas included)",
             r.turns,
             r.turn_wall.as_secs_f64(),
             turns_per_sec(r),
-            r.deltas
+            r.deltas,
+            r.unasked as f64 / r.turns.max(1) as f64
         );
         println!(
             "  request latency (initialize, thread/start, turn/start, thread/read; n={}): p50 {} p99 {}",
