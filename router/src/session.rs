@@ -166,7 +166,7 @@ struct InFlight {
 struct Parked {
     id: RequestId,
     worker: WorkerId,
-    text: String,
+    text: Utf8Bytes,
     learn: Learn,
     first_initialize: bool,
 }

@@ -167,7 +167,9 @@ impl Session {
                         ));
                     }
                 };
-                let text = rewritten.as_deref().unwrap_or(&text);
+                // The client's own bytes go on to the worker, shared, unless the policy rewrote
+                // them.
+                let text = rewritten.map_or_else(|| text.clone(), Utf8Bytes::from);
                 self.on_client_request(id, &method, thread, text).await
             }
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
@@ -198,7 +200,7 @@ impl Session {
         id: RequestId,
         method: &Method<'_>,
         thread: Option<Cow<'_, str>>,
-        text: &str,
+        text: Utf8Bytes,
     ) -> Result<(), End> {
         if let Some(why) = self.unusable_id(&id) {
             self.count_error(why);
@@ -210,7 +212,7 @@ impl Session {
         }
         let first_initialize = *method == Method::Initialize && self.init.is_none();
         if first_initialize {
-            let params = serde_json::from_str::<serde_json::Value>(text)
+            let params = serde_json::from_str::<serde_json::Value>(&text)
                 .map(|mut v| v["params"].take())
                 .unwrap_or_default();
             let info = &params["clientInfo"];
@@ -223,7 +225,7 @@ impl Session {
             );
             self.init = Some(Init {
                 id: id.clone(),
-                text: text.to_owned(),
+                text: text.to_string(),
                 answered: false,
                 initialized: false,
                 opt_out: opt_outs(&params["capabilities"]["optOutNotificationMethods"]),
@@ -265,7 +267,7 @@ impl Session {
             (Method::ThreadStart | Method::ThreadFork, _) => Learn::NewThread,
             (Method::ThreadResume, Some(thread)) => Learn::Resume {
                 thread: thread.into_owned(),
-                retry: Some(text.to_owned()),
+                retry: Some(text.to_string()),
             },
             (Method::ThreadUnsubscribe, Some(thread)) => Learn::Unsubscribe {
                 thread: thread.into_owned(),
@@ -275,7 +277,7 @@ impl Session {
         let parked = Parked {
             id,
             worker,
-            text: text.to_owned(),
+            text,
             learn,
             first_initialize,
         };
@@ -351,7 +353,11 @@ impl Session {
             // otherwise (see `Leg::open`).
             return Box::pin(self.fan_out(&id, worker, merge, &text)).await;
         }
-        if !self.send_to_leg(worker, text) {
+        let sent = self
+            .legs
+            .get_mut(&worker)
+            .is_some_and(|leg| leg.send_shared(&text));
+        if !sent {
             self.in_flight.remove(&id);
             if first_initialize {
                 self.init = None;

@@ -221,6 +221,14 @@ impl Leg {
         self.writer.send(text)
     }
 
+    /// Queues a frame the session read from its client: shared with the client's read buffer
+    /// (a reference count) while the leg's queue is short, as frames for the client are
+    /// ([`super::writer::shared_below`]), so a worker that stops reading pins at most that many
+    /// of the client's buffers; a copy beyond. False if the leg broke.
+    pub fn send_shared(&mut self, text: &Utf8Bytes) -> bool {
+        self.writer.send_shared(text)
+    }
+
     /// Whether the session has writing to do on this leg.
     pub fn busy(&self) -> bool {
         self.writer.busy()
@@ -260,6 +268,11 @@ impl Writer {
         self.up.add(len);
         self.queue.push_back((Message::Text(text), len));
         true
+    }
+
+    fn send_shared(&mut self, text: &Utf8Bytes) -> bool {
+        let text = super::writer::shared_below(text, self.queue.len());
+        self.send(text)
     }
 
     fn busy(&self) -> bool {
@@ -483,6 +496,43 @@ mod tests {
             Writer::new(WorkerId::new("t", 1, 1), sink, budget),
             worker_end,
         )
+    }
+
+    /// A client's frames queued for a worker that does not read share the client's read buffer
+    /// only while the queue is short: beyond that each is a copy, so a stalled worker pins a
+    /// bounded number of the client's buffers, whatever the byte budget lets through.
+    #[tokio::test]
+    async fn a_stalled_leg_shares_only_a_short_queue_of_the_client_s_frames() {
+        let tenant = Arc::new(TenantLegBytes::new(1 << 20));
+        let budget = LegBudget::new(1 << 20, tenant);
+        // The worker's end is never read; the socket pair holds little, so the queue grows.
+        let (mut writer, _worker) = writer_pair(budget).await;
+        let client_buffer = Utf8Bytes::from("x".repeat(16 << 10));
+        let sent = 3 * super::super::writer::SHARED_QUEUED;
+        for _ in 0..sent {
+            assert!(writer.send_shared(&client_buffer));
+            std::future::poll_fn(|cx| {
+                let _pending = writer.poll_write(cx);
+                Poll::Ready(())
+            })
+            .await;
+        }
+        let shared = writer
+            .queue
+            .iter()
+            .filter(|(m, _)| matches!(m, Message::Text(t) if t.as_str().as_ptr() == client_buffer.as_str().as_ptr()))
+            .count();
+        assert!(
+            writer.queue.len() > super::super::writer::SHARED_QUEUED,
+            "the worker's socket should have filled: {} queued",
+            writer.queue.len()
+        );
+        assert!(
+            shared <= super::super::writer::SHARED_QUEUED,
+            "{shared} of {} queued frames share the client's buffer",
+            writer.queue.len()
+        );
+        assert!(shared > 0, "a short queue shares the client's buffer");
     }
 
     #[tokio::test]

@@ -20,7 +20,7 @@ use crate::admission::QueueBytes;
 const WRITE_BATCH: usize = 64;
 /// Queued frames up to which a worker frame is queued shared rather than copied (see
 /// [`Session::for_client`]): one batch, which is all a client that keeps up has waiting.
-const SHARED_QUEUED: usize = WRITE_BATCH;
+pub(super) const SHARED_QUEUED: usize = WRITE_BATCH;
 
 /// The bytes a queued frame counts against the queue's byte bounds.
 fn queued_len(msg: &Message) -> usize {
@@ -176,7 +176,7 @@ impl OutQueue {
 
 /// `frame` itself (a reference count) with fewer than [`SHARED_QUEUED`] frames `queued`, else a
 /// copy in its own allocation.
-fn shared_below(frame: &Utf8Bytes, queued: usize) -> Utf8Bytes {
+pub(super) fn shared_below(frame: &Utf8Bytes, queued: usize) -> Utf8Bytes {
     if queued < SHARED_QUEUED {
         frame.clone()
     } else {
