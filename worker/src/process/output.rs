@@ -176,10 +176,7 @@ pub(super) async fn forward_stderr(
                 let now = Instant::now();
                 // The count of lines not logged takes its place in the budget, before the line.
                 if unlogged > 0 && budget.try_take(now) {
-                    warn!(
-                        lines = unlogged,
-                        "stderr lines over the log budget, not logged"
-                    );
+                    log_unlogged(unlogged);
                     unlogged = 0;
                 }
                 if unlogged == 0 && budget.try_take(now) {
@@ -202,11 +199,13 @@ pub(super) async fn forward_stderr(
         }
     }
     if unlogged > 0 {
-        warn!(
-            lines = unlogged,
-            "stderr lines over the log budget, not logged"
-        );
+        log_unlogged(unlogged);
     }
+}
+
+/// The log line that stands in for `lines` stderr lines left out of the log.
+fn log_unlogged(lines: u64) {
+    warn!(lines, "stderr lines over the log budget, not logged");
 }
 
 /// Reads one line (without its newline) into `line`, keeping at most `max` bytes of it.
