@@ -356,6 +356,8 @@ pub struct Tenants {
     list: Vec<Arc<Tenant>>,
     credentials: Credentials,
     fleet: FleetCap,
+    /// The tenants' uids this instance claims on the host (kept across reloads).
+    uid_claims: crate::tenants::uids::UidClaims,
 }
 
 /// The outcome of [`Tenants::rebuild`].
@@ -406,8 +408,11 @@ impl Tenants {
             None => FleetCap::new(cfg.workers.max_workers),
         };
         let per_tenant_uid = per_tenant_uid(cfg);
+        let uid_claims = old.map_or_else(crate::tenants::uids::UidClaims::host, |o| {
+            o.uid_claims.clone()
+        });
         let uids = if per_tenant_uid && !cfg.tenants.is_empty() {
-            crate::tenants::uids::tenant_uids(cfg)?
+            crate::tenants::uids::tenant_uids(cfg, &uid_claims)?
         } else {
             Default::default()
         };
@@ -484,6 +489,7 @@ impl Tenants {
                 list,
                 credentials,
                 fleet,
+                uid_claims,
             },
             removed,
             adopted,

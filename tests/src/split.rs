@@ -140,8 +140,8 @@ impl Split {
                 .tenant_pool(id, 1, 1)
                 .tenant_toml(&format!("node = {node:?}"));
             if root {
-                // Two nodes on one machine: their tenants' uids must differ (each node remembers
-                // its own allocations).
+                // Two nodes on one machine: disjoint uids, as docs/architecture.md asks (each node
+                // remembers its own allocations; running nodes' claims only refuse an overlap).
                 b = b.tenant_toml(&format!("uid = {}", 64_000 + i));
             }
         }

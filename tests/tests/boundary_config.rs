@@ -1,7 +1,8 @@
 //! The tenant boundary as configured: methods no rule classifies are refused, app-server's
 //! remote control stays off unless a tenant's policy allows it, a removed tenant's sessions are
-//! closed while a tenant re-added before they ended adopts its running pool, and uid and
-//! workspace-root mistakes are refused at start-up.
+//! closed while a tenant re-added before they ended adopts its running pool, uid and
+//! workspace-root mistakes are refused at start-up, and two instances on one host never hand out
+//! one uid.
 
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -256,6 +257,60 @@ async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
     other.kill()?;
     other.wait()?;
     result
+}
+
+/// The tenant's remembered uid in a fleet's `tenant-uids`.
+fn remembered_uid(fleet: &testkit::Fleet, tenant: &str) -> anyhow::Result<u32> {
+    let text = std::fs::read_to_string(fleet.files.dir.path().join("s").join("tenant-uids"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(tenant)?.strip_prefix(' ')?.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no uid for {tenant:?} in {text:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_tenant_s_uid_is_never_handed_to_another_instance_s_tenant() -> anyhow::Result<()> {
+    if !testkit::root_or_explicit_skip("allocating per-tenant uids") {
+        return Ok(());
+    }
+    // Two instances on one host with the same range (two nodes, say). The first one's tenant has
+    // no worker yet, so no process shows that its uid is taken: only the first one's claim does.
+    let range = "uid_range = [431500, 431510]";
+    let one = FleetBuilder::new()
+        .workers_toml(range)
+        .tenant_pool("a", 0, 1)
+        .start()
+        .await?;
+    let two = FleetBuilder::new()
+        .workers_toml(range)
+        .tenant_pool("b", 0, 1)
+        .start()
+        .await?;
+    let (ua, ub) = (remembered_uid(&one, "a")?, remembered_uid(&two, "b")?);
+    assert_ne!(ua, ub, "two tenants of two instances got one uid");
+    // Both run workers; then the second instance's tenant loses its last worker, and its uid's
+    // leftovers are swept. The first instance's worker must not be among them.
+    let mut a = one.client("a").await?;
+    a.start_thread().await?;
+    let mut b = two.client("b").await?;
+    b.start_thread().await?;
+    let a_workers = testkit::workers_under(&one.home("a"));
+    assert!(!a_workers.is_empty());
+    for &pid in &a_workers {
+        assert_eq!(std::fs::metadata(format!("/proc/{pid}"))?.uid(), ua);
+    }
+    drop(b);
+    two.stop().await?;
+    for pid in a_workers {
+        // Alive, not a zombie awaiting its reaper.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(") ").map(|(_, rest)| &rest[..1]);
+        assert!(
+            state.is_some_and(|s| s != "Z" && s != "X"),
+            "the other instance's sweep killed worker {pid}: {stat:?}"
+        );
+    }
+    a.start_thread().await?;
+    one.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

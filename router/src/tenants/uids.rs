@@ -6,15 +6,27 @@
 //!
 //! A uid is one tenant's for good: a configured `uid` that another tenant already has in the
 //! file is refused (it would move that tenant and hand its files over), and allocation skips
-//! uids that something else on the host already uses (a passwd entry, a running process), so
-//! two instances on one host sharing a range do not hand out a uid the other one's workers run as.
+//! uids that something else on the host already uses (a passwd entry, a running process).
+//!
+//! A running instance also *claims* each of its tenants' uids host-wide: it holds an exclusive
+//! `flock` on `/run/codex-fleet/uid-claims/<uid>` for as long as it runs. Allocation skips a uid
+//! another instance claims, and a configured or remembered uid that another instance claims stops
+//! the start. Without the claim, two instances on one host (two nodes, or a node beside `serve`)
+//! sharing a range could hand the same uid to two tenants: one whose workers were idle (no process
+//! to see) or still starting. Those tenants would then reach each other's processes and files,
+//! and the sweep of one tenant's leftover processes (`worker::sweep`) would kill the other's
+//! workers.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs;
-use std::os::unix::fs::DirBuilderExt;
-use std::path::Path;
+use std::fs::{self, File};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 
 use crate::config::Config;
 use crate::fsutil::write_private;
@@ -57,6 +69,105 @@ fn check_against(cfg: &Config, known: &BTreeMap<String, u32>, path: &Path) -> an
         }
     }
     Ok(())
+}
+
+/// Where instances on this host claim uids: the same path for every instance, whatever its
+/// `state_dir` (the chart mounts a writable `/run/codex-fleet`).
+pub const HOST_CLAIMS: &str = "/run/codex-fleet/uid-claims";
+
+/// The uids one instance has claimed host-wide, each held by an exclusive `flock` until the
+/// instance ends (dropping the last clone releases them). Cloned across reloads, so a tenant's uid
+/// is claimed once.
+#[derive(Clone)]
+pub struct UidClaims {
+    dir: PathBuf,
+    held: Arc<Mutex<HashMap<u32, Flock<File>>>>,
+}
+
+/// Whether [`UidClaims::claim`] got the uid.
+enum Claim {
+    /// This instance holds it (now or from before).
+    Held,
+    /// Another instance does; its pid, as it wrote it.
+    Taken(String),
+}
+
+impl UidClaims {
+    /// Claims in [`HOST_CLAIMS`].
+    pub fn host() -> UidClaims {
+        UidClaims::in_dir(HOST_CLAIMS)
+    }
+
+    /// Claims in `dir` (tests use a directory of their own as the "host").
+    pub fn in_dir(dir: impl Into<PathBuf>) -> UidClaims {
+        UidClaims {
+            dir: dir.into(),
+            held: Arc::default(),
+        }
+    }
+
+    /// uids this instance holds.
+    pub fn held(&self) -> Vec<u32> {
+        let mut uids: Vec<u32> = self.held.lock().unwrap().keys().copied().collect();
+        uids.sort_unstable();
+        uids
+    }
+
+    /// Takes `uid` unless another instance holds it. The lock goes with the open file, so a second
+    /// instance in the same process (tests) is refused as another process would be.
+    fn claim(&self, uid: u32) -> anyhow::Result<Claim> {
+        let mut held = self.held.lock().unwrap();
+        if held.contains_key(&uid) {
+            return Ok(Claim::Held);
+        }
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .with_context(|| {
+                format!(
+                    "creating {} (where instances on this host claim tenant uids)",
+                    self.dir.display()
+                )
+            })?;
+        let path = self.dir.join(uid.to_string());
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((_, Errno::EWOULDBLOCK)) => {
+                let holder = fs::read_to_string(&path).unwrap_or_default();
+                return Ok(Claim::Taken(holder.trim().to_owned()));
+            }
+            Err((_, e)) => {
+                return Err(e).with_context(|| format!("locking {}", path.display()));
+            }
+        };
+        // Who holds it, for the other instance's error; the lock is what counts.
+        lock.set_len(0)?;
+        let _ = writeln!(&mut *lock, "{}", std::process::id());
+        held.insert(uid, lock);
+        Ok(Claim::Held)
+    }
+
+    /// Claims a uid this instance must have: refused with a clear error if another one holds it.
+    fn claim_or_refuse(&self, tenant: &str, uid: u32) -> anyhow::Result<()> {
+        match self.claim(uid)? {
+            Claim::Held => Ok(()),
+            Claim::Taken(holder) => anyhow::bail!(
+                "tenant {tenant:?}: uid {uid} is claimed by another codex-fleet on this host (pid \
+                 {holder:?}, {}); two instances must never run workers as one uid. Give each \
+                 instance its own workers.uid_range and state_dir, or this tenant another uid",
+                self.dir.join(uid.to_string()).display()
+            ),
+        }
+    }
 }
 
 /// uids the host already uses outside this instance's tenants: a passwd entry or a running
@@ -103,8 +214,12 @@ pub fn warn_about_foreign_processes(uids: &HashMap<String, (u32, u32)>) {
     }
 }
 
-/// uid/gid per tenant id, allocating and persisting what the config leaves open.
-pub fn tenant_uids(cfg: &Config) -> anyhow::Result<HashMap<String, (u32, u32)>> {
+/// uid/gid per tenant id, allocating and persisting what the config leaves open, each uid claimed
+/// in `claims` (a uid another instance claims is skipped when allocating, and refused otherwise).
+pub fn tenant_uids(
+    cfg: &Config,
+    claims: &UidClaims,
+) -> anyhow::Result<HashMap<String, (u32, u32)>> {
     let state = &cfg.workers.state_dir;
     traversable_dirs(cfg)?;
     let path = state.join(UID_FILE);
@@ -118,9 +233,15 @@ pub fn tenant_uids(cfg: &Config) -> anyhow::Result<HashMap<String, (u32, u32)>> 
     let mut in_use: Option<HashSet<u32>> = None;
     for t in &cfg.tenants {
         let uid = match t.uid {
-            Some(uid) => uid,
+            Some(uid) => {
+                claims.claim_or_refuse(&t.id, uid)?;
+                uid
+            }
             None => match known.get(&t.id) {
-                Some(&uid) if !configured.contains(&uid) => uid,
+                Some(&uid) if !configured.contains(&uid) => {
+                    claims.claim_or_refuse(&t.id, uid)?;
+                    uid
+                }
                 _ => {
                     let in_use = in_use.get_or_insert_with(uids_in_use);
                     let taken: HashSet<u32> = known
@@ -128,12 +249,16 @@ pub fn tenant_uids(cfg: &Config) -> anyhow::Result<HashMap<String, (u32, u32)>> 
                         .copied()
                         .chain(configured.iter().copied())
                         .collect();
-                    let uid = (lo..hi)
-                        .find(|u| !taken.contains(u) && !in_use.contains(u))
-                        .context(
-                            "workers.uid_range is exhausted (uids with a passwd entry or a \
-                             running process are skipped)",
+                    let mut free = (lo..hi).filter(|u| !taken.contains(u) && !in_use.contains(u));
+                    let uid = loop {
+                        let uid = free.next().context(
+                            "workers.uid_range is exhausted (uids with a passwd entry, a running \
+                             process or another instance's claim are skipped)",
                         )?;
+                        if let Claim::Held = claims.claim(uid)? {
+                            break uid;
+                        }
+                    };
                     known.insert(t.id.clone(), uid);
                     changed = true;
                     uid
@@ -194,6 +319,11 @@ fn traversable_dirs(cfg: &Config) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    /// A "host" of its own per test: its claims directory under `dir`.
+    fn host(dir: &Path) -> UidClaims {
+        UidClaims::in_dir(dir.join("claims"))
+    }
+
     fn cfg(dir: &Path, tenants: &str) -> Config {
         let text = format!(
             "[listen]\naddr = \"127.0.0.1:0\"\ntls_cert = \"/x\"\ntls_key = \"/y\"\n\
@@ -212,11 +342,12 @@ mod tests {
     #[test]
     fn uids_are_allocated_once_and_kept() {
         let tmp = tempfile::tempdir().unwrap();
+        let claims = host(tmp.path());
         let c = cfg(
             tmp.path(),
             &(tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
         );
-        let first = tenant_uids(&c).unwrap();
+        let first = tenant_uids(&c, &claims).unwrap();
         assert_eq!(first["b"], (5000, 5000), "configured uid wins");
         assert_eq!(first["a"], (5001, 5001), "allocated around configured ones");
         // A new tenant listed first does not shift anyone.
@@ -224,7 +355,7 @@ mod tests {
             tmp.path(),
             &(tenant("z", 3, "gid = 7") + &tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
         );
-        let second = tenant_uids(&c2).unwrap();
+        let second = tenant_uids(&c2, &claims).unwrap();
         assert_eq!(second["a"], (5001, 5001));
         assert_eq!(second["z"], (5002, 7));
         let c3 = cfg(
@@ -234,7 +365,7 @@ mod tests {
                 + &tenant("b", 2, "uid = 5000")
                 + &tenant("z", 3, "")),
         );
-        assert!(tenant_uids(&c3)
+        assert!(tenant_uids(&c3, &claims)
             .unwrap_err()
             .to_string()
             .contains("exhausted"));
@@ -243,7 +374,8 @@ mod tests {
     #[test]
     fn a_configured_uid_never_takes_another_tenants_remembered_one() {
         let tmp = tempfile::tempdir().unwrap();
-        let first = tenant_uids(&cfg(tmp.path(), &tenant("a", 1, ""))).unwrap();
+        let claims = host(tmp.path());
+        let first = tenant_uids(&cfg(tmp.path(), &tenant("a", 1, "")), &claims).unwrap();
         assert_eq!(first["a"], (5000, 5000));
         let c = cfg(
             tmp.path(),
@@ -251,7 +383,7 @@ mod tests {
         );
         for err in [
             check_remembered_uids(&c).unwrap_err(),
-            tenant_uids(&c).unwrap_err(),
+            tenant_uids(&c, &claims).unwrap_err(),
         ] {
             let msg = err.to_string();
             assert!(msg.contains("\"b\"") && msg.contains("\"a\"'s"), "{msg}");
@@ -262,6 +394,46 @@ mod tests {
         // A tenant may take its own remembered uid explicitly.
         let c = cfg(tmp.path(), &tenant("a", 1, "uid = 5000"));
         check_remembered_uids(&c).unwrap();
-        assert_eq!(tenant_uids(&c).unwrap()["a"], (5000, 5000));
+        assert_eq!(tenant_uids(&c, &claims).unwrap()["a"], (5000, 5000));
+    }
+
+    #[test]
+    fn two_instances_on_one_host_never_share_a_uid() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+        // Two instances with their own state dirs and the same range; neither has a process yet.
+        let first = host(tmp.path());
+        assert_eq!(
+            tenant_uids(&cfg(&one, &tenant("a", 1, "")), &first).unwrap()["a"],
+            (5000, 5000)
+        );
+        let second = host(tmp.path());
+        assert_eq!(
+            tenant_uids(&cfg(&two, &tenant("b", 2, "")), &second).unwrap()["b"],
+            (5001, 5001),
+            "5000 is claimed by the first instance"
+        );
+        // A uid configured (or remembered) that the other instance claims stops the start.
+        let msg = tenant_uids(&cfg(&two, &tenant("c", 3, "uid = 5000")), &second)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("uid 5000 is claimed by another codex-fleet")
+                && msg.contains(&std::process::id().to_string()),
+            "{msg}"
+        );
+        // The instance itself takes its own claims again (a reload).
+        assert_eq!(
+            tenant_uids(&cfg(&one, &tenant("a", 1, "")), &first.clone()).unwrap()["a"],
+            (5000, 5000)
+        );
+        assert_eq!(first.held(), vec![5000]);
+        // Once the first instance is gone, its uid is free for a configured tenant.
+        drop(first);
+        assert_eq!(
+            tenant_uids(&cfg(&two, &tenant("c", 3, "uid = 5000")), &second).unwrap()["c"],
+            (5000, 5000)
+        );
+        assert_eq!(second.held(), vec![5000, 5001]);
     }
 }
