@@ -281,18 +281,24 @@ fn keyed<K: std::hash::Hash + Eq + Clone>(quota: Quota) -> KeyedLimiter<K> {
     RateLimiter::new(quota, DefaultKeyedStateStore::default(), TokioClock::new())
 }
 
+/// The maps every turn's start and end look up under the counts' lock, hashed with foldhash
+/// (randomly seeded) rather than SipHash. Their keys are configured tenant names and a tenant's
+/// running threads, which `limits.max_active_turns_per_tenant` caps, so colliding keys cannot
+/// make a lookup slow beyond that cap.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// Connections and active turns of one tenant.
 #[derive(Debug, Default)]
 struct TenantState {
     conns: usize,
     /// Threads with a running turn, and when it was seen to start.
-    turns: HashMap<String, Instant>,
+    turns: FastMap<String, Instant>,
 }
 
 #[derive(Debug, Default)]
 struct Counts {
     total_conns: usize,
-    tenants: HashMap<String, TenantState>,
+    tenants: FastMap<String, TenantState>,
 }
 
 /// Admission state shared by every session; see the module docs.
@@ -492,7 +498,7 @@ impl Admission {
             if steering {
                 return Ok(());
             }
-            if turns.map_or(0, HashMap::len) >= cfg.max_active_turns_per_tenant {
+            if turns.map_or(0, FastMap::len) >= cfg.max_active_turns_per_tenant {
                 return Err(Rejection::cap(
                     Scope::Tenant,
                     Reason::ActiveTurnLimit,

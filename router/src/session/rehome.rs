@@ -54,11 +54,11 @@ pub(super) struct Moving {
 /// The threads a session follows and the moves under way.
 #[derive(Debug, Default)]
 pub(super) struct Following {
-    threads: std::collections::HashMap<String, Followed>,
-    moving: std::collections::HashMap<RequestId, Moving>,
+    threads: super::Map<String, Followed>,
+    moving: super::Map<RequestId, Moving>,
     /// Threads just resumed by a move on a worker, whose replayed `thread/tokenUsage/updated`
     /// (app-server restates the last usage to a connection that resumes) is still to come.
-    usage_replays: std::collections::HashSet<(String, WorkerId)>,
+    usage_replays: super::Set<(String, WorkerId)>,
     next: u64,
 }
 

@@ -10,7 +10,7 @@
 //! awaiting the client's answer never are: at [`MAX_APPROVALS`] of them the next one is refused
 //! ([`Full`]) and the session ends, so no decision passes unaudited.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use worker::WorkerId;
 
@@ -56,7 +56,7 @@ pub(super) struct Full;
 pub(super) struct ServerRequests {
     pub(super) next: i64,
     pub(super) by_session: BTreeMap<i64, Pending>,
-    pub(super) by_worker: HashMap<(WorkerId, RequestId), i64>,
+    pub(super) by_worker: super::Map<(WorkerId, RequestId), i64>,
     /// Entries with `approval` set.
     approvals: usize,
 }
