@@ -412,7 +412,11 @@ impl Tenants {
             o.uid_claims.clone()
         });
         let uids = if per_tenant_uid && !cfg.tenants.is_empty() {
-            crate::tenants::uids::tenant_uids(cfg, &uid_claims)?
+            let wait = match old {
+                None => crate::tenants::uids::START_CLAIM_WAIT,
+                Some(_) => std::time::Duration::ZERO,
+            };
+            crate::tenants::uids::tenant_uids(cfg, &uid_claims, wait)?
         } else {
             Default::default()
         };

@@ -23,6 +23,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use nix::errno::Errno;
@@ -156,19 +157,34 @@ impl UidClaims {
         Ok(Claim::Held)
     }
 
-    /// Claims a uid this instance must have: refused with a clear error if another one holds it.
-    fn claim_or_refuse(&self, tenant: &str, uid: u32) -> anyhow::Result<()> {
-        match self.claim(uid)? {
-            Claim::Held => Ok(()),
-            Claim::Taken(holder) => anyhow::bail!(
-                "tenant {tenant:?}: uid {uid} is claimed by another codex-fleet on this host (pid \
+    /// Claims a uid this instance must have, waiting up to `wait` for another holder to let go
+    /// (a predecessor still exiting as this instance starts); then refused with a clear error.
+    fn claim_or_refuse(&self, tenant: &str, uid: u32, wait: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + wait;
+        let holder = loop {
+            match self.claim(uid)? {
+                Claim::Held => return Ok(()),
+                Claim::Taken(_) if Instant::now() < deadline => {
+                    std::thread::sleep(CLAIM_POLL);
+                }
+                Claim::Taken(holder) => break holder,
+            }
+        };
+        anyhow::bail!(
+            "tenant {tenant:?}: uid {uid} is claimed by another codex-fleet on this host (pid \
                  {holder:?}, {}); two instances must never run workers as one uid. Give each \
                  instance its own workers.uid_range and state_dir, or this tenant another uid",
-                self.dir.join(uid.to_string()).display()
-            ),
-        }
+            self.dir.join(uid.to_string()).display()
+        )
     }
 }
+
+/// How often a start waiting for a uid's claim tries again.
+const CLAIM_POLL: Duration = Duration::from_millis(50);
+
+/// How long a starting instance waits for a configured or remembered uid's claim: an instance
+/// restarted at once may overlap its predecessor's exit by a moment. A reload does not wait.
+pub const START_CLAIM_WAIT: Duration = Duration::from_secs(5);
 
 /// uids the host already uses outside this instance's tenants: a passwd entry or a running
 /// process (the owner of `/proc/<pid>`).
@@ -215,10 +231,12 @@ pub fn warn_about_foreign_processes(uids: &HashMap<String, (u32, u32)>) {
 }
 
 /// uid/gid per tenant id, allocating and persisting what the config leaves open, each uid claimed
-/// in `claims` (a uid another instance claims is skipped when allocating, and refused otherwise).
+/// in `claims` (a uid another instance claims is skipped when allocating, and otherwise waited
+/// for up to `wait`, then refused).
 pub fn tenant_uids(
     cfg: &Config,
     claims: &UidClaims,
+    wait: Duration,
 ) -> anyhow::Result<HashMap<String, (u32, u32)>> {
     let state = &cfg.workers.state_dir;
     traversable_dirs(cfg)?;
@@ -234,12 +252,12 @@ pub fn tenant_uids(
     for t in &cfg.tenants {
         let uid = match t.uid {
             Some(uid) => {
-                claims.claim_or_refuse(&t.id, uid)?;
+                claims.claim_or_refuse(&t.id, uid, wait)?;
                 uid
             }
             None => match known.get(&t.id) {
                 Some(&uid) if !configured.contains(&uid) => {
-                    claims.claim_or_refuse(&t.id, uid)?;
+                    claims.claim_or_refuse(&t.id, uid, wait)?;
                     uid
                 }
                 _ => {
@@ -347,7 +365,7 @@ mod tests {
             tmp.path(),
             &(tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
         );
-        let first = tenant_uids(&c, &claims).unwrap();
+        let first = tenant_uids(&c, &claims, Duration::ZERO).unwrap();
         assert_eq!(first["b"], (5000, 5000), "configured uid wins");
         assert_eq!(first["a"], (5001, 5001), "allocated around configured ones");
         // A new tenant listed first does not shift anyone.
@@ -355,7 +373,7 @@ mod tests {
             tmp.path(),
             &(tenant("z", 3, "gid = 7") + &tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
         );
-        let second = tenant_uids(&c2, &claims).unwrap();
+        let second = tenant_uids(&c2, &claims, Duration::ZERO).unwrap();
         assert_eq!(second["a"], (5001, 5001));
         assert_eq!(second["z"], (5002, 7));
         let c3 = cfg(
@@ -365,7 +383,7 @@ mod tests {
                 + &tenant("b", 2, "uid = 5000")
                 + &tenant("z", 3, "")),
         );
-        assert!(tenant_uids(&c3, &claims)
+        assert!(tenant_uids(&c3, &claims, Duration::ZERO)
             .unwrap_err()
             .to_string()
             .contains("exhausted"));
@@ -375,7 +393,12 @@ mod tests {
     fn a_configured_uid_never_takes_another_tenants_remembered_one() {
         let tmp = tempfile::tempdir().unwrap();
         let claims = host(tmp.path());
-        let first = tenant_uids(&cfg(tmp.path(), &tenant("a", 1, "")), &claims).unwrap();
+        let first = tenant_uids(
+            &cfg(tmp.path(), &tenant("a", 1, "")),
+            &claims,
+            Duration::ZERO,
+        )
+        .unwrap();
         assert_eq!(first["a"], (5000, 5000));
         let c = cfg(
             tmp.path(),
@@ -383,7 +406,7 @@ mod tests {
         );
         for err in [
             check_remembered_uids(&c).unwrap_err(),
-            tenant_uids(&c, &claims).unwrap_err(),
+            tenant_uids(&c, &claims, Duration::ZERO).unwrap_err(),
         ] {
             let msg = err.to_string();
             assert!(msg.contains("\"b\"") && msg.contains("\"a\"'s"), "{msg}");
@@ -394,7 +417,10 @@ mod tests {
         // A tenant may take its own remembered uid explicitly.
         let c = cfg(tmp.path(), &tenant("a", 1, "uid = 5000"));
         check_remembered_uids(&c).unwrap();
-        assert_eq!(tenant_uids(&c, &claims).unwrap()["a"], (5000, 5000));
+        assert_eq!(
+            tenant_uids(&c, &claims, Duration::ZERO).unwrap()["a"],
+            (5000, 5000)
+        );
     }
 
     #[test]
@@ -404,19 +430,23 @@ mod tests {
         // Two instances with their own state dirs and the same range; neither has a process yet.
         let first = host(tmp.path());
         assert_eq!(
-            tenant_uids(&cfg(&one, &tenant("a", 1, "")), &first).unwrap()["a"],
+            tenant_uids(&cfg(&one, &tenant("a", 1, "")), &first, Duration::ZERO).unwrap()["a"],
             (5000, 5000)
         );
         let second = host(tmp.path());
         assert_eq!(
-            tenant_uids(&cfg(&two, &tenant("b", 2, "")), &second).unwrap()["b"],
+            tenant_uids(&cfg(&two, &tenant("b", 2, "")), &second, Duration::ZERO).unwrap()["b"],
             (5001, 5001),
             "5000 is claimed by the first instance"
         );
         // A uid configured (or remembered) that the other instance claims stops the start.
-        let msg = tenant_uids(&cfg(&two, &tenant("c", 3, "uid = 5000")), &second)
-            .unwrap_err()
-            .to_string();
+        let msg = tenant_uids(
+            &cfg(&two, &tenant("c", 3, "uid = 5000")),
+            &second,
+            Duration::ZERO,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             msg.contains("uid 5000 is claimed by another codex-fleet")
                 && msg.contains(&std::process::id().to_string()),
@@ -424,16 +454,50 @@ mod tests {
         );
         // The instance itself takes its own claims again (a reload).
         assert_eq!(
-            tenant_uids(&cfg(&one, &tenant("a", 1, "")), &first.clone()).unwrap()["a"],
+            tenant_uids(
+                &cfg(&one, &tenant("a", 1, "")),
+                &first.clone(),
+                Duration::ZERO
+            )
+            .unwrap()["a"],
             (5000, 5000)
         );
         assert_eq!(first.held(), vec![5000]);
         // Once the first instance is gone, its uid is free for a configured tenant.
         drop(first);
         assert_eq!(
-            tenant_uids(&cfg(&two, &tenant("c", 3, "uid = 5000")), &second).unwrap()["c"],
+            tenant_uids(
+                &cfg(&two, &tenant("c", 3, "uid = 5000")),
+                &second,
+                Duration::ZERO
+            )
+            .unwrap()["c"],
             (5000, 5000)
         );
         assert_eq!(second.held(), vec![5000, 5001]);
+    }
+
+    #[test]
+    fn a_start_waits_a_moment_for_a_predecessor_to_let_go() {
+        let tmp = tempfile::tempdir().unwrap();
+        let old = host(tmp.path());
+        let c = cfg(tmp.path(), &tenant("a", 1, "uid = 5000"));
+        tenant_uids(&c, &old, Duration::ZERO).unwrap();
+        // The predecessor exits a moment into the new instance's waiting start.
+        let (go, exit) = std::sync::mpsc::channel::<()>();
+        let exiting = std::thread::spawn(move || {
+            exit.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            drop(old);
+        });
+        let new = host(tmp.path());
+        assert!(
+            tenant_uids(&c, &new, Duration::ZERO).is_err(),
+            "held: refused"
+        );
+        go.send(()).unwrap();
+        tenant_uids(&c, &new, Duration::from_secs(30)).unwrap();
+        assert_eq!(new.held(), vec![5000]);
+        exiting.join().unwrap();
     }
 }
