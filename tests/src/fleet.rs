@@ -400,7 +400,20 @@ impl FleetProcess {
             .kill_on_drop(true);
         configure(&mut cmd);
         let mut child = cmd.spawn()?;
-        let (addr, admin) = read_addresses(&mut child).await?;
+        let (addr, admin) = match read_addresses(&mut child).await {
+            Ok(addrs) => addrs,
+            Err(e) => {
+                // Why it did not listen is on its stderr (bounded: it may still be running).
+                use tokio::io::AsyncReadExt;
+                let mut said = String::new();
+                if let Some(mut err) = child.stderr.take() {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(5), err.read_to_string(&mut said))
+                            .await;
+                }
+                return Err(e.context(format!("{role} stderr: {said}")));
+            }
+        };
         let stderr = Arc::new(std::sync::Mutex::new(String::new()));
         let mut lines = tokio::io::BufReader::new(child.stderr.take().context("stderr")?).lines();
         let sink = stderr.clone();
