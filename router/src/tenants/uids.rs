@@ -8,10 +8,11 @@
 //! file is refused (it would move that tenant and hand its files over), and allocation skips
 //! uids that something else on the host already uses (a passwd entry, a running process).
 //!
-//! A running instance also *claims* each of its tenants' uids host-wide: it holds an exclusive
-//! `flock` on `/run/codex-fleet/uid-claims/<uid>` for as long as it runs. Allocation skips a uid
-//! another instance claims, and a configured or remembered uid that another instance claims stops
-//! the start. Without the claim, two instances on one host (two nodes, or a node beside `serve`)
+//! A running instance also *claims* each of its tenants' uids host-wide: it holds a `flock` on
+//! `/run/codex-fleet/uid-claims/<uid>`, which names the tenant and its state dir, for as long as
+//! it runs. Allocation skips a uid another instance claims, and a configured or remembered uid
+//! that another instance claims for another tenant stops the start. Only the same tenant on the
+//! same files shares a claim (a replacement started while its predecessor is frozen, not gone). Without the claim, two instances on one host (two nodes, or a node beside `serve`)
 //! sharing a range could hand the same uid to two tenants: one whose workers were idle (no process
 //! to see) or still starting. Those tenants would then reach each other's processes and files,
 //! and the sweep of one tenant's leftover processes (`worker::sweep`) would kill the other's
@@ -89,7 +90,7 @@ pub struct UidClaims {
 enum Claim {
     /// This instance holds it (now or from before).
     Held,
-    /// Another instance does; its pid, as it wrote it.
+    /// Another instance does, for another tenant; its pid, as it wrote it.
     Taken(String),
 }
 
@@ -114,9 +115,13 @@ impl UidClaims {
         uids
     }
 
-    /// Takes `uid` unless another instance holds it. The lock goes with the open file, so a second
-    /// instance in the same process (tests) is refused as another process would be.
-    fn claim(&self, uid: u32) -> anyhow::Result<Claim> {
+    /// Takes `uid` for `owner` (a tenant in a state dir) unless another instance holds it for
+    /// another owner. The first holder takes the file's lock exclusively, writes the owner and
+    /// its pid, and keeps it shared; an instance of the same owner (the same tenant on the same
+    /// files: a replacement started while its predecessor is not gone yet, say a frozen one)
+    /// shares it; any other owner is refused. The lock goes with the open file, so a second
+    /// instance in the same process (tests) is treated as another process would be.
+    fn claim(&self, uid: u32, owner: &str) -> anyhow::Result<Claim> {
         let mut held = self.held.lock().unwrap();
         if held.contains_key(&uid) {
             return Ok(Claim::Held);
@@ -140,29 +145,49 @@ impl UidClaims {
             .mode(0o600)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => lock,
-            Err((_, Errno::EWOULDBLOCK)) => {
-                let holder = fs::read_to_string(&path).unwrap_or_default();
-                return Ok(Claim::Taken(holder.trim().to_owned()));
+        let locking =
+            |e: Errno| anyhow::Error::from(e).context(format!("locking {}", path.display()));
+        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(mut lock) => {
+                lock.set_len(0)?;
+                write!(&mut *lock, "{owner}\n{}\n", std::process::id())?;
+                lock.relock(FlockArg::LockSharedNonblock).map_err(locking)?;
+                lock
             }
-            Err((_, e)) => {
-                return Err(e).with_context(|| format!("locking {}", path.display()));
+            Err((file, Errno::EWOULDBLOCK)) => {
+                match Flock::lock(file, FlockArg::LockSharedNonblock) {
+                    Ok(lock) => lock,
+                    // A first holder is writing its owner right now.
+                    Err((_, Errno::EWOULDBLOCK)) => return Ok(Claim::Taken(String::new())),
+                    Err((_, e)) => return Err(locking(e)),
+                }
             }
+            Err((_, e)) => return Err(locking(e)),
         };
-        // Who holds it, for the other instance's error; the lock is what counts.
-        lock.set_len(0)?;
-        let _ = writeln!(&mut *lock, "{}", std::process::id());
+        // Read under the shared lock (a downgrade is not atomic: another owner may have written
+        // between), and kept only if it names this owner.
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let mut lines = text.lines();
+        if lines.next() != Some(owner) {
+            return Ok(Claim::Taken(lines.next().unwrap_or_default().to_owned()));
+        }
         held.insert(uid, lock);
         Ok(Claim::Held)
     }
 
     /// Claims a uid this instance must have, waiting up to `wait` for another holder to let go
     /// (a predecessor still exiting as this instance starts); then refused with a clear error.
-    fn claim_or_refuse(&self, tenant: &str, uid: u32, wait: Duration) -> anyhow::Result<()> {
+    fn claim_or_refuse(
+        &self,
+        tenant: &str,
+        owner: &str,
+        uid: u32,
+        wait: Duration,
+    ) -> anyhow::Result<()> {
         let deadline = Instant::now() + wait;
         let holder = loop {
-            match self.claim(uid)? {
+            match self.claim(uid, owner)? {
                 Claim::Held => return Ok(()),
                 Claim::Taken(_) if Instant::now() < deadline => {
                     std::thread::sleep(CLAIM_POLL);
@@ -249,15 +274,18 @@ pub fn tenant_uids(
     let mut changed = false;
     // Looked up once, and only when a uid has to be allocated.
     let mut in_use: Option<HashSet<u32>> = None;
+    // A claim names its tenant and the state dir holding the tenant's files.
+    let files = fs::canonicalize(state).unwrap_or_else(|_| state.clone());
     for t in &cfg.tenants {
+        let owner = format!("tenant {:?} in {}", t.id, files.display());
         let uid = match t.uid {
             Some(uid) => {
-                claims.claim_or_refuse(&t.id, uid, wait)?;
+                claims.claim_or_refuse(&t.id, &owner, uid, wait)?;
                 uid
             }
             None => match known.get(&t.id) {
                 Some(&uid) if !configured.contains(&uid) => {
-                    claims.claim_or_refuse(&t.id, uid, wait)?;
+                    claims.claim_or_refuse(&t.id, &owner, uid, wait)?;
                     uid
                 }
                 _ => {
@@ -273,7 +301,7 @@ pub fn tenant_uids(
                             "workers.uid_range is exhausted (uids with a passwd entry, a running \
                              process or another instance's claim are skipped)",
                         )?;
-                        if let Claim::Held = claims.claim(uid)? {
+                        if let Claim::Held = claims.claim(uid, &owner)? {
                             break uid;
                         }
                     };
@@ -478,12 +506,16 @@ mod tests {
     }
 
     #[test]
-    fn a_start_waits_a_moment_for_a_predecessor_to_let_go() {
+    fn a_start_waits_a_moment_for_another_tenant_s_holder_to_let_go() {
         let tmp = tempfile::tempdir().unwrap();
         let old = host(tmp.path());
-        let c = cfg(tmp.path(), &tenant("a", 1, "uid = 5000"));
-        tenant_uids(&c, &old, Duration::ZERO).unwrap();
-        // The predecessor exits a moment into the new instance's waiting start.
+        tenant_uids(
+            &cfg(&tmp.path().join("one"), &tenant("a", 1, "uid = 5000")),
+            &old,
+            Duration::ZERO,
+        )
+        .unwrap();
+        // The holder exits a moment into the new instance's waiting start.
         let (go, exit) = std::sync::mpsc::channel::<()>();
         let exiting = std::thread::spawn(move || {
             exit.recv().unwrap();
@@ -491,6 +523,7 @@ mod tests {
             drop(old);
         });
         let new = host(tmp.path());
+        let c = cfg(&tmp.path().join("two"), &tenant("b", 2, "uid = 5000"));
         assert!(
             tenant_uids(&c, &new, Duration::ZERO).is_err(),
             "held: refused"
@@ -499,5 +532,37 @@ mod tests {
         tenant_uids(&c, &new, Duration::from_secs(30)).unwrap();
         assert_eq!(new.held(), vec![5000]);
         exiting.join().unwrap();
+    }
+
+    #[test]
+    fn the_same_tenant_on_the_same_files_shares_its_claim() {
+        let tmp = tempfile::tempdir().unwrap();
+        let c = cfg(tmp.path(), &tenant("a", 1, ""));
+        // A frozen predecessor and its replacement, both running tenant "a" on the same state
+        // dir: the replacement takes the remembered uid at once.
+        let frozen = host(tmp.path());
+        assert_eq!(
+            tenant_uids(&c, &frozen, Duration::ZERO).unwrap()["a"],
+            (5000, 5000)
+        );
+        let replacement = host(tmp.path());
+        assert_eq!(
+            tenant_uids(&c, &replacement, Duration::ZERO).unwrap()["a"],
+            (5000, 5000)
+        );
+        // Another tenant is kept out while either of them holds it.
+        let other = cfg(&tmp.path().join("other"), &tenant("b", 2, "uid = 5000"));
+        assert!(tenant_uids(&other, &host(tmp.path()), Duration::ZERO).is_err());
+        drop(frozen);
+        assert!(tenant_uids(&other, &host(tmp.path()), Duration::ZERO).is_err());
+        // The same tenant name on other files is another tenant.
+        let elsewhere = cfg(&tmp.path().join("elsewhere"), &tenant("a", 1, "uid = 5000"));
+        assert!(tenant_uids(&elsewhere, &host(tmp.path()), Duration::ZERO).is_err());
+        drop(replacement);
+        let third = host(tmp.path());
+        assert_eq!(
+            tenant_uids(&other, &third, Duration::ZERO).unwrap()["b"],
+            (5000, 5000)
+        );
     }
 }
