@@ -151,8 +151,12 @@ impl UidClaims {
             Ok(mut lock) => {
                 lock.set_len(0)?;
                 write!(&mut *lock, "{owner}\n{}\n", std::process::id())?;
-                lock.relock(FlockArg::LockSharedNonblock).map_err(locking)?;
-                lock
+                match lock.relock(FlockArg::LockSharedNonblock) {
+                    Ok(()) => lock,
+                    // Another owner took it between the downgrade's two steps.
+                    Err(Errno::EWOULDBLOCK) => return Ok(Claim::Taken(String::new())),
+                    Err(e) => return Err(locking(e)),
+                }
             }
             Err((file, Errno::EWOULDBLOCK)) => {
                 match Flock::lock(file, FlockArg::LockSharedNonblock) {
