@@ -261,10 +261,11 @@ async fn allocation_skips_a_uid_something_else_runs_as() -> anyhow::Result<()> {
 
 /// The tenant's remembered uid in a fleet's `tenant-uids`.
 fn remembered_uid(fleet: &testkit::Fleet, tenant: &str) -> anyhow::Result<u32> {
-    let text = std::fs::read_to_string(fleet.files.dir.path().join("s").join("tenant-uids"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(tenant)?.strip_prefix(' ')?.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no uid for {tenant:?} in {text:?}"))
+    let path = fleet.files.dir.path().join("s").join("tenant-uids");
+    let uids = router::tenants::uids::read_uid_file(&path)?;
+    uids.get(tenant)
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("no uid for {tenant:?} in {uids:?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

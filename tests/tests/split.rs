@@ -43,11 +43,12 @@ async fn two_edges_share_a_thread_and_a_node_s_death_touches_only_its_tenants() 
     let b_thread = first_turn(&mut b, "beta on node 2").await?;
     if nix::unistd::geteuid().is_root() {
         // Two node processes on one host allocated from one range: never one uid for both.
-        let uid_of = |node: &str, tenant: &str| -> anyhow::Result<String> {
-            let text = std::fs::read_to_string(s.files.dir.path().join(node).join("tenant-uids"))?;
-            text.lines()
-                .find_map(|l| l.strip_prefix(tenant)?.strip_prefix(' ').map(str::to_owned))
-                .ok_or_else(|| anyhow::anyhow!("{node} has no uid for {tenant}: {text:?}"))
+        let uid_of = |node: &str, tenant: &str| -> anyhow::Result<u32> {
+            let path = s.files.dir.path().join(node).join("tenant-uids");
+            let uids = router::tenants::uids::read_uid_file(&path)?;
+            uids.get(tenant)
+                .copied()
+                .ok_or_else(|| anyhow::anyhow!("{node} has no uid for {tenant}: {uids:?}"))
         };
         assert_ne!(uid_of("n1", "acme")?, uid_of("n2", "beta")?);
     }

@@ -327,7 +327,8 @@ pub fn tenant_uids(
     Ok(out)
 }
 
-fn read_uid_file(path: &Path) -> anyhow::Result<BTreeMap<String, u32>> {
+/// The uids `<state_dir>/tenant-uids` remembers, by tenant id (empty when the file is missing).
+pub fn read_uid_file(path: &Path) -> anyhow::Result<BTreeMap<String, u32>> {
     let text = match fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
