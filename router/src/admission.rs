@@ -1,9 +1,9 @@
 //! Admission control: rate limits and caps that every frame passes before it costs a worker anything.
 //!
-//! One [`Admission`] is shared by all sessions. It holds a governor (GCRA) limiter per tenant
-//! for its request rate (each of the tenant's connections holds it in its [`ConnectionGuard`],
-//! so a request is checked without a lookup), limiters keyed by tenant for turns and by source
-//! address for handshakes, a direct limiter per connection (inside its guard), counters for
+//! One [`Admission`] is shared by all sessions. It holds two governor (GCRA) limiters per
+//! tenant, for its request rate and its turn starts (each of the tenant's connections holds them
+//! in its [`ConnectionGuard`], so a request is checked without a lookup), a limiter keyed by
+//! source address for handshakes, a direct limiter per connection (inside its guard), counters for
 //! connections and active turns, and a semaphore per worker that bounds the requests in flight
 //! on it. Every refusal is a [`Rejection`] that knows its
 //! scope, its reason and when to come back; the session turns it into a JSON-RPC `-32001`
@@ -216,7 +216,6 @@ struct Quotas {
 struct Limiters {
     quotas: Quotas,
     tenant: Mutex<TenantRates>,
-    turn_start: KeyedLimiter<String>,
     handshake: KeyedLimiter<IpAddr>,
 }
 
@@ -225,13 +224,12 @@ impl Limiters {
         Limiters {
             quotas,
             tenant: Mutex::default(),
-            turn_start: keyed(quotas.turn_start),
             handshake: keyed(quotas.handshake),
         }
     }
 
     fn keys(&self) -> usize {
-        lock(&self.tenant).by_name.len() + self.turn_start.len() + self.handshake.len()
+        lock(&self.tenant).by_name.len() + self.handshake.len()
     }
 
     /// Replaced by a reload: every rate it made is retired, and it makes no more.
@@ -243,15 +241,17 @@ impl Limiters {
         }
     }
 
-    /// Drops the rates no connection holds that are back at a full burst: a fresh one is the
-    /// same, so a tenant gains nothing by reconnecting after this.
+    /// Drops the rates no connection holds that are back at a full burst, requests and turn
+    /// starts alike: a fresh one is the same, so a tenant gains nothing by reconnecting after
+    /// this.
     fn prune_tenant_rates(&self) {
-        let refill =
-            self.quotas.tenant.replenish_interval() * self.quotas.tenant.burst_size().get();
+        let full = |q: Quota| q.replenish_interval() * q.burst_size().get();
+        let (refill, turns_refill) = (full(self.quotas.tenant), full(self.quotas.turn_start));
         let mut rates = lock(&self.tenant);
         rates.by_name.retain(|_, rate| {
             Arc::strong_count(rate) > 1
                 || lock(&rate.released).is_some_and(|at| at.elapsed() < refill)
+                || lock(&rate.turn_started).is_some_and(|at| at.elapsed() < turns_refill)
         });
         rates.by_name.shrink_to_fit();
     }
@@ -265,11 +265,15 @@ struct TenantRates {
     retired: bool,
 }
 
-/// One tenant's request rate, summed over its connections. Each of them holds it in its
-/// [`ConnectionGuard`], so a request checks it directly: no lookup by name, no shared map's
-/// lock, nothing allocated.
+/// One tenant's request and turn-start rates, each summed over its connections. Each of them
+/// holds it in its [`ConnectionGuard`], so a request (or a turn's start) checks it directly: no
+/// lookup by name, no shared map's lock, nothing allocated.
 struct TenantRate {
     limiter: DirectLimiter,
+    /// `turn/start`s (`limits.turn_start_per_min`).
+    turns: DirectLimiter,
+    /// When it last admitted a `turn/start`: until its burst is back from then, it is kept.
+    turn_started: Mutex<Option<Instant>>,
     /// A reload replaced it (its quota changed): the holders look the tenant's new one up.
     retired: AtomicBool,
     /// When a connection last let go of it. Kept while it may not be back at a full burst, held
@@ -453,6 +457,11 @@ impl Admission {
             }
             let rate = Arc::new(TenantRate {
                 limiter: RateLimiter::direct_with_clock(limiters.quotas.tenant, TokioClock::new()),
+                turns: RateLimiter::direct_with_clock(
+                    limiters.quotas.turn_start,
+                    TokioClock::new(),
+                ),
+                turn_started: Mutex::new(None),
                 retired: AtomicBool::new(false),
                 released: Mutex::new(None),
             });
@@ -484,16 +493,20 @@ impl Admission {
         if method != TURN_START {
             return Ok(());
         }
-        self.check_turn_start(&conn.tenant, thread_id)
+        self.check_turn_start(conn, thread_id)
     }
 
     /// `turn/start`'s own admission: the tenant's active-turn cap (unless it steers a running
     /// turn), then its turn rate.
-    fn check_turn_start(&self, tenant: &str, thread_id: Option<&str>) -> Result<(), Rejection> {
+    fn check_turn_start(
+        &self,
+        conn: &ConnectionGuard,
+        thread_id: Option<&str>,
+    ) -> Result<(), Rejection> {
         let cfg = self.config();
         {
             let counts = lock(&self.counts);
-            let turns = counts.tenants.get(tenant).map(|t| &t.turns);
+            let turns = counts.tenants.get(conn.tenant.as_str()).map(|t| &t.turns);
             let steering = thread_id.is_some_and(|t| turns.is_some_and(|ts| ts.contains_key(t)));
             if steering {
                 return Ok(());
@@ -506,15 +519,16 @@ impl Admission {
                 ));
             }
         }
-        let limiters = read(&self.limiters);
-        let limiter = &limiters.turn_start;
-        limiter.check_key(&tenant.to_owned()).map_err(|not_until| {
+        let limiter = &conn.rate.turns;
+        limiter.check().map_err(|not_until| {
             Rejection::rate(
                 Scope::Tenant,
                 Reason::TurnRateLimited,
                 not_until.wait_time_from(limiter.clock().now()),
             )
-        })
+        })?;
+        *lock(&conn.rate.turn_started) = Some(Instant::now());
+        Ok(())
     }
 
     /// Records that `thread_id` of `tenant` runs a turn (`turn/started`). Idempotent, so every
@@ -706,9 +720,7 @@ impl Admission {
     pub fn prune(&self) {
         let limiters = read(&self.limiters);
         limiters.prune_tenant_rates();
-        limiters.turn_start.retain_recent();
         limiters.handshake.retain_recent();
-        limiters.turn_start.shrink_to_fit();
         limiters.handshake.shrink_to_fit();
         let cfg = self.config();
         lock(&self.workers).retain(|_, sem| {
@@ -725,7 +737,7 @@ impl Admission {
         counts.tenants.shrink_to_fit();
     }
 
-    /// Keys held by the keyed limiters (tenants, turn rates, source addresses).
+    /// Keys the limiters hold (tenants' request and turn rates, source addresses).
     pub fn limiter_keys(&self) -> usize {
         read(&self.limiters).keys()
     }

@@ -131,6 +131,47 @@ async fn a_tenant_does_not_reset_its_rate_by_reconnecting() {
     assert_eq!(adm.limiter_keys(), 1);
 }
 
+/// The turn-start rate is the tenant's, not a connection's: its connections share it, another
+/// tenant's is its own, and closing every connection and opening a new one does not reset it,
+/// also after the request rate is back at a full burst.
+#[tokio::test]
+async fn a_tenant_s_turn_rate_is_shared_by_its_connections_and_kept_across_reconnects() {
+    let cfg = AdmissionConfig {
+        tenant_rps: 1000,
+        tenant_burst: 100,      // requests back at a full burst in 100 ms
+        turn_start_per_min: 60, // turn starts in 2 s
+        max_active_turns_per_tenant: 100,
+        ..small()
+    };
+    let adm = Admission::new(cfg).unwrap();
+    let mut one = adm.open_connection("acme").unwrap();
+    let mut two = adm.open_connection("acme").unwrap();
+    let mut other = adm.open_connection("other").unwrap();
+    adm.check_request(&mut one, "turn/start", Some("t1"))
+        .unwrap();
+    adm.check_request(&mut two, "turn/start", Some("t2"))
+        .unwrap();
+    let r = adm
+        .check_request(&mut one, "turn/start", Some("t3"))
+        .unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::TurnRateLimited)
+    );
+    adm.check_request(&mut other, "turn/start", Some("t1"))
+        .unwrap();
+    drop((one, two));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    adm.prune();
+    assert_eq!(adm.limiter_keys(), 2, "acme's kept: its turns are not back");
+    let mut again = adm.open_connection("acme").unwrap();
+    adm.check_request(&mut again, "thread/list", None).unwrap();
+    let r = adm
+        .check_request(&mut again, "turn/start", Some("t3"))
+        .unwrap_err();
+    assert_eq!(r.reason, Reason::TurnRateLimited, "reset by reconnecting");
+}
+
 #[tokio::test]
 async fn turn_start_has_its_own_rate() {
     let cfg = AdmissionConfig {
