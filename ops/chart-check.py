@@ -659,6 +659,9 @@ INVALID = [
     ("single-defaults", {"ingress": {"enabled": True, "host": "Not A Host"}}, "/ingress/host"),
     ("kubernetes-defaults", {"tenantPod": {"terminationGracePeriodSeconds": 60}}, "tenantPod.terminationGracePeriodSeconds (60) must be longer than the drain"),
     ("kubernetes-defaults", {"tenants": [{"id": "Bad Id"}]}, "/tenants/0/id"),
+    ("single-defaults", {"tenants": [{"id": "acme", "uid": 33}]}, "/tenants/0/uid"),
+    ("single-defaults", {"tenants": [{"id": "acme", "gid": 65534}]}, "/tenants/0/gid"),
+    ("single-defaults", {"workers": {"uid_range": [500, 2000]}}, "/workers/uid_range/0"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
 ]
 

@@ -202,6 +202,36 @@ fn bad_values_are_refused() {
         .contains("too long"));
 }
 
+/// A tenant's uid or gid is never one the host itself uses on every system: a system account's
+/// or group's (below 1000), `nobody`'s or `(uid_t) -1`; nor can `workers.uid_range` reach them.
+#[test]
+fn a_tenant_never_gets_a_host_s_own_uid_or_gid() {
+    for (line, needle) in [
+        ("uid = 33", "uid 33 is the host's"),
+        ("uid = 999", "uid 999 is the host's"),
+        ("uid = 65534", "uid 65534 is the host's"),
+        ("uid = 4294967295", "uid 4294967295 is the host's"),
+        ("gid = 4", "gid 4 is the host's"),
+        ("uid = 200000\ngid = 65534", "gid 65534 is the host's"),
+    ] {
+        let err = Config::parse(&format!("{}{line}\n", minimal("")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{line}: {err}");
+        assert!(err.contains("tenant \"acme\""), "{line}: {err}");
+    }
+    for range in ["[500, 2000]", "[60000, 70000]", "[999, 1000]"] {
+        let err = Config::parse(&minimal(&format!("uid_range = {range}\n")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("reaches the host's ids"), "{range}: {err}");
+    }
+    for ok in ["uid = 1000\ngid = 1000", "uid = 65533\ngid = 65535"] {
+        Config::parse(&format!("{}{ok}\n", minimal(""))).expect(ok);
+    }
+    Config::parse(&minimal("uid_range = [1000, 65534]\n")).expect("up to nobody's, not it");
+}
+
 #[test]
 fn limits_take_admission_keys_by_name_and_refuse_unknown_ones() {
     let text = minimal("").replace(

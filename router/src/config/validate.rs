@@ -85,6 +85,12 @@ impl Config {
         if lo == 0 || lo >= hi {
             return bad("workers.uid_range must be [start, end) with 0 < start < end".into());
         }
+        if lo < FIRST_TENANT_ID || (lo..hi).contains(&NOBODY) {
+            return bad(format!(
+                "workers.uid_range [{lo}, {hi}) reaches the host's ids ({HOST_RESERVED_IDS}): \
+                 tenants get uids no account or daemon of the host uses"
+            ));
+        }
         if self.workers.max_workers == 0 || self.workers.load_mark == 0 {
             return bad("workers.max_workers and workers.load_mark must be at least 1".into());
         }
@@ -145,6 +151,17 @@ impl Config {
                     "tenant {:?}: workers never run as uid or gid 0",
                     t.id
                 ));
+            }
+            for (key, id) in [("uid", t.uid), ("gid", t.gid)] {
+                if let Some(id) = id.filter(|&id| host_reserved_id(id)) {
+                    return bad(format!(
+                        "tenant {:?}: {key} {id} is the host's ({}): a tenant's workers run \
+                         with it, and when its last worker ends every process of the tenant's uid \
+                         is stopped; give the tenant an id no account, group or daemon of the host \
+                         uses, or leave it out to have one allocated from workers.uid_range",
+                        t.id, HOST_RESERVED_IDS,
+                    ));
+                }
             }
             if let Some(root) = t.workspace_roots.iter().find(|r| !r.is_absolute()) {
                 return bad(format!(
@@ -419,6 +436,24 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The lowest uid or gid a tenant may have: below it are the host's system accounts and groups
+/// (`SYS_UID_MAX` is 999 in the `login.defs` of Debian and most distributions). A tenant's gid
+/// there would give its workers the group's files (`adm`'s logs, `docker`'s socket), and its uid
+/// a daemon's processes, which the sweep after its last worker stops.
+const FIRST_TENANT_ID: u32 = 1000;
+
+/// `nobody` and `nogroup`, shared by the daemons that run unprivileged.
+const NOBODY: u32 = 65534;
+
+/// What [`host_reserved_id`] refuses, for messages.
+const HOST_RESERVED_IDS: &str = "below 1000: the system's; 65534: nobody's; 4294967295: -1";
+
+/// An id the host itself uses on every system, so no tenant may have it. (`u32::MAX` is
+/// `(uid_t) -1`, "no change" to the kernel.)
+fn host_reserved_id(id: u32) -> bool {
+    id < FIRST_TENANT_ID || id == NOBODY || id == u32::MAX
 }
 
 /// Two tenants must never share a Unix uid or reach each other's workspace roots: a shared uid

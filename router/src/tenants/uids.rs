@@ -404,11 +404,11 @@ mod tests {
         // A new tenant listed first does not shift anyone.
         let c2 = cfg(
             tmp.path(),
-            &(tenant("z", 3, "gid = 7") + &tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
+            &(tenant("z", 3, "gid = 7000") + &tenant("a", 1, "") + &tenant("b", 2, "uid = 5000")),
         );
         let second = tenant_uids(&c2, &claims, Duration::ZERO).unwrap();
         assert_eq!(second["a"], (5001, 5001));
-        assert_eq!(second["z"], (5002, 7));
+        assert_eq!(second["z"], (5002, 7000));
         let c3 = cfg(
             tmp.path(),
             &(tenant("y", 4, "")
