@@ -93,8 +93,11 @@ async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyh
     let (fleet, mut a, _b) = two_tenants(FleetBuilder::new().tenant("a").tenant("b")).await?;
     let thread = a.start_thread().await?;
     let key = fleet.files.dir.path().join("tls.key");
+    // Also the host's uid claims: a tenant that could list them, or create or lock one, could
+    // keep another instance from starting or take a uid from another tenant.
+    let claims = router::tenants::uids::HOST_CLAIMS;
     let cmd = format!(
-        "cat {} {}",
+        "cat {} {}; ls {claims}; echo x > {claims}/1",
         fleet.home("b").join("auth.json").display(),
         key.display()
     );
@@ -114,7 +117,15 @@ async fn a_models_command_cannot_read_another_tenant_or_the_fleets_key() -> anyh
         .expect("the command ran");
     let output = item["aggregatedOutput"].as_str().unwrap_or_default();
     assert_ne!(item["exitCode"], 0, "{item}");
-    assert!(output.contains("Permission denied"), "{item}");
+    let denied = |what: &str| {
+        output
+            .lines()
+            .filter(|l| l.contains(what) && l.contains("Permission denied"))
+            .count()
+    };
+    assert_eq!(denied("auth.json"), 1, "{item}");
+    assert_eq!(denied("tls.key"), 1, "{item}");
+    assert_eq!(denied(claims), 2, "listing and creating a claim: {item}");
     assert!(
         !output.contains(SECRET) && !output.contains("PRIVATE KEY"),
         "{item}"
