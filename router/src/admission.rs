@@ -251,7 +251,7 @@ impl Limiters {
         rates.by_name.retain(|_, rate| {
             Arc::strong_count(rate) > 1
                 || lock(&rate.released).is_some_and(|at| at.elapsed() < refill)
-                || lock(&rate.turn_started).is_some_and(|at| at.elapsed() < turns_refill)
+                || rate.turn_started_within(turns_refill)
         });
         rates.by_name.shrink_to_fit();
     }
@@ -272,13 +272,35 @@ struct TenantRate {
     limiter: DirectLimiter,
     /// `turn/start`s (`limits.turn_start_per_min`).
     turns: DirectLimiter,
-    /// When it last admitted a `turn/start`: until its burst is back from then, it is kept.
-    turn_started: Mutex<Option<Instant>>,
+    /// When it last admitted a `turn/start`, in nanoseconds on `turns`' clock plus one (0:
+    /// never): until its burst is back from then, it is kept. An atomic, not a lock, as each
+    /// admitted turn start writes it.
+    turn_started: AtomicU64,
     /// A reload replaced it (its quota changed): the holders look the tenant's new one up.
     retired: AtomicBool,
     /// When a connection last let go of it. Kept while it may not be back at a full burst, held
     /// or not, so closing every connection and opening one does not reset the tenant's rate.
     released: Mutex<Option<Instant>>,
+}
+
+impl TenantRate {
+    /// Notes that a `turn/start` was admitted now.
+    fn note_turn_start(&self) {
+        let now = self.turns.clock().now().as_u64();
+        self.turn_started
+            .fetch_max(now.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Whether it admitted a `turn/start` less than `within` ago.
+    fn turn_started_within(&self, within: Duration) -> bool {
+        match self.turn_started.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let now = self.turns.clock().now().as_u64();
+                Duration::from_nanos(now.saturating_sub(at - 1)) < within
+            }
+        }
+    }
 }
 
 fn keyed<K: std::hash::Hash + Eq + Clone>(quota: Quota) -> KeyedLimiter<K> {
@@ -461,7 +483,7 @@ impl Admission {
                     limiters.quotas.turn_start,
                     TokioClock::new(),
                 ),
-                turn_started: Mutex::new(None),
+                turn_started: AtomicU64::new(0),
                 retired: AtomicBool::new(false),
                 released: Mutex::new(None),
             });
@@ -527,7 +549,7 @@ impl Admission {
                 not_until.wait_time_from(limiter.clock().now()),
             )
         })?;
-        *lock(&conn.rate.turn_started) = Some(Instant::now());
+        conn.rate.note_turn_start();
         Ok(())
     }
 

@@ -144,23 +144,15 @@ async fn a_tenant_s_turn_rate_is_shared_by_its_connections_and_kept_across_recon
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
-    let mut one = adm.open_connection("acme").unwrap();
-    let mut two = adm.open_connection("acme").unwrap();
+    let mut acme = [
+        adm.open_connection("acme").unwrap(),
+        adm.open_connection("acme").unwrap(),
+    ];
     let mut other = adm.open_connection("other").unwrap();
-    adm.check_request(&mut one, "turn/start", Some("t1"))
-        .unwrap();
-    adm.check_request(&mut two, "turn/start", Some("t2"))
-        .unwrap();
-    let r = adm
-        .check_request(&mut one, "turn/start", Some("t3"))
-        .unwrap_err();
-    assert_eq!(
-        (r.scope, r.reason),
-        (Scope::Tenant, Reason::TurnRateLimited)
-    );
+    third_turn_start_refused(&adm, &mut acme);
     adm.check_request(&mut other, "turn/start", Some("t1"))
         .unwrap();
-    drop((one, two));
+    drop(acme);
     tokio::time::sleep(Duration::from_millis(150)).await;
     adm.prune();
     assert_eq!(adm.limiter_keys(), 2, "acme's kept: its turns are not back");
@@ -172,6 +164,24 @@ async fn a_tenant_s_turn_rate_is_shared_by_its_connections_and_kept_across_recon
     assert_eq!(r.reason, Reason::TurnRateLimited, "reset by reconnecting");
 }
 
+/// Starts `t1` and `t2` on `acme`'s connections in turn, which the turn rate of `small()` (a
+/// burst of 2) admits, then `t3` on the first, which it refuses: that refusal.
+fn third_turn_start_refused(adm: &Admission, acme: &mut [ConnectionGuard]) -> Rejection {
+    let n = acme.len();
+    adm.check_request(&mut acme[0], "turn/start", Some("t1"))
+        .unwrap();
+    adm.check_request(&mut acme[1 % n], "turn/start", Some("t2"))
+        .unwrap();
+    let r = adm
+        .check_request(&mut acme[0], "turn/start", Some("t3"))
+        .unwrap_err();
+    assert_eq!(
+        (r.scope, r.reason),
+        (Scope::Tenant, Reason::TurnRateLimited)
+    );
+    r
+}
+
 #[tokio::test]
 async fn turn_start_has_its_own_rate() {
     let cfg = AdmissionConfig {
@@ -180,18 +190,9 @@ async fn turn_start_has_its_own_rate() {
         ..small()
     };
     let adm = Admission::new(cfg).unwrap();
-    let mut conn = adm.open_connection("acme").unwrap();
-    adm.check_request(&mut conn, "turn/start", Some("t1"))
-        .unwrap();
-    adm.check_request(&mut conn, "turn/start", Some("t2"))
-        .unwrap();
-    let r = adm
-        .check_request(&mut conn, "turn/start", Some("t3"))
-        .unwrap_err();
-    assert_eq!(
-        (r.scope, r.reason),
-        (Scope::Tenant, Reason::TurnRateLimited)
-    );
+    let mut conn = [adm.open_connection("acme").unwrap()];
+    let r = third_turn_start_refused(&adm, &mut conn);
+    let [mut conn] = conn;
     assert!(r.retry_after > Duration::ZERO && r.retry_after <= Duration::from_millis(100));
     // Other methods are still admitted.
     adm.check_request(&mut conn, "thread/read", Some("t1"))
