@@ -209,6 +209,9 @@ fn load_checked(path: &std::path::Path) -> anyhow::Result<Config> {
     let local = cfg.localized();
     router::tenants::check_worker_programs(&local)?;
     router::tenants::uids::check_remembered_uids(&local)?;
+    if local.workers.per_tenant_uid {
+        router::tenants::uids::check_login_users(&local)?;
+    }
     // Token files, secrets and JWKS files are read now, so a bad one stops check-config too.
     router::credentials::Credentials::build(
         cfg.tenants.iter().map(router::config::Tenant::credentials),

@@ -73,6 +73,76 @@ fn check_against(cfg: &Config, known: &BTreeMap<String, u32>, path: &Path) -> an
     Ok(())
 }
 
+/// Refuses a configured tenant `uid`, or its gid (`gid`, else the uid), that belongs to one of
+/// this host's login users (a passwd entry whose shell lets someone log in, see
+/// [`login_ids`]). The tenant's workers would get that person's files — a home directory, its
+/// keys — and the sweep after the tenant's last worker would stop that person's processes.
+/// uids and gids with a passwd entry but no login shell (an operator naming tenant uids for
+/// `ps`) are left alone; allocated uids never have a passwd entry. Reads `/etc/passwd`; a host
+/// without one has no login users to protect.
+pub fn check_login_users(cfg: &Config) -> anyhow::Result<()> {
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    refuse_login_ids(cfg, &passwd)
+}
+
+fn refuse_login_ids(cfg: &Config, passwd: &str) -> anyhow::Result<()> {
+    let (uids, gids) = login_ids(passwd);
+    for t in &cfg.tenants {
+        let Some(uid) = t.uid else { continue };
+        if let Some(user) = uids.get(&uid) {
+            anyhow::bail!(
+                "tenant {:?}: uid {uid} is the login user {user:?}'s on this host; the tenant's \
+                 workers would get {user:?}'s files and the sweep after its last worker would \
+                 stop {user:?}'s processes. Give the tenant a uid no person uses (or leave it \
+                 out: one is allocated from workers.uid_range)",
+                t.id
+            );
+        }
+        let gid = t.gid.unwrap_or(uid);
+        if let Some(user) = gids.get(&gid) {
+            anyhow::bail!(
+                "tenant {:?}: gid {gid}{} is the login user {user:?}'s own group on this host; \
+                 the tenant's workers would get every file of that group. Give the tenant a gid \
+                 of its own",
+                t.id,
+                if t.gid.is_none() {
+                    " (its uid, as gid is unset)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The uids and primary gids of `passwd`'s login users, each with the user's name. A login user
+/// is an entry whose shell is not one that refuses a login (`nologin`, `false`, or the `sync` /
+/// `shutdown` / `halt` accounts'); an empty shell is `/bin/sh`, so a login.
+fn login_ids(passwd: &str) -> (HashMap<u32, String>, HashMap<u32, String>) {
+    let (mut uids, mut gids) = (HashMap::new(), HashMap::new());
+    for line in passwd.lines().filter(|l| !l.starts_with('#')) {
+        let fields: Vec<&str> = line.split(':').collect();
+        let [name, _, uid, gid, _, _, shell] = fields[..] else {
+            continue;
+        };
+        let refuses = matches!(
+            shell.rsplit('/').next().unwrap_or(""),
+            "nologin" | "false" | "sync" | "shutdown" | "halt"
+        );
+        if refuses {
+            continue;
+        }
+        if let Ok(uid) = uid.parse::<u32>() {
+            uids.entry(uid).or_insert_with(|| name.to_owned());
+        }
+        if let Ok(gid) = gid.parse::<u32>() {
+            gids.entry(gid).or_insert_with(|| name.to_owned());
+        }
+    }
+    (uids, gids)
+}
+
 /// Where instances on this host claim uids: the same path for every instance, whatever its
 /// `state_dir` (the chart mounts a writable `/run/codex-fleet`).
 pub const HOST_CLAIMS: &str = "/run/codex-fleet/uid-claims";
@@ -272,6 +342,7 @@ pub fn tenant_uids(
     let path = state.join(UID_FILE);
     let mut known = read_uid_file(&path)?;
     check_against(cfg, &known, &path)?;
+    check_login_users(cfg)?;
     let configured: HashSet<u32> = cfg.tenants.iter().filter_map(|t| t.uid).collect();
     let [lo, hi] = cfg.workers.uid_range;
     let mut out = HashMap::new();
@@ -388,6 +459,52 @@ mod tests {
 
     fn tenant(id: &str, n: u32, extra: &str) -> String {
         format!("[[tenants]]\nid = \"{id}\"\ntoken_sha256 = [\"{D}{n}\"]\n{extra}\n")
+    }
+
+    const PASSWD: &str = "root:x:0:0:root:/root:/bin/bash\n\
+        daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n\
+        sync:x:4:65534:sync:/bin:/bin/sync\n\
+        # a comment\n\
+        alice:x:5001:5001:Alice:/home/alice:/bin/bash\n\
+        bob:x:5002:6000::/home/bob:\n\
+        svc:x:5003:5003:named tenant uid:/nonexistent:/usr/sbin/nologin\n\
+        locked:x:5004:5004::/:/bin/false\n\
+        broken line\n";
+
+    #[test]
+    fn a_tenant_never_runs_as_a_login_user_or_in_one_s_group() {
+        let tmp = tempfile::tempdir().unwrap();
+        let refused = |tenants: &str| {
+            refuse_login_ids(&cfg(tmp.path(), tenants), PASSWD)
+                .unwrap_err()
+                .to_string()
+        };
+        let msg = refused(&tenant("a", 1, "uid = 5001\ngid = 7000"));
+        assert!(
+            msg.contains("tenant \"a\": uid 5001 is the login user \"alice\"'s"),
+            "{msg}"
+        );
+        // bob's shell is empty: /bin/sh, a login.
+        let msg = refused(&tenant("a", 1, "uid = 5002\ngid = 7000"));
+        assert!(msg.contains("\"bob\""), "{msg}");
+        // A gid that is a login user's own group, given or taken from the uid.
+        let msg = refused(&tenant("a", 1, "uid = 7000\ngid = 6000"));
+        assert!(
+            msg.contains("gid 6000 is the login user \"bob\"'s own group"),
+            "{msg}"
+        );
+        let msg =
+            refused(&(tenant("a", 1, "uid = 7001") + &tenant("b", 2, "uid = 7002\ngid = 5001")));
+        assert!(msg.contains("tenant \"b\": gid 5001"), "{msg}");
+        // Accounts that cannot log in, unknown ids and allocated uids are accepted.
+        for ok in [
+            tenant("a", 1, "uid = 5003"),
+            tenant("a", 1, "uid = 5004"),
+            tenant("a", 1, "uid = 7000\ngid = 7005"),
+            tenant("a", 1, "") + &tenant("b", 2, "uid = 7001"),
+        ] {
+            refuse_login_ids(&cfg(tmp.path(), &ok), PASSWD).unwrap();
+        }
     }
 
     #[test]
