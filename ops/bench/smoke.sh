@@ -42,7 +42,7 @@ run() {
 run "1 and 5: added latency and the edge hop (ops/bench/latency.sh)" \
     'added by codex-fleet: +-?[0-9]+' 'added by HAProxy: +-?[0-9]+' 'added by the floor: +-?[0-9]+' \
     'codex-fleet added median / HAProxy added median = (-?[0-9.]+|-?inf|NaN)' \
-    'codex-fleet added median / floor added median = (-?[0-9.]+|-?inf|NaN)' \
+    'codex-fleet added median / floor added median = (-?[0-9.]+|-?inf|NaN); 90% of 1000 resamples within' \
     'added by the routing floor: +-?[0-9]+' \
     'codex-fleet added median / routing floor added median = (-?[0-9.]+|-?inf|NaN)' \
     'CPU per round trip, .*: codex-fleet [0-9.]+; HAProxy [0-9.]+; floor [0-9.]+; floor, 1 thread [0-9.]+; routing floor [0-9.]+;' \

@@ -35,8 +35,8 @@ use anyhow::bail;
 use clap::Parser;
 use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::latency::{
-    connect_unix, connect_ws, free_port, interleaved, start_haproxy, summarize, wait_port, Summary,
-    TIMEOUT, WARM_UP,
+    added_ratio_interval, connect_unix, connect_ws, free_port, interleaved, start_haproxy,
+    summarize, wait_port, Summary, RESAMPLES, TIMEOUT, WARM_UP,
 };
 use serde_json::json;
 use testkit::{FleetBuilder, FleetFiles};
@@ -138,6 +138,13 @@ struct Added {
     floor_1t: f64,
     floor_route: f64,
     cpu: [f64; 5],
+    /// [`added_ratio_interval`] of codex-fleet's against HAProxy, the floor and the routing floor.
+    intervals: [(f64, f64); 3],
+}
+
+/// A ratio with its interval, `1.42 (1.10–1.90)`.
+fn with_interval(ratio: f64, (lo, hi): (f64, f64)) -> String {
+    format!("{ratio:.2} ({lo:.2}–{hi:.2})")
 }
 
 /// The proxies whose CPU time is counted, in [`Added::cpu`]'s order.
@@ -186,13 +193,18 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
             a.0, a.1, a.2
         );
     }
+    let intervals = [2, 3, 5].map(|b| added_ratio_interval(&samples[1], &samples[b], &samples[0]));
     println!(
-        "  codex-fleet added median / HAProxy added median = {:.2}",
-        fleet.0 / haproxy.0
+        "  codex-fleet added median / HAProxy added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        fleet.0 / haproxy.0,
+        intervals[0].0,
+        intervals[0].1
     );
     println!(
-        "  codex-fleet added median / floor added median = {:.2}",
-        fleet.0 / floor.0
+        "  codex-fleet added median / floor added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        fleet.0 / floor.0,
+        intervals[1].0,
+        intervals[1].1
     );
     println!(
         "  HAProxy added median / floor added median = {:.2}",
@@ -203,8 +215,10 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
         fleet.0 / floor_1t.0
     );
     println!(
-        "  codex-fleet added median / routing floor added median = {:.2}",
-        fleet.0 / floor_route.0
+        "  codex-fleet added median / routing floor added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        fleet.0 / floor_route.0,
+        intervals[2].0,
+        intervals[2].1
     );
     println!(
         "  routing floor added median / floor added median = {:.2}",
@@ -222,28 +236,30 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
         floor_1t: floor_1t.0,
         floor_route: floor_route.0,
         cpu,
+        intervals,
     }
 }
 
-/// The runs side by side: added medians and the two ratios the goal is stated in.
+/// The runs side by side: added medians and the two ratios the goal is stated in, each of
+/// codex-fleet's ratios with the interval 90% of its resamples fall in.
 fn table(rows: &[(String, Added)]) {
-    println!("added median, µs, per run (BENCHMARKS.md, bench 1):");
+    println!("added median, µs, per run (BENCHMARKS.md, bench 1; codex-fleet's ratios with the interval 90% of {RESAMPLES} bootstrap resamples fall in):");
     println!(
         "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | routing floor | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | fleet/routing floor | routing floor/floor | CPU µs per round trip: fleet / HAProxy / floor / floor 1t / routing floor |"
     );
     println!("  |---|---|---|---|---|---|---|---|---|---|---|---|");
     for (label, a) in rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {:.2} | {} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
             a.fleet,
             a.haproxy,
             a.floor,
             a.floor_1t,
             a.floor_route,
-            a.fleet / a.haproxy,
-            a.fleet / a.floor,
+            with_interval(a.fleet / a.haproxy, a.intervals[0]),
+            with_interval(a.fleet / a.floor, a.intervals[1]),
             a.fleet / a.floor_1t,
-            a.fleet / a.floor_route,
+            with_interval(a.fleet / a.floor_route, a.intervals[2]),
             a.floor_route / a.floor,
             a.cpu[0],
             a.cpu[1],
