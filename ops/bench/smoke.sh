@@ -47,7 +47,9 @@ run "1 and 5: added latency and the edge hop (ops/bench/latency.sh)" \
     'codex-fleet added median / routing floor added median = (-?[0-9.]+|-?inf|NaN)' \
     'CPU per round trip, .*: codex-fleet [0-9.]+; HAProxy [0-9.]+; floor [0-9.]+; floor, 1 thread [0-9.]+; routing floor [0-9.]+;' \
     'added by the node \(one hop, as serve\): p50 +-?[0-9]+' 'added by the edge hop alone: +p50 +-?[0-9]+' \
-    'added by the HAProxy hop alone: +p50 +-?[0-9]+' 'edge memory: .* KiB per session' -- \
+    'added by the HAProxy hop alone: +p50 +-?[0-9]+' \
+    'edge hop median / HAProxy hop median = (-?[0-9.]+|-?inf|NaN); 90% of 1000 resamples within' \
+    'edge memory: .* KiB per session' -- \
     env BENCH_PROFILE="$PROFILE" bash ops/bench/latency.sh --rounds 20 --runs 1 --sessions 20 --no-fleet-load
 run "2 notify-rate" \
     'through codex-fleet .* = [0-9]+ notifications/s' 'direct on .* = [0-9]+ notifications/s' \
