@@ -250,8 +250,8 @@ impl Limiters {
         let mut rates = lock(&self.tenant);
         rates.by_name.retain(|_, rate| {
             Arc::strong_count(rate) > 1
-                || lock(&rate.released).is_some_and(|at| at.elapsed() < refill)
-                || rate.turn_started_within(turns_refill)
+                || rate.since(&rate.released) < refill
+                || rate.since(&rate.turn_started) < turns_refill
         });
         rates.by_name.shrink_to_fit();
     }
@@ -272,32 +272,32 @@ struct TenantRate {
     limiter: DirectLimiter,
     /// `turn/start`s (`limits.turn_start_per_min`).
     turns: DirectLimiter,
-    /// When it last admitted a `turn/start`, in nanoseconds on `turns`' clock plus one (0:
-    /// never): until its burst is back from then, it is kept. An atomic, not a lock, as each
-    /// admitted turn start writes it.
+    /// When it last admitted a `turn/start` ([`TenantRate::note`]): until its burst is back
+    /// from then, it is kept.
     turn_started: AtomicU64,
     /// A reload replaced it (its quota changed): the holders look the tenant's new one up.
     retired: AtomicBool,
-    /// When a connection last let go of it. Kept while it may not be back at a full burst, held
-    /// or not, so closing every connection and opening one does not reset the tenant's rate.
-    released: Mutex<Option<Instant>>,
+    /// When a connection last let go of it ([`TenantRate::note`]). Kept while it may not be back
+    /// at a full burst, held or not, so closing every connection and opening one does not reset
+    /// the tenant's rate.
+    released: AtomicU64,
 }
 
 impl TenantRate {
-    /// Notes that a `turn/start` was admitted now.
-    fn note_turn_start(&self) {
+    /// Notes in `when` that it happened now: nanoseconds on `turns`' clock plus one (0: never).
+    /// An atomic, not a lock, as every admitted turn start and closed connection writes one.
+    fn note(&self, when: &AtomicU64) {
         let now = self.turns.clock().now().as_u64();
-        self.turn_started
-            .fetch_max(now.saturating_add(1), Ordering::Relaxed);
+        when.fetch_max(now.saturating_add(1), Ordering::Relaxed);
     }
 
-    /// Whether it admitted a `turn/start` less than `within` ago.
-    fn turn_started_within(&self, within: Duration) -> bool {
-        match self.turn_started.load(Ordering::Relaxed) {
-            0 => false,
+    /// How long ago what `when` notes last happened ([`Duration::MAX`]: never).
+    fn since(&self, when: &AtomicU64) -> Duration {
+        match when.load(Ordering::Relaxed) {
+            0 => Duration::MAX,
             at => {
                 let now = self.turns.clock().now().as_u64();
-                Duration::from_nanos(now.saturating_sub(at - 1)) < within
+                Duration::from_nanos(now.saturating_sub(at - 1))
             }
         }
     }
@@ -485,7 +485,7 @@ impl Admission {
                 ),
                 turn_started: AtomicU64::new(0),
                 retired: AtomicBool::new(false),
-                released: Mutex::new(None),
+                released: AtomicU64::new(0),
             });
             rates.by_name.insert(tenant.to_owned(), rate.clone());
             return rate;
@@ -549,7 +549,7 @@ impl Admission {
                 not_until.wait_time_from(limiter.clock().now()),
             )
         })?;
-        conn.rate.note_turn_start();
+        conn.rate.note(&conn.rate.turn_started);
         Ok(())
     }
 
@@ -829,7 +829,7 @@ impl ConnectionGuard {
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
-        *lock(&self.rate.released) = Some(Instant::now());
+        self.rate.note(&self.rate.released);
         if let Some(admission) = self.admission.upgrade() {
             admission.close_connection(&self.tenant);
         }
