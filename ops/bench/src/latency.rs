@@ -160,6 +160,16 @@ pub fn added_ratio_interval(a: &[f64], b: &[f64], base: &[f64]) -> (f64, f64) {
     (percentile(&ratios, 0.05), percentile(&ratios, 0.95))
 }
 
+/// An [`added_ratio_interval`] as the benches print it after a ratio's line.
+pub fn within((lo, hi): (f64, f64)) -> String {
+    format!("90% of {RESAMPLES} resamples within {lo:.2}–{hi:.2}")
+}
+
+/// A ratio with its [`added_ratio_interval`], as the benches' tables give it: `1.42 (1.10–1.90)`.
+pub fn with_interval(ratio: f64, (lo, hi): (f64, f64)) -> String {
+    format!("{ratio:.2} ({lo:.2}–{hi:.2})")
+}
+
 /// xorshift64*: enough for resampling, and no dependency.
 struct XorShift(u64);
 

@@ -36,7 +36,7 @@ use clap::Parser;
 use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::latency::{
     added_ratio_interval, connect_unix, connect_ws, free_port, interleaved, start_haproxy,
-    summarize, wait_port, Summary, RESAMPLES, TIMEOUT, WARM_UP,
+    summarize, wait_port, with_interval, within, Summary, RESAMPLES, TIMEOUT, WARM_UP,
 };
 use serde_json::json;
 use testkit::{FleetBuilder, FleetFiles};
@@ -142,11 +142,6 @@ struct Added {
     intervals: [(f64, f64); 3],
 }
 
-/// A ratio with its interval, `1.42 (1.10–1.90)`.
-fn with_interval(ratio: f64, (lo, hi): (f64, f64)) -> String {
-    format!("{ratio:.2} ({lo:.2}–{hi:.2})")
-}
-
 /// The proxies whose CPU time is counted, in [`Added::cpu`]'s order.
 const PROXIES: [&str; 5] = [
     "codex-fleet",
@@ -195,16 +190,14 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
     }
     let intervals = [2, 3, 5].map(|b| added_ratio_interval(&samples[1], &samples[b], &samples[0]));
     println!(
-        "  codex-fleet added median / HAProxy added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        "  codex-fleet added median / HAProxy added median = {:.2}; {}",
         fleet.0 / haproxy.0,
-        intervals[0].0,
-        intervals[0].1
+        within(intervals[0])
     );
     println!(
-        "  codex-fleet added median / floor added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        "  codex-fleet added median / floor added median = {:.2}; {}",
         fleet.0 / floor.0,
-        intervals[1].0,
-        intervals[1].1
+        within(intervals[1])
     );
     println!(
         "  HAProxy added median / floor added median = {:.2}",
@@ -215,10 +208,9 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
         fleet.0 / floor_1t.0
     );
     println!(
-        "  codex-fleet added median / routing floor added median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        "  codex-fleet added median / routing floor added median = {:.2}; {}",
         fleet.0 / floor_route.0,
-        intervals[2].0,
-        intervals[2].1
+        within(intervals[2])
     );
     println!(
         "  routing floor added median / floor added median = {:.2}",

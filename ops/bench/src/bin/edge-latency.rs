@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use codex_fleet_bench::latency::{
     added_ratio_interval, connect_unix, connect_ws, connect_ws_with, free_port, interleaved,
-    pem_bundle, start_haproxy, summarize, wait_port, Summary, RESAMPLES,
+    pem_bundle, start_haproxy, summarize, wait_port, with_interval, within, Summary, RESAMPLES,
 };
 use serde_json::json;
 
@@ -97,10 +97,9 @@ fn report(label: &str, samples: &[Vec<f64>; 4]) -> Hops {
     // Both hops are measured from the node's round trip, as their ratio is.
     let interval = added_ratio_interval(&samples[2], &samples[3], &samples[1]);
     println!(
-        "  edge hop median / HAProxy hop median = {:.2}; 90% of {RESAMPLES} resamples within {:.2}–{:.2}",
+        "  edge hop median / HAProxy hop median = {:.2}; {}",
         hop.0 / haproxy_hop.0,
-        interval.0,
-        interval.1
+        within(interval)
     );
     Hops {
         edge: hop.0,
@@ -197,12 +196,10 @@ async fn main() -> anyhow::Result<()> {
     println!("  |---|---|---|---|");
     for (label, h) in &rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.2} ({:.2}–{:.2}) |",
+            "  | {label} | {:.0} | {:.0} | {} |",
             h.edge,
             h.haproxy,
-            h.edge / h.haproxy,
-            h.interval.0,
-            h.interval.1
+            with_interval(h.edge / h.haproxy, h.interval)
         );
     }
     if args.sessions > 0 {
