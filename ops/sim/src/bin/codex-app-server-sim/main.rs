@@ -24,7 +24,8 @@
 //! Faithful subset (docs/app-server-facts.md §1–§5, §11): one JSON-RPC message per text frame;
 //! invalid JSON is ignored; `-32600` for unknown methods, missing params, "Not initialized",
 //! "Already initialized"; one process-wide inbound queue of 128 answering `-32001` when full;
-//! broadcasts to initialized connections only; per-process integer server-request ids; idle unload
+//! broadcasts to initialized connections only; `optOutNotificationMethods` (exact names, for
+//! targeted and broadcast notifications alike); per-process integer server-request ids; idle unload
 //! with `thread/status/changed` notLoaded then `thread/closed`; SIGTERM drain (running turns
 //! finish, new thread/turn starts are refused, exit 0 without close frames; a second SIGTERM exits
 //! now). Simplifications: one turn at a time per thread (a second `turn/start` is refused), no
@@ -268,6 +269,7 @@ async fn connection(sim: Arc<Sim>, id: ConnId, stream: UnixStream, inbound: mpsc
         Conn {
             tx: tx.clone(),
             initialized: false,
+            opt_out: Default::default(),
         },
     );
     drop(tx);

@@ -101,6 +101,12 @@ pub(crate) fn request(sim: &Arc<Sim>, conn: ConnId, method: &str, params: &Value
             .unwrap_or_else(|| "codex_app_server_daemon".into());
         if let Some(c) = st.conns.get_mut(&conn) {
             c.initialized = true;
+            c.opt_out = params["capabilities"]["optOutNotificationMethods"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m.as_str().map(str::to_owned))
+                .collect();
         }
         return Ok(json!({
             "userAgent": format!("{prefix}/{VERSION} (codex-app-server-sim; {}) ({name}; sim)", std::env::consts::ARCH),

@@ -16,6 +16,9 @@ pub(crate) type ConnId = u64;
 pub(crate) struct Conn {
     pub(crate) tx: mpsc::Sender<String>,
     pub(crate) initialized: bool,
+    /// The notification methods it opted out of at initialize (`optOutNotificationMethods`):
+    /// exact names, left out of what it is sent, targeted or broadcast, as app-server does.
+    pub(crate) opt_out: HashSet<String>,
 }
 
 pub(crate) struct Thread {
@@ -125,13 +128,13 @@ pub(crate) fn notification(method: &str, params: Value) -> String {
     json!({"method": method, "params": params, "emittedAtMs": now_ms()}).to_string()
 }
 
-/// To every initialized connection.
+/// To every initialized connection that did not opt out of `method`.
 pub(crate) fn broadcast(st: &mut State, method: &str, params: Value) {
     let text = notification(method, params);
     let ids: Vec<ConnId> = st
         .conns
         .iter()
-        .filter(|(_, c)| c.initialized)
+        .filter(|(_, c)| c.initialized && !c.opt_out.contains(method))
         .map(|(id, _)| *id)
         .collect();
     for id in ids {
@@ -139,16 +142,30 @@ pub(crate) fn broadcast(st: &mut State, method: &str, params: Value) {
     }
 }
 
-/// To the thread's current subscribers (dropped when it has none).
-pub(crate) fn to_subscribers(st: &mut State, thread: &str, text: String) {
-    let ids: Vec<ConnId> = st
-        .threads
-        .get(thread)
-        .map(|t| t.subscribers.iter().copied().collect())
-        .unwrap_or_default();
+/// A notification to the thread's current subscribers that did not opt out of `method`
+/// (dropped when it has none).
+pub(crate) fn to_subscribers(st: &mut State, thread: &str, method: &str, params: Value) {
+    let text = notification(method, params);
+    let ids = subscribers(st, thread, |c| !c.opt_out.contains(method));
     for id in ids {
         send_to(st, id, text.clone());
     }
+}
+
+/// A server request to the thread's current subscribers (opt-outs are for notifications only).
+pub(crate) fn ask_subscribers(st: &mut State, thread: &str, text: String) {
+    for id in subscribers(st, thread, |_| true) {
+        send_to(st, id, text.clone());
+    }
+}
+
+fn subscribers(st: &State, thread: &str, wants: impl Fn(&Conn) -> bool) -> Vec<ConnId> {
+    st.threads
+        .get(thread)
+        .into_iter()
+        .flat_map(|t| t.subscribers.iter().copied())
+        .filter(|id| st.conns.get(id).is_some_and(&wants))
+        .collect()
 }
 
 pub(crate) fn drop_conn(st: &mut State, conn: ConnId) -> Vec<(String, u64)> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
-use crate::state::{broadcast, notification, to_subscribers, Sim, State};
+use crate::state::{ask_subscribers, broadcast, to_subscribers, Sim, State};
 use crate::{now_ms, stop_self, uuid_v7};
 
 /// Starts the idle-unload timer of a thread left without subscribers and not active.
@@ -57,7 +57,7 @@ pub(crate) async fn run_turn(
         stop_self();
     }
     let sub = |st: &mut State, method: &str, params: Value| {
-        to_subscribers(st, &thread, notification(method, params));
+        to_subscribers(st, &thread, method, params);
     };
     let started = std::time::Instant::now();
     {
@@ -195,10 +195,8 @@ pub(crate) async fn approval(
         to_subscribers(
             &mut st,
             thread,
-            notification(
-                "item/started",
-                json!({"threadId": thread, "turnId": turn, "item": item}),
-            ),
+            "item/started",
+            json!({"threadId": thread, "turnId": turn, "item": item}),
         );
         let req = json!({
             "id": request_id,
@@ -211,7 +209,7 @@ pub(crate) async fn approval(
                 "availableDecisions": ["accept", "decline", "cancel"],
             }
         });
-        to_subscribers(&mut st, thread, req.to_string());
+        ask_subscribers(&mut st, thread, req.to_string());
         broadcast(
             &mut st,
             "thread/status/changed",
@@ -227,10 +225,8 @@ pub(crate) async fn approval(
     to_subscribers(
         &mut st,
         thread,
-        notification(
-            "serverRequest/resolved",
-            json!({"threadId": thread, "requestId": request_id}),
-        ),
+        "serverRequest/resolved",
+        json!({"threadId": thread, "requestId": request_id}),
     );
     let Some(answer) = outcome else {
         return true;
@@ -248,10 +244,8 @@ pub(crate) async fn approval(
     to_subscribers(
         &mut st,
         thread,
-        notification(
-            "item/completed",
-            json!({"threadId": thread, "turnId": turn, "item": item}),
-        ),
+        "item/completed",
+        json!({"threadId": thread, "turnId": turn, "item": item}),
     );
     broadcast(
         &mut st,
