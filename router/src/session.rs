@@ -77,6 +77,14 @@ type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 
 /// Id of the `initialize` the router replays on a leg it opens after the first; its answer is swallowed.
 const REPLAY_INIT_ID: &str = "codex-fleet:replay-initialize";
+/// Notifications a session's legs ask their workers not to send (added to the client's own
+/// `optOutNotificationMethods` in the initialize each leg sends): a worker sends them on its
+/// control leg too, and the tenant's relay hands that copy to every session. Without this a
+/// worker writes each of a turn's status changes once per leg and once more, and the session
+/// reads its leg's copy besides the relayed one. Only status changes: app-server itself orders
+/// them freely against a turn's items, while `thread/started` and the like follow the answer
+/// that names their thread, which a relayed copy could overtake.
+const LEG_OPT_OUTS: &[&str] = &["thread/status/changed"];
 /// Protocol errors in a row that end a session.
 const MAX_PROTOCOL_ERRORS: u32 = 32;
 /// Leg frames handled in one go when they are ready together (one write and flush for all).
@@ -186,7 +194,8 @@ struct Session {
     /// (In a mutex only so that the session stays `Sync`; never contended.)
     new_legs: std::sync::Mutex<Vec<legs::LegFrames>>,
     protocol_errors: u32,
-    /// Legs whose initialize was answered: they receive the worker's broadcasts themselves.
+    /// Legs whose initialize was answered: they receive the worker's broadcasts themselves
+    /// (all but [`LEG_OPT_OUTS`]).
     live: Set<WorkerId>,
     /// Legs that got a replayed initialize and have sent nothing since its answer but the
     /// per-connection notifications app-server follows it with (dropped: the client has had

@@ -59,27 +59,34 @@ pub struct Tenant {
     events: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
-/// The end of a thread's turn, relayed to every session of the tenant and counted against the
-/// tenant's active turns by the first to take it: the count is the tenant's, and one call under
-/// admission's lock (shared by every tenant) does what one per session did, hundreds of times a
-/// turn in a big tenant.
+/// A thread's turn starting or ending, relayed to every session of the tenant and counted
+/// against the tenant's active turns by the first to take it: the count is the tenant's, and
+/// one call under admission's lock (shared by every tenant) does what one per session did,
+/// hundreds of times a turn in a big tenant.
 #[derive(Debug)]
-pub struct TurnEnd {
+pub struct TurnMark {
     thread: Arc<str>,
+    started: bool,
     taken: AtomicBool,
 }
 
-impl TurnEnd {
-    pub fn new(thread: Arc<str>) -> Arc<TurnEnd> {
-        Arc::new(TurnEnd {
+impl TurnMark {
+    /// The end of `thread`'s turn.
+    pub fn ended(thread: Arc<str>) -> Arc<TurnMark> {
+        TurnMark::new(thread, false)
+    }
+
+    pub fn new(thread: Arc<str>, started: bool) -> Arc<TurnMark> {
+        Arc::new(TurnMark {
             thread,
+            started,
             taken: AtomicBool::new(false),
         })
     }
 
-    /// The thread, to the first caller only.
-    pub fn take(&self) -> Option<&str> {
-        (!self.taken.swap(true, Ordering::AcqRel)).then_some(&*self.thread)
+    /// Whether the turn started (or ended), and its thread: to the first caller only.
+    pub fn take(&self) -> Option<(bool, &str)> {
+        (!self.taken.swap(true, Ordering::AcqRel)).then_some((self.started, &*self.thread))
     }
 }
 
@@ -95,9 +102,9 @@ pub struct Relayed {
     pub method: Arc<str>,
     /// Sent to every session, legs or not (the router's own news, e.g. a worker's death).
     pub to_all: bool,
-    /// The thread whose turn this notification ends, if it ends one (read once here, so no
-    /// session parses the text again).
-    pub turn_ended: Option<Arc<TurnEnd>>,
+    /// The thread whose turn this notification starts or ends, if it does (read once here, so
+    /// no session parses the text again).
+    pub turn: Option<Arc<TurnMark>>,
     /// An order about a thread of a worker that ended (no text to forward): each session acts
     /// on it for itself.
     pub rehome: Option<Arc<Rehome>>,
@@ -199,18 +206,18 @@ impl Tenant {
             }
             _ => None,
         };
-        let turn_ended = notice
-            .event
-            .as_ref()
-            .filter(|e| e.turn() == Some(Turn::Ended))
-            .and(notice.thread.clone())
-            .map(TurnEnd::new);
+        let turn = match (notice.event.as_ref().and_then(Event::turn), &notice.thread) {
+            (Some(turn), Some(thread)) => {
+                Some(TurnMark::new(thread.clone(), turn == Turn::Started))
+            }
+            _ => None,
+        };
         let _receivers = self.relay.send(Relayed {
             worker,
             text: notice.text.clone(),
             method: Arc::from(notice.method.as_str()),
             to_all: false,
-            turn_ended,
+            turn,
             rehome: None,
             status_of,
         });
@@ -270,7 +277,7 @@ impl Tenant {
                     text: Utf8Bytes::from_static(""),
                     method: Arc::from(""),
                     to_all: true,
-                    turn_ended: Some(TurnEnd::new(thread.clone())),
+                    turn: Some(TurnMark::ended(thread.clone())),
                     status_of: None,
                     rehome: Some(Arc::new(Rehome {
                         thread,
@@ -294,7 +301,7 @@ impl Tenant {
                 text: Utf8Bytes::from(frame.text),
                 method: Arc::from(frame.method.as_str()),
                 to_all: true,
-                turn_ended: Some(TurnEnd::new(ended.clone())),
+                turn: Some(TurnMark::ended(ended.clone())),
                 rehome: None,
                 status_of: None,
             });

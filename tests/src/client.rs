@@ -262,8 +262,13 @@ impl Client {
         name: &str,
         within: Duration,
     ) -> anyhow::Result<Value> {
-        self.initialize_with(name, json!({ "experimentalApi": true }), within)
+        self.initialize_with(name, Some(json!({ "experimentalApi": true })), within)
             .await
+    }
+
+    /// [`Client::initialize`] with no `capabilities` at all (the field left out).
+    pub async fn initialize_without_capabilities(&mut self, name: &str) -> anyhow::Result<Value> {
+        self.initialize_with(name, None, STEP).await
     }
 
     /// [`Client::initialize`] for a client that opted out of `methods`
@@ -274,24 +279,23 @@ impl Client {
         methods: &[&str],
     ) -> anyhow::Result<Value> {
         let capabilities = json!({ "experimentalApi": true, "optOutNotificationMethods": methods });
-        self.initialize_with(name, capabilities, STEP).await
+        self.initialize_with(name, Some(capabilities), STEP).await
     }
 
     async fn initialize_with(
         &mut self,
         name: &str,
-        capabilities: Value,
+        capabilities: Option<Value>,
         within: Duration,
     ) -> anyhow::Result<Value> {
-        self.send(&json!({
-            "id": "initialize",
-            "method": "initialize",
-            "params": {
-                "clientInfo": { "name": name, "title": null, "version": "0.0.1" },
-                "capabilities": capabilities
-            }
-        }))
-        .await?;
+        let mut params = json!({
+            "clientInfo": { "name": name, "title": null, "version": "0.0.1" },
+        });
+        if let Some(capabilities) = capabilities {
+            params["capabilities"] = capabilities;
+        }
+        self.send(&json!({ "id": "initialize", "method": "initialize", "params": params }))
+            .await?;
         let resp = self
             .wait_for_within(|v| v["id"] == "initialize", within)
             .await
@@ -343,6 +347,38 @@ impl Client {
                 return Ok(seen);
             }
         }
+    }
+
+    /// [`Client::until_turn_completed`], and on until the thread's `idle` status change too: the
+    /// end of a turn as a client sees it whole. app-server orders status changes freely against
+    /// a turn's items, and codex-fleet relays them, so the idle may come after `turn/completed`.
+    pub async fn until_turn_over(&mut self, thread: &str) -> anyhow::Result<Vec<Value>> {
+        let idle = |v: &Value| {
+            v["method"] == "thread/status/changed"
+                && v["params"]["threadId"] == thread
+                && v["params"]["status"]["type"] == "idle"
+        };
+        let active = |v: &Value| {
+            v["method"] == "thread/status/changed"
+                && v["params"]["threadId"] == thread
+                && v["params"]["status"]["type"] == "active"
+        };
+        // An idle before the turn's last `active` (an earlier turn's, a resume's restated idle)
+        // is not this turn's end.
+        let over = |seen: &[Value]| {
+            seen.iter()
+                .rposition(active)
+                .is_some_and(|i| seen[i..].iter().any(idle))
+        };
+        let mut seen = self.until_turn_completed(thread).await?;
+        while !over(&seen) {
+            let v = self
+                .wait_for(|_| true)
+                .await
+                .context("waiting for the turn's idle")?;
+            seen.push(v);
+        }
+        Ok(seen)
     }
 
     /// Sends a request without waiting for its answer; returns its id.

@@ -269,8 +269,8 @@ async fn a_retired_worker_s_idle_thread_moves_without_a_word_to_its_clients() ->
     let (mut a, mut b, thread) = two_subscribers(&fleet).await?;
     let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     a.start_turn(&thread, "grow").await?;
-    a.until_turn_completed(&thread).await?;
-    b.until_turn_completed(&thread).await?;
+    a.until_turn_over(&thread).await?;
+    b.until_turn_over(&thread).await?;
     a.backlog.clear();
     b.backlog.clear();
     // The turn grew the worker past the guard: it is retired once idle, and the thread moves.

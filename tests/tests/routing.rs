@@ -250,14 +250,78 @@ async fn a_broadcast_the_client_opted_out_of_is_not_relayed_to_it() -> anyhow::R
     }
     assert!(statuses(&seen_plain, &thread).len() >= 2, "{seen_plain:?}");
     // A relayed copy would have reached the quiet session by now, as it reached the plain one.
-    let relayed = quiet
-        .wait_for_within(
-            |v| v["method"] == "thread/status/changed",
-            Duration::from_secs(2),
-        )
-        .await;
+    let relayed = status_change_within(&mut quiet, Duration::from_secs(2)).await;
     assert!(relayed.is_err(), "opted out, yet relayed: {relayed:?}");
     fleet.stop().await
+}
+
+/// A session's legs opt out of `thread/status/changed` (the worker's control leg carries it once,
+/// and the tenant's relay hands it to every session), added to what the client itself opted out
+/// of: the real app-server takes that initialize whether the client sent capabilities or not,
+/// each session sees each of a turn's status changes once, in order, also the sessions whose
+/// legs are on the thread's worker, and the client's own opt-outs still hold on its legs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_changes_reach_each_session_once_and_a_client_s_own_opt_outs_hold(
+) -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .start()
+        .await?;
+    let mut a = fleet.connect("acme").await?;
+    a.initialize_without_capabilities("e2e-bare").await?;
+    let thread = a.start_thread().await?;
+    // A thread has a rollout to resume once it ran a turn.
+    a.start_turn(&thread, "first").await?;
+    a.until_turn_completed(&thread).await?;
+    let mut b = fleet.connect("acme").await?;
+    b.initialize_opting_out("e2e-quiet-usage", &["thread/tokenUsage/updated"])
+        .await?;
+    b.request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    // One worker: both sessions' legs are live on the thread's worker, and both follow it.
+    a.start_turn(&thread, "hello").await?;
+    let mut seen = Vec::new();
+    for c in [&mut a, &mut b] {
+        seen.push(c.until_turn_over(&thread).await?);
+    }
+    let usage = |msgs: &[Value]| {
+        msgs.iter()
+            .filter(|m| m["method"] == "thread/tokenUsage/updated")
+            .count()
+    };
+    assert!(
+        usage(&seen[0]) >= 1,
+        "the turn reports its usage: {:?}",
+        seen[0]
+    );
+    assert_eq!(usage(&seen[1]), 0, "opted out on its legs: {:?}", seen[1]);
+    // From the turn's start (b's resume may have restated the thread's idle before it).
+    let turn_statuses = |msgs: &[Value]| -> Vec<String> {
+        statuses(msgs, &thread)
+            .into_iter()
+            .skip_while(|s| !s.starts_with("active"))
+            .collect()
+    };
+    let (sa, sb) = (turn_statuses(&seen[0]), turn_statuses(&seen[1]));
+    assert!(sa.iter().any(|s| s.starts_with("active")), "{sa:?}");
+    assert!(
+        sa.windows(2).all(|w| w[0] != w[1]),
+        "each status change once: {sa:?}"
+    );
+    assert_eq!(
+        sa, sb,
+        "the same changes in the same order for every session"
+    );
+    // Nothing more comes: a second copy from a leg would arrive now.
+    let late = status_change_within(&mut a, Duration::from_secs(1)).await;
+    assert!(late.is_err(), "a status change twice: {late:?}");
+    fleet.stop().await
+}
+
+/// The next `thread/status/changed` `c` gets within `within`.
+async fn status_change_within(c: &mut testkit::Client, within: Duration) -> anyhow::Result<Value> {
+    c.wait_for_within(|v| v["method"] == "thread/status/changed", within)
+        .await
 }
 
 /// A fleet whose tenant `acme` has two workers, both ready.

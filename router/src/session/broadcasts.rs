@@ -7,9 +7,9 @@ use std::task::{ready, Context, Poll};
 use tokio::sync::broadcast::{self, error::RecvError, Receiver};
 use tokio_util::sync::ReusableBoxFuture;
 
-use super::{End, Session, RELAY_BURST};
+use super::{End, Session, LEG_OPT_OUTS, RELAY_BURST};
 use crate::gate::Gate;
-use crate::tenants::{Relayed, TurnEnd};
+use crate::tenants::{Relayed, TurnMark};
 
 /// One receive from the relay, holding the receiver until it is done.
 type Receiving = ReusableBoxFuture<'static, (Result<Relayed, RecvError>, Receiver<Relayed>)>;
@@ -96,7 +96,8 @@ impl Session {
     }
 
     /// A broadcast from a worker's control leg: forwarded unless this session's own live leg
-    /// to that worker delivers it (so each broadcast arrives once).
+    /// to that worker delivers it (so each broadcast arrives once). Legs opt out of
+    /// [`LEG_OPT_OUTS`], so those always come from here.
     ///
     /// `None`: the session fell behind the relay and missed broadcasts. Once its client is
     /// initialized that ends the session ([`End::RelayLagged`]); before, it would have dropped
@@ -108,10 +109,13 @@ impl Session {
                 _ => Ok(()),
             };
         };
-        // Only the end of a turn is taken from the relay: it lags the legs, and a late relayed
-        // "active" after the leg's turn/completed would count a finished turn as running.
-        if let Some(thread) = r.turn_ended.as_deref().and_then(TurnEnd::take) {
-            self.ctx.admission.turn_ended(self.tenant(), thread);
+        // Taken once for the tenant, in the control leg's order: a relayed "active" that comes
+        // after the leg's turn/completed is followed by its relayed idle. (Legs do not get
+        // status changes, so a turn driven on a thread no session follows is counted here.)
+        match r.turn.as_deref().and_then(TurnMark::take) {
+            Some((true, thread)) => self.ctx.admission.turn_started(self.tenant(), thread),
+            Some((false, thread)) => self.ctx.admission.turn_ended(self.tenant(), thread),
+            None => {}
         }
         if let Some(order) = &r.rehome {
             // Boxed: rare, and every relayed broadcast's future would carry it otherwise.
@@ -120,7 +124,8 @@ impl Session {
         if self.init.as_ref().is_none_or(|i| !i.answered) || self.holds_back_relayed(&r) {
             return Ok(());
         }
-        if (r.to_all || !self.live.contains(&r.worker)) && !self.opted_out(&r.method) {
+        let leg_has_it = self.live.contains(&r.worker) && !LEG_OPT_OUTS.contains(&&*r.method);
+        if (r.to_all || !leg_has_it) && !self.opted_out(&r.method) {
             return self.to_client(r.text);
         }
         Ok(())
@@ -139,7 +144,7 @@ mod tests {
             text: text.into(),
             method: std::sync::Arc::from("thread/status/changed"),
             to_all: false,
-            turn_ended: None,
+            turn: None,
             rehome: None,
             status_of: None,
         }
@@ -150,19 +155,19 @@ mod tests {
         let (tx, rx1) = broadcast::channel(4);
         let rx2 = tx.subscribe();
         let mut r = relayed("idle");
-        r.turn_ended = Some(TurnEnd::new(std::sync::Arc::from("th")));
+        r.turn = Some(TurnMark::ended(std::sync::Arc::from("th")));
         tx.send(r).unwrap();
         let (mut one, mut two) = (Relay::new(rx1), Relay::new(rx2));
         let (a, b) = (one.recv().await.unwrap(), two.recv().await.unwrap());
         let takes = [a, b].map(|r| {
-            r.turn_ended
+            r.turn
                 .as_deref()
-                .and_then(TurnEnd::take)
-                .map(str::to_owned)
+                .and_then(TurnMark::take)
+                .map(|(started, thread)| (started, thread.to_owned()))
         });
         assert_eq!(
             takes,
-            [Some("th".to_owned()), None],
+            [Some((false, "th".to_owned())), None],
             "counted once for the tenant"
         );
     }

@@ -211,6 +211,7 @@ impl Session {
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
         }
         let first_initialize = *method == Method::Initialize && self.init.is_none();
+        let mut text = text;
         if first_initialize {
             let params = serde_json::from_str::<serde_json::Value>(&text)
                 .map(|mut v| v["params"].take())
@@ -223,12 +224,17 @@ impl Session {
                     "client_version": Untrusted::value(&info["version"]),
                 }),
             );
+            // The client's own opt-outs, for what codex-fleet sends it; its legs send more.
+            let opt_out = opt_outs(&params["capabilities"]["optOutNotificationMethods"]);
+            if let Some(for_legs) = Self::initialize_for_legs(&text) {
+                text = Utf8Bytes::from(for_legs);
+            }
             self.init = Some(Init {
                 id: id.clone(),
                 text: text.to_string(),
                 answered: false,
                 initialized: false,
-                opt_out: opt_outs(&params["capabilities"]["optOutNotificationMethods"]),
+                opt_out,
             });
         } else if self.init.is_none() {
             self.count_error(ClientError::NotInitialized);

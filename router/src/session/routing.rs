@@ -3,12 +3,15 @@
 //! threads, or the home leg; legs opened on demand with the client's initialize replayed; and what
 //! responses teach the tenant table.
 
+use std::borrow::Cow;
+
+use serde_json::value::RawValue;
+use serde_json::Value;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::WorkerId;
 
-use tokio_tungstenite::tungstenite::Utf8Bytes;
-
 use super::legs::Leg;
-use super::{Answer, End, InFlight, Init, Session, Target, REPLAY_INIT_ID};
+use super::{Answer, End, InFlight, Init, Session, Target, LEG_OPT_OUTS, REPLAY_INIT_ID};
 use proto::rpc::{self, Message as Rpc, RequestId};
 use proto::Method;
 
@@ -290,6 +293,39 @@ impl Session {
         }
     }
 
+    /// The client's initialize as the session's legs send it: [`LEG_OPT_OUTS`] added to its
+    /// `optOutNotificationMethods`, every other member as the client wrote it. `None` (sent
+    /// as written, for the worker to answer as it would the client) when the frame, its params
+    /// or its capabilities are not objects, or its opt-outs are neither a list nor null.
+    pub(super) fn initialize_for_legs(text: &str) -> Option<String> {
+        type RawObject<'a> = std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>;
+        let mut frame: RawObject<'_> = serde_json::from_str(text).ok()?;
+        let mut params: Value = serde_json::from_str(frame.get("params")?.get()).ok()?;
+        let capabilities = params
+            .as_object_mut()?
+            .entry("capabilities")
+            .or_insert(Value::Null);
+        if capabilities.is_null() {
+            *capabilities = Value::Object(Default::default());
+        }
+        let list = capabilities
+            .as_object_mut()?
+            .entry("optOutNotificationMethods")
+            .or_insert(Value::Null);
+        if list.is_null() {
+            *list = Value::Array(Vec::new());
+        }
+        let list = list.as_array_mut()?;
+        for method in LEG_OPT_OUTS {
+            if !list.iter().any(|m| m == method) {
+                list.push(Value::from(*method));
+            }
+        }
+        let params = serde_json::value::to_raw_value(&params).ok()?;
+        frame.insert(Cow::Borrowed("params"), &params);
+        serde_json::to_string(&frame).ok()
+    }
+
     pub(super) fn replay_initialize(leg: &mut Leg, init: &Init) {
         let params = match rpc::parse(&init.text) {
             Ok(Rpc::Request { params, .. }) => params,
@@ -304,5 +340,67 @@ impl Session {
         if init.initialized {
             leg.send(Utf8Bytes::from_static(r#"{"method":"initialized"}"#));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::Session;
+
+    fn for_legs(frame: Value) -> Option<Value> {
+        Session::initialize_for_legs(&frame.to_string()).map(|t| serde_json::from_str(&t).unwrap())
+    }
+
+    #[test]
+    fn legs_opt_out_of_status_changes_besides_what_the_client_opted_out_of() {
+        let info = json!({ "name": "tui", "version": "1" });
+        let opted = |v: Option<Value>| v.unwrap()["params"]["capabilities"].clone();
+        // No capabilities, or null ones, or a null list: the list is made.
+        for params in [
+            json!({ "clientInfo": info }),
+            json!({ "clientInfo": info, "capabilities": null }),
+            json!({ "clientInfo": info, "capabilities": { "optOutNotificationMethods": null } }),
+        ] {
+            let frame = json!({ "id": "initialize", "method": "initialize", "params": params });
+            assert_eq!(
+                opted(for_legs(frame)),
+                json!({ "optOutNotificationMethods": ["thread/status/changed"] })
+            );
+        }
+        // The client's own members and opt-outs stay, the id exactly as written.
+        let frame = r#"{"id":12345678901234567890,"method":"initialize","params":{"clientInfo":{"name":"x","version":"1"},"capabilities":{"experimentalApi":true,"optOutNotificationMethods":["item/agentMessage/delta"]}}}"#;
+        let sent = Session::initialize_for_legs(frame).unwrap();
+        assert!(sent.contains(r#""id":12345678901234567890"#), "{sent}");
+        let sent: Value = serde_json::from_str(&sent).unwrap();
+        assert_eq!(
+            sent["params"]["capabilities"],
+            json!({ "experimentalApi": true,
+                    "optOutNotificationMethods": ["item/agentMessage/delta", "thread/status/changed"] })
+        );
+        assert_eq!(
+            sent["params"]["clientInfo"],
+            json!({ "name": "x", "version": "1" })
+        );
+        // Already opted out: not listed twice.
+        let frame = json!({ "id": 1, "method": "initialize", "params": { "clientInfo": info,
+            "capabilities": { "optOutNotificationMethods": ["thread/status/changed"] } } });
+        assert_eq!(
+            opted(for_legs(frame)),
+            json!({ "optOutNotificationMethods": ["thread/status/changed"] })
+        );
+        // What app-server would refuse is sent as written, for it to answer.
+        for params in [
+            json!(null),
+            json!([1]),
+            json!({ "clientInfo": info, "capabilities": 7 }),
+            json!({ "clientInfo": info, "capabilities": { "optOutNotificationMethods": "thread/status/changed" } }),
+        ] {
+            let frame = json!({ "id": 1, "method": "initialize", "params": params });
+            assert_eq!(for_legs(frame), None);
+        }
+        assert_eq!(for_legs(json!({ "id": 1, "method": "initialize" })), None);
+        assert_eq!(Session::initialize_for_legs("not json"), None);
     }
 }

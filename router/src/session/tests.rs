@@ -386,7 +386,16 @@ pub(super) mod in_memory {
             legs: Vec<legs::LegFrames>,
             initialized: bool,
         ) -> Harness {
-            let mut session = self.unstarted(tenant);
+            self.run(self.unstarted(tenant), legs, initialized)
+        }
+
+        /// Runs `session` (from [`Process::unstarted`]) as [`Process::session`] would.
+        pub(crate) fn run(
+            &self,
+            mut session: Session,
+            legs: Vec<legs::LegFrames>,
+            initialized: bool,
+        ) -> Harness {
             session.new_legs.lock().unwrap().extend(legs);
             if initialized {
                 session.init = Some(Init {
@@ -527,10 +536,57 @@ pub(super) mod in_memory {
             text: text.to_string().into(),
             method: Arc::from("thread/status/changed"),
             to_all: false,
-            turn_ended: None,
+            turn: None,
             rehome: None,
             status_of: None,
         });
+    }
+
+    /// A session whose leg to a worker is live gets that worker's status changes from the relay
+    /// (its legs opt out of them: `LEG_OPT_OUTS`) and the worker's other broadcasts from the leg
+    /// only; the relayed start and end of a turn count once for the tenant, however many of its
+    /// sessions see them.
+    #[tokio::test(start_paused = true)]
+    async fn a_live_leg_s_status_changes_come_from_the_relay_and_count_its_turns_once() {
+        let p = Process::new("", "", "");
+        let w = WorkerId::new("acme", 1, 1);
+        let mut clients: Vec<Harness> = (0..2)
+            .map(|_| {
+                let mut s = p.unstarted("acme");
+                s.live.insert(w);
+                p.run(s, Vec::new(), true)
+            })
+            .collect();
+        let relay = |clients: &[Harness], method: &str, status: &str, started: Option<bool>| {
+            let text = json!({ "method": method,
+                "params": { "threadId": "th", "status": { "type": status }, "thread": { "id": "th" } } });
+            clients[0].tenant.relay(crate::tenants::Relayed {
+                worker: w,
+                text: text.to_string().into(),
+                method: Arc::from(method),
+                to_all: false,
+                turn: started.map(|s| crate::tenants::TurnMark::new(Arc::from("th"), s)),
+                rehome: None,
+                status_of: None,
+            });
+        };
+        settle().await;
+        relay(&clients, "thread/status/changed", "active", Some(true));
+        for c in &mut clients {
+            assert_eq!(c.next().await["params"]["status"]["type"], "active");
+        }
+        assert_eq!(p.admission.active_turns("acme"), 1, "the turn counts once");
+        // Not a status change: the live leg delivers it, so the relay's copy is not forwarded.
+        relay(&clients, "thread/started", "idle", None);
+        relay(&clients, "thread/status/changed", "idle", Some(false));
+        for c in &mut clients {
+            assert_eq!(c.next().await["params"]["status"]["type"], "idle");
+        }
+        assert_eq!(p.admission.active_turns("acme"), 0, "and ends once");
+        settle().await;
+        for c in &mut clients {
+            assert!(c.from_session.try_recv().is_err(), "nothing more");
+        }
     }
 
     /// A session further behind its tenant's broadcasts than the relay holds has lost some (a
