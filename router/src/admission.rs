@@ -327,6 +327,58 @@ struct Counts {
     tenants: FastMap<String, TenantState>,
 }
 
+impl Counts {
+    fn turn_started(&mut self, tenant: &str, thread_id: &str) {
+        // Every session that sees the broadcast reports it: names are copied only when new.
+        if !self.tenants.contains_key(tenant) {
+            self.tenants
+                .insert(tenant.to_owned(), TenantState::default());
+        }
+        let Some(state) = self.tenants.get_mut(tenant) else {
+            return;
+        };
+        if !state.turns.contains_key(thread_id) {
+            state.turns.insert(thread_id.to_owned(), Instant::now());
+        }
+    }
+
+    fn turn_ended(&mut self, tenant: &str, thread_id: &str) {
+        if let Some(state) = self.tenants.get_mut(tenant) {
+            state.turns.remove(thread_id);
+            if state.conns == 0 && state.turns.is_empty() {
+                self.tenants.remove(tenant);
+            }
+        }
+    }
+}
+
+/// A thread's turn starting or ending, relayed to every session of the tenant and counted
+/// against the tenant's active turns once ([`Admission::turn_marked`]): the count is the
+/// tenant's, and one call under admission's lock (shared by every tenant) does what one per
+/// session did, hundreds of times a turn in a big tenant.
+#[derive(Debug)]
+pub struct TurnMark {
+    thread: Arc<str>,
+    started: bool,
+    taken: AtomicBool,
+}
+
+impl TurnMark {
+    /// `thread`'s turn started (or ended).
+    pub fn new(thread: Arc<str>, started: bool) -> Arc<TurnMark> {
+        Arc::new(TurnMark {
+            thread,
+            started,
+            taken: AtomicBool::new(false),
+        })
+    }
+
+    /// The end of `thread`'s turn.
+    pub fn ended(thread: Arc<str>) -> Arc<TurnMark> {
+        TurnMark::new(thread, false)
+    }
+}
+
 /// Admission state shared by every session; see the module docs.
 pub struct Admission {
     cfg: RwLock<Arc<AdmissionConfig>>,
@@ -556,30 +608,30 @@ impl Admission {
     /// Records that `thread_id` of `tenant` runs a turn (`turn/started`). Idempotent, so every
     /// session that sees the broadcast may report it.
     pub fn turn_started(&self, tenant: &str, thread_id: &str) {
-        let mut counts = lock(&self.counts);
-        // Every session that sees the broadcast reports it: names are copied only when new.
-        if !counts.tenants.contains_key(tenant) {
-            counts
-                .tenants
-                .insert(tenant.to_owned(), TenantState::default());
-        }
-        let Some(state) = counts.tenants.get_mut(tenant) else {
-            return;
-        };
-        if !state.turns.contains_key(thread_id) {
-            state.turns.insert(thread_id.to_owned(), Instant::now());
-        }
+        lock(&self.counts).turn_started(tenant, thread_id);
     }
 
     /// Records that the turn on `thread_id` ended (`turn/completed`, or the thread closed or
     /// its worker died). Idempotent.
     pub fn turn_ended(&self, tenant: &str, thread_id: &str) {
+        lock(&self.counts).turn_ended(tenant, thread_id);
+    }
+
+    /// Records a relayed turn start or end, once for the tenant however many of its sessions
+    /// report it. Taken and applied under the counts' lock, so a session that finds a start
+    /// taken reports the end after it was applied, in the relay's order; a session that finds
+    /// it taken does not take the lock at all.
+    pub fn turn_marked(&self, tenant: &str, mark: &TurnMark) {
+        if mark.taken.load(Ordering::Acquire) {
+            return;
+        }
         let mut counts = lock(&self.counts);
-        if let Some(state) = counts.tenants.get_mut(tenant) {
-            state.turns.remove(thread_id);
-            if state.conns == 0 && state.turns.is_empty() {
-                counts.tenants.remove(tenant);
-            }
+        if mark.taken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match mark.started {
+            true => counts.turn_started(tenant, &mark.thread),
+            false => counts.turn_ended(tenant, &mark.thread),
         }
     }
 

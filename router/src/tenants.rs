@@ -1,6 +1,5 @@
 //! Tenants at run time: each configured tenant with its worker pool and its token digests.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::metrics::{ExitReason, WorkerMetrics};
 use worker::{FleetCap, Pool, PoolEvent, WorkerId, WorkerUser};
 
+use crate::admission::TurnMark;
 use crate::config::Config;
 use crate::credentials::Credentials;
 use crate::policy::{HostAccessPolicy, TenantRoots};
@@ -57,37 +57,6 @@ pub struct Tenant {
     relay: broadcast::Sender<Relayed>,
     reconcile: Arc<Notify>,
     events: std::sync::Mutex<Option<JoinHandle<()>>>,
-}
-
-/// A thread's turn starting or ending, relayed to every session of the tenant and counted
-/// against the tenant's active turns by the first to take it: the count is the tenant's, and
-/// one call under admission's lock (shared by every tenant) does what one per session did,
-/// hundreds of times a turn in a big tenant.
-#[derive(Debug)]
-pub struct TurnMark {
-    thread: Arc<str>,
-    started: bool,
-    taken: AtomicBool,
-}
-
-impl TurnMark {
-    /// The end of `thread`'s turn.
-    pub fn ended(thread: Arc<str>) -> Arc<TurnMark> {
-        TurnMark::new(thread, false)
-    }
-
-    pub fn new(thread: Arc<str>, started: bool) -> Arc<TurnMark> {
-        Arc::new(TurnMark {
-            thread,
-            started,
-            taken: AtomicBool::new(false),
-        })
-    }
-
-    /// Whether the turn started (or ended), and its thread: to the first caller only.
-    pub fn take(&self) -> Option<(bool, &str)> {
-        (!self.taken.swap(true, Ordering::AcqRel)).then_some((self.started, &*self.thread))
-    }
 }
 
 /// A broadcast about one of the tenant's threads, seen on a worker's control leg.

@@ -65,8 +65,12 @@ async fn an_approval_round_trips_with_the_routers_id() -> anyhow::Result<()> {
         .await?;
     let resolved = c.notification("serverRequest/resolved").await?;
     assert_eq!(resolved["params"]["requestId"], id, "{resolved}");
-    let msgs = c.until_turn_completed(&thread).await?;
-    let done = msgs.last().expect("turn/completed");
+    // The whole turn, its idle too, so that nothing of it is left to arrive below.
+    let msgs = c.until_turn_over(&thread).await?;
+    let done = msgs
+        .iter()
+        .find(|m| m["method"] == "turn/completed")
+        .expect("turn/completed");
     assert_eq!(done["params"]["turn"]["status"], "completed", "{done}");
     assert_eq!(
         agent_text(&msgs).as_deref(),

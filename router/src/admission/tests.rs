@@ -489,3 +489,37 @@ async fn tracked_turns_are_corrected_by_the_workers_count_once_settled() {
     adm.reconcile_turns("acme", 5, Duration::ZERO);
     assert_eq!(adm.active_turns("acme"), 1);
 }
+
+/// A relayed turn start or end counts once for the tenant, however many of its sessions report
+/// it; and sessions reporting a thread's start and then its end, at once on two threads, never
+/// leave the turn counted as running (the end is applied after the start, whoever took it).
+#[test]
+fn a_relayed_turn_mark_counts_once_and_in_the_relay_s_order() {
+    let adm = Admission::new(small()).unwrap();
+    let start = TurnMark::new(Arc::from("t1"), true);
+    adm.turn_marked("acme", &start);
+    adm.turn_ended("acme", "t1"); // the leg's turn/completed
+    adm.turn_marked("acme", &start); // the same start, seen late by a second session
+    assert_eq!(adm.active_turns("acme"), 0, "taken once: not counted again");
+    let adm = Arc::new(adm);
+    for round in 0..2_000 {
+        let thread: Arc<str> = Arc::from(format!("t{round}"));
+        let marks = [TurnMark::new(thread.clone(), true), TurnMark::ended(thread)];
+        let go = Arc::new(std::sync::Barrier::new(2));
+        let sessions: Vec<_> = (0..2)
+            .map(|_| {
+                let (adm, marks, go) = (adm.clone(), marks.clone(), go.clone());
+                std::thread::spawn(move || {
+                    go.wait();
+                    for mark in &marks {
+                        adm.turn_marked("acme", mark);
+                    }
+                })
+            })
+            .collect();
+        for s in sessions {
+            s.join().unwrap();
+        }
+        assert_eq!(adm.active_turns("acme"), 0, "round {round}: the turn ended");
+    }
+}

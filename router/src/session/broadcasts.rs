@@ -9,7 +9,7 @@ use tokio_util::sync::ReusableBoxFuture;
 
 use super::{End, Session, LEG_OPT_OUTS, RELAY_BURST};
 use crate::gate::Gate;
-use crate::tenants::{Relayed, TurnMark};
+use crate::tenants::Relayed;
 
 /// One receive from the relay, holding the receiver until it is done.
 type Receiving = ReusableBoxFuture<'static, (Result<Relayed, RecvError>, Receiver<Relayed>)>;
@@ -109,13 +109,11 @@ impl Session {
                 _ => Ok(()),
             };
         };
-        // Taken once for the tenant, in the control leg's order: a relayed "active" that comes
-        // after the leg's turn/completed is followed by its relayed idle. (Legs do not get
-        // status changes, so a turn driven on a thread no session follows is counted here.)
-        match r.turn.as_deref().and_then(TurnMark::take) {
-            Some((true, thread)) => self.ctx.admission.turn_started(self.tenant(), thread),
-            Some((false, thread)) => self.ctx.admission.turn_ended(self.tenant(), thread),
-            None => {}
+        // Counted once for the tenant, in the control leg's order: a relayed "active" that
+        // comes after the leg's turn/completed is followed by its relayed idle. (Legs do not
+        // get status changes, so a turn driven on a thread no session follows counts here.)
+        if let Some(mark) = &r.turn {
+            self.ctx.admission.turn_marked(self.tenant(), mark);
         }
         if let Some(order) = &r.rehome {
             // Boxed: rare, and every relayed broadcast's future would carry it otherwise.
@@ -148,28 +146,6 @@ mod tests {
             rehome: None,
             status_of: None,
         }
-    }
-
-    #[tokio::test]
-    async fn a_relayed_turn_end_is_taken_by_the_first_session_only() {
-        let (tx, rx1) = broadcast::channel(4);
-        let rx2 = tx.subscribe();
-        let mut r = relayed("idle");
-        r.turn = Some(TurnMark::ended(std::sync::Arc::from("th")));
-        tx.send(r).unwrap();
-        let (mut one, mut two) = (Relay::new(rx1), Relay::new(rx2));
-        let (a, b) = (one.recv().await.unwrap(), two.recv().await.unwrap());
-        let takes = [a, b].map(|r| {
-            r.turn
-                .as_deref()
-                .and_then(TurnMark::take)
-                .map(|(started, thread)| (started, thread.to_owned()))
-        });
-        assert_eq!(
-            takes,
-            [Some((false, "th".to_owned())), None],
-            "counted once for the tenant"
-        );
     }
 
     #[tokio::test]

@@ -565,7 +565,7 @@ pub(super) mod in_memory {
                 text: text.to_string().into(),
                 method: Arc::from(method),
                 to_all: false,
-                turn: started.map(|s| crate::tenants::TurnMark::new(Arc::from("th"), s)),
+                turn: started.map(|s| crate::admission::TurnMark::new(Arc::from("th"), s)),
                 rehome: None,
                 status_of: None,
             });
