@@ -176,20 +176,54 @@ impl Work {
 /// irq, softirq and steal; not idle or iowait), in clock ticks' 10 ms steps. Over a phase, less
 /// what the client and the proxy used, it is what everything else (here the simulators) cost.
 pub fn machine_busy_secs() -> Option<f64> {
+    let f = machine_ticks()?;
+    // user nice system idle iowait irq softirq steal …
+    ticks_secs(f.get(..3)?.iter().sum::<u64>() + f.get(5..8)?.iter().sum::<u64>())
+}
+
+/// Of [`machine_busy_secs`], what the machine spent in interrupts so far (`/proc/stat`: irq and
+/// softirq, where the kernel moves packets between sockets): a kernel that accounts interrupt
+/// time apart charges it to no process.
+pub fn machine_irq_secs() -> Option<f64> {
+    ticks_secs(machine_ticks()?.get(5..7)?.iter().sum::<u64>())
+}
+
+/// CPU seconds so far of every live process named `name` (`/proc/<pid>/comm`, which the kernel
+/// cuts to 15 bytes): all the simulators, whichever path started them. From the scheduler's own
+/// counts ([`cpu_micros`]): `/proc/<pid>/stat`'s times lag a process that runs in short bursts by
+/// up to seconds (seen: 100 simulators' summed times standing still through a half-second phase
+/// of turns, then catching up in the next).
+pub fn cpu_secs_named(name: &str) -> f64 {
+    let name = &name.as_bytes()[..name.len().min(15)];
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.strip_suffix(b"\n").unwrap_or(&c) == name)
+        })
+        .filter_map(cpu_micros)
+        .sum::<f64>()
+        / 1e6
+}
+
+/// The first line of `/proc/stat`: the machine's clock ticks by kind.
+fn machine_ticks() -> Option<Vec<u64>> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
-    let f: Vec<u64> = s
-        .lines()
+    s.lines()
         .next()?
         .strip_prefix("cpu ")?
         .split_whitespace()
         .map(|v| v.parse().ok())
-        .collect::<Option<_>>()?;
-    // user nice system idle iowait irq softirq steal …
-    let busy = f.get(..3)?.iter().sum::<u64>() + f.get(5..8)?.iter().sum::<u64>();
+        .collect()
+}
+
+fn ticks_secs(ticks: u64) -> Option<f64> {
     let per_sec = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
         .flatten()? as f64;
-    Some(busy as f64 / per_sec)
+    Some(ticks as f64 / per_sec)
 }
 
 /// On-CPU time of a process's live threads so far, in µs: the scheduler's own nanosecond

@@ -20,13 +20,19 @@ use clap::Parser;
 use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::rpc::{connect_unix, connect_wss, Rpc};
 use codex_fleet_bench::sim::{start_sims, wait_workers_ready, Script, SimFleet};
-use codex_fleet_bench::{cpu_secs, machine_busy_secs, peak_rss_kib, terminate, Binaries, Work};
+use codex_fleet_bench::{
+    cpu_secs, cpu_secs_named, machine_busy_secs, machine_irq_secs, peak_rss_kib, terminate,
+    Binaries, Work,
+};
 use proto::Method;
 use serde_json::json;
 use testkit::rss_kib;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// The simulators' process name (`/proc/<pid>/comm`), on every path.
+const SIM_NAME: &str = "codex-app-server-sim";
 
 /// The goal (BENCHMARKS.md, bench 4): turns per second through the fleet at least this share of
 /// direct.
@@ -170,9 +176,12 @@ struct PhaseResult {
     turn_latencies: Samples,
     /// What `at_barrier` sampled: the proxy's VmRSS (KiB) and work so far, every session open.
     at_barrier: Option<(u64, Work)>,
-    /// CPU seconds over the turns: the whole machine busy, and this process (the clients).
+    /// CPU seconds over the turns: the whole machine busy, this process (the clients), every
+    /// simulator (the other path's idle ones too), and the machine's interrupts.
     machine_secs: Option<f64>,
     client_secs: Option<f64>,
+    sims_secs: f64,
+    irq_secs: Option<f64>,
 }
 
 /// Runs `n` sessions made by `connect(i)`; all connect and start a thread, then (after
@@ -211,6 +220,7 @@ where
     }
     let sampled = at_barrier();
     let me = std::process::id();
+    let (sims0, irq0) = (cpu_secs_named(SIM_NAME), machine_irq_secs());
     let (machine0, client0) = (machine_busy_secs(), cpu_secs(me));
     let t0 = Instant::now();
     let _ = go_tx.send(true);
@@ -227,6 +237,8 @@ where
         at_barrier: sampled,
         machine_secs: None,
         client_secs: None,
+        sims_secs: 0.0,
+        irq_secs: None,
     };
     for t in tasks {
         match t.await? {
@@ -247,6 +259,8 @@ where
     res.turn_wall = t0.elapsed();
     res.machine_secs = machine0.zip(machine_busy_secs()).map(|(a, b)| b - a);
     res.client_secs = client0.zip(cpu_secs(me)).map(|(a, b)| b - a);
+    res.sims_secs = cpu_secs_named(SIM_NAME) - sims0;
+    res.irq_secs = irq0.zip(machine_irq_secs()).map(|(a, b)| b - a);
     Ok(res)
 }
 
@@ -573,7 +587,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     // Where the machine's CPU went per turn on each path: the clients (this process), the proxy,
-    // and the rest (the simulators, and whatever else ran; codex-fleet idles beside the last two).
+    // the simulators (every one: the other paths' idle beside), and the rest: kernel work no
+    // process is charged for (interrupts, where the machine accounts them apart) and whatever
+    // else ran (codex-fleet idles beside the last three paths).
     for (name, r, proxy) in [
         ("through codex-fleet", &fleet, cpu_end.zip(fleet.at_barrier)),
         ("direct", &direct, None),
@@ -592,11 +608,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let turns = r.turns.max(1) as f64;
             let p = proxy.map_or(0.0, |(w1, (_, w0))| w1.since(w0).cpu_secs());
             println!(
-                "machine CPU per turn {name}: {:.2} ms = clients {:.2} + proxy {:.2} + the rest (simulators) {:.2}; cores busy {:.2}",
+                "machine CPU per turn {name}: {:.2} ms = clients {:.2} + proxy {:.2} + simulators {:.2} + the rest {:.2} (interrupts {:.2}); cores busy {:.2}",
                 1000.0 * m / turns,
                 1000.0 * c / turns,
                 1000.0 * p / turns,
-                1000.0 * (m - c - p) / turns,
+                1000.0 * r.sims_secs / turns,
+                1000.0 * (m - c - p - r.sims_secs) / turns,
+                1000.0 * r.irq_secs.unwrap_or(0.0) / turns,
                 m / r.turn_wall.as_secs_f64().max(1e-9),
             );
         }
