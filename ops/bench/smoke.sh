@@ -64,6 +64,7 @@ run "4 fleet-load" \
     'floor relay CPU during the turns' \
     'through the routing floor .*: 4 sessions ok, 0 failed' 'turns/s through/routing floor = [0-9.]+' \
     'routing floor CPU during the turns' \
+    'machine CPU per turn through codex-fleet: [0-9.]+ ms = clients [0-9.]+ \+ proxy [0-9.]+ \+ simulators [0-9.]+ \+ the rest -?[0-9.]+' \
     'request latency .* p50 .* p99' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2
 run "4 fleet-load through an edge (the profile-guided build's training, ops/bench/pgo.sh)" \
