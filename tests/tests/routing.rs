@@ -182,13 +182,20 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
         msgs.extend(s.backlog.drain(..));
     }
     // What C got is the thread's broadcasts (it has no leg there); A and B, subscribed through
-    // their legs, got each of those once too, in the same order.
-    let broadcasts = |msgs: &[Value], kinds: &HashSet<String>| -> Vec<String> {
-        msgs.iter()
+    // their legs, got each of those once too, in the same order. Status changes are compared as
+    // their own stream: every session gets them relayed (their legs opt out), and app-server
+    // itself orders them freely against its other notifications.
+    let broadcasts = |msgs: &[Value], kinds: &HashSet<String>| -> [Vec<String>; 2] {
+        let mut streams = [Vec::new(), Vec::new()];
+        for m in msgs
+            .iter()
             .filter(|m| m.get("id").is_none() && m["params"]["threadId"] == thread.as_str())
             .filter(|m| kinds.contains(m["method"].as_str().unwrap_or_default()))
-            .map(|m| format!("{} {}", m["method"], m["params"]))
-            .collect()
+        {
+            let status = usize::from(m["method"] == "thread/status/changed");
+            streams[status].push(format!("{} {}", m["method"], m["params"]));
+        }
+        streams
     };
     let kinds: HashSet<String> = msgs_c
         .iter()
