@@ -200,7 +200,7 @@ impl Session {
         id: RequestId,
         method: &Method<'_>,
         thread: Option<Cow<'_, str>>,
-        text: Utf8Bytes,
+        mut text: Utf8Bytes,
     ) -> Result<(), End> {
         if let Some(why) = self.unusable_id(&id) {
             self.count_error(why);
@@ -211,7 +211,6 @@ impl Session {
             return self.reply_error(Some(&id), codes::INVALID_REQUEST, message, None);
         }
         let first_initialize = *method == Method::Initialize && self.init.is_none();
-        let mut text = text;
         if first_initialize {
             let params = serde_json::from_str::<serde_json::Value>(&text)
                 .map(|mut v| v["params"].take())
@@ -226,7 +225,7 @@ impl Session {
             );
             // The client's own opt-outs, for what codex-fleet sends it; its legs send more.
             let opt_out = opt_outs(&params["capabilities"]["optOutNotificationMethods"]);
-            if let Some(for_legs) = Self::initialize_for_legs(&text) {
+            if let Some(for_legs) = Self::initialize_for_legs(&text, params) {
                 text = Utf8Bytes::from(for_legs);
             }
             self.init = Some(Init {

@@ -297,10 +297,10 @@ impl Session {
     /// `optOutNotificationMethods`, every other member as the client wrote it. `None` (sent
     /// as written, for the worker to answer as it would the client) when the frame, its params
     /// or its capabilities are not objects, or its opt-outs are neither a list nor null.
-    pub(super) fn initialize_for_legs(text: &str) -> Option<String> {
+    /// `params` is the frame's, as the session already parsed it.
+    pub(super) fn initialize_for_legs(text: &str, mut params: Value) -> Option<String> {
         type RawObject<'a> = std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>;
         let mut frame: RawObject<'_> = serde_json::from_str(text).ok()?;
-        let mut params: Value = serde_json::from_str(frame.get("params")?.get()).ok()?;
         let capabilities = params
             .as_object_mut()?
             .entry("capabilities")
@@ -349,8 +349,16 @@ mod tests {
 
     use super::Session;
 
+    /// As the session calls it: the frame's text, and its params parsed.
+    fn leg_text(text: &str) -> Option<String> {
+        let params = serde_json::from_str::<Value>(text)
+            .map(|mut v| v["params"].take())
+            .unwrap_or_default();
+        Session::initialize_for_legs(text, params)
+    }
+
     fn for_legs(frame: Value) -> Option<Value> {
-        Session::initialize_for_legs(&frame.to_string()).map(|t| serde_json::from_str(&t).unwrap())
+        leg_text(&frame.to_string()).map(|t| serde_json::from_str(&t).unwrap())
     }
 
     #[test]
@@ -371,7 +379,7 @@ mod tests {
         }
         // The client's own members and opt-outs stay, the id exactly as written.
         let frame = r#"{"id":12345678901234567890,"method":"initialize","params":{"clientInfo":{"name":"x","version":"1"},"capabilities":{"experimentalApi":true,"optOutNotificationMethods":["item/agentMessage/delta"]}}}"#;
-        let sent = Session::initialize_for_legs(frame).unwrap();
+        let sent = leg_text(frame).unwrap();
         assert!(sent.contains(r#""id":12345678901234567890"#), "{sent}");
         let sent: Value = serde_json::from_str(&sent).unwrap();
         assert_eq!(
@@ -401,6 +409,6 @@ mod tests {
             assert_eq!(for_legs(frame), None);
         }
         assert_eq!(for_legs(json!({ "id": 1, "method": "initialize" })), None);
-        assert_eq!(Session::initialize_for_legs("not json"), None);
+        assert_eq!(leg_text("not json"), None);
     }
 }
