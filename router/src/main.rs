@@ -123,6 +123,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    fix_mmap_threshold();
     if !matches!(
         cli.command,
         Command::CheckConfig { .. } | Command::Top { .. } | Command::RenderTenantPod { .. }
@@ -249,6 +250,26 @@ fn raise_nofile_limit() {
     match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
         Ok(()) => tracing::info!(from = soft, to = hard, "raised the open-files limit"),
         Err(e) => tracing::warn!(error = %e, soft, hard, "cannot raise the open-files limit"),
+    }
+}
+
+/// Large allocations (a frame's buffers, up to `limits.max_message_bytes` each) are mapped on
+/// their own and unmapped when freed. glibc's default raises its mapping threshold to the size
+/// of the largest block freed (up to 32 MiB), after which such buffers come from the arenas,
+/// and what a flood of large answers freed stays resident: the bounds on queued bytes hold, the
+/// process's memory does not come back down.
+fn fix_mmap_threshold() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        /// Blocks at least this large are mapped on their own.
+        const MMAP_THRESHOLD: nix::libc::c_int = 1 << 20;
+        // SAFETY: mallopt only sets a parameter of the allocator; it is called before any
+        // other thread exists.
+        #[allow(unsafe_code)]
+        let set = unsafe { nix::libc::mallopt(nix::libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
+        if set != 1 {
+            tracing::warn!("cannot set the allocator's mapping threshold");
+        }
     }
 }
 
