@@ -1,7 +1,13 @@
 //! The WebSocket limits of codex-fleet's connections, defined once: [`leg_config`] for every leg
 //! to a worker, [`client_config`] for clients' connections and the edge→node link.
 
+use std::collections::VecDeque;
+
+use futures_util::{Sink, SinkExt};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+use tokio_tungstenite::tungstenite::protocol::frame::Frame;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message, Utf8Bytes};
 
 /// Frames never need to be larger than tungstenite's default frame cap.
 pub const MAX_FRAME_SIZE: usize = 16 << 20;
@@ -42,9 +48,164 @@ pub fn client_config(max_message_bytes: usize) -> WebSocketConfig {
         .max_write_buffer_size(max_message_bytes.saturating_mul(2).max(1 << 20))
 }
 
+/// Text messages larger than this are written as fragments of about this size (RFC 6455
+/// §5.4; see [`Fragments`]).
+pub const FRAGMENT_SIZE: usize = 64 << 10;
+
+/// A large text message written as fragments of about [`FRAGMENT_SIZE`], each cut on a
+/// character boundary.
+///
+/// tungstenite copies a whole frame into its write buffer before any of it reaches the socket,
+/// and the receiving side reads a whole frame into its read buffer; both buffers keep their
+/// largest size for the connection's life. Written whole, one large answer (a `thread/read` of a
+/// long thread) left every connection it crossed holding two copies of it until the connection
+/// closed, outside every byte bound: a tenant's idle sessions could pin gigabytes of a process
+/// all tenants share. In fragments, each side's buffers stay about one fragment large; the
+/// receiver assembles the message in an allocation the message owns and frees.
+pub struct Fragments {
+    rest: Bytes,
+    /// The message's length.
+    len: usize,
+    started: bool,
+}
+
+impl Fragments {
+    /// `text` as fragments when it is larger than [`FRAGMENT_SIZE`]; `text` back otherwise.
+    pub fn split(text: Utf8Bytes) -> Result<Fragments, Utf8Bytes> {
+        if text.len() <= FRAGMENT_SIZE {
+            return Err(text);
+        }
+        Ok(Fragments {
+            len: text.len(),
+            rest: Bytes::from(text),
+            started: false,
+        })
+    }
+
+    /// The message's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: a message this small is not split.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The next fragment, and whether it is the last one.
+    pub fn next_frame(&mut self) -> (Frame, bool) {
+        let mut cut = self.rest.len().min(FRAGMENT_SIZE);
+        // The message is UTF-8 (it came from a `Utf8Bytes`), so a character boundary lies
+        // within the three bytes before any cut.
+        while cut < self.rest.len() && (self.rest[cut] & 0xC0) == 0x80 {
+            cut -= 1;
+        }
+        let piece = self.rest.split_to(cut);
+        let last = self.rest.is_empty();
+        let opcode = if self.started {
+            Data::Continue
+        } else {
+            Data::Text
+        };
+        self.started = true;
+        (Frame::message(piece, OpCode::Data(opcode), last), last)
+    }
+}
+
+/// What a writer hands its socket next: the next fragment of `partial` (the large text being
+/// written, kept there until its last fragment) or else the next of `frames`, a large text
+/// split. With it, the bytes of the text message it completes (0 for a fragment before the
+/// last, and for any other frame).
+pub fn next_out(
+    partial: &mut Option<Fragments>,
+    frames: &mut VecDeque<Message>,
+) -> Option<(Message, usize)> {
+    let mut fragments = match partial.take() {
+        Some(fragments) => fragments,
+        None => match frames.pop_front()? {
+            Message::Text(text) => match Fragments::split(text) {
+                Ok(fragments) => fragments,
+                Err(text) => {
+                    let len = text.len();
+                    return Some((Message::Text(text), len));
+                }
+            },
+            msg => return Some((msg, 0)),
+        },
+    };
+    let (frame, last) = fragments.next_frame();
+    let done = if last {
+        fragments.len()
+    } else {
+        *partial = Some(fragments);
+        0
+    };
+    Some((Message::Frame(frame), done))
+}
+
+/// Sends `msg` on `sink`, a text larger than [`FRAGMENT_SIZE`] in fragments, and flushes.
+pub async fn send_in_fragments<S>(sink: &mut S, msg: Message) -> Result<(), WsError>
+where
+    S: Sink<Message, Error = WsError> + Unpin,
+{
+    let text = match msg {
+        Message::Text(text) => text,
+        msg => return sink.send(msg).await,
+    };
+    match Fragments::split(text) {
+        Err(text) => sink.send(Message::Text(text)).await,
+        Ok(mut fragments) => loop {
+            let (frame, last) = fragments.next_frame();
+            if last {
+                return sink.send(Message::Frame(frame)).await;
+            }
+            sink.feed(Message::Frame(frame)).await?;
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_text_goes_in_fragments_cut_on_characters_that_join_back_whole() {
+        // Two-, three- and four-byte characters across every cut.
+        let text: String = "aé€😀".repeat(FRAGMENT_SIZE / 3);
+        let Ok(mut f) = Fragments::split(Utf8Bytes::from(text.clone())) else {
+            panic!("not split");
+        };
+        assert_eq!(f.len(), text.len());
+        let (mut joined, mut frames) = (Vec::new(), Vec::new());
+        loop {
+            let (frame, last) = f.next_frame();
+            assert!(frame.payload().len() <= FRAGMENT_SIZE);
+            assert!(
+                std::str::from_utf8(frame.payload()).is_ok(),
+                "cut inside a character"
+            );
+            joined.extend_from_slice(frame.payload());
+            frames.push((frame.header().opcode, frame.header().is_final));
+            if last {
+                break;
+            }
+        }
+        assert_eq!(joined, text.as_bytes());
+        assert!(frames.len() >= 4, "{} frames", frames.len());
+        assert_eq!(frames[0], (OpCode::Data(Data::Text), false));
+        for mid in &frames[1..frames.len() - 1] {
+            assert_eq!(*mid, (OpCode::Data(Data::Continue), false));
+        }
+        assert_eq!(
+            frames[frames.len() - 1],
+            (OpCode::Data(Data::Continue), true)
+        );
+        let small = Utf8Bytes::from("x".repeat(FRAGMENT_SIZE));
+        assert!(
+            Fragments::split(small).is_err(),
+            "a message of one fragment is split"
+        );
+    }
 
     #[test]
     fn limits_are_explicit() {

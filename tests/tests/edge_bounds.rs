@@ -190,6 +190,43 @@ fn read_all(thread: &str) -> Value {
     json!({ "threadId": thread, "includeTurns": true })
 }
 
+/// Starts a thread on `a` and gives it `turns` turns with prompts of `prompt_bytes` (the mock
+/// model echoes them); returns it and the size of its `thread/read` answer.
+async fn large_thread(
+    a: &mut Client,
+    turns: usize,
+    prompt_bytes: usize,
+) -> anyhow::Result<(String, usize)> {
+    let thread = a.start_thread().await?;
+    // One word: the mock streams its echo as a few deltas, not one per word.
+    let prompt = "x".repeat(prompt_bytes);
+    for _ in 0..turns {
+        a.start_turn(&thread, &prompt).await?;
+        let msgs = a.until_turn_completed(&thread).await?;
+        anyhow::ensure!(
+            testkit::agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
+            "no echo: {:?}",
+            msgs.iter()
+                .filter(|m| m.to_string().contains("rror"))
+                .map(|m| format!("{m:.400}"))
+                .collect::<Vec<_>>()
+        );
+    }
+    let id = a.send_request("thread/read", read_all(&thread)).await?;
+    let answer = a.wait_for(|v| v["id"] == id).await?;
+    let answer_bytes = answer.to_string().len();
+    anyhow::ensure!(answer.get("result").is_some(), "thread/read: {answer:.500}");
+    eprintln!(
+        "measured: thread/read includeTurns of {turns} turns: {:.1} MiB",
+        answer_bytes as f64 / 1048576.0
+    );
+    anyhow::ensure!(
+        answer_bytes > 2 * prompt_bytes * turns * 9 / 10,
+        "{answer_bytes}"
+    );
+    Ok((thread, answer_bytes))
+}
+
 /// Opens `n` sessions of `tenant` with a 4 KiB receive window, each sending `reads` requests
 /// for the whole thread and never reading their answers.
 async fn unread_flood(
@@ -281,45 +318,29 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
 
     // Tenant A builds a large thread: turns with 1 MB prompts (the mock model echoes them).
     let mut a = edge.client(&s.files, &s.token("acme")).await?;
-    let thread = a.start_thread().await?;
-    // One word: the mock streams its echo as a few deltas, not one per word.
-    let prompt = "x".repeat(prompt_bytes);
-    for _ in 0..turns {
-        a.start_turn(&thread, &prompt).await?;
-        let msgs = a.until_turn_completed(&thread).await?;
-        anyhow::ensure!(
-            testkit::agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
-            "no echo: {:?}",
-            msgs.iter()
-                .filter(|m| m.to_string().contains("rror"))
-                .map(|m| format!("{m:.400}"))
-                .collect::<Vec<_>>()
-        );
-    }
-    let id = a.send_request("thread/read", read_all(&thread)).await?;
-    let answer = a.wait_for(|v| v["id"] == id).await?;
-    let answer_bytes = answer.to_string().len();
-    anyhow::ensure!(answer.get("result").is_some(), "thread/read: {answer:.500}");
-    eprintln!(
-        "measured: thread/read includeTurns of {turns} turns: {:.1} MiB",
-        answer_bytes as f64 / 1048576.0
-    );
-    anyhow::ensure!(
-        answer_bytes > 2 * prompt_bytes * turns * 9 / 10,
-        "{answer_bytes}"
-    );
+    let (thread, answer_bytes) = large_thread(&mut a, turns, prompt_bytes).await?;
 
     // Tenant B works on the same edge throughout, its round trips measured.
     let mut b = edge.client(&s.files, &s.token("beta")).await?;
     let base = rss_kib(pid).context("edge RSS")?;
     // What the old edge queued from one wave: every answer, held in memory.
     let unbounded_kib = (12 * 40 * answer_bytes / 1024) as u64;
-    // The goal (as serve); `EDGE_FLOOD_BOUND_MIB` lets a by-hand measurement see past it.
-    let limit_kib = 1024
-        * std::env::var("EDGE_FLOOD_BOUND_MIB")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(200);
+    // The bound: the tenant's queued bytes, one answer more per session (the message it is
+    // reading from the link, counted once queued), and 32 MiB for everything else.
+    // `EDGE_FLOOD_BOUND_MIB` lets a by-hand measurement see past it.
+    let tenant_queue_kib = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("tenant_queue_bytes = "))
+        .map_or(256 << 10, |v| {
+            v.trim().parse::<u64>().unwrap_or(256 << 20) / 1024
+        });
+    let limit_kib = std::env::var("EDGE_FLOOD_BOUND_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(
+            tenant_queue_kib + 12 * (answer_bytes as u64 / 1024) + (32 << 10),
+            |mib| mib * 1024,
+        );
     let slow = [("reason", "slow_client")];
     let stop = tokio_util::sync::CancellationToken::new();
     let b_stop = stop.clone();
@@ -363,10 +384,12 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
         let closed = metric(&edge, "codex_fleet_sessions_closed_total", &slow).await? - before;
         eprintln!(
             "measured: wave {wave}: 12 unread sessions x 40 thread/read ({:.0} MiB of answers): \
-             {closed} closed as slow clients within {:?}; edge RSS peak growth {} MiB, now {} MiB",
+             {closed} closed as slow clients within {:?}; edge RSS peak growth {} MiB (bound {} MiB), \
+             now {} MiB",
             unbounded_kib as f64 / 1024.0,
             started.elapsed(),
             peak / 1024,
+            limit_kib / 1024,
             rss_kib(pid).unwrap_or(0).saturating_sub(base) / 1024
         );
         peaks.push(peak);
@@ -421,6 +444,68 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
         "an unread session is closed with 1008"
     );
     drop(held);
+    Ok(())
+}
+
+/// A tenant's sessions that each read one large answer and then sit idle: each crossed the edge
+/// whole, and what the edge keeps for them afterwards does not grow with its size. (tungstenite
+/// keeps a socket's read and write buffers at the largest frame they held; written whole, every
+/// such session kept two copies of the answer at the edge until it closed, outside every byte
+/// bound. The edge and the node write large frames in fragments.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_that_read_a_large_answer_keep_no_copy_of_it_at_the_edge(
+) -> anyhow::Result<()> {
+    const SESSIONS: usize = 12;
+    let s = Split::start(&[("acme", "n1"), ("beta", "n2")], 1, "").await?;
+    let edge = &s.edges[0];
+    let pid = edge.pid().context("edge pid")?;
+    let node_pid = s.nodes[0]
+        .process
+        .as_ref()
+        .and_then(FleetProcess::pid)
+        .context("node pid")?;
+    let mut a = edge.client(&s.files, &s.token("acme")).await?;
+    let (thread, answer_bytes) = large_thread(&mut a, 3, 1_000_000).await?;
+    let mut sessions = Vec::new();
+    for _ in 0..SESSIONS {
+        sessions.push(edge.client(&s.files, &s.token("acme")).await?);
+    }
+    let (base, node_base) = (
+        rss_kib(pid).context("edge RSS")?,
+        rss_kib(node_pid).context("node RSS")?,
+    );
+    for c in &mut sessions {
+        let answer = c.request("thread/read", read_all(&thread)).await?;
+        anyhow::ensure!(
+            answer.to_string().len() >= answer_bytes * 9 / 10,
+            "a short answer"
+        );
+    }
+    // Every answer was read whole; whatever the sessions hold now, they hold idle.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grown = rss_kib(pid).context("edge RSS")?.saturating_sub(base);
+    let node_grown = rss_kib(node_pid)
+        .context("node RSS")?
+        .saturating_sub(node_base);
+    let answer_kib = (answer_bytes / 1024) as u64;
+    eprintln!(
+        "measured: {SESSIONS} idle sessions after a {:.1} MiB answer each: edge RSS +{} MiB \
+         ({:.2} answers a session), node +{} MiB ({:.2})",
+        answer_bytes as f64 / 1048576.0,
+        grown / 1024,
+        grown as f64 / answer_kib as f64 / SESSIONS as f64,
+        node_grown / 1024,
+        node_grown as f64 / answer_kib as f64 / SESSIONS as f64,
+    );
+    // Kept whole, the answer would cost each session two copies (its read and write buffers):
+    // a quarter of one answer a session leaves room for what a session holds anyway.
+    assert!(
+        grown < SESSIONS as u64 * answer_kib / 4,
+        "the edge keeps {} MiB for {SESSIONS} idle sessions after a {} MiB answer each",
+        grown / 1024,
+        answer_kib / 1024
+    );
+    drop(sessions);
     Ok(())
 }
 

@@ -12,7 +12,8 @@
 //!   session (`client_queue_bytes`) and over all the tenant's sessions on this edge
 //!   (`tenant_queue_bytes`). A frame counts until the socket has flushed it. Above half of any
 //!   bound streaming deltas are dropped (`item/completed` carries the whole item); at a bound
-//!   the client is too slow and is closed with 1008.
+//!   the client is too slow and is closed with 1008. Large frames go out in fragments, to the
+//!   client and to the node ([`Fragments`]), so that neither socket's buffers keep their size.
 //! - Every client frame, pings and pongs included, passes the connection's frame rate
 //!   (`conn_fps`, `conn_burst`): a request over it is answered `-32001` and not forwarded; any
 //!   other frame over it closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
@@ -29,6 +30,7 @@ use std::time::Duration;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{Sink, SinkExt, StreamExt};
 use proto::rpc::{self, Message as Rpc, RequestId};
+use proto::ws::{self as ws, Fragments};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -164,6 +166,8 @@ struct Out {
     capacity: usize,
     soft_mark: usize,
     bytes: Arc<QueueBytes>,
+    /// The rest of the large frame being written (counted until flushed whole).
+    partial: Option<Fragments>,
     /// Bytes handed to the socket since its last flush (still counted), when any were.
     unflushed: Option<usize>,
     /// The close frame went out: nothing more is written.
@@ -180,7 +184,8 @@ impl Out {
     }
 
     fn busy(&self) -> bool {
-        !self.closed && (!self.frames.is_empty() || self.unflushed.is_some())
+        !self.closed
+            && (!self.frames.is_empty() || self.partial.is_some() || self.unflushed.is_some())
     }
 
     /// Above the soft mark of any bound: streaming deltas go.
@@ -207,6 +212,10 @@ impl Out {
         for msg in self.frames.drain(..) {
             self.bytes.release(Out::len_of(&msg));
         }
+        // A control frame may come between fragments; the rest of the message goes.
+        if let Some(partial) = self.partial.take() {
+            self.bytes.release(partial.len());
+        }
     }
 
     /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then
@@ -217,12 +226,15 @@ impl Out {
         Si: Sink<Message, Error = WsError> + Unpin,
     {
         let mut batch = 0;
-        while batch < WRITE_BATCH && !self.closed && !self.frames.is_empty() {
+        while batch < WRITE_BATCH
+            && !self.closed
+            && (self.partial.is_some() || !self.frames.is_empty())
+        {
             ready!(sink.poll_ready_unpin(cx))?;
-            let Some(msg) = self.frames.pop_front() else {
+            let Some((msg, done)) = ws::next_out(&mut self.partial, &mut self.frames) else {
                 break;
             };
-            *self.unflushed.get_or_insert(0) += Out::len_of(&msg);
+            *self.unflushed.get_or_insert(0) += done;
             self.closed = matches!(msg, Message::Close(_));
             sink.start_send_unpin(msg)?;
             batch += 1;
@@ -274,6 +286,7 @@ where
                 capacity: ctx.client_queue.max(1),
                 soft_mark: crate::config::soft_mark(ctx.client_queue),
                 bytes,
+                partial: None,
                 unflushed: None,
                 closed: false,
             },
@@ -496,7 +509,7 @@ where
         let mut sending = pending.into_iter();
         while let Some(m) = sending.next() {
             let n = Out::len_of(&m);
-            let sent = link_tx.send(m).await;
+            let sent = ws::send_in_fragments(link_tx, m).await;
             self.out.bytes.release(n);
             if sent.is_err() {
                 for m in sending {
@@ -527,7 +540,7 @@ where
             tokio::select! {
                 m = self.rx.next(), if draining.is_none() => match self.on_client_frame(m) {
                     Ok(Some(m)) => {
-                        if link_tx.send(m).await.is_err() {
+                        if ws::send_in_fragments(link_tx, m).await.is_err() {
                             return Ending::node_lost();
                         }
                     }

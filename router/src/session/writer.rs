@@ -2,13 +2,15 @@
 //! itself, in batches with one flush per batch, whenever the client's socket takes them (the
 //! session loop polls [`OutQueue::poll_write`] beside its other work: no writer task, no
 //! channel, no wake-up per frame). The queue is bounded in frames and bytes, and a client too
-//! slow to keep it from filling is closed (docs/decisions/0008-bounded-everything.md).
+//! slow to keep it from filling is closed (docs/decisions/0008-bounded-everything.md). A large
+//! frame goes out in fragments ([`Fragments`]), so the socket's buffers stay small.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 
 use futures_util::{Sink, SinkExt};
+use proto::ws::{self, Fragments};
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -36,6 +38,9 @@ pub(super) struct OutQueue {
     frames: VecDeque<Message>,
     capacity: usize,
     bytes: Arc<QueueBytes>,
+    /// The rest of the large frame being written, counted until its last fragment is handed
+    /// to the socket.
+    partial: Option<Fragments>,
     /// Frames were handed to the socket since its last flush.
     unflushed: bool,
     /// The close frame went out: nothing more is written.
@@ -63,6 +68,7 @@ impl Out {
             frames: VecDeque::new(),
             capacity: capacity.max(1),
             bytes,
+            partial: None,
             unflushed: false,
             closed: false,
         }))
@@ -75,7 +81,7 @@ impl Out {
     /// Whether the loop has writing to do.
     pub(super) fn busy(&self) -> bool {
         let q = self.lock();
-        !q.closed && (!q.frames.is_empty() || q.unflushed)
+        !q.closed && (!q.frames.is_empty() || q.partial.is_some() || q.unflushed)
     }
 
     /// Writes what the socket takes now; see [`OutQueue::poll_write`].
@@ -136,6 +142,10 @@ impl OutQueue {
             for msg in self.frames.drain(..) {
                 self.bytes.release(queued_len(&msg));
             }
+            // A control frame may come between fragments; the rest of the message goes.
+            if let Some(partial) = self.partial.take() {
+                self.bytes.release(partial.len());
+            }
         }
         self.frames.push_back(Message::Close(Some(frame)));
     }
@@ -151,12 +161,15 @@ impl OutQueue {
         Si: Sink<Message, Error = WsError> + Unpin,
     {
         let mut batch = 0;
-        while batch < WRITE_BATCH && !self.closed && !self.frames.is_empty() {
+        while batch < WRITE_BATCH
+            && !self.closed
+            && (self.partial.is_some() || !self.frames.is_empty())
+        {
             ready!(sink.poll_ready_unpin(cx))?;
-            let Some(msg) = self.frames.pop_front() else {
+            let Some((msg, done)) = ws::next_out(&mut self.partial, &mut self.frames) else {
                 break;
             };
-            self.bytes.release(queued_len(&msg));
+            self.bytes.release(done);
             self.closed = matches!(msg, Message::Close(_));
             sink.start_send_unpin(msg)?;
             self.unflushed = true;
@@ -398,6 +411,73 @@ mod tests {
         let want: Vec<String> = (0..10).map(|n| format!("f{n}")).collect();
         assert_eq!(texts(&socket.taken), want, "nothing lost or repeated");
         assert_eq!(bytes.session(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_large_frame_goes_out_in_fragments_counted_until_its_last_and_a_close_may_cut_it() {
+        use proto::ws::FRAGMENT_SIZE;
+        use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+
+        let (out, bytes) = queue(1000, 1 << 30);
+        let big = "x".repeat(10 * FRAGMENT_SIZE + 7);
+        assert!(queue_text(&out, &bytes, "before".into()));
+        assert!(queue_text(&out, &bytes, big.clone()));
+        assert!(queue_text(&out, &bytes, "after".into()));
+        // The socket takes the small frame and five fragments, then stops.
+        let mut socket = Socket {
+            room: Some(6),
+            ..Socket::default()
+        };
+        let pending = tokio::time::timeout(Duration::from_millis(50), out.write(&mut socket)).await;
+        assert!(pending.is_err());
+        assert_eq!(socket.taken.len(), 6);
+        assert_eq!(
+            bytes.session(),
+            big.len() + "after".len(),
+            "a message part-written is counted whole"
+        );
+        socket.room = None;
+        out.finish(&mut socket).await;
+        assert_eq!(bytes.session(), 0);
+        // One frame, eleven fragments joining to the message, one frame; in that order.
+        let mut joined = Vec::new();
+        let mut kinds = Vec::new();
+        for m in &socket.taken[1..socket.taken.len() - 1] {
+            let Message::Frame(f) = m else {
+                panic!("not a fragment: {m:?}");
+            };
+            assert!(f.payload().len() <= FRAGMENT_SIZE);
+            joined.extend_from_slice(f.payload());
+            kinds.push((f.header().opcode, f.header().is_final));
+        }
+        assert_eq!(joined, big.as_bytes());
+        assert_eq!(kinds.len(), 11);
+        assert_eq!(kinds[0], (OpCode::Data(Data::Text), false));
+        assert_eq!(kinds[10], (OpCode::Data(Data::Continue), true));
+        assert_eq!(texts(&socket.taken[..1]), ["before"]);
+        assert_eq!(texts(&socket.taken[12..]), ["after"]);
+
+        // A slow client's close cuts a message part-written: its bytes go back, the close next.
+        let (out, bytes) = queue(1000, 1 << 30);
+        assert!(queue_text(&out, &bytes, big.clone()));
+        let mut socket = Socket {
+            room: Some(2),
+            ..Socket::default()
+        };
+        let pending = tokio::time::timeout(Duration::from_millis(50), out.write(&mut socket)).await;
+        assert!(pending.is_err());
+        out.lock().close(
+            CloseFrame {
+                code: CloseCode::Policy,
+                reason: "slow".into(),
+            },
+            true,
+        );
+        assert_eq!(bytes.session(), 0, "the cut message's bytes went back");
+        socket.room = None;
+        out.finish(&mut socket).await;
+        assert_eq!(socket.taken.len(), 3);
+        assert!(matches!(socket.taken[2], Message::Close(_)));
     }
 
     #[tokio::test]

@@ -305,3 +305,114 @@ async fn a_credential_revoked_while_the_session_relays_ends_it() {
     assert_eq!(closed, Some((1008, crate::end::REVOKED_REASON.to_owned())));
     f.all_freed();
 }
+
+/// One WebSocket frame as written on the wire: FIN and opcode, mask, length, payload.
+fn raw_frame(fin: bool, opcode: u8, payload: &[u8], masked: bool) -> Vec<u8> {
+    let mut out = vec![u8::from(fin) << 7 | opcode];
+    let mask_bit = u8::from(masked) << 7;
+    match payload.len() {
+        n if n < 126 => out.push(mask_bit | n as u8),
+        n if n <= 0xFFFF => {
+            out.push(mask_bit | 126);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            out.push(mask_bit | 127);
+            out.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    if masked {
+        // A zero mask leaves the payload as it is.
+        out.extend_from_slice(&[0; 4]);
+    }
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Reads one data message off a raw socket: its frames' (FIN, opcode, length) and the payload
+/// joined. Unmasks what is masked.
+async fn raw_message(
+    r: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> (Vec<(bool, u8, usize)>, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let (mut frames, mut joined) = (Vec::new(), Vec::new());
+    loop {
+        let mut head = [0u8; 2];
+        r.read_exact(&mut head).await.unwrap();
+        let (fin, opcode) = (head[0] & 0x80 != 0, head[0] & 0x0F);
+        let len = match head[1] & 0x7F {
+            126 => usize::from(r.read_u16().await.unwrap()),
+            127 => r.read_u64().await.unwrap() as usize,
+            n => usize::from(n),
+        };
+        let mut mask = [0u8; 4];
+        if head[1] & 0x80 != 0 {
+            r.read_exact(&mut mask).await.unwrap();
+        }
+        let mut payload = vec![0; len];
+        r.read_exact(&mut payload).await.unwrap();
+        for (i, b) in payload.iter_mut().enumerate() {
+            *b ^= mask[i % 4];
+        }
+        frames.push((fin, opcode, len));
+        joined.extend_from_slice(&payload);
+        if fin {
+            return (frames, joined);
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_frame_crosses_the_edge_in_fragments_both_ways_and_arrives_whole() {
+    use proto::ws::FRAGMENT_SIZE;
+    use tokio::io::AsyncWriteExt;
+
+    let f = Fixture::new(AdmissionConfig::default());
+    let (relay_end, client) = tokio::io::duplex(64 << 10);
+    let (mut client_rx, mut client_tx) = tokio::io::split(client);
+    let (link_end, mut node) = tokio::io::duplex(64 << 10);
+    let relay = f.relay(
+        WebSocketStream::from_raw_socket(relay_end, Role::Server, None).await,
+        4 << 20,
+        4 << 20,
+    );
+    let link = WebSocketStream::from_raw_socket(link_end, Role::Client, None).await;
+    let unbounded = Lease::unbounded();
+    let run = relay.run(link, Vec::new(), &unbounded, |_| {});
+    let pad = "é".repeat(FRAGMENT_SIZE * 3);
+    let request = format!(r#"{{"id":1,"method":"thread/x","params":{{"pad":"{pad}"}}}}"#);
+    let answer = format!(r#"{{"id":1,"result":{{"pad":"{pad}"}}}}"#);
+    let peers = async {
+        // Each sends its frame whole; each reads what the edge wrote.
+        let to_node = async {
+            client_tx
+                .write_all(&raw_frame(true, 1, request.as_bytes(), true))
+                .await
+                .unwrap();
+            let (frames, joined) = raw_message(&mut node).await;
+            node.write_all(&raw_frame(true, 1, answer.as_bytes(), false))
+                .await
+                .unwrap();
+            (frames, joined)
+        };
+        let ((up, up_joined), (down, down_joined)) =
+            tokio::join!(to_node, raw_message(&mut client_rx));
+        client_tx
+            .write_all(&raw_frame(true, 8, &[0x03, 0xE8], true))
+            .await
+            .unwrap();
+        (up, up_joined, down, down_joined)
+    };
+    let ((), (up, up_joined, down, down_joined)) = tokio::join!(run, peers);
+    for (frames, joined, sent) in [(up, up_joined, &request), (down, down_joined, &answer)] {
+        assert_eq!(joined, sent.as_bytes(), "the message arrives whole");
+        assert!(frames.len() >= 4, "{} frames", frames.len());
+        assert!(frames.iter().all(|&(_, _, len)| len <= FRAGMENT_SIZE));
+        assert_eq!(frames[0].1, 1, "a text frame first");
+        assert!(
+            frames[1..].iter().all(|&(_, op, _)| op == 0),
+            "then continuations"
+        );
+    }
+    f.all_freed();
+}
