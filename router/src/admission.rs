@@ -33,6 +33,7 @@
 //!    long as the server.
 
 mod clock;
+mod held_bytes;
 mod leg_bytes;
 mod queue_bytes;
 mod rejection;
@@ -56,6 +57,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use worker::WorkerId;
 
+pub use held_bytes::{HeldBuffer, HELD_FREE};
 pub use leg_bytes::{LegBudget, TenantLegBytes};
 
 pub use clock::TokioClock;
@@ -392,6 +394,8 @@ pub struct Admission {
     queued: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     /// Per tenant: bytes on its sessions' legs towards its workers.
     leg_bytes: Mutex<HashMap<String, Arc<TenantLegBytes>>>,
+    /// Per tenant: its sockets' read buffers grown by large frames ([`HeldBuffer`]).
+    held: Mutex<HashMap<String, Arc<AtomicUsize>>>,
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -436,6 +440,7 @@ impl Admission {
             slots_generation: AtomicU64::new(0),
             queued: Mutex::new(HashMap::new()),
             leg_bytes: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -703,6 +708,22 @@ impl Admission {
             .or_insert_with(|| Arc::new(TenantLegBytes::new(tenant_bound)))
             .clone();
         LegBudget::new(session_bound, up)
+    }
+
+    /// One socket's read buffer, counted against `tenant`'s sockets' total up to `bound`.
+    pub fn held_buffer(&self, tenant: &str, bound: usize) -> HeldBuffer {
+        let total = lock(&self.held)
+            .entry(tenant.to_owned())
+            .or_default()
+            .clone();
+        HeldBuffer::new(total, bound)
+    }
+
+    /// What `tenant`'s sockets' read buffers hold beyond [`HELD_FREE`] each.
+    pub fn held_bytes(&self, tenant: &str) -> usize {
+        lock(&self.held)
+            .get(tenant)
+            .map_or(0, |t| t.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Bytes queued towards `tenant`'s clients, over all its sessions.

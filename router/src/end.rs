@@ -39,6 +39,10 @@ pub enum End {
     /// is gone, so the client reconnects and reads the threads afresh rather than go on with a
     /// wrong picture, as app-server disconnects a connection whose outbound queue filled.
     RelayLagged,
+    /// A large frame read would take the read buffers the tenant's sockets keep over its bound
+    /// (1008, [`LARGE_FRAMES_REASON`]; `admission::HeldBuffer`): ending the session frees its
+    /// own.
+    LargeFrames,
 }
 
 /// Close reason of a session whose JWT expired.
@@ -47,6 +51,9 @@ pub const EXPIRED_REASON: &str = "codex-fleet: the credential expired; reconnect
 pub const REVOKED_REASON: &str = "codex-fleet: the credential was revoked";
 /// Close reason of a session holding too many unanswered approvals.
 pub const TOO_MANY_PROMPTS_REASON: &str = "codex-fleet: too many approvals awaiting an answer";
+/// Close reason of a session whose large frame found its tenant's buffers full.
+pub const LARGE_FRAMES_REASON: &str =
+    "codex-fleet: the tenant's connections hold too many large messages; reconnect";
 /// Close reason of a session that missed relayed broadcasts.
 pub const RELAY_LAGGED_REASON: &str =
     "codex-fleet: fell behind the tenant's broadcasts; reconnect to read the threads afresh";
@@ -62,7 +69,7 @@ impl From<crate::credentials::CredentialEnd> for End {
 
 impl End {
     /// Every way a session ends, so each series exists (at zero) from the start.
-    pub const ALL: [End; 10] = [
+    pub const ALL: [End; 11] = [
         End::ClientGone,
         End::Shutdown,
         End::SlowClient,
@@ -73,6 +80,7 @@ impl End {
         End::CredentialRevoked,
         End::TooManyPrompts,
         End::RelayLagged,
+        End::LargeFrames,
     ];
 
     /// The `reason` of `codex_fleet_sessions_closed_total`.
@@ -88,6 +96,7 @@ impl End {
             End::CredentialRevoked => "credential_revoked",
             End::TooManyPrompts => "too_many_prompts",
             End::RelayLagged => "relay_lagged",
+            End::LargeFrames => "large_frames",
         }
     }
 
@@ -104,6 +113,7 @@ impl End {
             End::CredentialRevoked => (CloseCode::Policy, REVOKED_REASON),
             End::TooManyPrompts => (CloseCode::Policy, TOO_MANY_PROMPTS_REASON),
             End::RelayLagged => (CloseCode::Policy, RELAY_LAGGED_REASON),
+            End::LargeFrames => (CloseCode::Policy, LARGE_FRAMES_REASON),
         };
         Some(CloseFrame {
             code,

@@ -213,6 +213,8 @@ struct Session {
     queued_bytes: Arc<QueueBytes>,
     /// Bytes queued on the legs towards the workers, per session and per tenant.
     leg_budget: crate::admission::LegBudget,
+    /// The client socket's read buffer, as large as the largest frame it read.
+    client_held: crate::admission::HeldBuffer,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
@@ -253,6 +255,7 @@ impl Session {
             ctx.admission
                 .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
         let soft_mark = crate::config::soft_mark(ctx.client_queue);
+        let client_held = ctx.admission.held_buffer(&tenant, ctx.tenant_queue_bytes);
         let counted = Counted {
             client_frames: ctx.metrics.client_frames.with_label_values(&[&tenant]),
             request_seconds: ctx.metrics.request_seconds.with_label_values(&[&tenant]),
@@ -275,6 +278,7 @@ impl Session {
             soft_mark,
             queued_bytes,
             leg_budget,
+            client_held,
             following: rehome::Following::default(),
             fanouts: fanout::FanOuts::default(),
             counted,

@@ -43,6 +43,43 @@ pub enum Upgrade {
 // === impl Client ===
 
 impl Client {
+    /// Starts a thread and gives it `turns` turns with prompts of `prompt_bytes` (the mock model
+    /// echoes them), so that its `thread/read` with every turn is large; returns the thread and
+    /// the size of that answer.
+    pub async fn large_thread(
+        &mut self,
+        turns: usize,
+        prompt_bytes: usize,
+    ) -> anyhow::Result<(String, usize)> {
+        let thread = self.start_thread().await?;
+        // One word: the mock streams its echo as a few deltas, not one per word.
+        let prompt = "x".repeat(prompt_bytes);
+        for _ in 0..turns {
+            self.start_turn(&thread, &prompt).await?;
+            let msgs = self.until_turn_completed(&thread).await?;
+            anyhow::ensure!(
+                agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
+                "no echo: {:?}",
+                msgs.iter()
+                    .filter(|m| m.to_string().contains("rror"))
+                    .map(|m| format!("{m:.400}"))
+                    .collect::<Vec<_>>()
+            );
+        }
+        let id = self.send_request("thread/read", read_all(&thread)).await?;
+        let answer = self.wait_for(|v| v["id"] == id).await?;
+        let answer_bytes = answer.to_string().len();
+        anyhow::ensure!(answer.get("result").is_some(), "thread/read: {answer:.500}");
+        eprintln!(
+            "measured: thread/read includeTurns of {turns} turns: {:.1} MiB",
+            answer_bytes as f64 / 1048576.0
+        );
+        anyhow::ensure!(
+            answer_bytes > 2 * prompt_bytes * turns * 9 / 10,
+            "{answer_bytes}"
+        );
+        Ok((thread, answer_bytes))
+    }
     /// Opens the wss connection; `token` goes in `Authorization: Bearer`.
     pub async fn connect(url: &str, ca: &Path, token: Option<&str>) -> anyhow::Result<Client> {
         Client::connect_over(url, ca, token, None).await
@@ -394,6 +431,11 @@ impl Client {
     pub async fn close(mut self) {
         let _closed = self.ws.close(None).await;
     }
+}
+
+/// `thread/read` params asking for every turn.
+pub fn read_all(thread: &str) -> Value {
+    json!({ "threadId": thread, "includeTurns": true })
 }
 
 /// The text of the last completed agent message among `msgs`.

@@ -25,7 +25,9 @@ pub mod split;
 pub mod tmux;
 pub mod wait;
 
-pub use client::{agent_text, client_tls, codex_exec_remote, http_get, https_raw, Client, Upgrade};
+pub use client::{
+    agent_text, client_tls, codex_exec_remote, http_get, https_raw, read_all, Client, Upgrade,
+};
 pub use fleet::{
     init_tracing, pools_ready, read_addresses, ready_workers, Fleet, FleetBuilder, FleetFiles,
     FleetProcess, TenantSpec, FAST_FAULTS,

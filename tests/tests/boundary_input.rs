@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
-use testkit::{http_get, Client, FleetBuilder, FleetFiles, Upgrade};
+use testkit::{http_get, metric_at, read_all, Client, FleetBuilder, FleetFiles, Upgrade};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
@@ -537,6 +537,84 @@ async fn failed_tokens_count_against_the_handshake_rate() -> anyhow::Result<()> 
     assert!(
         refused_401 <= 8,
         "each failed token costs two handshakes: {statuses:?}"
+    );
+    fleet.stop().await
+}
+
+// === item 2b: the read buffers large frames leave are bounded per tenant ===
+
+/// A worker's large answer sizes the read buffer of the leg that reads it, and the buffer stays
+/// that large for as long as the leg lives (app-server writes each frame whole). Each tenant's
+/// such buffers count against `limits.tenant_queue_bytes`: a session whose answer finds no room
+/// is closed (1008) and frees its own, and the tenant's other sessions and the other tenants go
+/// on. Without the bound, every one of a tenant's sessions could pin an answer this large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_buffers_large_answers_leave_are_bounded_per_tenant() -> anyhow::Result<()> {
+    const BOUND: usize = 16 << 20;
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .tenant_pool("beta", 1, 1)
+        .limits_toml(&format!(
+            "{OPEN_RATES}\nmax_message_bytes = {BOUND}\nclient_queue_bytes = {BOUND}\n\
+             tenant_queue_bytes = {BOUND}"
+        ))
+        .start()
+        .await?;
+    // A 6.7 MiB answer: the builder's leg holds it, and its socket its 1 MB prompts.
+    let mut a = fleet.client("acme").await?;
+    let (thread, answer_bytes) = a.large_thread(3, 1_000_000).await?;
+    let (mut readers, mut closed) = (Vec::new(), 0);
+    for _ in 0..4 {
+        let mut c = fleet.client("acme").await?;
+        let id = c.send_request("thread/read", read_all(&thread)).await?;
+        match c.wait_for(|v| v["id"] == id).await {
+            Ok(v) => {
+                anyhow::ensure!(v.get("result").is_some(), "thread/read: {v:.300}");
+                readers.push(c);
+            }
+            Err(e) if e.to_string().contains("hold too many large messages") => closed += 1,
+            Err(e) => return Err(e),
+        }
+        let held = fleet.admission.held_bytes("acme");
+        anyhow::ensure!(held <= BOUND, "acme's buffers count {held} bytes");
+    }
+    let held = fleet.admission.held_bytes("acme");
+    eprintln!(
+        "measured: 4 sessions reading a {:.1} MiB answer with {} MiB for the tenant's buffers: \
+         {} answered, {closed} closed; the tenant's buffers count {:.1} MiB",
+        answer_bytes as f64 / 1048576.0,
+        BOUND >> 20,
+        readers.len(),
+        held as f64 / 1048576.0
+    );
+    // The builder (7.7 MiB) and one reader (6.7) fit; every further reader does not.
+    assert_eq!((readers.len(), closed), (1, 3));
+    assert_eq!(
+        metric_at(
+            fleet.admin_addr,
+            "codex_fleet_sessions_closed_total",
+            &[("reason", "large_frames")]
+        )
+        .await?,
+        3.0
+    );
+    // The readers that got their answer go on; another tenant has its own room.
+    for c in &mut readers {
+        c.request("thread/list", json!({})).await?;
+    }
+    let mut b = fleet.client("beta").await?;
+    b.large_thread(3, 1_000_000).await?;
+    assert!(fleet.admission.held_bytes("beta") > answer_bytes);
+    // Sessions that end give their buffers back.
+    drop((a, readers));
+    let freed = testkit::wait_until(Duration::from_secs(10), || {
+        fleet.admission.held_bytes("acme") == 0
+    })
+    .await;
+    assert!(
+        freed,
+        "{} bytes still counted",
+        fleet.admission.held_bytes("acme")
     );
     fleet.stop().await
 }

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use router::admission::FLOOD_CLOSE_REASON;
-use serde_json::{json, Value};
+use serde_json::json;
 use testkit::kube_cluster::{Cluster, Options};
 use testkit::{
-    agent_text, fleet_bin, metric_at, open_files, reply_text, rss_kib, wait_until_async, Client,
-    FleetBuilder, FleetProcess, LoweredLimit, Split, Upgrade,
+    agent_text, fleet_bin, metric_at, open_files, read_all, reply_text, rss_kib, wait_until_async,
+    Client, FleetBuilder, FleetProcess, LoweredLimit, Split, Upgrade,
 };
 use tokio::time::Instant;
 
@@ -185,48 +185,6 @@ async fn the_edge_counts_every_frame_pings_included_against_the_frame_rate() -> 
     Ok(())
 }
 
-/// `thread/read` with every turn.
-fn read_all(thread: &str) -> Value {
-    json!({ "threadId": thread, "includeTurns": true })
-}
-
-/// Starts a thread on `a` and gives it `turns` turns with prompts of `prompt_bytes` (the mock
-/// model echoes them); returns it and the size of its `thread/read` answer.
-async fn large_thread(
-    a: &mut Client,
-    turns: usize,
-    prompt_bytes: usize,
-) -> anyhow::Result<(String, usize)> {
-    let thread = a.start_thread().await?;
-    // One word: the mock streams its echo as a few deltas, not one per word.
-    let prompt = "x".repeat(prompt_bytes);
-    for _ in 0..turns {
-        a.start_turn(&thread, &prompt).await?;
-        let msgs = a.until_turn_completed(&thread).await?;
-        anyhow::ensure!(
-            testkit::agent_text(&msgs).is_some_and(|t| t.len() > prompt_bytes),
-            "no echo: {:?}",
-            msgs.iter()
-                .filter(|m| m.to_string().contains("rror"))
-                .map(|m| format!("{m:.400}"))
-                .collect::<Vec<_>>()
-        );
-    }
-    let id = a.send_request("thread/read", read_all(&thread)).await?;
-    let answer = a.wait_for(|v| v["id"] == id).await?;
-    let answer_bytes = answer.to_string().len();
-    anyhow::ensure!(answer.get("result").is_some(), "thread/read: {answer:.500}");
-    eprintln!(
-        "measured: thread/read includeTurns of {turns} turns: {:.1} MiB",
-        answer_bytes as f64 / 1048576.0
-    );
-    anyhow::ensure!(
-        answer_bytes > 2 * prompt_bytes * turns * 9 / 10,
-        "{answer_bytes}"
-    );
-    Ok((thread, answer_bytes))
-}
-
 /// Opens `n` sessions of `tenant` with a 4 KiB receive window, each sending `reads` requests
 /// for the whole thread and never reading their answers.
 async fn unread_flood(
@@ -318,7 +276,7 @@ async fn an_unread_flood_through_the_edge_stays_within_its_byte_bounds() -> anyh
 
     // Tenant A builds a large thread: turns with 1 MB prompts (the mock model echoes them).
     let mut a = edge.client(&s.files, &s.token("acme")).await?;
-    let (thread, answer_bytes) = large_thread(&mut a, turns, prompt_bytes).await?;
+    let (thread, answer_bytes) = a.large_thread(turns, prompt_bytes).await?;
 
     // Tenant B works on the same edge throughout, its round trips measured.
     let mut b = edge.client(&s.files, &s.token("beta")).await?;
@@ -465,7 +423,7 @@ async fn idle_sessions_that_read_a_large_answer_keep_no_copy_of_it_at_the_edge(
         .and_then(FleetProcess::pid)
         .context("node pid")?;
     let mut a = edge.client(&s.files, &s.token("acme")).await?;
-    let (thread, answer_bytes) = large_thread(&mut a, 3, 1_000_000).await?;
+    let (thread, answer_bytes) = a.large_thread(3, 1_000_000).await?;
     let mut sessions = Vec::new();
     for _ in 0..SESSIONS {
         sessions.push(edge.client(&s.files, &s.token("acme")).await?);

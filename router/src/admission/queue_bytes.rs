@@ -14,6 +14,16 @@ pub struct QueueBytes {
     tenant_bound: usize,
 }
 
+/// Adds `n` to `total` unless that takes it over `bound`; whether it did.
+pub(super) fn add_within(total: &AtomicUsize, n: usize, bound: usize) -> bool {
+    total
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+            let after = t.saturating_add(n);
+            (after <= bound).then_some(after)
+        })
+        .is_ok()
+}
+
 // === impl QueueBytes ===
 
 impl QueueBytes {
@@ -34,14 +44,7 @@ impl QueueBytes {
         if self.session.load(Ordering::Acquire).saturating_add(n) > self.session_bound {
             return false;
         }
-        let bound = self.tenant_bound;
-        let reserved = self
-            .tenant
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                let after = t.saturating_add(n);
-                (after <= bound).then_some(after)
-            });
-        if reserved.is_err() {
+        if !add_within(&self.tenant, n, self.tenant_bound) {
             return false;
         }
         self.session.fetch_add(n, Ordering::AcqRel);

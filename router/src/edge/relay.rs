@@ -38,7 +38,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Admission, ConnectionGuard, QueueBytes, Rejection};
+use crate::admission::{Admission, ConnectionGuard, HeldBuffer, QueueBytes, Rejection};
 use crate::credentials::Lease;
 use crate::end::End;
 use crate::gate::Gate;
@@ -260,6 +260,8 @@ pub(super) struct Relay<C> {
     tx: SplitSink<WebSocketStream<C>, Message>,
     rx: SplitStream<WebSocketStream<C>>,
     out: Out,
+    /// The client socket's read buffer, as large as the largest frame it read.
+    held: HeldBuffer,
     guard: ConnectionGuard,
     metrics: RouterMetrics,
     shutdown: CancellationToken,
@@ -278,9 +280,13 @@ where
             ctx.tenant_queue_bytes,
         );
         let (tx, rx) = client.split();
+        let held = ctx
+            .admission
+            .held_buffer(ctx.guard.tenant(), ctx.tenant_queue_bytes);
         Relay {
             tx,
             rx,
+            held,
             out: Out {
                 frames: VecDeque::new(),
                 capacity: ctx.client_queue.max(1),
@@ -312,6 +318,13 @@ where
         &mut self,
         frame: Option<Result<Message, WsError>>,
     ) -> Result<Option<Message>, Ending> {
+        // The client's socket keeps a read buffer as large as its largest frame.
+        if let Some(Ok(m)) = &frame {
+            if !self.held.read(Out::len_of(m)) {
+                tracing::info!("a client's frame found the tenant's read buffers full");
+                return Err(Ending::ours(End::LargeFrames));
+            }
+        }
         match frame {
             Some(Ok(Message::Text(text))) => {
                 if let Ok(Rpc::Request { id, .. }) = rpc::parse(&text) {

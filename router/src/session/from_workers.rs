@@ -49,6 +49,10 @@ impl Session {
         match ev {
             LegEvent::Frame(worker, text) => self.on_worker_frame(worker, &text).await,
             LegEvent::Closed(worker, reason) => self.on_leg_closed(worker, &reason),
+            LegEvent::LargeFrame(worker) => {
+                tracing::info!(%worker, "a worker's frame found the tenant's read buffers full");
+                Err(End::LargeFrames)
+            }
         }
     }
 

@@ -79,6 +79,16 @@ impl Session {
         self.to_client(rpc::error_response(id, code, message, data))
     }
 
+    /// The client's socket read a frame of `len` bytes: its read buffer is at least that large
+    /// for as long as the session lives.
+    fn hold_client_frame(&mut self, len: usize) -> Result<(), End> {
+        if self.client_held.read(len) {
+            return Ok(());
+        }
+        tracing::info!(len, "a client's frame found the tenant's read buffers full");
+        Err(End::LargeFrames)
+    }
+
     pub(super) async fn on_client_frame(
         &mut self,
         frame: Option<Result<Message, WsError>>,
@@ -86,7 +96,8 @@ impl Session {
         let text = match frame {
             None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
             Some(Ok(Message::Text(t))) => t,
-            Some(Ok(Message::Binary(_))) => {
+            Some(Ok(Message::Binary(b))) => {
+                self.hold_client_frame(b.len())?;
                 self.check_unanswerable_frame()?;
                 self.count_error(ClientError::BinaryFrame);
                 self.reply_error(
@@ -111,6 +122,7 @@ impl Session {
                 return Err(End::ClientGone);
             }
         };
+        self.hold_client_frame(text.len())?;
         self.counted.client_frames.inc();
         let msg = match rpc::parse(&text) {
             Ok(msg) => msg,

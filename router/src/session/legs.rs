@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures_util::stream::SplitSink;
 use futures_util::{Future, Sink, Stream, StreamExt};
 
-use crate::admission::{LegBudget, WorkerSlots};
+use crate::admission::{HeldBuffer, LegBudget, WorkerSlots};
 use crate::gate::Gate;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
@@ -41,6 +41,9 @@ pub enum LegEvent {
     Frame(WorkerId, Utf8Bytes),
     /// The leg is gone (worker exited, closed the connection, or sent something unusable).
     Closed(WorkerId, String),
+    /// The worker sent a frame whose size the read buffers the tenant's sockets keep had no
+    /// room for ([`HeldBuffer`]); the leg reads nothing more.
+    LargeFrame(WorkerId),
 }
 
 /// One leg's frames from its worker, read by the session task itself: every frame, then
@@ -154,6 +157,7 @@ impl Leg {
         max_message_bytes: usize,
         up: LegBudget,
         slots: WorkerSlots,
+        held: HeldBuffer,
     ) -> Result<(Leg, LegFrames), LegError> {
         let worker = handle.id;
         // A leg leaves the descriptors above the reserve's line to what the process shares.
@@ -195,6 +199,7 @@ impl Leg {
             stream,
             Box::pin(async move { exited.exited().await }),
             dropped,
+            held,
         );
         let leg = Leg {
             _handle: handle,
@@ -370,6 +375,8 @@ struct Reading {
     /// Until the worker exits: its exit. Then the wait for its socket's end ([`EXIT_GRACE`]).
     exit: Exit,
     dropped: oneshot::Receiver<()>,
+    /// The socket's read buffer, as large as the largest frame it read.
+    held: HeldBuffer,
 }
 
 /// A [`LegReader`]'s view of its worker's process.
@@ -389,6 +396,7 @@ fn read_frames(
     stream: futures_util::stream::SplitStream<worker::LegStream>,
     exited: Pin<Box<dyn Future<Output = ()> + Send>>,
     dropped: oneshot::Receiver<()>,
+    held: HeldBuffer,
 ) -> LegFrames {
     Box::pin(LegReader {
         worker,
@@ -397,6 +405,7 @@ fn read_frames(
             rare: Gate::new(),
             exit: Exit::Running(exited),
             dropped,
+            held,
         }),
     })
 }
@@ -432,6 +441,10 @@ impl Stream for LegReader {
             };
             match r.stream.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(Message::Text(text)))) => {
+                    if !r.held.read(text.len()) {
+                        self.reading = None;
+                        return Poll::Ready(Some(LegEvent::LargeFrame(worker)));
+                    }
                     return Poll::Ready(Some(LegEvent::Frame(worker, text)));
                 }
                 Poll::Ready(Some(Ok(Message::Close(frame)))) if gone.is_none() => {
@@ -606,6 +619,7 @@ mod tests {
                 let _ = exited.await;
             }),
             dropped,
+            HeldBuffer::new(Default::default(), usize::MAX),
         );
         (worker_end, frames, exit, drop_leg)
     }

@@ -246,6 +246,9 @@ impl Session {
             self.ctx.max_message_bytes,
             self.leg_budget.clone(),
             slots,
+            self.ctx
+                .admission
+                .held_buffer(&self.ctx.tenant.id, self.ctx.tenant_queue_bytes),
         )
         .await
         .map_err(|e| {

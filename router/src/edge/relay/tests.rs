@@ -416,3 +416,58 @@ async fn a_large_frame_crosses_the_edge_in_fragments_both_ways_and_arrives_whole
     }
     f.all_freed();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_client_s_large_frames_count_against_its_tenant_s_buffers_until_it_goes() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let request = |pad: usize| {
+        Message::text(format!(
+            r#"{{"id":1,"method":"thread/x","params":{{"pad":"{}"}}}}"#,
+            "x".repeat(pad)
+        ))
+    };
+    // Room for 300 KiB of the tenant's read buffers.
+    let (first_client, mut first) = pair(1 << 20).await;
+    let (first_link, mut first_node) = pair(1 << 20).await;
+    let (second_client, mut second) = pair(1 << 20).await;
+    let (second_link, _second_node) = pair(1 << 20).await;
+    let (a, b) = (
+        f.relay(first_client, 1 << 20, 300 << 10),
+        f.relay(second_client, 1 << 20, 300 << 10),
+    );
+    let unbounded = Lease::unbounded();
+    let peers = async {
+        // The first sends 200 KiB: forwarded, and its socket's buffer is that large from now on.
+        first.send(request(200 << 10)).await.unwrap();
+        assert!(matches!(
+            first_node.next().await,
+            Some(Ok(Message::Text(_)))
+        ));
+        assert!(f.admission.held_bytes("acme") > 200 << 10);
+        // The second's 150 KiB find no room: it is closed, and counts nothing.
+        second.send(request(150 << 10)).await.unwrap();
+        let close = close_of(&mut second).await;
+        let held = f.admission.held_bytes("acme");
+        // The first goes on; once it is gone, so is what it held.
+        first.send(request(10)).await.unwrap();
+        assert!(matches!(
+            first_node.next().await,
+            Some(Ok(Message::Text(_)))
+        ));
+        first.close(None).await.unwrap();
+        (close, held)
+    };
+    let ((), (), (close, held)) = tokio::join!(
+        a.run(first_link, Vec::new(), &unbounded, |_| {}),
+        b.run(second_link, Vec::new(), &unbounded, |_| {}),
+        peers
+    );
+    assert_eq!(
+        close,
+        Some((1008, crate::end::LARGE_FRAMES_REASON.to_owned()))
+    );
+    assert!((200 << 10..250 << 10).contains(&held), "{held}");
+    assert_eq!(f.closed("large_frames"), 1);
+    assert_eq!(f.admission.held_bytes("acme"), 0);
+    f.all_freed();
+}
