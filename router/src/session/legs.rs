@@ -142,7 +142,10 @@ struct Writer {
     worker: WorkerId,
     sink: LegSink,
     /// Frames waiting for the socket, each with the bytes it counts in the budget.
-    queue: VecDeque<(Message, usize)>,
+    queue: VecDeque<Message>,
+    /// The rest of the large frame being written, counted until flushed whole
+    /// ([`proto::ws::Fragments`]: the socket's write buffer stays about one fragment large).
+    partial: Option<proto::ws::Fragments>,
     /// Bytes handed to the socket since its last flush; given back once flushed.
     unflushed: Option<usize>,
     /// A write failed: the leg takes nothing more (its reader reports the end).
@@ -258,6 +261,7 @@ impl Writer {
             worker,
             sink,
             queue: VecDeque::new(),
+            partial: None,
             unflushed: None,
             broken: false,
             up,
@@ -269,9 +273,8 @@ impl Writer {
             return false;
         }
         let text = text.into();
-        let len = text.len();
-        self.up.add(len);
-        self.queue.push_back((Message::Text(text), len));
+        self.up.add(text.len());
+        self.queue.push_back(Message::Text(text));
         true
     }
 
@@ -281,7 +284,8 @@ impl Writer {
     }
 
     fn busy(&self) -> bool {
-        !self.broken && (!self.queue.is_empty() || self.unflushed.is_some())
+        !self.broken
+            && (!self.queue.is_empty() || self.partial.is_some() || self.unflushed.is_some())
     }
 
     fn full(&self) -> bool {
@@ -308,12 +312,12 @@ impl Writer {
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), tokio_tungstenite::tungstenite::Error>> {
         let mut batch = 0;
-        while batch < WRITE_BATCH && !self.queue.is_empty() {
+        while batch < WRITE_BATCH && (self.partial.is_some() || !self.queue.is_empty()) {
             ready!(Pin::new(&mut self.sink).poll_ready(cx))?;
-            let Some((msg, len)) = self.queue.pop_front() else {
+            let Some((msg, done)) = proto::ws::next_out(&mut self.partial, &mut self.queue) else {
                 break;
             };
-            *self.unflushed.get_or_insert(0) += len;
+            *self.unflushed.get_or_insert(0) += done;
             Pin::new(&mut self.sink).start_send(msg)?;
             batch += 1;
         }
@@ -328,7 +332,15 @@ impl Writer {
     /// Gives up on the leg's writing half: what waits is dropped and its bytes given back.
     fn break_off(&mut self) {
         self.broken = true;
-        let queued: usize = self.queue.drain(..).map(|(_, len)| len).sum();
+        let queued: usize = self
+            .queue
+            .drain(..)
+            .map(|m| match m {
+                Message::Text(t) => t.len(),
+                _ => 0,
+            })
+            .sum::<usize>()
+            + self.partial.take().map_or(0, |p| p.len());
         self.up
             .release(queued + self.unflushed.take().unwrap_or_default());
     }
@@ -511,6 +523,69 @@ mod tests {
         )
     }
 
+    /// A large request reaches the worker in fragments (so the leg's write buffer stays about one
+    /// fragment large), whole once joined, and its bytes count until the last is flushed.
+    #[tokio::test]
+    async fn a_large_request_goes_to_the_worker_in_fragments_and_arrives_whole() {
+        use tokio::io::AsyncReadExt;
+        use tokio_tungstenite::tungstenite::protocol::Role;
+
+        let tenant = Arc::new(TenantLegBytes::new(8 << 20));
+        let budget = LegBudget::new(8 << 20, tenant.clone());
+        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let leg_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            worker::leg::buffered(ours).unwrap(),
+            Role::Client,
+            Some(worker::leg::leg_config(4 << 20)),
+        )
+        .await;
+        let (sink, _stream) = leg_end.split();
+        let mut writer = Writer::new(WorkerId::new("t", 1, 1), sink, budget.clone());
+        let request = format!(
+            r#"{{"id":1,"method":"turn/start","params":{{"pad":"{}"}}}}"#,
+            "é".repeat(300 << 10)
+        );
+        assert!(writer.send(request.clone()));
+        // The worker's end, raw: each frame's head, unmasked payloads joined.
+        let read = async {
+            let (mut heads, mut joined) = (Vec::new(), Vec::new());
+            loop {
+                let mut head = [0u8; 2];
+                theirs.read_exact(&mut head).await.unwrap();
+                let len = match head[1] & 0x7F {
+                    126 => usize::from(theirs.read_u16().await.unwrap()),
+                    127 => theirs.read_u64().await.unwrap() as usize,
+                    n => usize::from(n),
+                };
+                let mut mask = [0u8; 4];
+                theirs.read_exact(&mut mask).await.unwrap();
+                let mut payload = vec![0; len];
+                theirs.read_exact(&mut payload).await.unwrap();
+                joined.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+                heads.push((head[0], len));
+                if head[0] & 0x80 != 0 {
+                    return (heads, joined);
+                }
+            }
+        };
+        let write = async {
+            while writer.busy() {
+                std::future::poll_fn(|cx| writer.poll_write(cx)).await;
+            }
+        };
+        let ((heads, joined), ()) = tokio::join!(read, write);
+        assert_eq!(joined, request.as_bytes());
+        assert!(heads.len() > 4, "{} frames", heads.len());
+        assert_eq!(heads[0].0, 0x01, "a text frame, not the last");
+        assert!(heads[1..heads.len() - 1].iter().all(|&(h, _)| h == 0x00));
+        assert_eq!(heads[heads.len() - 1].0, 0x80);
+        assert!(heads
+            .iter()
+            .all(|&(_, len)| len <= proto::ws::FRAGMENT_SIZE));
+        assert_eq!(budget.session_used(), 0);
+        assert_eq!(tenant.used(), 0);
+    }
+
     /// A client's frames queued for a worker that does not read share the client's read buffer
     /// only while the queue is short: beyond that each is a copy, so a stalled worker pins a
     /// bounded number of the client's buffers, whatever the byte budget lets through.
@@ -533,7 +608,7 @@ mod tests {
         let shared = writer
             .queue
             .iter()
-            .filter(|(m, _)| matches!(m, Message::Text(t) if t.as_str().as_ptr() == client_buffer.as_str().as_ptr()))
+            .filter(|m| matches!(m, Message::Text(t) if t.as_str().as_ptr() == client_buffer.as_str().as_ptr()))
             .count();
         assert!(
             writer.queue.len() > super::super::writer::SHARED_QUEUED,
