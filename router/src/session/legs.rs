@@ -142,10 +142,9 @@ struct Writer {
     worker: WorkerId,
     sink: LegSink,
     /// Frames waiting for the socket, each with the bytes it counts in the budget.
-    queue: VecDeque<Message>,
-    /// The rest of the large frame being written, counted until flushed whole
-    /// ([`proto::ws::Fragments`]: the socket's write buffer stays about one fragment large).
-    partial: Option<proto::ws::Fragments>,
+    /// A frame larger than [`proto::ws::FRAGMENT_SIZE`] waits as its fragments, so that the
+    /// socket's write buffer stays about one fragment large.
+    queue: VecDeque<(Message, usize)>,
     /// Bytes handed to the socket since its last flush; given back once flushed.
     unflushed: Option<usize>,
     /// A write failed: the leg takes nothing more (its reader reports the end).
@@ -261,7 +260,6 @@ impl Writer {
             worker,
             sink,
             queue: VecDeque::new(),
-            partial: None,
             unflushed: None,
             broken: false,
             up,
@@ -274,7 +272,21 @@ impl Writer {
         }
         let text = text.into();
         self.up.add(text.len());
-        self.queue.push_back(Message::Text(text));
+        match proto::ws::Fragments::split(text) {
+            Err(text) => {
+                let len = text.len();
+                self.queue.push_back((Message::Text(text), len));
+            }
+            // Queued as fragments here, so that writing stays as it is for every other frame.
+            Ok(mut fragments) => loop {
+                let (frame, last) = fragments.next_frame();
+                let len = frame.payload().len();
+                self.queue.push_back((Message::Frame(frame), len));
+                if last {
+                    break;
+                }
+            },
+        }
         true
     }
 
@@ -284,8 +296,7 @@ impl Writer {
     }
 
     fn busy(&self) -> bool {
-        !self.broken
-            && (!self.queue.is_empty() || self.partial.is_some() || self.unflushed.is_some())
+        !self.broken && (!self.queue.is_empty() || self.unflushed.is_some())
     }
 
     fn full(&self) -> bool {
@@ -312,12 +323,12 @@ impl Writer {
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), tokio_tungstenite::tungstenite::Error>> {
         let mut batch = 0;
-        while batch < WRITE_BATCH && (self.partial.is_some() || !self.queue.is_empty()) {
+        while batch < WRITE_BATCH && !self.queue.is_empty() {
             ready!(Pin::new(&mut self.sink).poll_ready(cx))?;
-            let Some((msg, done)) = proto::ws::next_out(&mut self.partial, &mut self.queue) else {
+            let Some((msg, len)) = self.queue.pop_front() else {
                 break;
             };
-            *self.unflushed.get_or_insert(0) += done;
+            *self.unflushed.get_or_insert(0) += len;
             Pin::new(&mut self.sink).start_send(msg)?;
             batch += 1;
         }
@@ -332,15 +343,7 @@ impl Writer {
     /// Gives up on the leg's writing half: what waits is dropped and its bytes given back.
     fn break_off(&mut self) {
         self.broken = true;
-        let queued: usize = self
-            .queue
-            .drain(..)
-            .map(|m| match m {
-                Message::Text(t) => t.len(),
-                _ => 0,
-            })
-            .sum::<usize>()
-            + self.partial.take().map_or(0, |p| p.len());
+        let queued: usize = self.queue.drain(..).map(|(_, len)| len).sum();
         self.up
             .release(queued + self.unflushed.take().unwrap_or_default());
     }
@@ -608,7 +611,7 @@ mod tests {
         let shared = writer
             .queue
             .iter()
-            .filter(|m| matches!(m, Message::Text(t) if t.as_str().as_ptr() == client_buffer.as_str().as_ptr()))
+            .filter(|(m, _)| matches!(m, Message::Text(t) if t.as_str().as_ptr() == client_buffer.as_str().as_ptr()))
             .count();
         assert!(
             writer.queue.len() > super::super::writer::SHARED_QUEUED,
