@@ -82,18 +82,25 @@ impl Fragments {
         })
     }
 
-    /// The message's length in bytes.
-    pub fn len(&self) -> usize {
+    /// The whole message's length in bytes.
+    pub fn message_len(&self) -> usize {
         self.len
     }
 
-    /// Never true: a message this small is not split.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    /// Every fragment has been taken.
+    pub fn done(&self) -> bool {
+        self.rest.is_empty()
     }
+}
 
-    /// The next fragment, and whether it is the last one.
-    pub fn next_frame(&mut self) -> (Frame, bool) {
+impl Iterator for Fragments {
+    type Item = Frame;
+
+    /// The next fragment (the last one is final).
+    fn next(&mut self) -> Option<Frame> {
+        if self.rest.is_empty() {
+            return None;
+        }
         let mut cut = self.rest.len().min(FRAGMENT_SIZE);
         // The message is UTF-8 (it came from a `Utf8Bytes`), so a character boundary lies
         // within the three bytes before any cut.
@@ -108,7 +115,7 @@ impl Fragments {
             Data::Text
         };
         self.started = true;
-        (Frame::message(piece, OpCode::Data(opcode), last), last)
+        Some(Frame::message(piece, OpCode::Data(opcode), last))
     }
 }
 
@@ -133,9 +140,9 @@ pub fn next_out(
             msg => return Some((msg, 0)),
         },
     };
-    let (frame, last) = fragments.next_frame();
-    let done = if last {
-        fragments.len()
+    let frame = fragments.next()?;
+    let done = if fragments.done() {
+        fragments.message_len()
     } else {
         *partial = Some(fragments);
         0
@@ -154,13 +161,12 @@ where
     };
     match Fragments::split(text) {
         Err(text) => sink.send(Message::Text(text)).await,
-        Ok(mut fragments) => loop {
-            let (frame, last) = fragments.next_frame();
-            if last {
-                return sink.send(Message::Frame(frame)).await;
+        Ok(fragments) => {
+            for frame in fragments {
+                sink.feed(Message::Frame(frame)).await?;
             }
-            sink.feed(Message::Frame(frame)).await?;
-        },
+            sink.flush().await
+        }
     }
 }
 
@@ -172,13 +178,12 @@ mod tests {
     fn a_large_text_goes_in_fragments_cut_on_characters_that_join_back_whole() {
         // Two-, three- and four-byte characters across every cut.
         let text: String = "aé€😀".repeat(FRAGMENT_SIZE / 3);
-        let Ok(mut f) = Fragments::split(Utf8Bytes::from(text.clone())) else {
+        let Ok(f) = Fragments::split(Utf8Bytes::from(text.clone())) else {
             panic!("not split");
         };
-        assert_eq!(f.len(), text.len());
+        assert_eq!(f.message_len(), text.len());
         let (mut joined, mut frames) = (Vec::new(), Vec::new());
-        loop {
-            let (frame, last) = f.next_frame();
+        for frame in f {
             assert!(frame.payload().len() <= FRAGMENT_SIZE);
             assert!(
                 std::str::from_utf8(frame.payload()).is_ok(),
@@ -186,9 +191,6 @@ mod tests {
             );
             joined.extend_from_slice(frame.payload());
             frames.push((frame.header().opcode, frame.header().is_final));
-            if last {
-                break;
-            }
         }
         assert_eq!(joined, text.as_bytes());
         assert!(frames.len() >= 4, "{} frames", frames.len());

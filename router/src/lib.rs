@@ -18,6 +18,8 @@ pub mod listener;
 pub mod metrics;
 pub mod node;
 pub mod policy;
+#[cfg(test)]
+mod raw_ws;
 pub mod reload;
 pub mod session;
 pub mod tenants;

@@ -214,7 +214,7 @@ impl Out {
         }
         // A control frame may come between fragments; the rest of the message goes.
         if let Some(partial) = self.partial.take() {
-            self.bytes.release(partial.len());
+            self.bytes.release(partial.message_len());
         }
     }
 

@@ -278,14 +278,10 @@ impl Writer {
                 self.queue.push_back((Message::Text(text), len));
             }
             // Queued as fragments here, so that writing stays as it is for every other frame.
-            Ok(mut fragments) => loop {
-                let (frame, last) = fragments.next_frame();
+            Ok(fragments) => self.queue.extend(fragments.map(|frame| {
                 let len = frame.payload().len();
-                self.queue.push_back((Message::Frame(frame), len));
-                if last {
-                    break;
-                }
-            },
+                (Message::Frame(frame), len)
+            })),
         }
         true
     }
@@ -530,7 +526,6 @@ mod tests {
     /// fragment large), whole once joined, and its bytes count until the last is flushed.
     #[tokio::test]
     async fn a_large_request_goes_to_the_worker_in_fragments_and_arrives_whole() {
-        use tokio::io::AsyncReadExt;
         use tokio_tungstenite::tungstenite::protocol::Role;
 
         let tenant = Arc::new(TenantLegBytes::new(8 << 20));
@@ -550,41 +545,23 @@ mod tests {
         );
         assert!(writer.send(request.clone()));
         // The worker's end, raw: each frame's head, unmasked payloads joined.
-        let read = async {
-            let (mut heads, mut joined) = (Vec::new(), Vec::new());
-            loop {
-                let mut head = [0u8; 2];
-                theirs.read_exact(&mut head).await.unwrap();
-                let len = match head[1] & 0x7F {
-                    126 => usize::from(theirs.read_u16().await.unwrap()),
-                    127 => theirs.read_u64().await.unwrap() as usize,
-                    n => usize::from(n),
-                };
-                let mut mask = [0u8; 4];
-                theirs.read_exact(&mut mask).await.unwrap();
-                let mut payload = vec![0; len];
-                theirs.read_exact(&mut payload).await.unwrap();
-                joined.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-                heads.push((head[0], len));
-                if head[0] & 0x80 != 0 {
-                    return (heads, joined);
-                }
-            }
-        };
+        let read = crate::raw_ws::raw_message(&mut theirs);
         let write = async {
             while writer.busy() {
                 std::future::poll_fn(|cx| writer.poll_write(cx)).await;
             }
         };
-        let ((heads, joined), ()) = tokio::join!(read, write);
+        let ((frames, joined), ()) = tokio::join!(read, write);
         assert_eq!(joined, request.as_bytes());
-        assert!(heads.len() > 4, "{} frames", heads.len());
-        assert_eq!(heads[0].0, 0x01, "a text frame, not the last");
-        assert!(heads[1..heads.len() - 1].iter().all(|&(h, _)| h == 0x00));
-        assert_eq!(heads[heads.len() - 1].0, 0x80);
-        assert!(heads
+        assert!(frames.len() > 4, "{} frames", frames.len());
+        assert_eq!(frames[0].1, 1, "a text frame first");
+        assert!(
+            frames[1..].iter().all(|&(_, op, _)| op == 0),
+            "then continuations"
+        );
+        assert!(frames
             .iter()
-            .all(|&(_, len)| len <= proto::ws::FRAGMENT_SIZE));
+            .all(|&(_, _, len)| len <= proto::ws::FRAGMENT_SIZE));
         assert_eq!(budget.session_used(), 0);
         assert_eq!(tenant.used(), 0);
     }

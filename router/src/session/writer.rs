@@ -144,7 +144,7 @@ impl OutQueue {
             }
             // A control frame may come between fragments; the rest of the message goes.
             if let Some(partial) = self.partial.take() {
-                self.bytes.release(partial.len());
+                self.bytes.release(partial.message_len());
             }
         }
         self.frames.push_back(Message::Close(Some(frame)));
