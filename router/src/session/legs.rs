@@ -489,7 +489,7 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    use crate::admission::TenantLegBytes;
+    use crate::admission::{Admission, AdmissionConfig, TenantLegBytes, HELD_FREE};
     use futures_util::SinkExt;
 
     /// A WebSocket over a socket pair in memory: (the worker's end, the leg's end).
@@ -522,23 +522,31 @@ mod tests {
         )
     }
 
+    /// A writer on one end of a socket pair, with a leg's limits for `max_message_bytes`, and
+    /// the worker's end raw (to see the frames as written).
+    async fn raw_writer_pair(
+        budget: LegBudget,
+        max_message_bytes: usize,
+    ) -> (Writer, tokio::net::UnixStream) {
+        use tokio_tungstenite::tungstenite::protocol::Role;
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let leg_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            worker::leg::buffered(ours).unwrap(),
+            Role::Client,
+            Some(worker::leg::leg_config(max_message_bytes)),
+        )
+        .await;
+        let (sink, _stream) = leg_end.split();
+        (Writer::new(WorkerId::new("t", 1, 1), sink, budget), theirs)
+    }
+
     /// A large request reaches the worker in fragments (so the leg's write buffer stays about one
     /// fragment large), whole once joined, and its bytes count until the last is flushed.
     #[tokio::test]
     async fn a_large_request_goes_to_the_worker_in_fragments_and_arrives_whole() {
-        use tokio_tungstenite::tungstenite::protocol::Role;
-
         let tenant = Arc::new(TenantLegBytes::new(8 << 20));
         let budget = LegBudget::new(8 << 20, tenant.clone());
-        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
-        let leg_end = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            worker::leg::buffered(ours).unwrap(),
-            Role::Client,
-            Some(worker::leg::leg_config(4 << 20)),
-        )
-        .await;
-        let (sink, _stream) = leg_end.split();
-        let mut writer = Writer::new(WorkerId::new("t", 1, 1), sink, budget.clone());
+        let (mut writer, mut theirs) = raw_writer_pair(budget.clone(), 4 << 20).await;
         let request = format!(
             r#"{{"id":1,"method":"turn/start","params":{{"pad":"{}"}}}}"#,
             "é".repeat(300 << 10)
@@ -655,9 +663,91 @@ mod tests {
         assert_eq!(tenant.used(), 0);
     }
 
+    /// A request of more fragments than a leg queues keeps the leg full (the session stops
+    /// reading its client) while its worker does not read, and until enough of it has drained;
+    /// it arrives whole, in fragments, and its bytes come back once written.
+    #[tokio::test]
+    async fn a_request_of_more_fragments_than_a_leg_queues_keeps_it_full_until_drained() {
+        let tenant = Arc::new(TenantLegBytes::new(32 << 20));
+        let budget = LegBudget::new(32 << 20, tenant.clone());
+        let (mut writer, mut worker) = raw_writer_pair(budget.clone(), 1 << 20).await;
+        let request = format!(
+            r#"{{"id":1,"method":"turn/start","params":{{"pad":"{}"}}}}"#,
+            "x".repeat(17 << 20)
+        );
+        assert!(request.len() > LEG_QUEUE * proto::ws::FRAGMENT_SIZE);
+        assert!(!writer.full());
+        assert!(writer.send(request.clone()));
+        assert!(writer.full(), "{} frames queued", writer.queue.len());
+        assert_eq!(budget.session_used(), request.len());
+        // The worker reads nothing: its socket takes a few fragments, then nothing more.
+        let mut polls = 0;
+        while futures_util::FutureExt::now_or_never(std::future::poll_fn(|cx| {
+            writer.poll_write(cx)
+        }))
+        .is_some()
+        {
+            polls += 1;
+            assert!(polls < 100, "the worker's socket never filled");
+        }
+        assert!(writer.full(), "{} frames queued", writer.queue.len());
+        assert!(budget.session_used() > 0);
+        // The worker reads: the leg drains, and is full no more once it holds fewer frames.
+        let read = crate::raw_ws::raw_message(&mut worker);
+        let mut full = Vec::new();
+        let write = async {
+            while writer.busy() {
+                std::future::poll_fn(|cx| writer.poll_write(cx)).await;
+                full.push(writer.full());
+            }
+        };
+        let ((frames, joined), ()) = tokio::join!(read, write);
+        let drained = full
+            .iter()
+            .position(|&f| !f)
+            .expect("the leg is full no more once drained");
+        assert!(
+            full[drained..].iter().all(|&f| !f),
+            "full again while draining: {full:?}"
+        );
+        assert!(!writer.full() && !writer.busy());
+        assert!(joined == request.as_bytes(), "the request arrives whole");
+        assert_eq!(
+            frames.len(),
+            request.len().div_ceil(proto::ws::FRAGMENT_SIZE)
+        );
+        assert_eq!(frames[0].1, 1, "a text frame first");
+        assert!(
+            frames[1..].iter().all(|&(_, op, _)| op == 0),
+            "then continuations"
+        );
+        assert!(frames
+            .iter()
+            .all(|&(_, _, len)| len <= proto::ws::FRAGMENT_SIZE));
+        assert_eq!(budget.session_used(), 0);
+        assert_eq!(tenant.used(), 0);
+    }
+
     /// A leg's socket pair in memory: (the worker's end, the frames the session reads, the
     /// worker's exit, the leg's drop).
     async fn leg_pair() -> (
+        worker::LegStream,
+        LegFrames,
+        oneshot::Sender<()>,
+        oneshot::Sender<()>,
+    ) {
+        leg_pair_of(
+            WorkerId::new("t", 1, 1),
+            HeldBuffer::new(Default::default(), usize::MAX),
+        )
+        .await
+    }
+
+    /// [`leg_pair`] to `worker`, its socket's read buffer counted in `held`.
+    async fn leg_pair_of(
+        worker: WorkerId,
+        held: HeldBuffer,
+    ) -> (
         worker::LegStream,
         LegFrames,
         oneshot::Sender<()>,
@@ -668,13 +758,13 @@ mod tests {
         let (exit, exited) = oneshot::channel::<()>();
         let (drop_leg, dropped) = oneshot::channel();
         let frames = read_frames(
-            WorkerId::new("t", 1, 1),
+            worker,
             stream,
             Box::pin(async move {
                 let _ = exited.await;
             }),
             dropped,
-            HeldBuffer::new(Default::default(), usize::MAX),
+            held,
         );
         (worker_end, frames, exit, drop_leg)
     }
@@ -813,6 +903,94 @@ mod tests {
         assert_eq!(text(within(&mut frames).await), "last");
         assert_eq!(closed(within(&mut frames).await), "worker exited");
         assert!(started.elapsed() < EXIT_GRACE, "{:?}", started.elapsed());
+    }
+
+    /// The leg's next event while `worker` sends `text` (read as it is written: a large frame
+    /// does not fit in the socket pair's buffers).
+    async fn sent_and_read(
+        worker: &mut worker::LegStream,
+        frames: &mut LegFrames,
+        text: &str,
+    ) -> Option<LegEvent> {
+        let (sent, got) = tokio::join!(worker.send(Message::text(text)), within(frames));
+        sent.unwrap();
+        got
+    }
+
+    /// Whether a frame from `worker` with `want` (compared here: a failed `assert_eq!` would
+    /// print hundreds of kilobytes).
+    fn is_frame(e: Option<LegEvent>, worker: WorkerId, want: &str) -> bool {
+        match e {
+            Some(LegEvent::Frame(w, t)) => w == worker && t.as_str() == want,
+            other => panic!("a frame, not {other:?}"),
+        }
+    }
+
+    /// Whether a leg's frames have ended: they say so at once, without reading the socket.
+    fn ended(frames: &mut LegFrames) -> bool {
+        matches!(
+            futures_util::FutureExt::now_or_never(frames.next()),
+            Some(None)
+        )
+    }
+
+    /// A worker's frame that the tenant's sockets' read buffers have no room for ends its leg:
+    /// the leg says so, reads nothing more, and the refused growth counts nothing. A frame that
+    /// fits is delivered, and its socket's buffer counts at its size until the leg goes.
+    #[tokio::test]
+    async fn a_worker_s_frame_beyond_the_tenant_s_read_buffers_ends_its_leg() {
+        let admission = Admission::new(AdmissionConfig::default()).unwrap();
+        let held = || admission.held_bytes("acme");
+        // Room for 300 KiB of the tenant's read buffers.
+        let bound = 300 << 10;
+        let (one, two, three) = (
+            WorkerId::new("acme", 1, 1),
+            WorkerId::new("acme", 2, 1),
+            WorkerId::new("acme", 3, 1),
+        );
+        let (mut first, mut first_frames, _first_exit, first_drop) =
+            leg_pair_of(one, admission.held_buffer("acme", bound)).await;
+        // A frame every socket's buffer may grow to counts nothing.
+        let free = "f".repeat(HELD_FREE);
+        let got = sent_and_read(&mut first, &mut first_frames, &free).await;
+        assert!(is_frame(got, one, &free));
+        assert_eq!(held(), 0);
+        // Above that, a frame that fits is delivered and counts at its size.
+        let fits = "a".repeat(200 << 10);
+        let got = sent_and_read(&mut first, &mut first_frames, &fits).await;
+        assert!(is_frame(got, one, &fits));
+        assert_eq!(held(), 200 << 10);
+        // Another leg's 150 KiB would take the tenant over its bound: that leg ends.
+        let (mut second, mut second_frames, _second_exit, _second_drop) =
+            leg_pair_of(two, admission.held_buffer("acme", bound)).await;
+        let too_large = "b".repeat(150 << 10);
+        match sent_and_read(&mut second, &mut second_frames, &too_large).await {
+            Some(LegEvent::LargeFrame(w)) => assert_eq!(w, two),
+            other => panic!("a large frame, not {other:?}"),
+        }
+        assert!(ended(&mut second_frames), "the leg reads nothing more");
+        assert_eq!(held(), 200 << 10, "a refused growth is not counted");
+        // The first leg reads on; dropped, its socket's buffer leaves the count with it.
+        let got = sent_and_read(&mut first, &mut first_frames, "small").await;
+        assert!(is_frame(got, one, "small"));
+        assert_eq!(held(), 200 << 10);
+        drop(first_drop);
+        assert!(within(&mut first_frames).await.is_none());
+        assert_eq!(held(), 0);
+        // A leg whose own frame outgrows the bound ends too, and what it counted goes with its
+        // reader (its socket is gone), while the leg itself still lives.
+        let (mut third, mut third_frames, _third_exit, _third_drop) =
+            leg_pair_of(three, admission.held_buffer("acme", bound)).await;
+        let got = sent_and_read(&mut third, &mut third_frames, &fits).await;
+        assert!(is_frame(got, three, &fits));
+        assert_eq!(held(), 200 << 10);
+        let too_large = "c".repeat(400 << 10);
+        match sent_and_read(&mut third, &mut third_frames, &too_large).await {
+            Some(LegEvent::LargeFrame(w)) => assert_eq!(w, three),
+            other => panic!("a large frame, not {other:?}"),
+        }
+        assert!(ended(&mut third_frames), "the leg reads nothing more");
+        assert_eq!(held(), 0);
     }
 
     /// A leg whose frames come from a channel the test holds.
