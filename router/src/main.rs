@@ -121,6 +121,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Started as a worker's exec shim: becomes the worker here, before anything is set up.
+    worker::exec_if_shim();
+    // Workers are started through this binary, without copying this process (`worker::process::exec`).
+    worker::spawn_through("/proc/self/exe");
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     fix_mmap_threshold();

@@ -198,6 +198,8 @@ impl FleetFiles {
     /// Starts codex-fleet in this process from these files (edit `config` first if needed).
     pub async fn start(self) -> anyhow::Result<Fleet> {
         init_tracing();
+        // Workers start through the built binary's exec shim, as in `codex-fleet serve`.
+        worker::spawn_through(crate::process::fleet_bin());
         let files = self;
         let cfg = router::config::Config::load(&files.config)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

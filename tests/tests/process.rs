@@ -1,7 +1,7 @@
 //! codex-fleet as a real process: signals (SIGTERM, SIGINT, a second one, SIGKILL) leave no
 //! worker behind; workers get only the allowlisted environment; start-up warnings; the npm launcher;
 //! one tenant taking every file descriptor the process may open; one tenant's worker flooding its
-//! stderr.
+//! stderr; the exec shim workers start through.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -587,5 +587,109 @@ async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_
         "codex-fleet used {:.1}% of a core",
         share * 100.0
     );
+    Ok(())
+}
+
+/// The binary as the exec shim its workers start through (`worker::process::exec`), as codex-fleet
+/// runs it: `parent` and the steps, then the worker's command; its exit status, pid and output.
+fn shim(
+    parent: u32,
+    steps: &[&str],
+    worker: &[&str],
+) -> anyhow::Result<(Option<i32>, u32, String, String)> {
+    let child = std::process::Command::new(testkit::fleet_bin())
+        .arg(worker::process::exec::SHIM_ARG)
+        .arg(parent.to_string())
+        .args(steps)
+        .arg("--")
+        .args(worker)
+        .env_clear()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let pid = child.id();
+    let out = child.wait_with_output()?;
+    Ok((
+        out.status.code(),
+        pid,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// The exec shim applies a worker's steps and then becomes it (same pid, so the supervisor's
+/// child, its process group and its pipes are the worker's): CPU priority, open-files and process
+/// limits, umask and, as root, the tenant's uid and gid. It refuses, with exit 126 and the reason
+/// on stderr, a parent that is not the supervisor named (it died meanwhile), a command line it
+/// cannot read, and a worker it cannot execute; it never runs the worker unconfined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
+) -> anyhow::Result<()> {
+    let me = std::process::id();
+    let own_nice: i32 = std::fs::read_to_string("/proc/self/stat")?
+        .rsplit_once(')')
+        .and_then(|(_, s)| s.split_whitespace().nth(16)?.parse().ok())
+        .context("nice")?;
+    let report = "echo $$; cut -d' ' -f19 /proc/self/stat; ulimit -n; umask; id -u; id -g; \
+                  grep '^Max processes' /proc/self/limits";
+    let root = nix::unistd::geteuid().is_root();
+    let user = if root { "65534:65533" } else { "-" };
+    let (code, pid, out, err) = shim(
+        me,
+        &["3", user, "77", "-", "-", "99"],
+        &["/bin/sh", "-c", report],
+    )?;
+    assert_eq!(code, Some(0), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines.first(),
+        Some(&pid.to_string().as_str()),
+        "the same process: {out}"
+    );
+    assert_eq!(
+        lines.get(1),
+        Some(&(own_nice + 3).min(19).to_string().as_str()),
+        "{out}"
+    );
+    assert_eq!(lines.get(2), Some(&"77"), "{out}");
+    assert_eq!(lines.get(3), Some(&"0077"), "{out}");
+    if root {
+        assert_eq!(lines.get(4..6), Some(&["65534", "65533"][..]), "{out}");
+    }
+    let nproc: Vec<&str> = lines.get(6).context("limits")?.split_whitespace().collect();
+    assert_eq!(nproc.get(2..4), Some(&["99", "99"][..]), "{out}");
+
+    // Refused: a parent that is not ours, a command line it cannot read, a worker it cannot run.
+    let steps = ["0", "-", "-", "-", "-", "-"];
+    let cases: [(u32, &[&str], &[&str], &str); 4] = [
+        (1, &steps, &["/bin/sh", "-c", "echo ran"], "No such process"),
+        (
+            me,
+            &steps[1..],
+            &["/bin/sh", "-c", "echo ran"],
+            "bad shim arguments",
+        ),
+        (
+            me,
+            &["0", "-", "-", "-", "-", "x"],
+            &["/bin/sh", "-c", "echo ran"],
+            "bad shim arguments",
+        ),
+        (
+            me,
+            &steps,
+            &["/nonexistent/codex"],
+            "exec /nonexistent/codex",
+        ),
+    ];
+    for (parent, steps, worker, why) in cases {
+        let (code, _, out, err) = shim(parent, steps, worker)?;
+        assert_eq!(code, Some(worker::process::exec::SHIM_FAILED), "{err}");
+        assert!(out.is_empty(), "the worker ran: {out}");
+        assert!(
+            err.contains("starting the worker") && err.contains(why),
+            "{why}: {err}"
+        );
+    }
     Ok(())
 }

@@ -22,6 +22,7 @@ pub use fleet::FleetCap;
 pub use id::WorkerId;
 pub use leg::{connect, LegStream};
 pub use metrics::WorkerMetrics;
+pub use process::exec::{exec_if_shim, spawn_through};
 pub use process::ExitReport;
 pub use run_as::{Rlimits, WorkerUser};
 pub use supervisor::{

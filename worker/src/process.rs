@@ -1,9 +1,11 @@
 //! One codex app-server process: clean spawn, output forwarding, reaping, readiness, group kill.
 //!
 //! The child leads its own process group, so every signal targets the whole group. It gets
-//! `PR_SET_PDEATHSIG=SIGKILL`, which the kernel ties to the *thread* that spawned it: spawn from a
-//! runtime worker thread (any async task), never from `spawn_blocking`, whose threads retire.
-//! Before exec it sets its resource limits and, when configured, drops to the tenant's uid/gid.
+//! `PR_SET_PDEATHSIG=SIGKILL`, which the kernel ties to the *thread* that spawned it: every child
+//! is started from one thread that lives as long as the process (module `spawner`), never from
+//! `spawn_blocking`, whose threads retire, nor from a runtime thread, which the start would block.
+//! Before exec it sets its resource limits and, when configured, drops to the tenant's uid/gid:
+//! in an exec shim started with `posix_spawn`, or in a `pre_exec` hook (module [`exec`]).
 
 use std::ffi::OsString;
 use std::io;
@@ -15,7 +17,6 @@ use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
-use nix::sys::stat::Mode;
 use nix::unistd::Pid;
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
@@ -25,13 +26,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info_span, warn, Instrument};
 
+pub mod exec;
 mod output;
+mod spawner;
 
 use crate::control::{ControlLeg, CONTROL_MAX_MESSAGE};
 use crate::error::StartError;
 use crate::id::WorkerId;
 use crate::leg;
 use crate::run_as::{Rlimits, WorkerUser};
+use exec::Hygiene;
 use output::{forward_stderr, forward_stdout, StderrTail};
 
 /// Pause between connection attempts while a worker starts.
@@ -120,10 +124,32 @@ pub(crate) struct WorkerProcess {
 
 impl WorkerProcess {
     /// Spawns the process with exactly `env` plus `CODEX_HOME`, in its own process group.
-    pub(crate) fn spawn(spec: Spawn<'_>) -> Result<Self, StartError> {
-        let mut command = Command::new(spec.program);
+    pub(crate) async fn spawn(spec: Spawn<'_>) -> Result<Self, StartError> {
+        let hygiene = Hygiene {
+            parent: nix::unistd::getpid(),
+            nice: spec.nice,
+            rlimits: spec.rlimits,
+            user: spec.user,
+        };
+        let mut command = match exec::shim() {
+            // No hook: std starts the shim with `posix_spawn` (module `exec`).
+            Some(shim) => {
+                let mut command = Command::new(shim);
+                command.arg(exec::SHIM_ARG).args(exec::shim_args(
+                    hygiene,
+                    spec.program,
+                    &spec.args,
+                ));
+                command
+            }
+            None => {
+                let mut command = Command::new(spec.program);
+                command.args(&spec.args);
+                child_hygiene(&mut command, hygiene);
+                command
+            }
+        };
         command
-            .args(&spec.args)
             .env_clear()
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .env("CODEX_HOME", spec.codex_home)
@@ -133,11 +159,12 @@ impl WorkerProcess {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        child_hygiene(&mut command, spec.user, spec.rlimits, spec.nice);
-        let mut child = command.spawn().map_err(|source| StartError::Spawn {
-            program: spec.program.to_path_buf(),
-            source,
-        })?;
+        let mut child = spawner::spawn(command)
+            .await
+            .map_err(|source| StartError::Spawn {
+                program: spec.program.to_path_buf(),
+                source,
+            })?;
         let pid = child.id().ok_or_else(|| StartError::Spawn {
             program: spec.program.to_path_buf(),
             source: io::Error::other("child exited before its pid was read"),
@@ -300,60 +327,14 @@ fn killed_by_owner() -> ExitReport {
     }
 }
 
-/// Installs the one `pre_exec` hook: resource limits and the lower CPU priority, then the
-/// tenant's identity (no way back), then parent-death signal, parent check and umask.
-fn child_hygiene(command: &mut Command, user: Option<WorkerUser>, rlimits: Rlimits, nice: u8) {
-    let parent = nix::unistd::getpid();
-    let limits = rlimits.pairs();
-    // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (setrlimit, nice, setgroups, setgid, setuid, get*id, prctl, getppid, umask)
-    // and touches errno; it allocates nothing and takes no locks.
+/// Installs the one `pre_exec` hook: [`Hygiene::apply`] in the forked child.
+fn child_hygiene(command: &mut Command, hygiene: Hygiene) {
+    // SAFETY: the closure runs in the forked child before exec; `apply` only makes
+    // async-signal-safe system calls and touches errno; it allocates nothing and takes no locks.
     #[allow(unsafe_code)]
     unsafe {
-        command.pre_exec(move || {
-            if nice > 0 {
-                // Relative to the thread that forked (the child's one thread inherits its
-                // value); lowering a priority needs no privilege. `nice` returns the new value,
-                // which may be -1, so only errno tells a failure.
-                Errno::clear();
-                if nix::libc::nice(i32::from(nice)) == -1 && Errno::last_raw() != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            for (resource, value) in limits {
-                if let Some(value) = value {
-                    nix::sys::resource::setrlimit(resource, value, value)?;
-                }
-            }
-            if let Some(user) = user {
-                drop_privileges(user)?;
-            }
-            // After the identity change: the kernel clears the parent-death signal when the
-            // credentials change.
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            // The parent may have died between fork and prctl; then nobody would kill us later.
-            if nix::unistd::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(Errno::ESRCH as i32));
-            }
-            nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
-            Ok(())
-        });
+        command.pre_exec(move || hygiene.apply());
     }
-}
-
-/// In the child: supplementary groups, then gid, then uid; then proves there is no way back.
-fn drop_privileges(user: WorkerUser) -> io::Result<()> {
-    use nix::unistd::{getegid, geteuid, getgid, getuid, setgid, setgroups, setuid, Gid, Uid};
-    let (uid, gid) = (Uid::from_raw(user.uid), Gid::from_raw(user.gid));
-    setgroups(&[])?;
-    setgid(gid)?;
-    setuid(uid)?;
-    let switched = getuid() == uid && geteuid() == uid && getgid() == gid && getegid() == gid;
-    let regained = !uid.is_root() && setuid(Uid::from_raw(0)).is_ok();
-    if !switched || regained {
-        return Err(io::Error::from_raw_os_error(Errno::EPERM as i32));
-    }
-    Ok(())
 }
 
 async fn reap(mut child: Child, group: Arc<ProcessGroup>, exit: watch::Sender<Option<ExitReport>>) {

@@ -218,6 +218,7 @@ async fn spawn(shared: &Shared, id: WorkerId, socket: &Path) -> Result<WorkerPro
         nice: cfg.nice,
         log_lines_dropped: shared.metrics.log_lines_dropped(shared.tenant),
     })
+    .await
 }
 
 /// Records the process in its slot, so shutdown and drop can signal it. If shutdown began while it
