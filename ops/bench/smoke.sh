@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke run of the five benchmarks (BENCHMARKS.md) at a tiny size, a few seconds each: checks that
+# Smoke run of the six benchmarks (BENCHMARKS.md) at a tiny size, a few seconds each: checks that
 # every tool runs to the end and prints its numbers, never the numbers themselves. Uses the debug
 # build that `ops/test.sh` has just made (`cargo build --bins`), since a release build would cost
 # CI minutes for numbers nobody reads; `BENCH_PROFILE=release` uses release binaries instead.
@@ -71,3 +71,8 @@ run "4 fleet-load through an edge (the profile-guided build's training, ops/benc
     'an edge in front of it: wss://' \
     'through an edge and codex-fleet as its node .*: 4 sessions ok, 0 failed' -- \
     "$BIN/fleet-load" --tenants 2 --workers 1 --sessions 4 --turns 2 --edge
+run "6 spawn-stall" \
+    'nothing starting: +[0-9]+ round trips: p50 +[0-9]+ µs, p99 +[0-9]+, p99.9 +[0-9]+, max +[0-9]+' \
+    '2 workers a second: +[0-9]+ round trips: p50 +[0-9]+ µs' \
+    "a burst's workers ready a second after its reload: at least 2 of 2" -- \
+    "$BIN/spawn-stall" --connections 20 --burst 2 --bursts 2 --quiet-secs 1
