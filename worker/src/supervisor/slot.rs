@@ -48,7 +48,7 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
         // The process is gone: its fleet slot is free again.
         drop(permit);
         let next = finish(&shared, index, ended, &mut restarts);
-        sweep_tenant_uid(&shared);
+        sweep_tenant_uid(&shared).await;
         let Some(retry_at) = next else {
             break;
         };
@@ -62,43 +62,50 @@ pub(super) async fn run(shared: Arc<Shared>, index: usize) {
 
 /// With a uid of the tenant's own, and no worker of the tenant left (none live, none starting):
 /// kills every process still running under that uid, such as a daemon a command started with
-/// `setsid`, which left the worker's process group and so outlived the group kill.
-fn sweep_tenant_uid(shared: &Shared) {
+/// `setsid`, which left the worker's process group and so outlived the group kill. Reading `/proc`
+/// costs a file per process on the host (a tenant may run thousands: 32 ms for 3,000 here), so
+/// it runs off the runtime, where it would stall every session the thread serves.
+async fn sweep_tenant_uid(shared: &Arc<Shared>) {
     let Some(user) = shared.cfg.user else {
         return;
     };
     if user.uid == 0 || user.uid == nix::unistd::geteuid().as_raw() {
         return;
     }
-    let busy = |state: &super::PoolState| {
-        state
-            .slots
-            .iter()
-            .any(|s| s.live.is_some() || s.state == WorkerState::Starting)
-    };
     // The cheap check first: most worker ends leave others running, and /proc is not read.
     if busy(&shared.lock()) {
         return;
     }
-    let leftovers = crate::sweep::processes_of(user.uid);
-    if leftovers.is_empty() {
-        return;
-    }
-    // Again under the lock, so no slot can begin a start between the check and the kill; the pids
-    // were read before, so a worker started later is never among them.
-    let killed = {
-        let state = shared.lock();
+    let pool = shared.clone();
+    let killed = tokio::task::spawn_blocking(move || {
+        let leftovers = crate::sweep::processes_of(user.uid);
+        if leftovers.is_empty() {
+            return 0;
+        }
+        // Again under the lock, so no slot can begin a start between the check and the kill; the
+        // pids were read before, so a worker started later is never among them.
+        let state = pool.lock();
         if busy(&state) {
-            return;
+            return 0;
         }
         crate::sweep::kill_all(&leftovers)
-    };
+    })
+    .await
+    .unwrap_or(0);
     if killed > 0 {
         warn!(
             uid = user.uid,
             killed, "the tenant's last worker is gone; killed processes left under its uid"
         );
     }
+}
+
+/// Whether any of the pool's slots has a worker, live or starting.
+fn busy(state: &super::PoolState) -> bool {
+    state
+        .slots
+        .iter()
+        .any(|s| s.live.is_some() || s.state == WorkerState::Starting)
 }
 
 /// Waits until the slot should run a worker: it is within `min_workers`, or an `acquire` asked.
