@@ -126,7 +126,7 @@ fn main() -> ExitCode {
     // Workers are started through this binary, without copying this process (`worker::process::exec`).
     worker::spawn_through("/proc/self/exe");
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    let _log_writer = init_tracing(cli.log_format);
     fix_mmap_threshold();
     if !matches!(
         cli.command,
@@ -282,42 +282,99 @@ fn fix_mmap_threshold() {
 /// `json` escapes every value; `text` writes client-chosen values through
 /// [`router::untrusted::Untrusted`] and, as a backstop, escapes any control character left in a
 /// formatted event ([`OneLineStderr`]). Colours only on a terminal.
-fn init_tracing(format: LogFormat) {
+///
+/// Lines are written by a thread of their own, from a queue of at most [`LOG_QUEUE_LINES`] (or
+/// `CODEX_FLEET_LOG_QUEUE_LINES`): a stderr nobody takes (a stalled log collector, a full pipe)
+/// drops lines, counted in `codex_fleet_log_lines_dropped_total`, and never stops a thread that
+/// serves sessions. The returned guard writes what is queued when it is dropped, at exit.
+fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuard {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("CODEX_FLEET_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let ansi = format == LogFormat::Text && std::io::stderr().is_terminal();
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(
+            std::env::var("CODEX_FLEET_LOG_QUEUE_LINES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(LOG_QUEUE_LINES),
+        )
+        .thread_name("log-writer")
+        .finish(OneLineStderr {
+            ansi,
+            escape: format == LogFormat::Text,
+        });
+    let _ = LOG_LINES_DROPPED.set(writer.error_counter());
     match format {
-        LogFormat::Json => builder.json().with_writer(std::io::stderr).init(),
-        LogFormat::Text => {
-            let ansi = std::io::stderr().is_terminal();
-            builder
-                .with_ansi(ansi)
-                .with_writer(OneLineStderr { ansi })
-                .init();
+        LogFormat::Json => builder.json().with_writer(writer).init(),
+        LogFormat::Text => builder.with_ansi(ansi).with_writer(writer).init(),
+    }
+    guard
+}
+
+/// Log lines queued for stderr at most by default; beyond, lines are dropped and counted.
+const LOG_QUEUE_LINES: usize = 16_384;
+
+/// How many log lines stderr did not take in time ([`init_tracing`]).
+static LOG_LINES_DROPPED: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
+    std::sync::OnceLock::new();
+
+/// A registry for a server, with this process's own series: the log lines dropped.
+fn registry() -> Registry {
+    let registry = Registry::new();
+    if let Some(dropped) = LOG_LINES_DROPPED.get() {
+        if let Err(e) = registry.register(Box::new(LogLinesDropped(dropped.clone()))) {
+            tracing::warn!(error = %e, "cannot export codex_fleet_log_lines_dropped_total");
         }
     }
+    registry
 }
 
-/// stderr for the `text` format: each formatted event (the formatter writes one event per
-/// `write`) with its control characters escaped by [`router::untrusted::one_line`].
+/// `codex_fleet_log_lines_dropped_total`, read from the log writer's count when scraped.
+struct LogLinesDropped(tracing_appender::non_blocking::ErrorCounter);
+
+impl LogLinesDropped {
+    fn counter(&self) -> prometheus::IntCounter {
+        let counter = prometheus::IntCounter::new(
+            "codex_fleet_log_lines_dropped_total",
+            "Log lines codex-fleet dropped because stderr did not take them in time",
+        )
+        .expect("a valid metric name");
+        counter.inc_by(u64::try_from(self.0.dropped_lines()).unwrap_or(u64::MAX));
+        counter
+    }
+}
+
+impl prometheus::core::Collector for LogLinesDropped {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        static DESC: std::sync::OnceLock<prometheus::core::Desc> = std::sync::OnceLock::new();
+        vec![DESC.get_or_init(|| self.counter().desc()[0].clone())]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.counter().collect()
+    }
+}
+
+/// stderr, written by the log thread one formatted event at a time; for the `text` format with
+/// its control characters escaped by [`router::untrusted::one_line`] (`json` escapes its own).
 struct OneLineStderr {
     ansi: bool,
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for OneLineStderr {
-    type Writer = OneLineStderr;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        OneLineStderr { ansi: self.ansi }
-    }
+    escape: bool,
 }
 
 impl std::io::Write for OneLineStderr {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let text = String::from_utf8_lossy(buf);
-        let line = router::untrusted::one_line(&text, self.ansi);
-        std::io::stderr().lock().write_all(line.as_bytes())?;
+        let mut err = std::io::stderr().lock();
+        if self.escape {
+            let text = String::from_utf8_lossy(buf);
+            err.write_all(router::untrusted::one_line(&text, self.ansi).as_bytes())?;
+        } else {
+            err.write_all(buf)?;
+        }
         Ok(buf.len())
     }
 
@@ -375,7 +432,7 @@ async fn serve(
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
     let cfg_idle_secs = cfg.workers.worker_idle_secs;
-    let server = Server::build(cfg, Registry::new())?
+    let server = Server::build(cfg, registry())?
         .with_config_path(path)
         .with_only_tenant(only_tenant);
     let _reload_on_hup = reload_on_sighup(&server)?;
@@ -485,7 +542,7 @@ async fn dev_main(
     let admin = TcpListener::bind(cfg.admin.addr).await?;
     let addr = listener.local_addr()?;
     let admin_addr = admin.local_addr()?;
-    let server = Server::build(cfg, Registry::new())?.with_config_path(setup.config_path.clone());
+    let server = Server::build(cfg, registry())?.with_config_path(setup.config_path.clone());
     let _reload_on_hup = reload_on_sighup(&server)?;
     let ca = setup.ca_path.display();
     let token = &setup.token;

@@ -417,17 +417,20 @@ impl FleetProcess {
             }
         };
         let stderr = Arc::new(std::sync::Mutex::new(String::new()));
-        let mut lines = tokio::io::BufReader::new(child.stderr.take().context("stderr")?).lines();
-        let sink = stderr.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(l)) = lines.next_line().await {
-                let mut s = sink
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                s.push_str(&l);
-                s.push('\n');
-            }
-        });
+        // Kept unless `configure` sent stderr elsewhere (then `stderr()` stays empty).
+        if let Some(err) = child.stderr.take() {
+            let mut lines = tokio::io::BufReader::new(err).lines();
+            let sink = stderr.clone();
+            tokio::spawn(async move {
+                while let Ok(Some(l)) = lines.next_line().await {
+                    let mut s = sink
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    s.push_str(&l);
+                    s.push('\n');
+                }
+            });
+        }
         Ok(FleetProcess {
             child,
             addr,

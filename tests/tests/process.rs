@@ -497,6 +497,15 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
     Ok(())
 }
 
+/// A tenant's `command`: the real app-server, with `yes` beside it writing warnings to its stderr as
+/// fast as the pipe takes them.
+fn flooding_command() -> String {
+    format!(
+        "command = [\"/bin/sh\", \"-c\", \"/usr/bin/yes 'WARN flood' >&2 & exec \\\"$0\\\" \\\"$@\\\"\", {:?}, \"app-server\"]",
+        testkit::codex_bin().display().to_string()
+    )
+}
+
 /// One tenant's worker floods its stderr (`yes`, started beside app-server, writing warnings as
 /// fast as the pipe takes them). codex-fleet reads a worker's output at its pace and logs it
 /// within its budget: the flood costs codex-fleet a few percent of a core, its log at most the
@@ -504,15 +513,11 @@ async fn a_tenant_that_takes_every_file_descriptor_does_not_stop_another() -> an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_goes_on(
 ) -> anyhow::Result<()> {
-    let codex = testkit::codex_bin();
     let files = FleetBuilder::new()
         .tenant_pool("acme", 1, 1)
         .limits_toml("turn_start_per_min = 6000\nturn_start_burst = 100")
         .tenant_pool("hog", 1, 1)
-        .tenant_toml(&format!(
-            "command = [\"/bin/sh\", \"-c\", \"/usr/bin/yes 'WARN flood' >&2 & exec \\\"$0\\\" \\\"$@\\\"\", {:?}, \"app-server\"]",
-            codex.display().to_string()
-        ))
+        .tenant_toml(&flooding_command())
         .prepare()
         .await?;
     let spawned = std::time::Instant::now();
@@ -587,6 +592,65 @@ async fn a_worker_flooding_its_stderr_costs_the_fleet_little_and_another_tenant_
         "codex-fleet used {:.1}% of a core",
         share * 100.0
     );
+    Ok(())
+}
+
+/// codex-fleet's stderr is not read (a stalled log collector, a full pipe) while one tenant's two
+/// workers flood their stderr into codex-fleet's log. Log lines are written by a thread of their
+/// own from a bounded queue: they are dropped and counted, never waited for, so no thread that
+/// serves sessions stops on the log, and another tenant's turns go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stderr_nobody_reads_drops_log_lines_and_never_stops_the_fleet() -> anyhow::Result<()> {
+    let files = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .tenant_pool("hog", 2, 2)
+        .tenant_toml(&flooding_command())
+        .prepare()
+        .await?;
+    let (unread, stderr) = nix::unistd::pipe()?;
+    // The smallest pipe the kernel allows: a few log lines fill it.
+    nix::fcntl::fcntl(&stderr, nix::fcntl::FcntlArg::F_SETPIPE_SZ(4096))?;
+    let proc = FleetProcess::spawn_with(&files, |cmd| {
+        // A queue the flood fills in seconds (16,384 lines by default).
+        cmd.stderr(Stdio::from(stderr))
+            .env("CODEX_FLEET_LOG_QUEUE_LINES", "64");
+    })
+    .await?;
+    // A fleet stuck on its log answers no scrape either.
+    let dropped = || async {
+        let scrape = testkit::metric_at(proc.admin, "codex_fleet_log_lines_dropped_total", &[]);
+        match tokio::time::timeout(Duration::from_secs(5), scrape).await {
+            Ok(Ok(n)) => n,
+            _ => 0.0,
+        }
+    };
+    anyhow::ensure!(
+        testkit::wait_until_async(Duration::from_secs(30), || async { dropped().await > 0.0 })
+            .await,
+        "no log line was dropped"
+    );
+    let before = dropped().await;
+    let mut acme = proc.client(&files, &files.token("acme")).await?;
+    let thread = acme.start_thread().await?;
+    for turn in 0..3 {
+        let prompt = format!("while nobody reads the log {turn}");
+        acme.start_turn(&thread, &prompt).await?;
+        let msgs =
+            tokio::time::timeout(Duration::from_secs(30), acme.until_turn_completed(&thread))
+                .await
+                .context("a turn stopped behind the log")??;
+        assert_eq!(
+            agent_text(&msgs).as_deref(),
+            Some(reply_text(&prompt).as_str())
+        );
+    }
+    let after = dropped().await;
+    eprintln!("measured: {before} log lines dropped before acme's turns, {after} after");
+    assert!(
+        after > before,
+        "the flood's lines are still dropped: {after}"
+    );
+    drop(unread);
     Ok(())
 }
 
