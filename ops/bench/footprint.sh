@@ -72,7 +72,8 @@ for who in fleet floor; do
 case "\$*" in *worker-threads*) exec "$bin" "\$@" ;; esac
 name=$who
 case "\$*" in *--route*) name=$who-route ;; esac
-valgrind --tool=callgrind --cache-sim=yes --I1=32768,8,64 --D1=32768,8,64 --LL=65536,8,64 \
+# Under valgrind /proc/self/exe is valgrind: workers start through codex-fleet's binary by name.
+CODEX_FLEET_EXEC_SHIM="$bin" valgrind --tool=callgrind --cache-sim=yes --I1=32768,8,64 --D1=32768,8,64 --LL=65536,8,64 \
     --log-file="$work/vg.%p.log" --callgrind-out-file="$work/\$name.\$(cat "$work/rounds").%p.out" \
     "$bin" "\$@"
 EOF

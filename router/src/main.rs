@@ -123,11 +123,19 @@ enum Command {
 fn main() -> ExitCode {
     // Started as a worker's exec shim: becomes the worker here, before anything is set up.
     worker::exec_if_shim();
-    // Workers are started through this binary, without copying this process (`worker::process::exec`).
-    worker::spawn_through("/proc/self/exe");
+    // Workers are started through this binary, without copying this process
+    // (`worker::process::exec`); `CODEX_FLEET_EXEC_SHIM` names it where `/proc/self/exe` is not
+    // this binary (under valgrind: ops/bench/footprint.sh).
+    worker::spawn_through(
+        std::env::var_os("CODEX_FLEET_EXEC_SHIM")
+            .map_or_else(|| "/proc/self/exe".into(), PathBuf::from),
+    );
+    let mmap_threshold_set = fix_mmap_threshold();
     let cli = Cli::parse();
     let _log_writer = init_tracing(cli.log_format);
-    fix_mmap_threshold();
+    if !mmap_threshold_set {
+        tracing::warn!("cannot set the allocator's mapping threshold");
+    }
     if !matches!(
         cli.command,
         Command::CheckConfig { .. } | Command::Top { .. } | Command::RenderTenantPod { .. }
@@ -262,7 +270,8 @@ fn raise_nofile_limit() {
 /// of the largest block freed (up to 32 MiB), after which such buffers come from the arenas,
 /// and what a flood of large answers freed stays resident: the bounds on queued bytes hold, the
 /// process's memory does not come back down.
-fn fix_mmap_threshold() {
+/// Whether it was set (or there is nothing to set).
+fn fix_mmap_threshold() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         /// Blocks at least this large are mapped on their own.
@@ -271,10 +280,10 @@ fn fix_mmap_threshold() {
         // other thread exists.
         #[allow(unsafe_code)]
         let set = unsafe { nix::libc::mallopt(nix::libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
-        if set != 1 {
-            tracing::warn!("cannot set the allocator's mapping threshold");
-        }
+        set == 1
     }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    true
 }
 
 /// Logs go to stderr, one event per line in either format, so that no client-chosen text can
@@ -316,7 +325,8 @@ fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuar
 }
 
 /// Log lines queued for stderr at most by default; beyond, lines are dropped and counted.
-const LOG_QUEUE_LINES: usize = 16_384;
+/// A line is at most a worker's 4 KiB stderr line, escaped: a few dozen MiB at most.
+const LOG_QUEUE_LINES: usize = 1_024;
 
 /// How many log lines stderr did not take in time ([`init_tracing`]).
 static LOG_LINES_DROPPED: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
@@ -496,7 +506,14 @@ async fn shutdown_signal() {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        eprintln!("codex-fleet: second signal, exiting now");
+        // Said from a thread of its own, and not waited for long: stderr may be the reason the
+        // drain hangs.
+        let (said, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            eprintln!("codex-fleet: second signal, exiting now");
+            let _ = said.send(());
+        });
+        let _ = done.recv_timeout(std::time::Duration::from_millis(200));
         std::process::exit(130);
     });
 }

@@ -611,7 +611,7 @@ async fn a_stderr_nobody_reads_drops_log_lines_and_never_stops_the_fleet() -> an
     // The smallest pipe the kernel allows: a few log lines fill it.
     nix::fcntl::fcntl(&stderr, nix::fcntl::FcntlArg::F_SETPIPE_SZ(4096))?;
     let proc = FleetProcess::spawn_with(&files, |cmd| {
-        // A queue the flood fills in seconds (16,384 lines by default).
+        // A queue the flood fills at once (1,024 lines by default).
         cmd.stderr(Stdio::from(stderr))
             .env("CODEX_FLEET_LOG_QUEUE_LINES", "64");
     })
@@ -697,10 +697,14 @@ async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
     let report = "echo $$; cut -d' ' -f19 /proc/self/stat; ulimit -n; umask; id -u; id -g; \
                   grep '^Max processes' /proc/self/limits";
     let root = nix::unistd::geteuid().is_root();
+    // A process limit the shim may set (at most the hard limit it inherits) and that no shared
+    // host's processes of the uid come near.
+    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NPROC)?;
+    let nproc = hard.min(99_999).to_string();
     let user = if root { "65534:65533" } else { "-" };
     let (code, pid, out, err) = shim(
         me,
-        &["3", user, "77", "-", "-", "99"],
+        &["3", user, "77", "-", "-", &nproc],
         &["/bin/sh", "-c", report],
     )?;
     assert_eq!(code, Some(0), "{err}");
@@ -720,8 +724,12 @@ async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
     if root {
         assert_eq!(lines.get(4..6), Some(&["65534", "65533"][..]), "{out}");
     }
-    let nproc: Vec<&str> = lines.get(6).context("limits")?.split_whitespace().collect();
-    assert_eq!(nproc.get(2..4), Some(&["99", "99"][..]), "{out}");
+    let limits: Vec<&str> = lines.get(6).context("limits")?.split_whitespace().collect();
+    assert_eq!(
+        limits.get(2..4),
+        Some(&[nproc.as_str(), nproc.as_str()][..]),
+        "{out}"
+    );
 
     // Refused: a parent that is not ours, a command line it cannot read, a worker it cannot run.
     let steps = ["0", "-", "-", "-", "-", "-"];

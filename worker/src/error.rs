@@ -112,7 +112,9 @@ pub enum StartError {
         /// What was found there.
         what: &'static str,
     },
-    /// `spawn` itself failed (missing binary, permissions, parent died during spawn).
+    /// `spawn` itself failed (missing binary, permissions, parent died during spawn). Through the
+    /// exec shim this is the shim's own start; the worker's steps and exec fail later, as
+    /// [`StartError::ExitedBeforeReady`] with the shim's reason in `stderr`.
     #[error("spawn {program}: {source}")]
     Spawn {
         /// The program.

@@ -206,14 +206,19 @@ impl Shim {
 
     /// Applies the steps and executes the worker; returns only the error that stopped it.
     fn exec(self) -> io::Error {
+        // Built before the steps: a small address-space limit must not fail this allocation.
+        let mut worker = std::process::Command::new(&self.program);
+        worker.args(&self.args);
         if let Err(e) = self.hygiene.apply() {
             return io::Error::new(e.kind(), format!("before exec: {e}"));
         }
-        // The environment, directory and descriptors are the ones the supervisor gave the shim;
-        // std resets the signal mask and SIGPIPE, as it does for any child.
-        let e = std::process::Command::new(&self.program)
-            .args(&self.args)
-            .exec();
+        // The environment, directory and descriptors are the ones the supervisor gave the shim.
+        // The worker starts with no signal blocked whatever thread started the shim had blocked;
+        // std sets SIGPIPE back to its default.
+        if let Err(e) = nix::sys::signal::SigSet::empty().thread_set_mask() {
+            return io::Error::other(format!("clearing the signal mask: {e}"));
+        }
+        let e = worker.exec();
         io::Error::new(e.kind(), format!("exec {}: {e}", self.program.display()))
     }
 }

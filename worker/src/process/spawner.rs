@@ -21,7 +21,7 @@ struct Job {
     reply: oneshot::Sender<io::Result<Child>>,
 }
 
-static SPAWNER: OnceLock<Option<mpsc::Sender<Job>>> = OnceLock::new();
+static SPAWNER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
 
 /// Starts `command` on the spawner thread. A caller that gives up before the answer leaves the
 /// child to `kill_on_drop`.
@@ -31,7 +31,14 @@ pub(crate) async fn spawn(command: Command) -> io::Result<Child> {
 
 async fn spawn_in(command: Command, runtime: Handle) -> io::Result<Child> {
     let gone = || io::Error::other("the worker spawner thread is gone");
-    let spawner = SPAWNER.get_or_init(start).as_ref().ok_or_else(gone)?;
+    let spawner = match SPAWNER.get() {
+        Some(spawner) => spawner,
+        // Not kept when it fails, so a later start tries again.
+        None => {
+            let started = start()?;
+            SPAWNER.get_or_init(|| started)
+        }
+    };
     let (reply, answer) = oneshot::channel();
     spawner
         .send(Job {
@@ -43,75 +50,71 @@ async fn spawn_in(command: Command, runtime: Handle) -> io::Result<Child> {
     answer.await.map_err(|_| gone())?
 }
 
-fn start() -> Option<mpsc::Sender<Job>> {
+fn start() -> io::Result<mpsc::Sender<Job>> {
     let (tx, rx) = mpsc::channel::<Job>();
-    let thread = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name("worker-spawner".to_owned())
         .spawn(move || {
             for mut job in rx {
+                // The caller gave up (its runtime may be shutting down): nothing to start.
+                if job.reply.is_closed() {
+                    continue;
+                }
                 let _runtime = job.runtime.enter();
-                // A runtime shutting down meanwhile must fail this start, not every later one.
-                let started =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.command.spawn()))
-                        .unwrap_or_else(|_| {
-                            Err(io::Error::other("the worker's runtime is shutting down"))
-                        });
                 // An answer nobody waits for drops the child, which kills it.
-                let _ = job.reply.send(started);
+                let _ = job.reply.send(job.command.spawn());
             }
-        });
-    match thread {
-        Ok(_) => Some(tx),
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the worker spawner thread");
-            None
-        }
-    }
+        })
+        .map_err(|e| io::Error::other(format!("cannot start the worker spawner thread: {e}")))?;
+    Ok(tx)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A `sleep` that dies with the thread that started it (its parent-death signal).
     fn sleeper() -> Command {
         let mut c = Command::new("sleep");
         c.arg("30").kill_on_drop(true);
+        // SAFETY: only prctl, async-signal-safe, in the forked child.
+        #[allow(unsafe_code)]
+        unsafe {
+            c.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+                Ok(())
+            });
+        }
         c
     }
 
-    /// Children come from the spawner thread, not the caller's; a start for a runtime that is
-    /// gone (a test's, or one shutting down) does not take the thread with it.
-    #[tokio::test]
-    async fn starts_run_on_one_thread_of_their_own_and_survive_a_dead_runtime() {
-        // Dropped outside this runtime, which may not block.
-        let dead = std::thread::spawn(|| {
+    fn alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| !s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')))
+    }
+
+    /// A child started from a runtime whose thread then ends lives on: it was started by the
+    /// spawner thread, to which its parent-death signal is tied, not by the caller's thread.
+    #[test]
+    fn children_outlive_the_thread_that_asked_for_them() {
+        let (pid, _child) = std::thread::spawn(|| {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap();
-            rt.handle().clone()
+            let child = rt.block_on(spawn(sleeper())).unwrap();
+            let pid = child.id().unwrap();
+            // Not killed on drop: the test ends it.
+            (pid, std::mem::ManuallyDrop::new(child))
         })
         .join()
         .unwrap();
-        // Whatever the dead runtime makes of it, an answer comes back.
-        if let Ok(mut child) = spawn_in(sleeper(), dead).await {
-            let _ = child.start_kill();
-        }
-        let mut child = spawn(sleeper()).await.unwrap();
-        let pid = child.id().unwrap();
-        // The parent-death signal follows the thread that started the child: the spawner's.
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let ppid: u32 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("PPid:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap();
-        assert_eq!(ppid, std::process::id());
-        let spawner_named = std::fs::read_dir("/proc/self/task")
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .any(|name| name.trim() == "worker-spawner");
-        assert!(spawner_named, "the spawner thread runs");
-        child.kill().await.unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let lived = alive(pid);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        assert!(lived, "the child died with the thread that asked for it");
     }
 }

@@ -77,7 +77,10 @@ async fn sweep_tenant_uid(shared: &Arc<Shared>) {
         return;
     }
     let pool = shared.clone();
+    // The kills' log lines keep the slot's span (tenant, slot).
+    let span = tracing::Span::current();
     let killed = tokio::task::spawn_blocking(move || {
+        let _span = span.enter();
         let leftovers = crate::sweep::processes_of(user.uid);
         if leftovers.is_empty() {
             return 0;

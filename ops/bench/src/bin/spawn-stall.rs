@@ -2,7 +2,7 @@
 //! without copying the router"): codex-fleet holding `--connections` idle connections (its heap,
 //! as a busy router's), one tenant's `thread/read` round trips measured first while nothing
 //! starts, then while, every second, a reload adds a tenant of `--burst` simulated workers (and
-//! removes the previous one), so codex-fleet starts that many workers at once.
+//! removes the previous one), so codex-fleet starts that many workers at once (and stops as many).
 //!
 //! Every `--fleet-bins` entry is measured in turn, alternated `--runs` times, on simulated workers
 //! only (`codex-app-server-sim` beside this binary or `--sim-bin`).
@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use clap::Parser;
 use codex_fleet_bench::latency::{connect_ws, percentile, Conn};
-use codex_fleet_bench::sim::{ready_count, wait_workers_ready, Script, SimFleet};
+use codex_fleet_bench::sim::{wait_workers_ready, Script, SimFleet};
 use serde_json::{json, Value};
 use testkit::Client;
 use tokio::time::Instant;
@@ -66,6 +66,8 @@ impl Phase {
     }
 }
 
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1_000);
+
 /// `thread/read` round trips on `conn` until `until` resolves; their durations in µs.
 async fn measure(
     conn: &mut Conn,
@@ -74,8 +76,10 @@ async fn measure(
 ) -> anyhow::Result<(Phase, usize)> {
     let mut samples = Vec::new();
     tokio::pin!(until);
-    let mut id = 1_000u64;
     loop {
+        // A call cut off at the phase's end leaves its answer behind: a fresh id each call, so it
+        // is never taken for the next one's.
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let t = Instant::now();
         tokio::select! {
             biased;
@@ -83,10 +87,23 @@ async fn measure(
             r = conn.call(id, "thread/read", params.clone()) => {
                 r?;
                 samples.push(t.elapsed().as_secs_f64() * 1e6);
-                id += 1;
             }
         }
     }
+}
+
+/// Ready workers of `tenant`, from `/readyz`.
+async fn ready_of(admin: std::net::SocketAddr, tenant: &str) -> anyhow::Result<usize> {
+    let (_, body) = testkit::http_get(admin, "/readyz").await?;
+    let v: Value = serde_json::from_str(&body)?;
+    Ok(v["tenants"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["id"] == tenant)
+        .flat_map(|t| t["workers"].as_array().into_iter().flatten())
+        .filter(|w| w["state"] == "ready")
+        .count())
 }
 
 async fn run(args: &Args, bin: &Path, sim: &Path) -> anyhow::Result<()> {
@@ -165,8 +182,7 @@ async fn run(args: &Args, bin: &Path, sim: &Path) -> anyhow::Result<()> {
                 nix::sys::signal::Signal::SIGHUP,
             )?;
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let (ready, _) = ready_count(admin).await?;
-            fewest = fewest.min(ready.saturating_sub(2));
+            fewest = fewest.min(ready_of(admin, &format!("burst{i}")).await?);
         }
         Ok(fewest)
     };
