@@ -665,6 +665,8 @@ fn shim(
         .arg(worker::process::exec::SHIM_ARG)
         .arg(parent.to_string())
         .args(steps)
+        // The worker's working directory, which the shim enters.
+        .arg("/tmp")
         .arg("--")
         .args(worker)
         .env_clear()
@@ -683,7 +685,7 @@ fn shim(
 
 /// The exec shim applies a worker's steps and then becomes it (same pid, so the supervisor's
 /// child, its process group and its pipes are the worker's): CPU priority, open-files and process
-/// limits, umask and, as root, the tenant's uid and gid. It refuses, with exit 126 and the reason
+/// limits, umask, working directory and, as root, the tenant's uid and gid. It refuses, with exit 126 and the reason
 /// on stderr, a parent that is not the supervisor named (it died meanwhile), a command line it
 /// cannot read, and a worker it cannot execute; it never runs the worker unconfined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -695,7 +697,7 @@ async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
         .and_then(|(_, s)| s.split_whitespace().nth(16)?.parse().ok())
         .context("nice")?;
     let report = "echo $$; cut -d' ' -f19 /proc/self/stat; ulimit -n; umask; id -u; id -g; \
-                  grep '^Max processes' /proc/self/limits";
+                  grep '^Max processes' /proc/self/limits; pwd";
     let root = nix::unistd::geteuid().is_root();
     // A process limit the shim may set (at most the hard limit it inherits) and that no shared
     // host's processes of the uid come near.
@@ -730,6 +732,7 @@ async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
         Some(&[nproc.as_str(), nproc.as_str()][..]),
         "{out}"
     );
+    assert_eq!(lines.get(7), Some(&"/tmp"), "{out}");
 
     // Refused: a parent that is not ours, a command line it cannot read, a worker it cannot run.
     let steps = ["0", "-", "-", "-", "-", "-"];

@@ -137,6 +137,7 @@ impl WorkerProcess {
                 let mut command = Command::new(shim);
                 command.arg(exec::SHIM_ARG).args(exec::shim_args(
                     hygiene,
+                    spec.cwd,
                     spec.program,
                     &spec.args,
                 ));
@@ -144,7 +145,7 @@ impl WorkerProcess {
             }
             None => {
                 let mut command = Command::new(spec.program);
-                command.args(&spec.args);
+                command.args(&spec.args).current_dir(spec.cwd);
                 child_hygiene(&mut command, hygiene);
                 command
             }
@@ -153,7 +154,6 @@ impl WorkerProcess {
             .env_clear()
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .env("CODEX_HOME", spec.codex_home)
-            .current_dir(spec.cwd)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

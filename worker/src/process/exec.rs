@@ -167,9 +167,17 @@ impl Hygiene {
     }
 }
 
-/// The shim's whole command line after [`SHIM_ARG`]: the steps, the separator, the worker.
-pub(crate) fn shim_args(hygiene: Hygiene, program: &Path, args: &[OsString]) -> Vec<OsString> {
+/// The shim's whole command line after [`SHIM_ARG`]: the steps, the worker's working directory,
+/// the separator, the worker. The directory is the shim's to enter: with a `posix_spawn` chdir
+/// action std needs glibc 2.29, and without it would quietly fork instead.
+pub(crate) fn shim_args(
+    hygiene: Hygiene,
+    cwd: &Path,
+    program: &Path,
+    args: &[OsString],
+) -> Vec<OsString> {
     let mut all = hygiene.to_args();
+    all.push(cwd.into());
     all.push(SEPARATOR.into());
     all.push(program.into());
     all.extend(args.iter().cloned());
@@ -180,6 +188,7 @@ pub(crate) fn shim_args(hygiene: Hygiene, program: &Path, args: &[OsString]) -> 
 #[derive(Debug, PartialEq, Eq)]
 struct Shim {
     hygiene: Hygiene,
+    cwd: PathBuf,
     program: PathBuf,
     args: Vec<OsString>,
 }
@@ -197,8 +206,16 @@ impl Shim {
         let Some((program, args)) = worker[1..].split_first() else {
             return Err(invalid("no program".to_owned()));
         };
+        let Some((cwd, steps)) = steps.split_last() else {
+            return Err(invalid("no steps".to_owned()));
+        };
+        let cwd = PathBuf::from(cwd);
+        if !cwd.is_absolute() {
+            return Err(invalid(format!("working directory {}", cwd.display())));
+        }
         Ok(Self {
             hygiene: Hygiene::from_args(steps)?,
+            cwd,
             program: program.into(),
             args: args.to_vec(),
         })
@@ -209,10 +226,14 @@ impl Shim {
         // Built before the steps: a small address-space limit must not fail this allocation.
         let mut worker = std::process::Command::new(&self.program);
         worker.args(&self.args);
+        // With the supervisor's identity, as a `pre_exec` hook's child enters it.
+        if let Err(e) = std::env::set_current_dir(&self.cwd) {
+            return io::Error::new(e.kind(), format!("chdir {}: {e}", self.cwd.display()));
+        }
         if let Err(e) = self.hygiene.apply() {
             return io::Error::new(e.kind(), format!("before exec: {e}"));
         }
-        // The environment, directory and descriptors are the ones the supervisor gave the shim.
+        // The environment and descriptors are the ones the supervisor gave the shim.
         // The worker starts with no signal blocked whatever thread started the shim had blocked;
         // std sets SIGPIPE back to its default.
         if let Err(e) = nix::sys::signal::SigSet::empty().thread_set_mask() {
@@ -288,12 +309,18 @@ mod tests {
                 ..hygiene()
             },
         ] {
-            let args = shim_args(h, Path::new("/opt/codex"), &worker);
+            let args = shim_args(
+                h,
+                Path::new("/srv/t/work"),
+                Path::new("/opt/codex"),
+                &worker,
+            );
             let parsed = Shim::parse(args.into_iter()).unwrap();
             assert_eq!(
                 parsed,
                 Shim {
                     hygiene: h,
+                    cwd: "/srv/t/work".into(),
                     program: "/opt/codex".into(),
                     // A `--` of the worker's own stays the worker's.
                     args: worker.clone(),
@@ -315,13 +342,15 @@ mod tests {
 
     #[test]
     fn a_bad_command_line_is_refused_not_guessed() {
-        let good = shim_args(hygiene(), Path::new("/opt/codex"), &[]);
+        let good = shim_args(hygiene(), Path::new("/w"), Path::new("/opt/codex"), &[]);
         let mut cases: Vec<Vec<OsString>> = vec![
             Vec::new(),
             good[..good.len() - 1].to_vec(), // no program
             good[1..].to_vec(),              // a step missing
         ];
-        for (at, bad) in [(1, "x"), (2, "5001"), (3, "-1"), (0, "")] {
+        // A step that is no number, a user without its group, a negative limit, no parent, a
+        // relative working directory.
+        for (at, bad) in [(1, "x"), (2, "5001"), (3, "-1"), (0, ""), (7, "work")] {
             let mut c = good.clone();
             c[at] = bad.into();
             cases.push(c);
