@@ -56,3 +56,16 @@ pub(crate) async fn raw_message(
         }
     }
 }
+
+/// Checks the frames of one message ([`raw_message`]) are its fragments as codex-fleet writes
+/// them: a text frame first, then continuations, none above [`proto::ws::FRAGMENT_SIZE`].
+pub(crate) fn assert_text_fragments(frames: &[(bool, u8, usize)]) {
+    assert_eq!(frames[0].1, 1, "a text frame first");
+    assert!(
+        frames[1..].iter().all(|&(_, op, _)| op == 0),
+        "then continuations"
+    );
+    assert!(frames
+        .iter()
+        .all(|&(_, _, len)| len <= proto::ws::FRAGMENT_SIZE));
+}

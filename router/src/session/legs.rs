@@ -562,14 +562,7 @@ mod tests {
         let ((frames, joined), ()) = tokio::join!(read, write);
         assert_eq!(joined, request.as_bytes());
         assert!(frames.len() > 4, "{} frames", frames.len());
-        assert_eq!(frames[0].1, 1, "a text frame first");
-        assert!(
-            frames[1..].iter().all(|&(_, op, _)| op == 0),
-            "then continuations"
-        );
-        assert!(frames
-            .iter()
-            .all(|&(_, _, len)| len <= proto::ws::FRAGMENT_SIZE));
+        crate::raw_ws::assert_text_fragments(&frames);
         assert_eq!(budget.session_used(), 0);
         assert_eq!(tenant.used(), 0);
     }
@@ -716,14 +709,7 @@ mod tests {
             frames.len(),
             request.len().div_ceil(proto::ws::FRAGMENT_SIZE)
         );
-        assert_eq!(frames[0].1, 1, "a text frame first");
-        assert!(
-            frames[1..].iter().all(|&(_, op, _)| op == 0),
-            "then continuations"
-        );
-        assert!(frames
-            .iter()
-            .all(|&(_, _, len)| len <= proto::ws::FRAGMENT_SIZE));
+        crate::raw_ws::assert_text_fragments(&frames);
         assert_eq!(budget.session_used(), 0);
         assert_eq!(tenant.used(), 0);
     }

@@ -352,12 +352,7 @@ async fn a_large_frame_crosses_the_edge_in_fragments_both_ways_and_arrives_whole
     for (frames, joined, sent) in [(up, up_joined, &request), (down, down_joined, &answer)] {
         assert_eq!(joined, sent.as_bytes(), "the message arrives whole");
         assert!(frames.len() >= 4, "{} frames", frames.len());
-        assert!(frames.iter().all(|&(_, _, len)| len <= FRAGMENT_SIZE));
-        assert_eq!(frames[0].1, 1, "a text frame first");
-        assert!(
-            frames[1..].iter().all(|&(_, op, _)| op == 0),
-            "then continuations"
-        );
+        crate::raw_ws::assert_text_fragments(&frames);
     }
     f.all_freed();
 }
