@@ -195,6 +195,17 @@ fn every_alert_has_an_expression_and_a_runbook() {
             "{rel} does not name {}",
             r.alert
         );
+        // Operators read the alert tables, not the rules file.
+        for (table, row) in [
+            ("docs/operations.md", format!("| `{}` |", r.alert)),
+            ("ops/runbooks/README.md", format!("| {} |", r.alert)),
+        ] {
+            assert!(
+                read(table).contains(&row),
+                "{table} has no row for {}",
+                r.alert
+            );
+        }
     }
     // The block scalar reader keeps multi-line expressions whole.
     let no_ready = rules
