@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use proto::event::{Event, Notice, Turn};
 use proto::Method;
-use tokio::sync::{broadcast, Notify};
+use tokio::sync::{broadcast, Notify, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
 use worker::metrics::{ExitReason, WorkerMetrics};
@@ -44,6 +44,10 @@ pub struct Tenant {
     pub policy: HostAccessPolicy,
     /// Where its clients may point host-access methods.
     pub roots: TenantRoots,
+    /// The one policy check of the tenant's that may run on the blocking pool at a time
+    /// ([`HostAccessPolicy::check_inline`]): a tenant's costly checks wait for each other, not
+    /// for a thread of every tenant's.
+    pub costly_checks: Arc<Semaphore>,
     /// How many sessions are subscribed to each thread (decides re-home or close when a worker
     /// ends).
     pub subscribers: Arc<Subscribers>,
@@ -97,6 +101,7 @@ impl Tenant {
             pool,
             policy,
             roots,
+            costly_checks: Arc::new(Semaphore::new(1)),
             settings,
             subscribers: Arc::default(),
             moves: Moves::default(),

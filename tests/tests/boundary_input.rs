@@ -856,3 +856,92 @@ async fn a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind() -
     assert_served(&mut latencies, quiet_median);
     fleet.stop().await
 }
+
+// === a tenant's costly host-access checks ===
+
+/// A confined request's check resolves every path it names, about a system call per path
+/// component: a `turn/start` of 75,000 file inputs is 3 MB and about a second of checking.
+/// Those checks run on the blocking pool, one of a tenant's at a time, so a tenant that sends
+/// one on each of 8 connections at once slows only itself: another tenant never waits as long
+/// as one check takes. (Before, each check held a runtime thread: with as many checks as threads,
+/// nobody else was answered until they ended, and the other tenant waited 1.2 s at a time, twice
+/// the hog's quickest answer.) The hog's requests are still answered as before: the last path is
+/// outside its workspace, so each is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> anyhow::Result<()> {
+    const HOGS: usize = 8;
+    let files = FleetBuilder::new()
+        .tenant_pool("hog", 1, 1)
+        .tenant_pool("calm", 1, 1)
+        .limits_toml(OPEN_RATES)
+        .prepare()
+        .await?;
+    let (_child, addr, _admin) = spawn_fleet(&files, None).await?;
+    let url = format!("wss://localhost:{}/", addr.port());
+    let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
+    calm.initialize("calm").await?;
+    let quiet_median = quiet_median(&mut calm).await?;
+
+    let mut input: Vec<Value> = (0..75_000)
+        .map(|i| json!({ "type": "localImage", "path": format!("pictures/{i}.png") }))
+        .collect();
+    input.push(json!({ "type": "localImage", "path": "/etc/passwd" }));
+    let request = Arc::new(
+        json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } })
+            .to_string(),
+    );
+    let mut hogs = Vec::new();
+    for _ in 0..HOGS {
+        let mut hog = Client::connect(&url, &files.ca, Some(&files.token("hog"))).await?;
+        hog.initialize("hog").await?;
+        hogs.push(hog);
+    }
+    // All at once, so that on the old path every runtime thread was checking.
+    let pending = Arc::new(AtomicU64::new(HOGS as u64));
+    let mut answers = Vec::new();
+    for mut hog in hogs {
+        let (request, pending) = (request.clone(), pending.clone());
+        answers.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            hog.send_text(&request).await?;
+            let answer = hog
+                .wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
+                .await;
+            pending.fetch_sub(1, Ordering::AcqRel);
+            answer.map(|a| (a, sent.elapsed()))
+        }));
+    }
+    let mut latencies = Vec::new();
+    while pending.load(Ordering::Acquire) > 0 {
+        let t = Instant::now();
+        calm.request("thread/loaded/list", json!({})).await?;
+        latencies.push(t.elapsed());
+    }
+    let mut checked = Vec::new();
+    for answer in answers {
+        let (answer, took) = answer.await??;
+        assert_eq!(answer["error"]["code"], -32003, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("`input`"), "{answer}");
+        checked.push(took);
+    }
+    checked.sort();
+    latencies.sort();
+    eprintln!(
+        "measured: {HOGS} checks of 75,001 paths answered after {:?} to {:?}; calm's {} \
+         requests meanwhile: median {:?}, max {:?} (quiet median {quiet_median:?})",
+        checked[0],
+        checked[HOGS - 1],
+        latencies.len(),
+        percentile(&latencies, 50),
+        latencies[latencies.len() - 1],
+    );
+    let longest = latencies[latencies.len() - 1];
+    assert!(
+        longest < checked[0],
+        "calm waited {longest:?} at once, longer than the hog's quickest check ({:?})",
+        checked[0]
+    );
+    assert_served(&mut latencies, quiet_median);
+    Ok(())
+}

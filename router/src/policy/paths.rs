@@ -9,6 +9,7 @@
 //! checked file for a symlink in between; this is defence in depth, the per-tenant uid is the
 //! boundary (docs/decisions/0011-containment-by-the-os-first.md).
 
+use std::cell::Cell;
 use std::io;
 use std::path::{Component, Path, PathBuf};
 
@@ -123,24 +124,105 @@ impl TenantRoots {
 /// The canonical form of `path` (relative paths are taken from `base`), following symlinks;
 /// for a path that does not exist yet, its longest existing ancestor's canonical form plus
 /// the missing components.
+///
+/// The longest existing ancestor is searched by halves (after the path and its parent, the
+/// common cases): resolving an ancestor stops at the first missing component, so ancestors
+/// resolve up to some length and fail beyond it. A path of `n` missing components therefore
+/// costs about `log2 n` resolutions, not `n` (a tenant's `a/a/a/…` of 2,000 components cost
+/// 2,000 resolutions of up to 2,000 components each).
 pub fn resolve(path: &str, base: &Path) -> Result<PathBuf, PathError> {
     if path.is_empty() || path.contains('\0') {
         return Err(PathError::Unresolvable);
     }
     let full = base.join(path);
-    for ancestor in full.ancestors() {
-        match std::fs::canonicalize(ancestor) {
-            Ok(canonical) => {
-                let rest = full
-                    .strip_prefix(ancestor)
-                    .map_err(|_| PathError::Unresolvable)?;
-                return join_missing(canonical, rest);
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(_) => return Err(PathError::Unresolvable),
+    // Longest first: `ancestors[0]` is `full`, the last is the root.
+    let ancestors: Vec<&Path> = full.ancestors().collect();
+    let found = |i: usize| -> Result<Option<PathBuf>, PathError> {
+        match canonical(ancestors[i]) {
+            Ok(canonical) => Ok(Some(canonical)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(_) => Err(PathError::Unresolvable),
+        }
+    };
+    let joined = |i: usize, canonical: PathBuf| {
+        let rest = full
+            .strip_prefix(ancestors[i])
+            .map_err(|_| PathError::Unresolvable)?;
+        join_missing(canonical, rest)
+    };
+    let last = ancestors.len() - 1;
+    for i in 0..=last.min(1) {
+        if let Some(canonical) = found(i)? {
+            return joined(i, canonical);
         }
     }
-    Err(PathError::Unresolvable)
+    // Ancestors `..missing` do not exist; find the first that does in `missing+1..=last`.
+    let (mut missing, mut exists) = (1.min(last), None);
+    let mut hi = last + 1;
+    while missing + 1 < hi {
+        let mid = missing + (hi - missing) / 2;
+        match found(mid)? {
+            Some(canonical) => {
+                exists = Some((mid, canonical));
+                hi = mid;
+            }
+            None => missing = mid,
+        }
+    }
+    match exists {
+        Some((i, canonical)) => joined(i, canonical),
+        None => Err(PathError::Unresolvable),
+    }
+}
+
+/// `fs::canonicalize`, within the budget of the check running on this thread ([`within`]).
+fn canonical(path: &Path) -> io::Result<PathBuf> {
+    spend(path.components().count())?;
+    std::fs::canonicalize(path)
+}
+
+thread_local! {
+    /// What the check running on this thread may still resolve.
+    static BUDGET: Cell<Budget> = const { Cell::new(Budget::Unlimited) };
+}
+
+/// Path components a check may still resolve (each costs about one system call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Budget {
+    Unlimited,
+    Left(usize),
+    Spent,
+}
+
+/// Runs `check` resolving at most `components` path components in all; `None` if it needed
+/// more (its answer is then meaningless: every resolution beyond the budget failed).
+pub(super) fn within<R>(components: usize, check: impl FnOnce() -> R) -> Option<R> {
+    /// Restores the caller's budget, even if `check` panics.
+    struct Restore(Budget);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BUDGET.set(self.0);
+        }
+    }
+    let restore = Restore(BUDGET.replace(Budget::Left(components)));
+    let answer = check();
+    let spent = BUDGET.get() == Budget::Spent;
+    drop(restore);
+    (!spent).then_some(answer)
+}
+
+/// Takes `components` from the budget, or fails once it is spent.
+fn spend(components: usize) -> io::Result<()> {
+    let left = match BUDGET.get() {
+        Budget::Unlimited => return Ok(()),
+        Budget::Left(n) if n >= components => Budget::Left(n - components),
+        Budget::Left(_) | Budget::Spent => Budget::Spent,
+    };
+    BUDGET.set(left);
+    if left == Budget::Spent {
+        return Err(io::Error::other("the check's path budget is spent"));
+    }
+    Ok(())
 }
 
 /// Appends the components that do not exist yet, refusing `..` and dangling symlinks.

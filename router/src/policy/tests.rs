@@ -760,3 +760,137 @@ fn a_rewrite_becomes_a_request_with_the_same_id() {
     );
     assert_eq!(rewritten_request(&RequestId::Int(1), "m", "{nope"), None);
 }
+
+/// The longest existing ancestor as `resolve` found it before it searched by halves: walking up
+/// from the path one ancestor at a time.
+fn walked(path: &str, base: &Path) -> Result<PathBuf, PathError> {
+    if path.is_empty() || path.contains('\0') {
+        return Err(PathError::Unresolvable);
+    }
+    let full = base.join(path);
+    for ancestor in full.ancestors() {
+        match fs::canonicalize(ancestor) {
+            Ok(canonical) => {
+                let mut out = canonical;
+                let rest = full.strip_prefix(ancestor).unwrap();
+                let mut first = true;
+                for c in rest.components() {
+                    match c {
+                        std::path::Component::Normal(n) => {
+                            out.push(n);
+                            if first && fs::symlink_metadata(&out).is_ok() {
+                                return Err(PathError::DanglingSymlink);
+                            }
+                            first = false;
+                        }
+                        std::path::Component::CurDir => {}
+                        std::path::Component::ParentDir => return Err(PathError::DotDot),
+                        _ => return Err(PathError::Unresolvable),
+                    }
+                }
+                return Ok(out);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(_) => return Err(PathError::Unresolvable),
+        }
+    }
+    Err(PathError::Unresolvable)
+}
+
+#[test]
+fn resolve_finds_the_longest_existing_ancestor_as_a_walk_up_would() {
+    let f = Fixture::new();
+    let ws = PathBuf::from(f.ws(""));
+    let deep = (0..40)
+        .map(|i| format!("d{i}"))
+        .collect::<Vec<_>>()
+        .join("/");
+    fs::create_dir_all(ws.join(&deep)).unwrap();
+    symlink(ws.join("src"), ws.join("to-src")).unwrap();
+    symlink(ws.join("nowhere"), ws.join("dangling")).unwrap();
+    symlink(ws.join("loop-b"), ws.join("loop-a")).unwrap();
+    symlink(ws.join("loop-a"), ws.join("loop-b")).unwrap();
+    let missing = "m/".repeat(300);
+    let paths = [
+        "src/main.rs".to_owned(),
+        "src/new.rs".to_owned(),
+        "src/a/b/c/new.rs".to_owned(),
+        format!("{deep}/x"),
+        format!("{deep}/x/y/z"),
+        format!("{deep}/{missing}"),
+        missing.clone(),
+        "to-src/main.rs".to_owned(),
+        "to-src/later/x.rs".to_owned(),
+        "dangling".to_owned(),
+        "dangling/x".to_owned(),
+        "src/main.rs/inside".to_owned(),
+        "src/main.rs/inside/deeper".to_owned(),
+        "missing/../escape".to_owned(),
+        "src/../../beta/code.rs".to_owned(),
+        "loop-a/x".to_owned(),
+        "/".to_owned(),
+        f.p("secret/tls.key"),
+        f.p("no/such/root/at/all"),
+        "./src/./main.rs".to_owned(),
+        String::new(),
+    ];
+    for path in &paths {
+        assert_eq!(resolve(path, &ws), walked(path, &ws), "{path:?}");
+    }
+}
+
+#[test]
+fn a_check_too_costly_for_a_runtime_thread_is_handed_off_and_answers_the_same() {
+    let f = Fixture::new();
+    let p = root_policy();
+    let turn = |paths: &[String]| {
+        let input: Vec<Value> = paths
+            .iter()
+            .map(|path| json!({ "type": "localImage", "path": path }))
+            .collect();
+        raw(&json!({ "threadId": "t", "input": input }))
+    };
+    let inline = |params: &RawValue| p.check_inline("turn/start", Some(params), &f.roots);
+    let full = |params: &RawValue| p.check("turn/start", Some(params), &f.roots);
+
+    // An ordinary request is decided inline, as the full check decides it.
+    let ordinary = turn(&[f.ws("src/main.rs"), "pictures/new.png".to_owned()]);
+    assert_eq!(inline(&ordinary), Some(Decision::Allow));
+    let outside = turn(&[f.ws("src/main.rs"), f.p("secret/tls.key")]);
+    assert_eq!(inline(&outside), Some(full(&outside)));
+    assert_denied(&full(&outside), Class::Workspace, "`input`");
+
+    // Params over the inline size are never checked inline; the full check still answers.
+    let many: Vec<String> = (0..INLINE_PARAMS_BYTES / 20)
+        .map(|i| format!("p/{i}.png"))
+        .collect();
+    let big = turn(&many);
+    assert!(big.get().len() > INLINE_PARAMS_BYTES);
+    assert_eq!(inline(&big), None);
+    assert_eq!(full(&big), Decision::Allow);
+    let mut many_then_outside = many.clone();
+    many_then_outside.push(f.p("secret/tls.key"));
+    assert_denied(
+        &full(&turn(&many_then_outside)),
+        Class::Workspace,
+        "`input`",
+    );
+    // The size alone does not hand off a method that is not confined.
+    let listed = raw(&json!({ "cursor": "x".repeat(INLINE_PARAMS_BYTES) }));
+    assert_eq!(
+        p.check_inline("thread/list", Some(&listed), &f.roots),
+        Some(Decision::Allow)
+    );
+
+    // Small params naming more path components than the inline budget: handed off, and after
+    // that the thread's checks are unlimited again (the full check here is not cut short).
+    let costly: Vec<String> = (0..60).map(|i| format!("a/b/c/{i}.png")).collect();
+    let costly = turn(&costly);
+    assert!(costly.get().len() < INLINE_PARAMS_BYTES);
+    assert_eq!(inline(&costly), None);
+    assert_eq!(full(&costly), Decision::Allow);
+    let one_deep = turn(&["d/".repeat(INLINE_PATH_COMPONENTS)]);
+    assert_eq!(inline(&one_deep), None);
+    assert_eq!(full(&one_deep), Decision::Allow);
+    assert_eq!(inline(&ordinary), Some(Decision::Allow));
+}

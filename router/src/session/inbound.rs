@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use serde_json::json;
+use serde_json::value::RawValue;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -153,39 +154,117 @@ impl Session {
                 if let Err(r) = admitted {
                     return self.reject(&id, &r);
                 }
-                let rewritten = match self.ctx.tenant.policy.check(
+                let decision = match self.ctx.tenant.policy.check_inline(
                     method.as_str(),
                     params,
                     &self.ctx.tenant.roots,
                 ) {
-                    Decision::Allow => None,
-                    Decision::Rewrite(p) => policy::rewritten_request(&id, method.as_str(), &p),
-                    Decision::Deny(denial) => {
-                        self.count_error(ClientError::HostAccessDenied);
-                        let shown = Untrusted::method(method.as_str());
-                        tracing::info!(method = %shown, policy = denial.class.as_str(), "request denied by host-access policy");
-                        self.audit(
-                            "access.denied",
-                            json!({ "method": shown.json(), "policy": denial.class.as_str() }),
-                        );
-                        return self.to_client(denial.to_error_response(&id));
-                    }
-                    Decision::Invalid(message) => {
-                        // Malformed, as app-server would answer it: not a policy refusal.
-                        self.count_error(ClientError::InvalidMessage);
-                        return self.to_client(proto::error::invalid_request_response(
-                            Some(&id),
-                            &message,
-                        ));
+                    Some(decision) => decision,
+                    // Rare, so boxed whole: it adds nothing to every session's future.
+                    None => {
+                        return Box::pin(self.on_costly_request(id, &method, params, thread, &text))
+                            .await
                     }
                 };
-                // The client's own bytes go on to the worker, shared, unless the policy rewrote
-                // them.
-                let text = rewritten.map_or_else(|| text.clone(), Utf8Bytes::from);
+                let Some(text) = self.on_decided(decision, &id, &method, &text)? else {
+                    return Ok(());
+                };
                 self.on_client_request(id, &method, thread, text).await
             }
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
             Rpc::Response { id } => self.on_client_response(id, &text).await,
+        }
+    }
+
+    /// Acts on the host-access policy's decision: the frame to forward (the client's own bytes,
+    /// shared, unless the policy rewrote them), or `None` once a refusal is answered.
+    fn on_decided(
+        &mut self,
+        decision: Decision,
+        id: &RequestId,
+        method: &Method<'_>,
+        text: &Utf8Bytes,
+    ) -> Result<Option<Utf8Bytes>, End> {
+        match decision {
+            Decision::Allow => Ok(Some(text.clone())),
+            Decision::Rewrite(p) => Ok(Some(
+                policy::rewritten_request(id, method.as_str(), &p)
+                    .map_or_else(|| text.clone(), Utf8Bytes::from),
+            )),
+            Decision::Deny(denial) => {
+                self.count_error(ClientError::HostAccessDenied);
+                let shown = Untrusted::method(method.as_str());
+                tracing::info!(method = %shown, policy = denial.class.as_str(), "request denied by host-access policy");
+                self.audit(
+                    "access.denied",
+                    json!({ "method": shown.json(), "policy": denial.class.as_str() }),
+                );
+                self.to_client(denial.to_error_response(id)).map(|()| None)
+            }
+            Decision::Invalid(message) => {
+                // Malformed, as app-server would answer it: not a policy refusal.
+                self.count_error(ClientError::InvalidMessage);
+                self.to_client(proto::error::invalid_request_response(Some(id), &message))
+                    .map(|()| None)
+            }
+        }
+    }
+
+    /// A request whose host-access check is too costly for a thread that serves other sessions:
+    /// checked off the runtime ([`Session::check_off_runtime`]), then handled as any other.
+    async fn on_costly_request(
+        &mut self,
+        id: RequestId,
+        method: &Method<'_>,
+        params: Option<&RawValue>,
+        thread: Option<Cow<'_, str>>,
+        text: &Utf8Bytes,
+    ) -> Result<(), End> {
+        let decision = self
+            .check_off_runtime(text, method.as_str(), params)
+            .await?;
+        let Some(text) = self.on_decided(decision, &id, method, text)? else {
+            return Ok(());
+        };
+        self.on_client_request(id, method, thread, text).await
+    }
+
+    /// The host-access check of a request too costly for a thread that serves other sessions
+    /// ([`HostAccessPolicy::check_inline`](crate::policy::HostAccessPolicy::check_inline)), run
+    /// on the blocking pool, one of the tenant's at a time. The session waits for it: this
+    /// client's next frames wait, nobody else's do.
+    async fn check_off_runtime(
+        &self,
+        text: &Utf8Bytes,
+        method: &str,
+        params: Option<&RawValue>,
+    ) -> Result<Decision, End> {
+        // The params are found again in the shared frame rather than copied (they can be 32 MiB);
+        // they always lie in it, as the parse borrows them.
+        let params = params.map(|p| place_in(text.as_str(), p.get()).ok_or_else(|| p.to_owned()));
+        let (tenant, text, method) = (self.ctx.tenant.clone(), text.clone(), method.to_owned());
+        let permit = tenant.costly_checks.clone().acquire_owned().await;
+        let checked = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let params = match &params {
+                None => None,
+                Some(Ok(at)) => match serde_json::from_str::<&RawValue>(&text.as_str()[at.clone()])
+                {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        return Decision::Invalid("Invalid request: unreadable params".into())
+                    }
+                },
+                Some(Err(copied)) => Some(&**copied),
+            };
+            tenant.policy.check(&method, params, &tenant.roots)
+        })
+        .await;
+        match checked {
+            Ok(decision) => Ok(decision),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down.
+            Err(_) => Err(End::Shutdown),
         }
     }
 
@@ -457,6 +536,13 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
         .collect()
 }
 
+/// Where `part`, a slice of `whole`, lies in it.
+fn place_in(whole: &str, part: &str) -> Option<std::ops::Range<usize>> {
+    let start = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+    let end = start.checked_add(part.len())?;
+    whole.get(start..end).is_some().then_some(start..end)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,5 +560,15 @@ mod tests {
         let flood: Vec<String> = (0..10_000).map(|n| format!("m/{n}")).collect();
         assert_eq!(opt_outs(&json!(flood)).len(), MAX_OPT_OUTS);
         assert!(opt_outs(&json!(["x".repeat(MAX_OPT_OUT_NAME + 1)])).is_empty());
+    }
+
+    #[test]
+    fn a_part_is_placed_in_its_whole_and_nothing_else_is() {
+        let whole = String::from(r#"{"id":1,"params":{"path":"a"}}"#);
+        let at = place_in(&whole, &whole[17..29]).unwrap();
+        assert_eq!(&whole[at], r#"{"path":"a"}"#);
+        let elsewhere = whole.clone();
+        assert_eq!(place_in(&whole, &elsewhere[17..29]), None);
+        assert_eq!(place_in(&whole[..10], &whole[17..29]), None);
     }
 }
