@@ -661,7 +661,12 @@ fn shim(
     steps: &[&str],
     worker: &[&str],
 ) -> anyhow::Result<(Option<i32>, u32, String, String)> {
-    let child = std::process::Command::new(testkit::fleet_bin())
+    // Through a shell that sets a umask other than the worker's and then becomes the shim (same
+    // pid, same parent), so the umask the worker reports is the shim's doing, whatever the test
+    // runner's own umask is.
+    let child = std::process::Command::new("/bin/sh")
+        .args(["-c", "umask 022 && exec \"$@\"", "sh"])
+        .arg(testkit::fleet_bin())
         .arg(worker::process::exec::SHIM_ARG)
         .arg(parent.to_string())
         .args(steps)
@@ -723,6 +728,18 @@ async fn the_exec_shim_applies_a_workers_steps_then_becomes_it_or_says_why_not(
     );
     assert_eq!(lines.get(2), Some(&"77"), "{out}");
     assert_eq!(lines.get(3), Some(&"0077"), "{out}");
+    // The shell's umask, which the shim replaced.
+    let baseline = std::process::Command::new("/bin/sh")
+        .args([
+            "-c",
+            "umask 022 && exec \"$@\"",
+            "sh",
+            "/bin/sh",
+            "-c",
+            "umask",
+        ])
+        .output()?;
+    assert_eq!(String::from_utf8_lossy(&baseline.stdout).trim(), "0022");
     if root {
         assert_eq!(lines.get(4..6), Some(&["65534", "65533"][..]), "{out}");
     }
