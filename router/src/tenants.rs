@@ -44,10 +44,11 @@ pub struct Tenant {
     pub policy: HostAccessPolicy,
     /// Where its clients may point host-access methods.
     pub roots: TenantRoots,
-    /// The one policy check of the tenant's that may run on the blocking pool at a time
-    /// ([`HostAccessPolicy::check_inline`]): a tenant's costly checks wait for each other, not
-    /// for a thread of every tenant's.
-    pub costly_checks: Arc<Semaphore>,
+    /// The one costly step of the tenant's requests that may run off the runtime at a time: a
+    /// policy check too costly to run inline ([`HostAccessPolicy::check_inline`]), or the parse
+    /// of a frame over a MiB. A tenant's costly steps wait for each other, not for a thread of
+    /// every tenant's.
+    pub costly_work: Arc<Semaphore>,
     /// How many sessions are subscribed to each thread (decides re-home or close when a worker
     /// ends).
     pub subscribers: Arc<Subscribers>,
@@ -101,7 +102,7 @@ impl Tenant {
             pool,
             policy,
             roots,
-            costly_checks: Arc::new(Semaphore::new(1)),
+            costly_work: Arc::new(Semaphore::new(1)),
             settings,
             subscribers: Arc::default(),
             moves: Moves::default(),

@@ -945,3 +945,86 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
     assert_served(&mut latencies, quiet_median);
     Ok(())
 }
+
+/// Parsing a client frame to route it is a pass over the whole frame, twice (the envelope, then
+/// a request's `threadId`): about 0.1 s for the largest frame in a release build, several times
+/// that in a debug one. A frame over a MiB is parsed with the runtime thread's other work handed
+/// off first, one of a tenant's at a time, so a tenant sending large frames on 6 connections at
+/// once takes a core's share, and another tenant never waits as long as one parse takes. (Before,
+/// each parse held a runtime thread: with as many large frames as threads, nobody else was
+/// answered until they were parsed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> anyhow::Result<()> {
+    const HOGS: usize = 6;
+    let files = FleetBuilder::new()
+        .tenant_pool("hog", 1, 1)
+        .tenant_pool("calm", 1, 1)
+        .limits_toml(OPEN_RATES)
+        .prepare()
+        .await?;
+    let (_child, addr, _admin) = spawn_fleet(&files, None).await?;
+    let url = format!("wss://localhost:{}/", addr.port());
+    let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
+    calm.initialize("calm").await?;
+    let quiet_median = quiet_median(&mut calm).await?;
+
+    // Small values are the slowest to parse per byte: 8 MiB of zeros in an array.
+    let request = format!(
+        r#"{{"id":1,"method":"turn/start","params":{{"threadId":"thr_hog","input":[],"zeros":[{}0]}}}}"#,
+        "0,".repeat(4 << 20)
+    );
+    // What one parse takes on this machine and build, as the router parses it.
+    let t = Instant::now();
+    let parsed = proto::rpc::parse(&request)?;
+    let proto::rpc::Message::Request { params, .. } = parsed else {
+        bail!("not a request");
+    };
+    anyhow::ensure!(proto::rpc::thread_id(params).is_some());
+    let one_parse = t.elapsed();
+    let request = Arc::new(request);
+
+    let mut hogs = Vec::new();
+    for _ in 0..HOGS {
+        let mut hog = Client::connect(&url, &files.ca, Some(&files.token("hog"))).await?;
+        hog.initialize("hog").await?;
+        hogs.push(hog);
+    }
+    let pending = Arc::new(AtomicU64::new(HOGS as u64));
+    let mut answers = Vec::new();
+    for mut hog in hogs {
+        let (request, pending) = (request.clone(), pending.clone());
+        answers.push(tokio::spawn(async move {
+            hog.send_text(&request).await?;
+            let answer = hog
+                .wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
+                .await;
+            pending.fetch_sub(1, Ordering::AcqRel);
+            answer
+        }));
+    }
+    let mut latencies = Vec::new();
+    while pending.load(Ordering::Acquire) > 0 {
+        let t = Instant::now();
+        calm.request("thread/loaded/list", json!({})).await?;
+        latencies.push(t.elapsed());
+    }
+    for answer in answers {
+        let answer = answer.await??;
+        assert!(answer.get("error").is_some(), "a made-up thread: {answer}");
+    }
+    latencies.sort();
+    let longest = latencies[latencies.len() - 1];
+    eprintln!(
+        "measured: one parse of the {} MiB frame {one_parse:?}; calm's {} requests while {HOGS} \
+         were parsed: median {:?}, max {longest:?} (quiet median {quiet_median:?})",
+        request.len() >> 20,
+        latencies.len(),
+        percentile(&latencies, 50),
+    );
+    assert!(
+        longest < one_parse,
+        "calm waited {longest:?} at once, longer than one parse of the hog's frame ({one_parse:?})"
+    );
+    assert_served(&mut latencies, quiet_median);
+    Ok(())
+}

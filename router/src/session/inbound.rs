@@ -125,8 +125,14 @@ impl Session {
         };
         self.hold_client_frame(text.len())?;
         self.counted.client_frames.inc();
-        let msg = match rpc::parse(&text) {
-            Ok(msg) => msg,
+        let parsed = if text.len() > LARGE_FRAME_BYTES {
+            // Rare, so boxed: it adds little to every session's future.
+            Box::pin(self.parse_large(&text)).await
+        } else {
+            parse(&text)
+        };
+        let (msg, thread) = match parsed {
+            Ok(parsed) => parsed,
             Err(e) => {
                 self.check_unanswerable_frame()?;
                 self.count_error(ClientError::InvalidMessage);
@@ -140,7 +146,6 @@ impl Session {
         }
         match msg {
             Rpc::Request { id, method, params } => {
-                let thread = rpc::thread_id(params);
                 if method == Method::TurnStart {
                     self.reconcile_turns();
                 }
@@ -173,6 +178,22 @@ impl Session {
             }
             Rpc::Notification { method, .. } => self.on_client_notification(&method, &text).await,
             Rpc::Response { id } => self.on_client_response(id, &text).await,
+        }
+    }
+
+    /// [`parse`] of a frame over [`LARGE_FRAME_BYTES`]: tens of milliseconds for the largest
+    /// (a 32 MiB frame of escaped text took 110 ms), which on a runtime thread every session it
+    /// serves would wait out. The runtime thread's other work is handed to another thread first
+    /// (`block_in_place`), and one of the tenant's costly steps runs at a time, so a tenant sending
+    /// large frames on many connections takes a core's share, not every runtime thread.
+    async fn parse_large<'t>(&self, text: &'t str) -> ParsedFrame<'t> {
+        let _permit = self.ctx.tenant.costly_work.acquire().await;
+        match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| parse(text))
+            }
+            // A runtime of one thread (tests) has no other thread to hand its work to.
+            _ => parse(text),
         }
     }
 
@@ -243,7 +264,7 @@ impl Session {
         // they always lie in it, as the parse borrows them.
         let params = params.map(|p| place_in(text.as_str(), p.get()).ok_or_else(|| p.to_owned()));
         let (tenant, text, method) = (self.ctx.tenant.clone(), text.clone(), method.to_owned());
-        let permit = tenant.costly_checks.clone().acquire_owned().await;
+        let permit = tenant.costly_work.clone().acquire_owned().await;
         let checked = tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let params = match &params {
@@ -534,6 +555,23 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
         .take(MAX_OPT_OUTS)
         .map(Box::from)
         .collect()
+}
+
+/// Frames longer than this are parsed with the runtime thread's other work handed off first
+/// ([`Session::parse_large`]); a frame of a MiB parses in a millisecond or so.
+const LARGE_FRAME_BYTES: usize = 1 << 20;
+
+/// A client frame parsed: the message, and a request's `threadId`.
+type ParsedFrame<'t> = Result<(Rpc<'t>, Option<Cow<'t, str>>), rpc::ParseError>;
+
+/// Parses a client frame: its envelope, and a request's `threadId` (each a pass over the params).
+fn parse(text: &str) -> ParsedFrame<'_> {
+    let msg = rpc::parse(text)?;
+    let thread = match &msg {
+        Rpc::Request { params, .. } => rpc::thread_id(*params),
+        _ => None,
+    };
+    Ok((msg, thread))
 }
 
 /// Where `part`, a slice of `whole`, lies in it.
