@@ -857,19 +857,21 @@ async fn a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind() -
     fleet.stop().await
 }
 
-// === a tenant's costly host-access checks ===
+// === a tenant's costly requests ===
 
-/// A confined request's check resolves every path it names, about a system call per path
-/// component: a `turn/start` of 75,000 file inputs is 3 MB and about a second of checking.
-/// Those checks run on the blocking pool, one of a tenant's at a time, so a tenant that sends
-/// one on each of 8 connections at once slows only itself: another tenant never waits as long
-/// as one check takes. (Before, each check held a runtime thread: with as many checks as threads,
-/// nobody else was answered until they ended, and the other tenant waited 1.2 s at a time, twice
-/// the hog's quickest answer.) The hog's requests are still answered as before: the last path is
-/// outside its workspace, so each is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> anyhow::Result<()> {
-    const HOGS: usize = 8;
+/// What tenant `calm` measured while `hogs` connections of tenant `hog` each sent `request`
+/// (with id 1) at once, so that on a path that did the costly work on runtime threads every
+/// thread was busy with it.
+struct Meanwhile {
+    /// `calm`'s median round trip before.
+    quiet_median: Duration,
+    /// `calm`'s round trips until every hog was answered, sorted.
+    latencies: Vec<Duration>,
+    /// Each hog's answer and how long after sending it came, quickest first.
+    answers: Vec<(Value, Duration)>,
+}
+
+async fn calm_while_hogs_send(hogs: usize, request: String) -> anyhow::Result<Meanwhile> {
     let files = FleetBuilder::new()
         .tenant_pool("hog", 1, 1)
         .tenant_pool("calm", 1, 1)
@@ -881,34 +883,25 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
     let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
     calm.initialize("calm").await?;
     let quiet_median = quiet_median(&mut calm).await?;
-
-    let mut input: Vec<Value> = (0..75_000)
-        .map(|i| json!({ "type": "localImage", "path": format!("pictures/{i}.png") }))
-        .collect();
-    input.push(json!({ "type": "localImage", "path": "/etc/passwd" }));
-    let request = Arc::new(
-        json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } })
-            .to_string(),
-    );
-    let mut hogs = Vec::new();
-    for _ in 0..HOGS {
+    let mut connected = Vec::new();
+    for _ in 0..hogs {
         let mut hog = Client::connect(&url, &files.ca, Some(&files.token("hog"))).await?;
         hog.initialize("hog").await?;
-        hogs.push(hog);
+        connected.push(hog);
     }
-    // All at once, so that on the old path every runtime thread was checking.
-    let pending = Arc::new(AtomicU64::new(HOGS as u64));
-    let mut answers = Vec::new();
-    for mut hog in hogs {
+    let request = Arc::new(request);
+    let pending = Arc::new(AtomicU64::new(hogs as u64));
+    let mut sent = Vec::new();
+    for mut hog in connected {
         let (request, pending) = (request.clone(), pending.clone());
-        answers.push(tokio::spawn(async move {
-            let sent = Instant::now();
+        sent.push(tokio::spawn(async move {
+            let at = Instant::now();
             hog.send_text(&request).await?;
             let answer = hog
                 .wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
                 .await;
             pending.fetch_sub(1, Ordering::AcqRel);
-            answer.map(|a| (a, sent.elapsed()))
+            answer.map(|a| (a, at.elapsed()))
         }));
     }
     let mut latencies = Vec::new();
@@ -917,32 +910,54 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
         calm.request("thread/loaded/list", json!({})).await?;
         latencies.push(t.elapsed());
     }
-    let mut checked = Vec::new();
-    for answer in answers {
-        let (answer, took) = answer.await??;
+    let mut answers = Vec::new();
+    for answer in sent {
+        answers.push(answer.await??);
+    }
+    answers.sort_by_key(|(_, took)| *took);
+    latencies.sort();
+    Ok(Meanwhile {
+        quiet_median,
+        latencies,
+        answers,
+    })
+}
+
+/// A confined request's check resolves every path it names, about a system call per path
+/// component: a `turn/start` of 75,000 file inputs is 3 MB and about a second of checking.
+/// Those checks run on the blocking pool, one of a tenant's at a time, so a tenant that sends
+/// one on each of 8 connections at once slows only itself: another tenant never waits as long
+/// as one check takes. (Before, each check held a runtime thread: with as many checks as threads,
+/// nobody else was answered until they ended, and the other tenant waited 1.2 s at a time, twice
+/// the hog's quickest answer.) The hog's requests are still answered as before: the last path is
+/// outside its workspace, so each is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> anyhow::Result<()> {
+    let mut input: Vec<Value> = (0..75_000)
+        .map(|i| json!({ "type": "localImage", "path": format!("pictures/{i}.png") }))
+        .collect();
+    input.push(json!({ "type": "localImage", "path": "/etc/passwd" }));
+    let request = json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } });
+    let mut m = calm_while_hogs_send(8, request.to_string()).await?;
+    for (answer, _) in &m.answers {
         assert_eq!(answer["error"]["code"], -32003, "{answer}");
         let message = answer["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains("`input`"), "{answer}");
-        checked.push(took);
     }
-    checked.sort();
-    latencies.sort();
+    let (quickest, slowest) = (m.answers[0].1, m.answers[m.answers.len() - 1].1);
+    let longest = m.latencies[m.latencies.len() - 1];
     eprintln!(
-        "measured: {HOGS} checks of 75,001 paths answered after {:?} to {:?}; calm's {} \
-         requests meanwhile: median {:?}, max {:?} (quiet median {quiet_median:?})",
-        checked[0],
-        checked[HOGS - 1],
-        latencies.len(),
-        percentile(&latencies, 50),
-        latencies[latencies.len() - 1],
+        "measured: 8 checks of 75,001 paths answered after {quickest:?} to {slowest:?}; calm's {} \
+         requests meanwhile: median {:?}, max {longest:?} (quiet median {:?})",
+        m.latencies.len(),
+        percentile(&m.latencies, 50),
+        m.quiet_median,
     );
-    let longest = latencies[latencies.len() - 1];
     assert!(
-        longest < checked[0],
-        "calm waited {longest:?} at once, longer than the hog's quickest check ({:?})",
-        checked[0]
+        longest < quickest,
+        "calm waited {longest:?} at once, longer than the hog's quickest check ({quickest:?})"
     );
-    assert_served(&mut latencies, quiet_median);
+    assert_served(&mut m.latencies, m.quiet_median);
     Ok(())
 }
 
@@ -955,19 +970,6 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
 /// answered until they were parsed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> anyhow::Result<()> {
-    const HOGS: usize = 6;
-    let files = FleetBuilder::new()
-        .tenant_pool("hog", 1, 1)
-        .tenant_pool("calm", 1, 1)
-        .limits_toml(OPEN_RATES)
-        .prepare()
-        .await?;
-    let (_child, addr, _admin) = spawn_fleet(&files, None).await?;
-    let url = format!("wss://localhost:{}/", addr.port());
-    let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
-    calm.initialize("calm").await?;
-    let quiet_median = quiet_median(&mut calm).await?;
-
     // Small values are the slowest to parse per byte: 8 MiB of zeros in an array.
     let request = format!(
         r#"{{"id":1,"method":"turn/start","params":{{"threadId":"thr_hog","input":[],"zeros":[{}0]}}}}"#,
@@ -981,50 +983,23 @@ async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> a
     };
     anyhow::ensure!(proto::rpc::thread_id(params).is_some());
     let one_parse = t.elapsed();
-    let request = Arc::new(request);
-
-    let mut hogs = Vec::new();
-    for _ in 0..HOGS {
-        let mut hog = Client::connect(&url, &files.ca, Some(&files.token("hog"))).await?;
-        hog.initialize("hog").await?;
-        hogs.push(hog);
-    }
-    let pending = Arc::new(AtomicU64::new(HOGS as u64));
-    let mut answers = Vec::new();
-    for mut hog in hogs {
-        let (request, pending) = (request.clone(), pending.clone());
-        answers.push(tokio::spawn(async move {
-            hog.send_text(&request).await?;
-            let answer = hog
-                .wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
-                .await;
-            pending.fetch_sub(1, Ordering::AcqRel);
-            answer
-        }));
-    }
-    let mut latencies = Vec::new();
-    while pending.load(Ordering::Acquire) > 0 {
-        let t = Instant::now();
-        calm.request("thread/loaded/list", json!({})).await?;
-        latencies.push(t.elapsed());
-    }
-    for answer in answers {
-        let answer = answer.await??;
+    let mib = request.len() >> 20;
+    let mut m = calm_while_hogs_send(6, request).await?;
+    for (answer, _) in &m.answers {
         assert!(answer.get("error").is_some(), "a made-up thread: {answer}");
     }
-    latencies.sort();
-    let longest = latencies[latencies.len() - 1];
+    let longest = m.latencies[m.latencies.len() - 1];
     eprintln!(
-        "measured: one parse of the {} MiB frame {one_parse:?}; calm's {} requests while {HOGS} \
-         were parsed: median {:?}, max {longest:?} (quiet median {quiet_median:?})",
-        request.len() >> 20,
-        latencies.len(),
-        percentile(&latencies, 50),
+        "measured: one parse of the {mib} MiB frame {one_parse:?}; calm's {} requests while 6 \
+         were parsed: median {:?}, max {longest:?} (quiet median {:?})",
+        m.latencies.len(),
+        percentile(&m.latencies, 50),
+        m.quiet_median,
     );
     assert!(
         longest < one_parse,
         "calm waited {longest:?} at once, longer than one parse of the hog's frame ({one_parse:?})"
     );
-    assert_served(&mut latencies, quiet_median);
+    assert_served(&mut m.latencies, m.quiet_median);
     Ok(())
 }
