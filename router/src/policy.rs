@@ -3,7 +3,7 @@
 //!
 //! Defence in depth behind the per-tenant Unix uid
 //! (docs/decisions/0011-containment-by-the-os-first.md), and the only barrier when tenants share a
-//! uid. The session asks [`HostAccessPolicy::check`] for every client request before routing it.
+//! uid. The session asks the policy about every client request before routing it.
 //! Every method of the pinned app-server has a row in the table (see `policy/rules.rs`): open
 //! methods pass without their params being parsed, host methods take their class's mode, and a
 //! method with no row is never forwarded: it gets app-server's own answer to a method it does not
@@ -21,7 +21,8 @@
 //! (an array) are still refused: the policy cannot check them safely.
 //!
 //! Use: for every client request, after admission and before routing, call
-//! [`HostAccessPolicy::check`] with the tenant's policy and [`TenantRoots`]. `Allow` forwards
+//! [`HostAccessPolicy::check_inline`] with the tenant's policy and [`TenantRoots`], and when it
+//! declines, [`HostAccessPolicy::check`] off the runtime. `Allow` forwards
 //! the frame unchanged; `Rewrite(params)` forwards [`rewritten_request`]; `Deny` answers
 //! [`Denial::to_error_response`] and forwards nothing. Checks touch the filesystem
 //! (`canonicalize`), a system call or so per path component, for the confined methods only; a
@@ -181,8 +182,9 @@ pub enum PolicyError {
 }
 
 /// Params of a confined method longer than this are checked on the blocking pool
-/// ([`HostAccessPolicy::check_inline`]): parsing them alone takes a while.
-pub const INLINE_PARAMS_BYTES: usize = 16 << 10;
+/// ([`HostAccessPolicy::check_inline`]): parsing them alone takes a while (a millisecond or so
+/// at this size for the slowest JSON, small values; far less for a long prompt's text).
+pub const INLINE_PARAMS_BYTES: usize = 256 << 10;
 
 /// Path components a check on a thread that serves sessions may resolve (about one system call
 /// each) before it is run on the blocking pool instead. A request naming a few ordinary paths

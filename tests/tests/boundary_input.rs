@@ -119,6 +119,9 @@ async fn spawn_fleet(
         .args(["serve", "--config"])
         .arg(&files.config)
         .env("CODEX_FLEET_LOG", "warn")
+        // Two runtime threads, as on the machines this suite is sized for, whatever this one has:
+        // the tests that pit one tenant against another send as many costly requests as that.
+        .env("TOKIO_WORKER_THREADS", "2")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -896,10 +899,13 @@ async fn calm_while_hogs_send(hogs: usize, request: String) -> anyhow::Result<Me
         let (request, pending) = (request.clone(), pending.clone());
         sent.push(tokio::spawn(async move {
             let at = Instant::now();
-            hog.send_text(&request).await?;
-            let answer = hog
-                .wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
-                .await;
+            let answer = async {
+                hog.send_text(&request).await?;
+                hog.wait_for_within(|v| v["id"] == 1, Duration::from_secs(120))
+                    .await
+            }
+            .await;
+            // Answered or failed, the calm loop must end.
             pending.fetch_sub(1, Ordering::AcqRel);
             answer.map(|a| (a, at.elapsed()))
         }));
@@ -975,14 +981,19 @@ async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> a
         r#"{{"id":1,"method":"turn/start","params":{{"threadId":"thr_hog","input":[],"zeros":[{}0]}}}}"#,
         "0,".repeat(4 << 20)
     );
-    // What one parse takes on this machine and build, as the router parses it.
-    let t = Instant::now();
-    let parsed = proto::rpc::parse(&request)?;
-    let proto::rpc::Message::Request { params, .. } = parsed else {
-        bail!("not a request");
-    };
-    anyhow::ensure!(proto::rpc::thread_id(params).is_some());
-    let one_parse = t.elapsed();
+    // What one parse takes on this machine and build, as the router parses it: the median of 3.
+    let mut parses = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let parsed = proto::rpc::parse(&request)?;
+        let proto::rpc::Message::Request { params, .. } = parsed else {
+            bail!("not a request");
+        };
+        anyhow::ensure!(proto::rpc::thread_id(params).is_some());
+        parses.push(t.elapsed());
+    }
+    parses.sort();
+    let one_parse = parses[1];
     let mib = request.len() >> 20;
     let mut m = calm_while_hogs_send(6, request).await?;
     for (answer, _) in &m.answers {

@@ -95,18 +95,19 @@ fn kill_leftover(pid: Pid, uid: u32) -> Result<bool, Errno> {
             if !has_uid(pid, uid) {
                 return Ok(false);
             }
-            pidfd.kill()
-        }
-        Err(Errno::ESRCH) => return Ok(false),
-        // No pidfds: ENOSYS before Linux 5.3; EPERM from a seccomp filter that predates them
-        // (pidfd_open itself never fails with EPERM). Kill by pid as before pidfds, after the same
-        // check: a pid reused between the check and the kill is still hit, in a far narrower
-        // window than since the scan.
-        Err(Errno::ENOSYS | Errno::EPERM) => {
-            if !has_uid(pid, uid) {
-                return Ok(false);
+            match pidfd.kill() {
+                // A seccomp filter that lets pidfd_open through but not the signal.
+                Err(Errno::EPERM | Errno::ENOSYS) => kill_by_pid(pid, uid),
+                sent => sent,
             }
-            kill(pid, Signal::SIGKILL)
+        }
+        // Gone, or (EINVAL) the pid is now a thread's, not a process's.
+        Err(Errno::ESRCH | Errno::EINVAL) => return Ok(false),
+        // No pidfds: ENOSYS before Linux 5.3; EPERM from a seccomp filter that predates them
+        // (pidfd_open itself never fails with EPERM). No fd to spare: EMFILE, ENFILE, ENOMEM
+        // near the fd limit. Kill by pid, as before pidfds.
+        Err(Errno::ENOSYS | Errno::EPERM | Errno::EMFILE | Errno::ENFILE | Errno::ENOMEM) => {
+            kill_by_pid(pid, uid)
         }
         Err(e) => return Err(e),
     };
@@ -115,6 +116,15 @@ fn kill_leftover(pid: Pid, uid: u32) -> Result<bool, Errno> {
         Err(Errno::ESRCH) => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// `kill(pid, SIGKILL)` after the same uid check: a pid reused between the check and the kill is
+/// still hit, in a far narrower window than since the scan. `ESRCH` when it no longer has `uid`.
+fn kill_by_pid(pid: Pid, uid: u32) -> Result<(), Errno> {
+    if !has_uid(pid, uid) {
+        return Err(Errno::ESRCH);
+    }
+    kill(pid, Signal::SIGKILL)
 }
 
 /// A process pinned by a pidfd: its pid may be reused once it exits, the pidfd's target not.
@@ -221,10 +231,15 @@ mod tests {
     }
 
     #[test]
-    fn a_reaped_process_is_not_counted() {
-        let mut child = Command::new("true").spawn().unwrap();
-        let pid = Pid::from_raw(i32::try_from(child.id()).unwrap());
-        child.wait().unwrap();
+    fn a_pid_nobody_holds_is_not_counted() {
+        // `pid_max` itself is never given to a process: a pid nobody holds, unlike a reaped
+        // child's, which another process of this uid could be given meanwhile.
+        let pid_max: i32 = fs::read_to_string("/proc/sys/kernel/pid_max")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let pid = Pid::from_raw(pid_max);
         let leftovers = Leftovers {
             uid: me(),
             pids: vec![pid],

@@ -127,9 +127,9 @@ impl TenantRoots {
 ///
 /// The longest existing ancestor is searched by halves (after the path and its parent, the
 /// common cases): resolving an ancestor stops at the first missing component, so ancestors
-/// resolve up to some length and fail beyond it. A path of `n` missing components therefore
-/// costs about `log2 n` resolutions, not `n` (a tenant's `a/a/a/…` of 2,000 components cost
-/// 2,000 resolutions of up to 2,000 components each).
+/// resolve up to some length and fail beyond it. A path of `n` components that does not exist
+/// therefore costs at most `2 + log2 n` resolutions, not `n` (a tenant's `a/a/a/…` of 2,000
+/// components cost 2,000 resolutions of up to 2,000 components each).
 pub fn resolve(path: &str, base: &Path) -> Result<PathBuf, PathError> {
     if path.is_empty() || path.contains('\0') {
         return Err(PathError::Unresolvable);
@@ -175,7 +175,9 @@ pub fn resolve(path: &str, base: &Path) -> Result<PathBuf, PathError> {
     }
 }
 
-/// `fs::canonicalize`, within the budget of the check running on this thread ([`within`]).
+/// `fs::canonicalize`, within the budget of the check running on this thread ([`within`]). The
+/// budget is charged every component of `path`, though resolving stops at the first missing one:
+/// it errs on the side of handing a check off.
 fn canonical(path: &Path) -> io::Result<PathBuf> {
     spend(path.components().count())?;
     std::fs::canonicalize(path)

@@ -4,10 +4,12 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use serde_json::json;
 use serde_json::value::RawValue;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -127,7 +129,7 @@ impl Session {
         self.counted.client_frames.inc();
         let parsed = if text.len() > LARGE_FRAME_BYTES {
             // Rare, so boxed: it adds little to every session's future.
-            Box::pin(self.parse_large(&text)).await
+            Box::pin(self.parse_large(&text)).await?
         } else {
             parse(&text)
         };
@@ -184,16 +186,36 @@ impl Session {
     /// [`parse`] of a frame over [`LARGE_FRAME_BYTES`]: tens of milliseconds for the largest
     /// (a 32 MiB frame of escaped text took 110 ms), which on a runtime thread every session it
     /// serves would wait out. The runtime thread's other work is handed to another thread first
-    /// (`block_in_place`), and one of the tenant's costly steps runs at a time, so a tenant sending
+    /// (`block_in_place`), as a costly step ([`Session::costly_permits`]), so a tenant sending
     /// large frames on many connections takes a core's share, not every runtime thread.
-    async fn parse_large<'t>(&self, text: &'t str) -> ParsedFrame<'t> {
-        let _permit = self.ctx.tenant.costly_work.acquire().await;
-        match tokio::runtime::Handle::current().runtime_flavor() {
+    async fn parse_large<'t>(&self, text: &'t str) -> Result<ParsedFrame<'t>, End> {
+        let _permits = self.costly_permits().await?;
+        Ok(match tokio::runtime::Handle::current().runtime_flavor() {
+            // Sessions run as tasks of a multi-thread runtime (never in a `LocalSet`).
             tokio::runtime::RuntimeFlavor::MultiThread => {
                 tokio::task::block_in_place(|| parse(text))
             }
             // A runtime of one thread (tests) has no other thread to hand its work to.
             _ => parse(text),
+        })
+    }
+
+    /// The two permits a costly step of a request takes before it runs off the runtime: its
+    /// tenant's (one at a time per tenant, so a tenant's costly steps wait for each other), then
+    /// the process's ([`COSTLY_WORK`], so all tenants' together take at most half the cores and
+    /// the memory of that many at once; a tenant waits there with one step at most, so tenants
+    /// take turns). The session waits for them, and for the step, itself: its client's next
+    /// frames wait, and the tenant's other costly steps. `End::Shutdown` if the fleet shuts down
+    /// first.
+    async fn costly_permits(&self) -> Result<CostlyPermits, End> {
+        let permits = async {
+            let tenant = self.ctx.tenant.costly_work.clone().acquire_owned().await;
+            let all = COSTLY_WORK.acquire().await;
+            tenant.ok().zip(all.ok())
+        };
+        tokio::select! {
+            permits = permits => permits.ok_or(End::Shutdown),
+            () = self.ctx.shutdown.cancelled() => Err(End::Shutdown),
         }
     }
 
@@ -252,8 +274,7 @@ impl Session {
 
     /// The host-access check of a request too costly for a thread that serves other sessions
     /// ([`HostAccessPolicy::check_inline`](crate::policy::HostAccessPolicy::check_inline)), run
-    /// on the blocking pool, one of the tenant's at a time. The session waits for it: this
-    /// client's next frames wait, nobody else's do.
+    /// on the blocking pool as a costly step ([`Session::costly_permits`]).
     async fn check_off_runtime(
         &self,
         text: &Utf8Bytes,
@@ -264,9 +285,9 @@ impl Session {
         // they always lie in it, as the parse borrows them.
         let params = params.map(|p| place_in(text.as_str(), p.get()).ok_or_else(|| p.to_owned()));
         let (tenant, text, method) = (self.ctx.tenant.clone(), text.clone(), method.to_owned());
-        let permit = tenant.costly_work.clone().acquire_owned().await;
+        let permits = self.costly_permits().await?;
         let checked = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
+            let _permits = permits;
             let params = match &params {
                 None => None,
                 Some(Ok(at)) => match serde_json::from_str::<&RawValue>(&text.as_str()[at.clone()])
@@ -279,8 +300,12 @@ impl Session {
                 Some(Err(copied)) => Some(&**copied),
             };
             tenant.policy.check(&method, params, &tenant.roots)
-        })
-        .await;
+        });
+        // A check already running ends on its own, and frees its permits then.
+        let checked = tokio::select! {
+            checked = checked => checked,
+            () = self.ctx.shutdown.cancelled() => return Err(End::Shutdown),
+        };
         match checked {
             Ok(decision) => Ok(decision),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -560,6 +585,16 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
 /// Frames longer than this are parsed with the runtime thread's other work handed off first
 /// ([`Session::parse_large`]); a frame of a MiB parses in a millisecond or so.
 const LARGE_FRAME_BYTES: usize = 1 << 20;
+
+/// How many costly steps of requests ([`Session::costly_permits`]) run off the runtime at once,
+/// all tenants together: half the cores, at least one.
+static COSTLY_WORK: LazyLock<Semaphore> = LazyLock::new(|| {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    Semaphore::new((cores / 2).max(1))
+});
+
+/// The permits a costly step holds while it runs: its tenant's, then the process's.
+type CostlyPermits = (OwnedSemaphorePermit, SemaphorePermit<'static>);
 
 /// A client frame parsed: the message, and a request's `threadId`.
 type ParsedFrame<'t> = Result<(Rpc<'t>, Option<Cow<'t, str>>), rpc::ParseError>;
