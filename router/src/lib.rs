@@ -17,6 +17,7 @@ mod gate;
 pub mod listener;
 pub mod metrics;
 pub mod node;
+pub mod offload;
 pub mod policy;
 #[cfg(test)]
 mod raw_ws;

@@ -14,6 +14,7 @@
 //! - [`tmux`]: the real Codex TUI in a tmux server of a test's own.
 
 pub mod client;
+pub mod contention;
 pub mod fake_kube;
 pub mod fleet;
 pub mod kube_cluster;

@@ -43,6 +43,7 @@ use crate::credentials::Lease;
 use crate::end::End;
 use crate::gate::Gate;
 use crate::metrics::RouterMetrics;
+use crate::offload::{self, LARGE_FRAME_BYTES};
 
 /// Messages a client may send while its tenant's node starts, before it is closed (1008).
 pub(super) const MAX_PENDING: usize = 256;
@@ -327,7 +328,7 @@ where
         }
         match frame {
             Some(Ok(Message::Text(text))) => {
-                if let Ok(Rpc::Request { id, .. }) = rpc::parse(&text) {
+                if let Ok(Rpc::Request { id, .. }) = parse(&text) {
                     if let Err(r) = self.guard.check_frame() {
                         self.metrics.rejected_for(self.guard.tenant(), &r);
                         self.out
@@ -359,7 +360,7 @@ where
 
     /// A text frame from the node, queued for the client (a delta dropped when behind).
     fn on_node_text(&mut self, text: Utf8Bytes) -> Result<(), Ending> {
-        match rpc::parse(&text) {
+        match parse(&text) {
             Ok(Rpc::Response { id }) => {
                 self.in_flight.remove(&id);
             }
@@ -442,7 +443,7 @@ where
         for m in pending {
             self.out.bytes.release(Out::len_of(&m));
             if let Message::Text(text) = &m {
-                if let Ok(Rpc::Request { id, .. }) = rpc::parse(text) {
+                if let Ok(Rpc::Request { id, .. }) = parse(text) {
                     answered = true;
                     self.metrics.rejected_for(self.guard.tenant(), refusal);
                     if self.out.push(answer(&id).into()).is_err() {
@@ -457,7 +458,7 @@ where
                 while let Some(Ok(m)) = rx.next().await {
                     match m {
                         Message::Text(text) => {
-                            if let Ok(Rpc::Request { id, .. }) = rpc::parse(&text) {
+                            if let Ok(Rpc::Request { id, .. }) = parse(&text) {
                                 return Some(id);
                             }
                         }
@@ -667,6 +668,17 @@ where
         let _in_time =
             tokio::time::timeout(CLOSE_GRACE, futures_util::future::join(client, node)).await;
         drop(guard);
+    }
+}
+
+/// `rpc::parse`; a frame over [`LARGE_FRAME_BYTES`] with the runtime thread's other relays handed
+/// to another thread first ([`offload::in_place`]): an edge serves every tenant, and the largest
+/// frame takes tens of milliseconds to parse.
+fn parse(text: &str) -> Result<Rpc<'_>, rpc::ParseError> {
+    if text.len() > LARGE_FRAME_BYTES {
+        offload::in_place(|| rpc::parse(text))
+    } else {
+        rpc::parse(text)
     }
 }
 

@@ -24,6 +24,7 @@ use proto::Method;
 
 use crate::admission::{InFlightPermit, Reason, Rejection, Scope};
 use crate::metrics::ClientError;
+use crate::offload::{self, LARGE_FRAME_BYTES};
 use crate::policy::{self, Decision};
 use crate::untrusted::Untrusted;
 
@@ -190,14 +191,7 @@ impl Session {
     /// large frames on many connections takes a core's share, not every runtime thread.
     async fn parse_large<'t>(&self, text: &'t str) -> Result<ParsedFrame<'t>, End> {
         let _permits = self.costly_permits().await?;
-        Ok(match tokio::runtime::Handle::current().runtime_flavor() {
-            // Sessions run as tasks of a multi-thread runtime (never in a `LocalSet`).
-            tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| parse(text))
-            }
-            // A runtime of one thread (tests) has no other thread to hand its work to.
-            _ => parse(text),
-        })
+        Ok(offload::in_place(|| parse(text)))
     }
 
     /// The two permits a costly step of a request takes before it runs off the runtime: its
@@ -581,10 +575,6 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
         .map(Box::from)
         .collect()
 }
-
-/// Frames longer than this are parsed with the runtime thread's other work handed off first
-/// ([`Session::parse_large`]); a frame of a MiB parses in a millisecond or so.
-const LARGE_FRAME_BYTES: usize = 1 << 20;
 
 /// How many costly steps of requests ([`Session::costly_permits`]) run off the runtime at once,
 /// all tenants together: half the cores, at least one.
