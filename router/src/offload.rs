@@ -4,8 +4,9 @@
 //! [`in_place`] hands the runtime thread's other tasks to another thread first
 //! (`block_in_place`): the work still takes a core for as long as it takes, but the operating
 //! system shares the cores between it and the runtime, rather than the runtime's tasks waiting it
-//! out. Sessions bound the number of such steps running at once themselves
-//! (`Session::costly_permits`); an edge's relays do not.
+//! out. Sessions bound the number of such steps running at once themselves, per tenant and in
+//! all (`Session::costly_permits`); an edge's relays run one at a time in the process
+//! ([`in_place_one_at_a_time`]).
 
 /// Frames longer than this are parsed [`in_place`]; a frame of a MiB parses in a millisecond or
 /// so, a 32 MiB frame of escaped text in about 110 ms (release build).
@@ -20,6 +21,21 @@ pub fn in_place<R>(work: impl FnOnce() -> R) -> R {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
     }
+}
+
+/// [`in_place`], one at a time in the process: for callers that cannot wait for a permit
+/// asynchronously (an edge's relay handles a frame synchronously). Without it, a tenant sending
+/// large frames on many connections would have as many parses running at once, and starve the
+/// process's own work (an edge found its nodes' probes timing out, and closed the tenant's
+/// sessions as if its node had gone). The waiting happens off the runtime too.
+pub fn in_place_one_at_a_time<R>(work: impl FnOnce() -> R) -> R {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    in_place(|| {
+        let _one = ONE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        work()
+    })
 }
 
 #[cfg(test)]

@@ -32,6 +32,8 @@ pub struct Meanwhile {
     pub latencies: Vec<Duration>,
     /// Each hog's answer and how long after sending it came, quickest first.
     pub answers: Vec<(Value, Duration)>,
+    /// The hogs that got no answer (their session ended, or the send failed), and why.
+    pub failed: Vec<String>,
 }
 
 impl Meanwhile {
@@ -73,13 +75,20 @@ pub async fn while_hogs_send(
         calm.request(CHEAP, json!({})).await?;
         latencies.push(t.elapsed());
     }
-    let mut answers = Vec::new();
+    let (mut answers, mut failed) = (Vec::new(), Vec::new());
     for answer in sent {
-        answers.push(answer.await??);
+        match answer.await? {
+            Ok(answer) => answers.push(answer),
+            Err(e) => failed.push(format!("{e:#}")),
+        }
     }
     answers.sort_by_key(|(_, took)| *took);
     latencies.sort();
-    Ok(Meanwhile { latencies, answers })
+    Ok(Meanwhile {
+        latencies,
+        answers,
+        failed,
+    })
 }
 
 /// What parsing `frame` to route it takes in this build on this machine, as the router parses it

@@ -891,6 +891,7 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
     let request = json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } });
     let (_fleet, mut calm, quiet, hogs) = hog_and_calm(8).await?;
     let mut m = contention::while_hogs_send(&mut calm, hogs, request.to_string()).await?;
+    assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {
         assert_eq!(answer["error"]["code"], -32003, "{answer}");
         let message = answer["error"]["message"].as_str().unwrap_or_default();
@@ -927,6 +928,7 @@ async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> a
     let mib = request.len() >> 20;
     let (_fleet, mut calm, quiet, hogs) = hog_and_calm(6).await?;
     let mut m = contention::while_hogs_send(&mut calm, hogs, request).await?;
+    assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {
         assert!(answer.get("error").is_some(), "a made-up thread: {answer}");
     }

@@ -672,11 +672,11 @@ where
 }
 
 /// `rpc::parse`; a frame over [`LARGE_FRAME_BYTES`] with the runtime thread's other relays handed
-/// to another thread first ([`offload::in_place`]): an edge serves every tenant, and the largest
-/// frame takes tens of milliseconds to parse.
+/// to another thread first, one such parse at a time ([`offload::in_place_one_at_a_time`]): an
+/// edge serves every tenant, and the largest frame takes tens of milliseconds to parse.
 fn parse(text: &str) -> Result<Rpc<'_>, rpc::ParseError> {
     if text.len() > LARGE_FRAME_BYTES {
-        offload::in_place(|| rpc::parse(text))
+        offload::in_place_one_at_a_time(|| rpc::parse(text))
     } else {
         rpc::parse(text)
     }
