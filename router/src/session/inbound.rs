@@ -185,10 +185,11 @@ impl Session {
     }
 
     /// [`parse`] of a frame over [`LARGE_FRAME_BYTES`]: tens of milliseconds for the largest
-    /// (a 32 MiB frame of escaped text took 110 ms), which on a runtime thread every session it
-    /// serves would wait out. The runtime thread's other work is handed to another thread first
-    /// (`block_in_place`), as a costly step ([`Session::costly_permits`]), so a tenant sending
-    /// large frames on many connections takes a core's share, not every runtime thread.
+    /// (about 110 ms for 32 MiB of escaped text, scaled from a 42 MB frame's 142 ms), which on a
+    /// runtime thread every session it serves would wait out. The runtime thread's other work is
+    /// handed to another thread first (`block_in_place`), as a costly step
+    /// ([`Session::costly_permits`]), so a tenant sending large frames on many connections takes
+    /// a core's share, not every runtime thread.
     async fn parse_large<'t>(&self, text: &'t str) -> Result<ParsedFrame<'t>, End> {
         let _permits = self.costly_permits().await?;
         Ok(offload::in_place(|| parse(text)))
