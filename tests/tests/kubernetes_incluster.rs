@@ -209,11 +209,12 @@ async fn an_edge_that_does_not_trust_the_api_servers_certificate_is_unready_and_
     let error = r["edge"]["lastError"].as_str().unwrap_or("");
     // The CA's name is the server's issuer's (both are "test link CA"): its signature fails.
     assert!(error.contains("invalid peer certificate"), "{error}");
-    assert!(
-        c.edges[0].stderr().contains("certificate"),
-        "the log does not say why: {}",
-        c.edges[0].stderr()
-    );
+    // Log lines reach stderr from a thread of their own, a moment after `/readyz` says it.
+    let logged = wait_until_async(Duration::from_secs(10), || async {
+        c.edges[0].stderr().contains("certificate")
+    })
+    .await;
+    assert!(logged, "the log does not say why: {}", c.edges[0].stderr());
     // Its token never went to a server it does not trust.
     assert!(api.first_use("token-one").is_none());
     assert!(c.fake.requests().is_empty(), "{:?}", c.fake.requests());
