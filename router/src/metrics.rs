@@ -49,6 +49,10 @@ pub mod names {
     pub const TENANT_LIMITS: &str = "codex_fleet_tenant_limit";
     /// Workers' answers left out of a merged (fanned-out) answer, by method and reason.
     pub const FANOUT_MISSING: &str = "codex_fleet_fanout_missing_answers_total";
+    /// See [`super::RouterMetrics::costly_steps`].
+    pub const COSTLY_STEPS: &str = "codex_fleet_costly_steps_total";
+    /// See [`super::RouterMetrics::costly_wait_seconds`].
+    pub const COSTLY_WAIT_SECONDS: &str = "codex_fleet_costly_wait_seconds_total";
 }
 
 /// The router's metrics.
@@ -95,6 +99,13 @@ pub struct RouterMetrics {
     pub rehome_seconds: HistogramVec,
     /// See [`names::FANOUT_MISSING`]; labels `method` (the merged methods), `reason` (closed enum).
     pub fanout_missing: IntCounterVec,
+    /// A tenant's requests' costly steps run off the runtime threads, by `tenant` and `step`
+    /// ([`COSTLY_STEPS`]): a host-access check too costly to run inline (`check`), the parse of a
+    /// frame over a MiB (`parse`). Each waits for its tenant's turn and the process's.
+    pub costly_steps: IntCounterVec,
+    /// Seconds a tenant's sessions waited for their costly steps' turn, by `tenant`: divided by
+    /// [`Self::costly_steps`], the mean wait; a session reads nothing from its client meanwhile.
+    pub costly_wait_seconds: prometheus::CounterVec,
     /// The configured fleet-wide limits, by `limit` (a closed list: see [`FLEET_LIMITS`]), so a
     /// panel divides use by limit without copying configuration into the dashboard.
     pub limits: IntGaugeVec,
@@ -134,6 +145,9 @@ pub fn is_upgrade_refusal(reason: &str) -> bool {
             .iter()
             .any(|e| e.reason() == reason)
 }
+
+/// The `step` values of `codex_fleet_costly_steps_total`.
+pub const COSTLY_STEPS: [&str; 2] = ["check", "parse"];
 
 /// The `limit` values of `codex_fleet_limit`.
 pub const FLEET_LIMITS: [&str; 7] = [
@@ -215,6 +229,10 @@ impl RouterMetrics {
             }
         }
         self.rehome_seconds.with_label_values(&[tenant]);
+        for step in COSTLY_STEPS {
+            self.costly_steps.with_label_values(&[tenant, step]);
+        }
+        self.costly_wait_seconds.with_label_values(&[tenant]);
         self.usage.init_tenant(tenant);
         for reason in crate::admission::Reason::ALL {
             self.tenant_rejections
@@ -377,6 +395,24 @@ impl RouterMetrics {
                 ),
                 &["method", "reason"],
             )?,
+            costly_steps: IntCounterVec::new(
+                Opts::new(
+                    names::COSTLY_STEPS,
+                    "A tenant's requests' costly steps run off the runtime threads, one at a \
+                     time per tenant: host-access checks too costly to run inline (check), \
+                     parses of frames over a MiB (parse).",
+                ),
+                &["tenant", "step"],
+            )?,
+            costly_wait_seconds: prometheus::CounterVec::new(
+                Opts::new(
+                    names::COSTLY_WAIT_SECONDS,
+                    "Seconds a tenant's sessions waited for their costly steps' turn (the \
+                     tenant's, then the process's); the session read nothing from its client \
+                     meanwhile.",
+                ),
+                &["tenant"],
+            )?,
             limits: IntGaugeVec::new(
                 Opts::new(names::LIMITS, "A configured fleet-wide limit, by name."),
                 &["limit"],
@@ -421,6 +457,8 @@ impl RouterMetrics {
         registry.register(Box::new(m.thread_rehomes.clone()))?;
         registry.register(Box::new(m.rehome_seconds.clone()))?;
         registry.register(Box::new(m.fanout_missing.clone()))?;
+        registry.register(Box::new(m.costly_steps.clone()))?;
+        registry.register(Box::new(m.costly_wait_seconds.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event (the session's own labels:
         // `session::metrics::init_series`).

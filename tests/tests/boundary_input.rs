@@ -853,14 +853,16 @@ async fn a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind() -
 
 /// A fleet of tenants `hog` and `calm`, the calm tenant's client and quiet median, and `hogs`
 /// connections of the hog tenant; the fleet lives as long as the child.
-async fn hog_and_calm(hogs: usize) -> anyhow::Result<(Child, Client, Duration, Vec<Client>)> {
+async fn hog_and_calm(
+    hogs: usize,
+) -> anyhow::Result<(Child, SocketAddr, Client, Duration, Vec<Client>)> {
     let files = FleetBuilder::new()
         .tenant_pool("hog", 1, 1)
         .tenant_pool("calm", 1, 1)
         .limits_toml(OPEN_RATES)
         .prepare()
         .await?;
-    let (child, addr, _admin) = spawn_fleet(&files, None).await?;
+    let (child, addr, admin) = spawn_fleet(&files, None).await?;
     let url = format!("wss://localhost:{}/", addr.port());
     let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
     calm.initialize("calm").await?;
@@ -871,7 +873,7 @@ async fn hog_and_calm(hogs: usize) -> anyhow::Result<(Child, Client, Duration, V
         hog.initialize("hog").await?;
         connected.push(hog);
     }
-    Ok((child, calm, quiet, connected))
+    Ok((child, admin, calm, quiet, connected))
 }
 
 /// A confined request's check resolves every path it names, about a system call per path
@@ -889,7 +891,7 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
         .collect();
     input.push(json!({ "type": "localImage", "path": "/etc/passwd" }));
     let request = json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } });
-    let (_fleet, mut calm, quiet, hogs) = hog_and_calm(8).await?;
+    let (_fleet, admin, mut calm, quiet, hogs) = hog_and_calm(8).await?;
     let mut m = contention::while_hogs_send(&mut calm, hogs, request.to_string()).await?;
     assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {
@@ -910,6 +912,28 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
         "calm waited {longest:?} at once, longer than the hog's quickest check ({quickest:?})"
     );
     assert_served(&mut m.latencies, quiet);
+    // Each of the hog's 3 MB frames took two costly steps (the parse, the check), and the metrics
+    // say so under its name only; its sessions waited for their turns, as the answers spread.
+    let metric = |tenant: &'static str, step: &'static str| async move {
+        let labels = [("tenant", tenant), ("step", step)];
+        testkit::metric_at(admin, "codex_fleet_costly_steps_total", &labels).await
+    };
+    let waited = |tenant: &'static str| async move {
+        let labels = [("tenant", tenant)];
+        testkit::metric_at(admin, "codex_fleet_costly_wait_seconds_total", &labels).await
+    };
+    let hog_waited = waited("hog").await?;
+    eprintln!("measured: the hog's sessions waited {hog_waited:.2} s for their costly steps");
+    assert_eq!(metric("hog", "parse").await?, 8.0);
+    assert_eq!(metric("hog", "check").await?, 8.0);
+    assert_eq!(metric("calm", "parse").await?, 0.0);
+    assert_eq!(metric("calm", "check").await?, 0.0);
+    assert_eq!(waited("calm").await?, 0.0);
+    assert!(
+        hog_waited >= (slowest - quickest).as_secs_f64() / 2.0,
+        "the hog's sessions waited {hog_waited} s; answers spread over {:?}",
+        slowest - quickest
+    );
     Ok(())
 }
 
@@ -926,7 +950,7 @@ async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> a
     let request = contention::large_frame();
     let one_parse = contention::one_parse(&request)?;
     let mib = request.len() >> 20;
-    let (_fleet, mut calm, quiet, hogs) = hog_and_calm(6).await?;
+    let (_fleet, _admin, mut calm, quiet, hogs) = hog_and_calm(6).await?;
     let mut m = contention::while_hogs_send(&mut calm, hogs, request).await?;
     assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {

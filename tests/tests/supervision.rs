@@ -570,8 +570,10 @@ async fn sighup_reloads_tenants_tokens_and_sizes_and_refuses_a_bad_file() -> any
         }
     };
     assert_eq!(refused, (1.0, 1.0));
+    // Log lines reach stderr from a thread of their own, a moment after the metric counts it.
     assert!(
-        proc.stderr().contains("configuration reload refused"),
+        proc.wait_for_stderr("configuration reload refused", Duration::from_secs(10))
+            .await,
         "{}",
         proc.stderr()
     );

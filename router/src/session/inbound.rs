@@ -191,8 +191,11 @@ impl Session {
     /// ([`Session::costly_permits`]), so a tenant sending large frames on many connections takes
     /// a core's share, not every runtime thread.
     async fn parse_large<'t>(&self, text: &'t str) -> Result<ParsedFrame<'t>, End> {
-        let _permits = self.costly_permits().await?;
-        Ok(offload::in_place(|| parse(text)))
+        let permits = self.costly_permits(CostlyStep::Parse).await?;
+        let parsed = offload::in_place(|| parse(text));
+        drop(permits);
+        self.still_admitted()?;
+        Ok(parsed)
     }
 
     /// The two permits a costly step of a request takes before it runs off the runtime: its
@@ -200,18 +203,48 @@ impl Session {
     /// the process's ([`COSTLY_WORK`], so all tenants' together take at most half the cores and
     /// the memory of that many at once; a tenant waits there with one step at most, so tenants
     /// take turns). The session waits for them, and for the step, itself: its client's next
-    /// frames wait, and the tenant's other costly steps. `End::Shutdown` if the fleet shuts down
-    /// first.
-    async fn costly_permits(&self) -> Result<CostlyPermits, End> {
-        let permits = async {
-            let tenant = self.ctx.tenant.costly_work.clone().acquire_owned().await;
-            let all = COSTLY_WORK.acquire().await;
-            tenant.ok().zip(all.ok())
-        };
+    /// frames wait, and the tenant's other costly steps. The session ends instead if the fleet
+    /// shuts down or its credential ends first ([`Session::until_ended`]). Counted, with the
+    /// wait, in `codex_fleet_costly_steps_total` and `codex_fleet_costly_wait_seconds_total`.
+    async fn costly_permits(&self, step: CostlyStep) -> Result<CostlyPermits, End> {
+        let waited = Instant::now();
+        let permits = self
+            .until_ended(async {
+                let tenant = self.ctx.tenant.costly_work.clone().acquire_owned().await;
+                let all = COSTLY_WORK.acquire().await;
+                tenant.ok().zip(all.ok())
+            })
+            .await?
+            // Closed only when the fleet shuts down.
+            .ok_or(End::Shutdown)?;
+        let m = &self.ctx.metrics;
+        m.costly_wait_seconds
+            .with_label_values(&[self.tenant()])
+            .inc_by(waited.elapsed().as_secs_f64());
+        m.costly_steps
+            .with_label_values(&[self.tenant(), step.as_str()])
+            .inc();
+        Ok(permits)
+    }
+
+    /// `work`'s output, unless the fleet shuts down or the session's credential ends first: a
+    /// session waiting out a costly step ([`Session::costly_permits`]) reads nothing, so its run
+    /// loop would not see either until the wait is over.
+    async fn until_ended<T>(&self, work: impl std::future::Future<Output = T>) -> Result<T, End> {
         tokio::select! {
-            permits = permits => permits.ok_or(End::Shutdown),
+            out = work => Ok(out),
             () = self.ctx.shutdown.cancelled() => Err(End::Shutdown),
+            end = self.ctx.lease.ended() => Err(End::from(end)),
         }
+    }
+
+    /// `Err` if the session's credential ended, as its run loop would find: checked after a
+    /// costly step, so a request admitted before a revocation does not go out after it.
+    fn still_admitted(&self) -> Result<(), End> {
+        self.ctx
+            .lease
+            .ended_now()
+            .map_or(Ok(()), |end| Err(End::from(end)))
     }
 
     /// Acts on the host-access policy's decision: the frame to forward (the client's own bytes,
@@ -280,7 +313,7 @@ impl Session {
         // they always lie in it, as the parse borrows them.
         let params = params.map(|p| place_in(text.as_str(), p.get()).ok_or_else(|| p.to_owned()));
         let (tenant, text, method) = (self.ctx.tenant.clone(), text.clone(), method.to_owned());
-        let permits = self.costly_permits().await?;
+        let permits = self.costly_permits(CostlyStep::Check).await?;
         let checked = tokio::task::spawn_blocking(move || {
             let _permits = permits;
             let params = match &params {
@@ -297,12 +330,8 @@ impl Session {
             tenant.policy.check(&method, params, &tenant.roots)
         });
         // A check already running ends on its own, and frees its permits then.
-        let checked = tokio::select! {
-            checked = checked => checked,
-            () = self.ctx.shutdown.cancelled() => return Err(End::Shutdown),
-        };
-        match checked {
-            Ok(decision) => Ok(decision),
+        match self.until_ended(checked).await? {
+            Ok(decision) => self.still_admitted().map(|()| decision),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // The runtime is shutting down.
             Err(_) => Err(End::Shutdown),
@@ -586,6 +615,25 @@ static COSTLY_WORK: LazyLock<Semaphore> = LazyLock::new(|| {
 
 /// The permits a costly step holds while it runs: its tenant's, then the process's.
 type CostlyPermits = (OwnedSemaphorePermit, SemaphorePermit<'static>);
+
+/// A request's step too costly for a runtime thread (the `step` of
+/// `codex_fleet_costly_steps_total`).
+#[derive(Debug, Clone, Copy)]
+enum CostlyStep {
+    /// A host-access check.
+    Check,
+    /// The parse of a frame over [`LARGE_FRAME_BYTES`].
+    Parse,
+}
+
+impl CostlyStep {
+    fn as_str(self) -> &'static str {
+        match self {
+            CostlyStep::Check => "check",
+            CostlyStep::Parse => "parse",
+        }
+    }
+}
 
 /// A client frame parsed: the message, and a request's `threadId`.
 type ParsedFrame<'t> = Result<(Rpc<'t>, Option<Cow<'t, str>>), rpc::ParseError>;

@@ -519,6 +519,73 @@ pub(super) mod in_memory {
         }
     }
 
+    /// A session waiting for its costly step's turn (another costly step of its tenant holds
+    /// it) reads nothing from its client, yet still ends when its credential is revoked, and the
+    /// request it waited with is never answered or forwarded; a step that never ran is not
+    /// counted. When the turn comes, the step runs and is counted with its wait. Both costly
+    /// steps: the parse of a frame over a MiB, a host-access check too costly to run inline.
+    #[tokio::test(start_paused = true)]
+    async fn a_session_waiting_for_a_costly_step_still_ends_with_its_credential() {
+        let p = Process::new("", "", "");
+        let large = json!({
+            "id": 1, "method": "thread/list",
+            "params": { "cursor": "x".repeat(crate::offload::LARGE_FRAME_BYTES + 1) },
+        });
+        let paths: Vec<Value> = (0..60)
+            .map(|i| json!({ "type": "localImage", "path": format!("a/b/c/{i}.png") }))
+            .collect();
+        let costly = json!({
+            "id": 1, "method": "turn/start",
+            "params": { "threadId": "t", "input": paths },
+        });
+        let steps = |step: &str| {
+            p.metrics
+                .costly_steps
+                .with_label_values(&["acme", step])
+                .get()
+        };
+        let waited = || {
+            p.metrics
+                .costly_wait_seconds
+                .with_label_values(&["acme"])
+                .get()
+        };
+        for (step, frame) in [("parse", &large), ("check", &costly)] {
+            let tenant = p.tenants.get("acme").unwrap().clone();
+            let held = tenant.costly_work.clone().try_acquire_owned().unwrap();
+            let mut session = p.unstarted("acme");
+            let lease = crate::credentials::Lease::unbounded();
+            session.ctx.lease = lease.clone();
+            let mut h = p.run(session, Vec::new(), false);
+            h.send(Message::text(frame.to_string()));
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert!(h.from_session.try_recv().is_err(), "{step}: answered");
+            assert!(!h.session.is_finished(), "{step}");
+            lease.revoke();
+            let closed = h.next().await;
+            assert!(closed.get("close").is_some(), "{step}: {closed}");
+            assert_eq!(h.session.await.unwrap(), End::CredentialRevoked, "{step}");
+            assert_eq!(steps(step), 0, "{step}");
+
+            // The turn comes after 2 s: the step runs, and its request gets its answer (before
+            // `initialize`, app-server's "Not initialized").
+            let before = waited();
+            let mut h = p.session("acme", Vec::new(), false);
+            h.send(Message::text(frame.to_string()));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(h.from_session.try_recv().is_err(), "{step}: answered");
+            drop(held);
+            let answer = h.next().await;
+            assert_eq!(answer["id"], 1, "{step}: {answer}");
+            assert_eq!(steps(step), 1, "{step}");
+            assert!(
+                waited() - before >= 2.0,
+                "{step}: waited {}",
+                waited() - before
+            );
+        }
+    }
+
     /// A status change of thread `th-{n}`, relayed to the tenant's sessions as from a worker
     /// they have no leg to.
     fn relay_status(h: &Harness, n: usize) {
