@@ -14,6 +14,13 @@ use serde_json::{Map, Value};
 use crate::codes;
 use crate::method::Method;
 
+/// The longest `id` accepted, as written in the frame (a string's quotes and escapes included).
+/// The router keeps a request's id until it is answered, on every hop (the session's requests in
+/// flight, an edge's): without a bound, a tenant's requests with ids of 30 MiB, held in flight
+/// by a slow method, would be gigabytes of copies outside every byte bound. The TUI's longest is
+/// `"startup-thread-start-<uuid>"`, 58 bytes.
+pub const MAX_ID_BYTES: usize = 1024;
+
 /// A request id: app-server accepts integers and strings and echoes them verbatim.
 ///
 /// Read by a visitor of its own rather than `#[serde(untagged)]`, which buffers the value into
@@ -121,6 +128,9 @@ pub enum ParseError {
     /// Neither a method nor a result/error.
     #[error("Invalid request: not a JSON-RPC request, notification or response")]
     NotJsonRpc,
+    /// `id` longer than [`MAX_ID_BYTES`].
+    #[error("Invalid request: id longer than 1024 bytes")]
+    LongId,
 }
 
 impl ParseError {
@@ -195,6 +205,7 @@ impl<'a> Frame<'a> {
         })?;
         let id = match env.id {
             None => None,
+            Some(raw) if raw.get().len() > MAX_ID_BYTES => return Err(ParseError::LongId),
             Some(raw) => Some(serde_json::from_str::<RequestId>(raw.get()).map_err(|_| {
                 ParseError::BadId {
                     request: env.method.is_some(),

@@ -49,6 +49,21 @@ fn bad_input_gets_a_defined_error() {
         ParseError::BadId { request: true }
     );
     assert_eq!(parse(r#"{"id":3}"#).unwrap_err(), ParseError::NotJsonRpc);
+    // An id is kept until answered: one longer than the bound is refused, request or response.
+    let longest = "i".repeat(MAX_ID_BYTES - 2);
+    let request = |id: &str| format!(r#"{{"id":"{id}","method":"a"}}"#);
+    assert!(parse(&request(&longest)).is_ok());
+    let long = format!("{longest}i");
+    assert_eq!(parse(&request(&long)).unwrap_err(), ParseError::LongId);
+    assert_eq!(
+        parse(&format!(r#"{{"id":"{long}","result":{{}}}}"#)).unwrap_err(),
+        ParseError::LongId
+    );
+    assert_eq!(
+        ParseError::LongId.to_string(),
+        format!("Invalid request: id longer than {MAX_ID_BYTES} bytes")
+    );
+    assert_eq!(ParseError::LongId.code(), codes::INVALID_REQUEST);
     assert_eq!(parse("[1,").unwrap_err().code(), codes::PARSE_ERROR);
     assert_eq!(
         parse(r#"{"id":1,"method":7}"#).unwrap_err(),
