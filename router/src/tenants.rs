@@ -49,6 +49,8 @@ pub struct Tenant {
     /// of a frame over a MiB. A tenant's costly steps wait for each other, not for a thread of
     /// every tenant's.
     pub costly_work: Arc<Semaphore>,
+    /// How many of its host-access denials get an audit record of their own.
+    pub denial_records: crate::audit::denials::DenialRecords,
     /// How many sessions are subscribed to each thread (decides re-home or close when a worker
     /// ends).
     pub subscribers: Arc<Subscribers>,
@@ -103,6 +105,7 @@ impl Tenant {
             policy,
             roots,
             costly_work: Arc::new(Semaphore::new(1)),
+            denial_records: crate::audit::denials::DenialRecords::new(),
             settings,
             subscribers: Arc::default(),
             moves: Moves::default(),

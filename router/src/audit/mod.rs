@@ -39,6 +39,7 @@ use tokio::sync::{mpsc, oneshot};
 use worker::Pool;
 
 pub mod config;
+pub mod denials;
 
 use config::AuditConfig;
 

@@ -265,11 +265,17 @@ impl Session {
             Decision::Deny(denial) => {
                 self.count_error(ClientError::HostAccessDenied);
                 let shown = Untrusted::method(method.as_str());
-                tracing::info!(method = %shown, policy = denial.class.as_str(), "request denied by host-access policy");
-                self.audit(
-                    "access.denied",
-                    json!({ "method": shown.json(), "policy": denial.class.as_str() }),
-                );
+                // Logged and recorded at a bounded rate per tenant (`audit::denials`), counted
+                // in `codex_fleet_client_errors_total` every time.
+                if let Some(suppressed) = self.ctx.tenant.denial_records.admit() {
+                    tracing::info!(method = %shown, policy = denial.class.as_str(), suppressed, "request denied by host-access policy");
+                    let mut record =
+                        json!({ "method": shown.json(), "policy": denial.class.as_str() });
+                    if suppressed > 0 {
+                        record["suppressed"] = json!(suppressed);
+                    }
+                    self.audit("access.denied", record);
+                }
                 self.to_client(denial.to_error_response(id)).map(|()| None)
             }
             Decision::Invalid(message) => {

@@ -902,6 +902,51 @@ mod approvals {
 
     const AUDIT: &str = "[audit]\npath = \"{dir}/audit.log\"\nqueue = 1000000";
 
+    /// A tenant denied at a rate its admission allows gets a burst of `access.denied` records,
+    /// then a tenth of a second each; the denials in between are counted into the next record,
+    /// and every denial is still answered.
+    #[tokio::test(start_paused = true)]
+    async fn a_tenants_denials_are_recorded_at_a_bounded_rate_and_none_goes_uncounted() {
+        use crate::audit::denials::BURST;
+        let mut h = start_with(
+            "conn_fps = 100000\nconn_burst = 100000\ntenant_rps = 100000\ntenant_burst = 100000\nturn_start_per_min = 100000\nturn_start_burst = 100000",
+            AUDIT,
+            Vec::new(),
+        )
+        .await;
+        let log = h.dir().join("audit.log");
+        let denied = |id: u32| {
+            Message::text(
+                json!({
+                    "id": id, "method": "turn/start",
+                    "params": { "threadId": "t", "input": [{ "type": "localImage", "path": "/etc/passwd" }] },
+                })
+                .to_string(),
+            )
+        };
+        let flood = 3 * BURST.get();
+        for id in 0..flood {
+            h.send(denied(id));
+        }
+        for _ in 0..flood {
+            let answer = h.next().await;
+            assert_eq!(answer["error"]["code"], -32003, "{answer}");
+        }
+        let events = audit_events(&log, "access.denied", BURST.get() as usize).await;
+        assert_eq!(count(&events, "access.denied", None), BURST.get() as usize);
+        assert!(events.iter().all(|e| e.get("suppressed").is_none()));
+        tokio::time::advance(Duration::from_millis(100)).await;
+        h.send(denied(flood));
+        assert_eq!(h.next().await["error"]["code"], -32003);
+        let events = audit_events(&log, "access.denied", BURST.get() as usize + 1).await;
+        let last = events
+            .iter()
+            .rfind(|e| e["event"] == "access.denied")
+            .unwrap();
+        assert_eq!(last["suppressed"], 2 * BURST.get(), "{last}");
+        assert_eq!(last["tenant"], "acme", "{last}");
+    }
+
     /// The session's next text frame; the approvals of this test come one at a time.
     async fn next_request_id(h: &mut Harness) -> i64 {
         let v = h.next().await;
