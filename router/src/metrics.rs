@@ -1,7 +1,8 @@
 //! Router metrics: one struct, registered on the registry `main` creates; labels are bounded.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    CounterVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// Metric names, written once.
@@ -53,6 +54,8 @@ pub mod names {
     pub const COSTLY_STEPS: &str = "codex_fleet_costly_steps_total";
     /// See [`super::RouterMetrics::costly_wait_seconds`].
     pub const COSTLY_WAIT_SECONDS: &str = "codex_fleet_costly_wait_seconds_total";
+    /// See [`super::RouterMetrics::costly_waiting`].
+    pub const COSTLY_WAITING: &str = "codex_fleet_costly_waiting";
 }
 
 /// The router's metrics.
@@ -99,13 +102,17 @@ pub struct RouterMetrics {
     pub rehome_seconds: HistogramVec,
     /// See [`names::FANOUT_MISSING`]; labels `method` (the merged methods), `reason` (closed enum).
     pub fanout_missing: IntCounterVec,
-    /// A tenant's requests' costly steps run off the runtime threads, by `tenant` and `step`
-    /// ([`COSTLY_STEPS`]): a host-access check too costly to run inline (`check`), the parse of a
-    /// frame over a MiB (`parse`). Each waits for its tenant's turn and the process's.
+    /// See [`names::COSTLY_STEPS`]: a tenant's requests' costly steps run off the runtime
+    /// threads, by `tenant` and `step` ([`CostlyStep`]). Each waits for its tenant's turn and the
+    /// process's.
     pub costly_steps: IntCounterVec,
-    /// Seconds a tenant's sessions waited for their costly steps' turn, by `tenant`: divided by
-    /// [`Self::costly_steps`], the mean wait; a session reads nothing from its client meanwhile.
-    pub costly_wait_seconds: prometheus::CounterVec,
+    /// See [`names::COSTLY_WAIT_SECONDS`]: seconds a tenant's sessions waited for their costly
+    /// steps' turn, by `tenant`, each wait counted when it ends (its step's turn came, or the
+    /// session ended); a session reads nothing from its client meanwhile.
+    pub costly_wait_seconds: CounterVec,
+    /// See [`names::COSTLY_WAITING`]: a tenant's sessions waiting for a costly step's turn now,
+    /// by `tenant`.
+    pub costly_waiting: IntGaugeVec,
     /// The configured fleet-wide limits, by `limit` (a closed list: see [`FLEET_LIMITS`]), so a
     /// panel divides use by limit without copying configuration into the dashboard.
     pub limits: IntGaugeVec,
@@ -146,8 +153,28 @@ pub fn is_upgrade_refusal(reason: &str) -> bool {
             .any(|e| e.reason() == reason)
 }
 
-/// The `step` values of `codex_fleet_costly_steps_total`.
-pub const COSTLY_STEPS: [&str; 2] = ["check", "parse"];
+/// A request's step too costly for a runtime thread: the `step` of
+/// `codex_fleet_costly_steps_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostlyStep {
+    /// A host-access check too costly to run inline.
+    Check,
+    /// The parse of a frame over a MiB.
+    Parse,
+}
+
+impl CostlyStep {
+    /// Every step, so each series exists (at zero) from the start.
+    pub const ALL: [CostlyStep; 2] = [CostlyStep::Check, CostlyStep::Parse];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CostlyStep::Check => "check",
+            CostlyStep::Parse => "parse",
+        }
+    }
+}
 
 /// The `limit` values of `codex_fleet_limit`.
 pub const FLEET_LIMITS: [&str; 7] = [
@@ -229,10 +256,12 @@ impl RouterMetrics {
             }
         }
         self.rehome_seconds.with_label_values(&[tenant]);
-        for step in COSTLY_STEPS {
-            self.costly_steps.with_label_values(&[tenant, step]);
+        for step in CostlyStep::ALL {
+            self.costly_steps
+                .with_label_values(&[tenant, step.as_str()]);
         }
         self.costly_wait_seconds.with_label_values(&[tenant]);
+        self.costly_waiting.with_label_values(&[tenant]);
         self.usage.init_tenant(tenant);
         for reason in crate::admission::Reason::ALL {
             self.tenant_rejections
@@ -404,12 +433,19 @@ impl RouterMetrics {
                 ),
                 &["tenant", "step"],
             )?,
-            costly_wait_seconds: prometheus::CounterVec::new(
+            costly_wait_seconds: CounterVec::new(
                 Opts::new(
                     names::COSTLY_WAIT_SECONDS,
                     "Seconds a tenant's sessions waited for their costly steps' turn (the \
-                     tenant's, then the process's); the session read nothing from its client \
-                     meanwhile.",
+                     tenant's, then the process's), counted as each wait ends; the session read \
+                     nothing from its client meanwhile.",
+                ),
+                &["tenant"],
+            )?,
+            costly_waiting: IntGaugeVec::new(
+                Opts::new(
+                    names::COSTLY_WAITING,
+                    "A tenant's sessions waiting for a costly step's turn now.",
                 ),
                 &["tenant"],
             )?,
@@ -459,6 +495,7 @@ impl RouterMetrics {
         registry.register(Box::new(m.fanout_missing.clone()))?;
         registry.register(Box::new(m.costly_steps.clone()))?;
         registry.register(Box::new(m.costly_wait_seconds.clone()))?;
+        registry.register(Box::new(m.costly_waiting.clone()))?;
         // Series whose labels are all known exist from the start, at zero: dashboards and
         // alerts then see 0, not "no data", before the first event (the session's own labels:
         // `session::metrics::init_series`).

@@ -853,15 +853,36 @@ async fn a_flood_of_made_up_thread_ids_is_answered_and_leaves_nothing_behind() -
 
 /// A fleet of tenants `hog` and `calm`, the calm tenant's client and quiet median, and `hogs`
 /// connections of the hog tenant; the fleet lives as long as the child.
-async fn hog_and_calm(
+async fn hog_and_calm(hogs: usize) -> anyhow::Result<HogAndCalm> {
+    hog_and_calm_with(hogs, |_| Ok(())).await
+}
+
+/// A fleet of two tenants, `calm` connected and its quiet median taken, and the hog's
+/// connections, initialized.
+struct HogAndCalm {
+    _fleet: Child,
+    /// Its state directory lives as long as this.
+    _files: FleetFiles,
+    admin: SocketAddr,
+    calm: Client,
+    quiet: Duration,
+    hogs: Vec<Client>,
+}
+
+/// [`hog_and_calm`], with `setup` given the hog's workspace before the fleet starts.
+async fn hog_and_calm_with(
     hogs: usize,
-) -> anyhow::Result<(Child, SocketAddr, Client, Duration, Vec<Client>)> {
+    setup: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<HogAndCalm> {
     let files = FleetBuilder::new()
         .tenant_pool("hog", 1, 1)
         .tenant_pool("calm", 1, 1)
         .limits_toml(OPEN_RATES)
         .prepare()
         .await?;
+    let workspace = files.dir.path().join("s/workspaces/hog");
+    std::fs::create_dir_all(&workspace)?;
+    setup(&workspace)?;
     let (child, addr, admin) = spawn_fleet(&files, None).await?;
     let url = format!("wss://localhost:{}/", addr.port());
     let mut calm = Client::connect(&url, &files.ca, Some(&files.token("calm"))).await?;
@@ -873,7 +894,14 @@ async fn hog_and_calm(
         hog.initialize("hog").await?;
         connected.push(hog);
     }
-    Ok((child, admin, calm, quiet, connected))
+    Ok(HogAndCalm {
+        _fleet: child,
+        _files: files,
+        admin,
+        calm,
+        quiet,
+        hogs: connected,
+    })
 }
 
 /// A confined request's check resolves every path it names, about a system call per path
@@ -891,8 +919,9 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
         .collect();
     input.push(json!({ "type": "localImage", "path": "/etc/passwd" }));
     let request = json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } });
-    let (_fleet, admin, mut calm, quiet, hogs) = hog_and_calm(8).await?;
-    let mut m = contention::while_hogs_send(&mut calm, hogs, request.to_string()).await?;
+    let mut f = hog_and_calm(8).await?;
+    let (admin, quiet) = (f.admin, f.quiet);
+    let mut m = contention::while_hogs_send(&mut f.calm, f.hogs, request.to_string()).await?;
     assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {
         assert_eq!(answer["error"]["code"], -32003, "{answer}");
@@ -929,11 +958,71 @@ async fn a_tenants_costly_host_access_checks_leave_other_tenants_served() -> any
     assert_eq!(metric("calm", "parse").await?, 0.0);
     assert_eq!(metric("calm", "check").await?, 0.0);
     assert_eq!(waited("calm").await?, 0.0);
+    let labels = [("tenant", "hog")];
+    let waiting = testkit::metric_at(admin, "codex_fleet_costly_waiting", &labels).await?;
+    assert_eq!(waiting, 0.0, "every wait ended with its answer");
     assert!(
         hog_waited >= (slowest - quickest).as_secs_f64() / 2.0,
         "the hog's sessions waited {hog_waited} s; answers spread over {:?}",
         slowest - quickest
     );
+    Ok(())
+}
+
+/// A path the client writes as one component can cost the kernel hundreds of thousands of
+/// lookups: through a chain of 40 symlinks whose targets are long (`d/../` × 800), which the
+/// tenant's own commands can make in its workspace. The check is charged what its lookups cost,
+/// so a 1 KiB `turn/start` naming 30 such paths is checked off the runtime, and another tenant
+/// never waits as long as one check takes. (Before, it was charged a lookup per component as
+/// written, 6 a path here: it ran inline and held a runtime thread for the whole check.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_paths_through_long_symlinks_leave_other_tenants_served() -> anyhow::Result<()> {
+    let chain = |ws: &Path| -> anyhow::Result<()> {
+        std::fs::create_dir_all(ws.join("d"))?;
+        let long = "d/../".repeat(800);
+        for i in 0..40 {
+            let next = if i == 39 {
+                "d".to_owned()
+            } else {
+                format!("l{}", i + 1)
+            };
+            std::os::unix::fs::symlink(format!("{long}{next}"), ws.join(format!("l{i}")))?;
+        }
+        Ok(())
+    };
+    let input: Vec<Value> = (0..30)
+        .map(|_| json!({ "type": "localImage", "path": "l0" }))
+        .collect();
+    let request = json!({ "id": 1, "method": "turn/start", "params": { "threadId": "thr_hog", "input": input } });
+    let request = request.to_string();
+    assert!(request.len() < 2048, "{}", request.len());
+    let mut f = hog_and_calm_with(4, chain).await?;
+    let (admin, quiet) = (f.admin, f.quiet);
+    let mut m = contention::while_hogs_send(&mut f.calm, f.hogs, request).await?;
+    assert!(m.failed.is_empty(), "{:?}", m.failed);
+    // Every path resolves inside the workspace: the request goes on, to a thread nobody has.
+    for (answer, _) in &m.answers {
+        assert!(answer.get("error").is_some(), "a made-up thread: {answer}");
+        assert_ne!(answer["error"]["code"], -32003, "{answer}");
+    }
+    let (quickest, slowest) = (m.answers[0].1, m.answers[m.answers.len() - 1].1);
+    let longest = m.longest();
+    eprintln!(
+        "measured: 4 checks of 30 paths through 40 long symlinks answered after {quickest:?} to \
+         {slowest:?}; calm's {} requests meanwhile: median {:?}, max {longest:?} (quiet median \
+         {quiet:?})",
+        m.latencies.len(),
+        percentile(&m.latencies, 50),
+    );
+    // Inline, a check held a runtime thread for as long as it took: calm waited a whole check.
+    assert!(
+        longest < quickest / 2,
+        "calm waited {longest:?} at once, half the hog's quickest check ({quickest:?}) or more"
+    );
+    assert_served(&mut m.latencies, quiet);
+    let labels = [("tenant", "hog"), ("step", "check")];
+    let checks = testkit::metric_at(admin, "codex_fleet_costly_steps_total", &labels).await?;
+    assert_eq!(checks, 4.0, "the checks ran off the runtime");
     Ok(())
 }
 
@@ -950,8 +1039,9 @@ async fn a_tenants_large_frames_are_parsed_without_stalling_other_tenants() -> a
     let request = contention::large_frame();
     let one_parse = contention::one_parse(&request)?;
     let mib = request.len() >> 20;
-    let (_fleet, _admin, mut calm, quiet, hogs) = hog_and_calm(6).await?;
-    let mut m = contention::while_hogs_send(&mut calm, hogs, request).await?;
+    let mut f = hog_and_calm(6).await?;
+    let quiet = f.quiet;
+    let mut m = contention::while_hogs_send(&mut f.calm, f.hogs, request).await?;
     assert!(m.failed.is_empty(), "{:?}", m.failed);
     for (answer, _) in &m.answers {
         assert!(answer.get("error").is_some(), "a made-up thread: {answer}");

@@ -354,6 +354,10 @@ async fn counters_with_known_labels_start_at_zero() -> anyhow::Result<()> {
         "codex_fleet_thread_rehomes_total{cause=\"crash\",outcome=\"rehomed\",tenant=\"acme\"}",
         "codex_fleet_thread_rehomes_total{cause=\"retired\",outcome=\"no_worker\",tenant=\"acme\"}",
         "codex_fleet_thread_rehome_duration_seconds_count{tenant=\"acme\"}",
+        "codex_fleet_costly_steps_total{step=\"check\",tenant=\"acme\"}",
+        "codex_fleet_costly_steps_total{step=\"parse\",tenant=\"acme\"}",
+        "codex_fleet_costly_waiting{tenant=\"acme\"}",
+        "codex_fleet_costly_wait_seconds_total{tenant=\"acme\"}",
         // The refusals panel: every scope and reason a refusal is counted under.
         "codex_fleet_admission_rejections_total{reason=\"tenantRateLimited\",scope=\"tenant\"}",
         "codex_fleet_admission_rejections_total{reason=\"tooManyConnections\",scope=\"fleet\"}",

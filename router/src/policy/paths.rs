@@ -175,12 +175,96 @@ pub fn resolve(path: &str, base: &Path) -> Result<PathBuf, PathError> {
     }
 }
 
-/// `fs::canonicalize`, within the budget of the check running on this thread ([`within`]). The
-/// budget is charged every component of `path`, though resolving stops at the first missing one:
-/// it errs on the side of handing a check off.
-fn canonical(path: &Path) -> io::Result<PathBuf> {
-    spend(path.components().count())?;
-    std::fs::canonicalize(path)
+/// Symlinks one resolution follows at most, as Linux's own path walk (`ELOOP` beyond).
+const MAX_SYMLINKS: usize = 40;
+
+/// `realpath(3)` of the absolute `path`, within the budget of the check running on this thread
+/// ([`within`]), charged for the work the kernel does: one `lstat` per component walked,
+/// symlinks' targets included, each charged the depth of the path it looks up (the kernel walks
+/// it from the root). `fs::canonicalize` could not be charged so: a short path through a chain of
+/// symlinks whose targets are long (`d/../d/../…`) is tens of thousands of lookups, as is a
+/// deep one, each walked from the root; charged by what the client wrote, a request of 2 KiB
+/// held a thread for over a second.
+pub(super) fn canonical(path: &Path) -> io::Result<PathBuf> {
+    let mut resolved = PathBuf::from("/");
+    let mut depth = 0usize;
+    // What is left to walk: symlinks' targets' components (last first), then `path`'s.
+    let mut rest = path.components();
+    let mut expanded: Vec<PathBuf> = Vec::new();
+    let mut links = 0;
+    // A trailing `/` (or `/.`, which `components` drops) asks for a directory, as the kernel
+    // reads it.
+    let trailing = ends_as_directory(path);
+    loop {
+        let name = match expanded.pop() {
+            Some(name) => name,
+            None => match rest.next() {
+                Some(c) => PathBuf::from(c.as_os_str()),
+                None => break,
+            },
+        };
+        match name.components().next() {
+            Some(Component::Normal(_)) => {}
+            Some(Component::ParentDir) => {
+                if resolved.pop() {
+                    depth -= 1;
+                }
+                continue;
+            }
+            // `.` (the path so far is a directory: checked when it was walked), the root.
+            _ => continue,
+        }
+        depth += 1;
+        spend(depth)?;
+        resolved.push(&name);
+        let meta = std::fs::symlink_metadata(&resolved)?;
+        if meta.file_type().is_symlink() {
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(io::Error::other("too many levels of symbolic links"));
+            }
+            spend(depth)?;
+            let target = std::fs::read_link(&resolved)?;
+            resolved.pop();
+            depth -= 1;
+            if target.has_root() {
+                resolved = PathBuf::from("/");
+                depth = 0;
+            }
+            let at = expanded.len();
+            expanded.extend(target.components().map(|c| PathBuf::from(c.as_os_str())));
+            expanded[at..].reverse();
+            if ends_as_directory(&target) {
+                // Walked after the target's last component, which must then be a directory.
+                expanded.insert(at, PathBuf::from("."));
+            }
+        } else if !meta.is_dir()
+            && (!expanded.is_empty() || rest.clone().next().is_some() || trailing)
+        {
+            return Err(io::Error::from(io::ErrorKind::NotADirectory));
+        }
+    }
+    Ok(resolved)
+}
+
+/// Whether `path` ends in `/` or `/.`: its last component must be a directory.
+fn ends_as_directory(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    bytes.len() > 1 && (bytes.ends_with(b"/") || bytes.ends_with(b"/."))
+}
+
+/// Runs `check` with no bound, and says how many path lookups it made (tests).
+#[cfg(test)]
+pub(super) fn counted<R>(check: impl FnOnce() -> R) -> (R, usize) {
+    let all = usize::MAX;
+    let before = BUDGET.replace(Budget::Left(all));
+    let answer = check();
+    let left = BUDGET.replace(before);
+    match left {
+        Budget::Left(n) => (answer, all - n),
+        Budget::Unlimited | Budget::Spent => unreachable!("a budget of usize::MAX"),
+    }
 }
 
 thread_local! {
@@ -188,7 +272,8 @@ thread_local! {
     static BUDGET: Cell<Budget> = const { Cell::new(Budget::Unlimited) };
 }
 
-/// Path components a check may still resolve (each costs about one system call).
+/// Path lookups a check may still make: a component looked up by the kernel (an `lstat` of a
+/// path of depth `d` is `d` of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Budget {
     Unlimited,
@@ -196,9 +281,9 @@ enum Budget {
     Spent,
 }
 
-/// Runs `check` resolving at most `components` path components in all; `None` if it needed
-/// more (its answer is then meaningless: every resolution beyond the budget failed).
-pub(super) fn within<R>(components: usize, check: impl FnOnce() -> R) -> Option<R> {
+/// Runs `check` making at most `lookups` path lookups in all ([`canonical`]); `None` if it
+/// needed more (its answer is then meaningless: every resolution beyond the budget failed).
+pub(super) fn within<R>(lookups: usize, check: impl FnOnce() -> R) -> Option<R> {
     /// Restores the caller's budget, even if `check` panics.
     struct Restore(Budget);
     impl Drop for Restore {
@@ -206,18 +291,18 @@ pub(super) fn within<R>(components: usize, check: impl FnOnce() -> R) -> Option<
             BUDGET.set(self.0);
         }
     }
-    let restore = Restore(BUDGET.replace(Budget::Left(components)));
+    let restore = Restore(BUDGET.replace(Budget::Left(lookups)));
     let answer = check();
     let spent = BUDGET.get() == Budget::Spent;
     drop(restore);
     (!spent).then_some(answer)
 }
 
-/// Takes `components` from the budget, or fails once it is spent.
-fn spend(components: usize) -> io::Result<()> {
+/// Takes `lookups` from the budget, or fails once it is spent.
+fn spend(lookups: usize) -> io::Result<()> {
     let left = match BUDGET.get() {
         Budget::Unlimited => return Ok(()),
-        Budget::Left(n) if n >= components => Budget::Left(n - components),
+        Budget::Left(n) if n >= lookups => Budget::Left(n - lookups),
         Budget::Left(_) | Budget::Spent => Budget::Spent,
     };
     BUDGET.set(left);

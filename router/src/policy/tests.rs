@@ -884,13 +884,157 @@ fn a_check_too_costly_for_a_runtime_thread_is_handed_off_and_answers_the_same() 
 
     // Small params naming more path components than the inline budget: handed off, and after
     // that the thread's checks are unlimited again (the full check here is not cut short).
-    let costly: Vec<String> = (0..60).map(|i| format!("a/b/c/{i}.png")).collect();
+    let costly: Vec<String> = (0..1000).map(|i| format!("a/b/c/{i}.png")).collect();
     let costly = turn(&costly);
     assert!(costly.get().len() < INLINE_PARAMS_BYTES);
     assert_eq!(inline(&costly), None);
     assert_eq!(full(&costly), Decision::Allow);
-    let one_deep = turn(&["d/".repeat(INLINE_PATH_COMPONENTS)]);
+    // One path through a deep tree that exists: each of its components is looked up from the
+    // root, about 100 × 100 / 2 lookups in all.
+    let deep = "d/".repeat(100);
+    fs::create_dir_all(Path::new(&f.ws("")).join(&deep)).unwrap();
+    let one_deep = turn(&[format!("{deep}x.png")]);
     assert_eq!(inline(&one_deep), None);
     assert_eq!(full(&one_deep), Decision::Allow);
+    // A path of thousands of components that stops existing at the first is cheap to resolve.
+    let missing = turn(&["m/".repeat(INLINE_PATH_LOOKUPS)]);
+    assert_eq!(inline(&missing), Some(Decision::Allow));
     assert_eq!(inline(&ordinary), Some(Decision::Allow));
+}
+
+/// [`paths::canonical`] walks a path as the kernel's `realpath` does: the same answer, or an
+/// error of the same kind (missing or not), for symlinks relative and absolute, chained, through
+/// `..`, to files and to the root, dangling, looping, 40 deep and 41 deep, and files used as
+/// directories.
+#[test]
+fn canonical_resolves_as_realpath_does() {
+    let f = Fixture::new();
+    let ws = PathBuf::from(f.ws(""));
+    fs::create_dir_all(ws.join("a/b/c")).unwrap();
+    fs::write(ws.join("a/b/c/file"), "x").unwrap();
+    for (link, target) in [
+        ("rel", "a/b"),
+        ("abs", ws.join("a/b/c").to_str().unwrap()),
+        ("chain", "rel/c/../c"),
+        ("up", "a/b/../../a"),
+        ("to-file", "a/b/c/file"),
+        ("to-root", "/"),
+        ("to-parent", ".."),
+        ("dangling", "nowhere/at/all"),
+        ("loop-a", "loop-b"),
+        ("loop-b", "loop-a"),
+        ("a/b/sideways", "../b/c"),
+        ("to-file-slash", "a/b/c/file/"),
+        ("to-dir-slash", "a/b/c/."),
+    ] {
+        symlink(target, ws.join(link)).unwrap();
+    }
+    // Chains of 40 links (followed) and 41 (too many, as the kernel says).
+    for n in [40, 41] {
+        for i in 0..n {
+            let next = if i + 1 == n {
+                "a".to_owned()
+            } else {
+                format!("c{n}-{}", i + 1)
+            };
+            symlink(next, ws.join(format!("c{n}-{i}"))).unwrap();
+        }
+    }
+    let paths = [
+        "a/b/c/file",
+        "rel/c/file",
+        "abs/file",
+        "chain/file",
+        "up/b/c",
+        "to-file",
+        "to-file/x",
+        "a/b/c/file/.",
+        "a/b/c/file/..",
+        "a/b/c/file/",
+        "a/b/c/",
+        "to-file/",
+        "to-file-slash",
+        "to-dir-slash/file",
+        "to-root/etc",
+        "to-parent",
+        "to-parent/acme/a",
+        "dangling",
+        "dangling/x",
+        "loop-a",
+        "loop-a/x",
+        "a/b/sideways/file",
+        "a/b/sideways/../../b/./c",
+        "c40-0/b",
+        "c41-0/b",
+        "a/missing/x",
+        "a/b/../../..",
+        "./a/./b/",
+        "",
+    ];
+    let kind = |r: &std::io::Result<PathBuf>| match r {
+        Ok(p) => Ok(p.clone()),
+        Err(e) => Err(e.kind() == std::io::ErrorKind::NotFound),
+    };
+    for path in paths {
+        let full = ws.join(path);
+        let ours = paths::canonical(&full);
+        let kernel = fs::canonicalize(&full);
+        assert_eq!(kind(&ours), kind(&kernel), "{path:?}: {ours:?} {kernel:?}");
+    }
+    assert!(paths::canonical(&ws.join("c40-0/b")).is_ok());
+    assert!(paths::canonical(&ws.join("c41-0/b")).is_err());
+}
+
+/// A short path through a chain of symlinks whose targets are long (`d/../` × 800, 40 links) is
+/// hundreds of thousands of lookups for the kernel, though the client wrote one component: the
+/// check is charged for them, so it is handed off the runtime (charged by what the client wrote,
+/// 6 lookups a path here, 30 of them in a 1 KiB `turn/start` ran inline), and a request that
+/// needs more than the bound is refused as invalid rather than checked for as long as it takes.
+#[test]
+fn paths_through_long_symlinks_are_charged_what_resolving_them_costs() {
+    let f = Fixture::new();
+    let p = root_policy();
+    let ws = PathBuf::from(f.ws(""));
+    fs::create_dir_all(ws.join("d")).unwrap();
+    let long = "d/../".repeat(800);
+    for i in 0..40 {
+        let next = if i == 39 {
+            "d".to_owned()
+        } else {
+            format!("l{}", i + 1)
+        };
+        symlink(format!("{long}{next}"), ws.join(format!("l{i}"))).unwrap();
+    }
+    let turn = |n: usize| {
+        let input: Vec<Value> = (0..n)
+            .map(|_| json!({ "type": "localImage", "path": "l0" }))
+            .collect();
+        raw(&json!({ "threadId": "t", "input": input }))
+    };
+    let small = turn(30);
+    assert!(small.get().len() < 2048, "{}", small.get().len());
+    assert_eq!(p.check_inline("turn/start", Some(&small), &f.roots), None);
+    // Off the runtime it resolves (into the workspace).
+    let two = turn(2);
+    assert_eq!(p.check("turn/start", Some(&two), &f.roots), Decision::Allow);
+    // One path is hundreds of thousands of lookups: a bound of that many takes one, not two.
+    let one = turn(1);
+    let (answer, lookups) = paths::counted(|| {
+        p.decide(
+            rules::lookup("turn/start"),
+            "turn/start",
+            Some(&one),
+            &f.roots,
+        )
+    });
+    assert_eq!(answer, Decision::Allow);
+    assert!(lookups > 100_000, "{lookups}");
+    assert_eq!(
+        p.check_within(lookups, "turn/start", Some(&one), &f.roots),
+        Decision::Allow
+    );
+    match p.check_within(lookups, "turn/start", Some(&two), &f.roots) {
+        Decision::Invalid(m) => assert!(m.contains("path lookups"), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }

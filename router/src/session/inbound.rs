@@ -23,7 +23,7 @@ use proto::rpc::{self, Frame, Message as Rpc, RequestId};
 use proto::Method;
 
 use crate::admission::{InFlightPermit, Reason, Rejection, Scope};
-use crate::metrics::ClientError;
+use crate::metrics::{ClientError, CostlyStep, RouterMetrics};
 use crate::offload::{self, LARGE_FRAME_BYTES};
 use crate::policy::{self, Decision};
 use crate::untrusted::Untrusted;
@@ -207,7 +207,7 @@ impl Session {
     /// shuts down or its credential ends first ([`Session::until_ended`]). Counted, with the
     /// wait, in `codex_fleet_costly_steps_total` and `codex_fleet_costly_wait_seconds_total`.
     async fn costly_permits(&self, step: CostlyStep) -> Result<CostlyPermits, End> {
-        let waited = Instant::now();
+        let waiting = CostlyWait::start(&self.ctx.metrics, self.tenant());
         let permits = self
             .until_ended(async {
                 let tenant = self.ctx.tenant.costly_work.clone().acquire_owned().await;
@@ -215,31 +215,34 @@ impl Session {
                 tenant.ok().zip(all.ok())
             })
             .await?
-            // Closed only when the fleet shuts down.
+            // Neither semaphore is ever closed; were one, the session would end as at shutdown.
             .ok_or(End::Shutdown)?;
-        let m = &self.ctx.metrics;
-        m.costly_wait_seconds
-            .with_label_values(&[self.tenant()])
-            .inc_by(waited.elapsed().as_secs_f64());
-        m.costly_steps
+        drop(waiting);
+        self.ctx
+            .metrics
+            .costly_steps
             .with_label_values(&[self.tenant(), step.as_str()])
             .inc();
         Ok(permits)
     }
 
-    /// `work`'s output, unless the fleet shuts down or the session's credential ends first: a
-    /// session waiting out a costly step ([`Session::costly_permits`]) reads nothing, so its run
-    /// loop would not see either until the wait is over.
+    /// `work`'s output, unless the fleet shuts down or the session's credential ends first
+    /// (either wins over `work` when both are ready): a session waiting out a costly step
+    /// ([`Session::costly_permits`]) reads nothing, so its run loop would not see either until
+    /// the wait is over. (On a node the edge holds the credential: a request it passed on
+    /// before the credential ended is, to the node, a request in flight.)
     async fn until_ended<T>(&self, work: impl std::future::Future<Output = T>) -> Result<T, End> {
         tokio::select! {
-            out = work => Ok(out),
+            biased;
             () = self.ctx.shutdown.cancelled() => Err(End::Shutdown),
             end = self.ctx.lease.ended() => Err(End::from(end)),
+            out = work => Ok(out),
         }
     }
 
     /// `Err` if the session's credential ended, as its run loop would find: checked after a
-    /// costly step, so a request admitted before a revocation does not go out after it.
+    /// step that runs in place ([`Session::parse_large`]), which nothing can interrupt, so a
+    /// request admitted before a revocation does not go out after it.
     fn still_admitted(&self) -> Result<(), End> {
         self.ctx
             .lease
@@ -337,7 +340,7 @@ impl Session {
         });
         // A check already running ends on its own, and frees its permits then.
         match self.until_ended(checked).await? {
-            Ok(decision) => self.still_admitted().map(|()| decision),
+            Ok(decision) => Ok(decision),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // The runtime is shutting down.
             Err(_) => Err(End::Shutdown),
@@ -622,22 +625,30 @@ static COSTLY_WORK: LazyLock<Semaphore> = LazyLock::new(|| {
 /// The permits a costly step holds while it runs: its tenant's, then the process's.
 type CostlyPermits = (OwnedSemaphorePermit, SemaphorePermit<'static>);
 
-/// A request's step too costly for a runtime thread (the `step` of
-/// `codex_fleet_costly_steps_total`).
-#[derive(Debug, Clone, Copy)]
-enum CostlyStep {
-    /// A host-access check.
-    Check,
-    /// The parse of a frame over [`LARGE_FRAME_BYTES`].
-    Parse,
+/// A session's wait for a costly step's turn: in `codex_fleet_costly_waiting` while it lasts,
+/// and in `codex_fleet_costly_wait_seconds_total` when it ends, however it ends.
+struct CostlyWait {
+    waiting: prometheus::IntGauge,
+    waited: prometheus::Counter,
+    since: Instant,
 }
 
-impl CostlyStep {
-    fn as_str(self) -> &'static str {
-        match self {
-            CostlyStep::Check => "check",
-            CostlyStep::Parse => "parse",
+impl CostlyWait {
+    fn start(metrics: &RouterMetrics, tenant: &str) -> CostlyWait {
+        let waiting = metrics.costly_waiting.with_label_values(&[tenant]);
+        waiting.inc();
+        CostlyWait {
+            waiting,
+            waited: metrics.costly_wait_seconds.with_label_values(&[tenant]),
+            since: Instant::now(),
         }
+    }
+}
+
+impl Drop for CostlyWait {
+    fn drop(&mut self) {
+        self.waiting.dec();
+        self.waited.inc_by(self.since.elapsed().as_secs_f64());
     }
 }
 

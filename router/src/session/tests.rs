@@ -522,16 +522,23 @@ pub(super) mod in_memory {
     /// A session waiting for its costly step's turn (another costly step of its tenant holds
     /// it) reads nothing from its client, yet still ends when its credential is revoked, and the
     /// request it waited with is never answered or forwarded; a step that never ran is not
-    /// counted. When the turn comes, the step runs and is counted with its wait. Both costly
-    /// steps: the parse of a frame over a MiB, a host-access check too costly to run inline.
+    /// counted, its wait is. When the turn comes, the step runs and is counted with its wait.
+    /// Both costly steps: the parse of a frame over a MiB, a host-access check too costly to run
+    /// inline.
+    /// Held by the tests whose sessions take the process's turn at costly work (`COSTLY_WORK`,
+    /// shared by every test in this process): one waiting for a turn another holds would see
+    /// its paused clock run out.
+    static COSTLY_TESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
     #[tokio::test(start_paused = true)]
     async fn a_session_waiting_for_a_costly_step_still_ends_with_its_credential() {
+        let _one = COSTLY_TESTS.lock().await;
         let p = Process::new("", "", "");
         let large = json!({
             "id": 1, "method": "thread/list",
             "params": { "cursor": "x".repeat(crate::offload::LARGE_FRAME_BYTES + 1) },
         });
-        let paths: Vec<Value> = (0..60)
+        let paths: Vec<Value> = (0..1000)
             .map(|i| json!({ "type": "localImage", "path": format!("a/b/c/{i}.png") }))
             .collect();
         let costly = json!({
@@ -550,6 +557,7 @@ pub(super) mod in_memory {
                 .with_label_values(&["acme"])
                 .get()
         };
+        let waiting = || p.metrics.costly_waiting.with_label_values(&["acme"]).get();
         for (step, frame) in [("parse", &large), ("check", &costly)] {
             let tenant = p.tenants.get("acme").unwrap().clone();
             let held = tenant.costly_work.clone().try_acquire_owned().unwrap();
@@ -561,11 +569,15 @@ pub(super) mod in_memory {
             tokio::time::sleep(Duration::from_secs(3)).await;
             assert!(h.from_session.try_recv().is_err(), "{step}: answered");
             assert!(!h.session.is_finished(), "{step}");
+            assert_eq!(waiting(), 1, "{step}");
+            let before = waited();
             lease.revoke();
             let closed = h.next().await;
             assert!(closed.get("close").is_some(), "{step}: {closed}");
             assert_eq!(h.session.await.unwrap(), End::CredentialRevoked, "{step}");
             assert_eq!(steps(step), 0, "{step}");
+            assert_eq!(waiting(), 0, "{step}");
+            assert!(waited() - before >= 3.0, "{step}: {}", waited() - before);
 
             // The turn comes after 2 s: the step runs, and its request gets its answer (before
             // `initialize`, app-server's "Not initialized").
@@ -584,6 +596,61 @@ pub(super) mod in_memory {
                 waited() - before
             );
         }
+    }
+
+    /// A frame over a MiB is parsed in place, where nothing interrupts it: a credential revoked
+    /// while it is parsed (a 16 MiB frame: most of a second in a debug build) still ends the
+    /// session before the request goes anywhere. Real time, two threads: the revocation comes
+    /// from the test as soon as the step is counted, which is just before the parse starts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_credential_revoked_while_a_large_frame_is_parsed_ends_the_session_before_it_goes_on()
+    {
+        let _one = COSTLY_TESTS.lock().await;
+        let p = Process::new("", "", "");
+        let large = json!({
+            "id": 1, "method": "thread/list",
+            "params": { "cursor": "x".repeat(16 << 20) },
+        });
+        let mut session = p.unstarted("acme");
+        let lease = crate::credentials::Lease::unbounded();
+        session.ctx.lease = lease.clone();
+        let tenant = p.tenants.get("acme").unwrap().clone();
+        let held = tenant.costly_work.clone().try_acquire_owned().unwrap();
+        let mut h = p.run(session, Vec::new(), false);
+        h.send(Message::text(large.to_string()));
+        let waiting = || p.metrics.costly_waiting.with_label_values(&["acme"]).get();
+        let parses = || {
+            p.metrics
+                .costly_steps
+                .with_label_values(&["acme", "parse"])
+                .get()
+        };
+        let until = |done: &dyn Fn() -> bool| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !done() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            done()
+        };
+        assert!(
+            until(&|| waiting() == 1),
+            "the session never waited for its turn"
+        );
+        // The turn comes: the step is counted, and the parse starts.
+        drop(held);
+        assert!(until(&|| parses() == 1), "the parse never started");
+        lease.revoke();
+        let mut frames = Vec::new();
+        loop {
+            let frame = h.next().await;
+            let closed = frame.get("close").is_some();
+            frames.push(frame);
+            if closed {
+                break;
+            }
+        }
+        assert_eq!(frames.len(), 1, "answered after the revocation: {frames:?}");
+        assert_eq!(h.session.await.unwrap(), End::CredentialRevoked);
     }
 
     /// A status change of thread `th-{n}`, relayed to the tenant's sessions as from a worker
