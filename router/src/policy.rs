@@ -188,18 +188,18 @@ pub enum PolicyError {
 /// at this size for the slowest JSON, small values; far less for a long prompt's text).
 pub const INLINE_PARAMS_BYTES: usize = 256 << 10;
 
-/// Path lookups (a component the kernel looks up: an `lstat` of a path of depth `d` is `d`) a
-/// check on a thread that serves sessions may make before it is run on the blocking pool
-/// instead: at most about half a millisecond (a lookup took 0.5 µs in a debug build, measured
-/// below). A request naming a few ordinary paths stays below: a path 8 deep is 36.
-pub const INLINE_PATH_LOOKUPS: usize = 1024;
+/// Path lookups (a component walked, `..` and symlinks' targets included: a system call or three)
+/// a check on a thread that serves sessions may make before it is run on the blocking pool
+/// instead: about half a millisecond in a debug build (a lookup took 2–2.7 µs there, measured
+/// below). A request naming a few ordinary paths stays below: a path 8 deep is 8 or 9.
+pub const INLINE_PATH_LOOKUPS: usize = 256;
 
 /// Path lookups one request's check may make at all (on the blocking pool, one of its tenant's
 /// at a time): beyond, the request is refused as invalid. Without a bound, a `turn/start` of
 /// paths through chains of symlinks would hold a thread, and its tenant's and the process's turn
 /// at costly work, for hours. The 75,000 plain paths of the heaviest request the tests send are
-/// 4.7 million lookups, 2.6 s in a debug build: the bound is under 10 s of checking there.
-pub const MAX_PATH_LOOKUPS: usize = 16 << 20;
+/// 1.8 million lookups, 4.9 s in a debug build: the bound is about 10 s of checking there.
+pub const MAX_PATH_LOOKUPS: usize = 4 << 20;
 
 /// Built-in profiles no wider than workspace-write.
 const DEFAULT_PROFILES: &[&str] = &[":read-only", ":workspace"];

@@ -889,9 +889,9 @@ fn a_check_too_costly_for_a_runtime_thread_is_handed_off_and_answers_the_same() 
     assert!(costly.get().len() < INLINE_PARAMS_BYTES);
     assert_eq!(inline(&costly), None);
     assert_eq!(full(&costly), Decision::Allow);
-    // One path through a deep tree that exists: each of its components is looked up from the
-    // root, about 100 × 100 / 2 lookups in all.
-    let deep = "d/".repeat(100);
+    // One path through a deep tree that exists: a lookup a component, more than the inline
+    // budget.
+    let deep = "d/".repeat(INLINE_PATH_LOOKUPS);
     fs::create_dir_all(Path::new(&f.ws("")).join(&deep)).unwrap();
     let one_deep = turn(&[format!("{deep}x.png")]);
     assert_eq!(inline(&one_deep), None);
@@ -986,10 +986,11 @@ fn canonical_resolves_as_realpath_does() {
 }
 
 /// A short path through a chain of symlinks whose targets are long (`d/../` × 800, 40 links) is
-/// hundreds of thousands of lookups for the kernel, though the client wrote one component: the
-/// check is charged for them, so it is handed off the runtime (charged by what the client wrote,
-/// 6 lookups a path here, 30 of them in a 1 KiB `turn/start` ran inline), and a request that
-/// needs more than the bound is refused as invalid rather than checked for as long as it takes.
+/// tens of thousands of lookups, though the client wrote one component: the check is charged for
+/// every component it walks, `..` included, so it is handed off the runtime (charged by what the
+/// client wrote, 6 lookups a path here, 10 of them in a 0.5 KiB `turn/start` ran inline), and a
+/// request that needs more than the bound is refused as invalid rather than checked for as long
+/// as it takes.
 #[test]
 fn paths_through_long_symlinks_are_charged_what_resolving_them_costs() {
     let f = Fixture::new();
@@ -1011,13 +1012,14 @@ fn paths_through_long_symlinks_are_charged_what_resolving_them_costs() {
             .collect();
         raw(&json!({ "threadId": "t", "input": input }))
     };
-    let small = turn(30);
+    let small = turn(10);
     assert!(small.get().len() < 2048, "{}", small.get().len());
     assert_eq!(p.check_inline("turn/start", Some(&small), &f.roots), None);
     // Off the runtime it resolves (into the workspace).
     let two = turn(2);
     assert_eq!(p.check("turn/start", Some(&two), &f.roots), Decision::Allow);
-    // One path is hundreds of thousands of lookups: a bound of that many takes one, not two.
+    // One path is tens of thousands of lookups (40 links of 1,601 components): a bound of that
+    // many takes one, not two.
     let one = turn(1);
     let (answer, lookups) = paths::counted(|| {
         p.decide(
@@ -1028,7 +1030,7 @@ fn paths_through_long_symlinks_are_charged_what_resolving_them_costs() {
         )
     });
     assert_eq!(answer, Decision::Allow);
-    assert!(lookups > 100_000, "{lookups}");
+    assert!(lookups > 40 * 1601, "{lookups}");
     assert_eq!(
         p.check_within(lookups, "turn/start", Some(&one), &f.roots),
         Decision::Allow
@@ -1037,4 +1039,24 @@ fn paths_through_long_symlinks_are_charged_what_resolving_them_costs() {
         Decision::Invalid(m) => assert!(m.contains("path lookups"), "{m}"),
         other => panic!("{other:?}"),
     }
+    // `..` is charged as any component: 80,000 of them as written (240 KB, under the inline
+    // size), or at the root of a target, where they move nowhere.
+    let ups = turn_of(&format!("{}nope/x", "../".repeat(80_000)));
+    assert!(ups.get().len() < INLINE_PARAMS_BYTES);
+    assert_eq!(p.check_inline("turn/start", Some(&ups), &f.roots), None);
+    let (_, lookups) = paths::counted(|| resolve(&format!("{}x", "../".repeat(1000)), &ws));
+    assert!(lookups >= 1000, "{lookups}");
+    symlink(
+        format!("{}{}", "../".repeat(1300), ws.join("d").display()),
+        ws.join("up-and-back"),
+    )
+    .unwrap();
+    let (resolved, lookups) = paths::counted(|| resolve("up-and-back", &ws));
+    assert_eq!(resolved, Ok(ws.join("d")));
+    assert!(lookups >= 1300, "{lookups}");
+}
+
+/// A `turn/start` naming `path` once.
+fn turn_of(path: &str) -> Box<RawValue> {
+    raw(&json!({ "threadId": "t", "input": [{ "type": "localImage", "path": path }] }))
 }

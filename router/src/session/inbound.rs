@@ -241,8 +241,9 @@ impl Session {
     }
 
     /// `Err` if the session's credential ended, as its run loop would find: checked after a
-    /// step that runs in place ([`Session::parse_large`]), which nothing can interrupt, so a
-    /// request admitted before a revocation does not go out after it.
+    /// costly step (one that runs in place, [`Session::parse_large`], nothing interrupts; an
+    /// expiry's timer may not have fired when the check's answer comes), so a request admitted
+    /// before its credential ended does not go out after it.
     fn still_admitted(&self) -> Result<(), End> {
         self.ctx
             .lease
@@ -340,7 +341,8 @@ impl Session {
         });
         // A check already running ends on its own, and frees its permits then.
         match self.until_ended(checked).await? {
-            Ok(decision) => Ok(decision),
+            // A credential that expired as the check ended: its timer may not have fired yet.
+            Ok(decision) => self.still_admitted().map(|()| decision),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // The runtime is shutting down.
             Err(_) => Err(End::Shutdown),
