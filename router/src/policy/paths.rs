@@ -183,7 +183,9 @@ pub fn resolve(path: &str, base: &Path) -> Result<PathBuf, PathError> {
 const MAX_SYMLINKS: usize = 40;
 
 /// `realpath(3)` of the absolute `path`, within the budget of the check running on this thread
-/// ([`within`]), charged one lookup per component walked, symlinks' targets and `..` included.
+/// ([`within`]), charged one lookup per component walked, symlinks' targets and `..` included
+/// (a target's components are charged once more as it is read). A symlink on procfs is not
+/// followed: the path is unresolvable (its meaning depends on the process that opens it).
 ///
 /// The walk holds the directory it has reached open (`O_PATH`) and looks up each component in
 /// it alone (`openat` with `O_NOFOLLOW`, `fstat`, `readlinkat`): the kernel never walks a
@@ -239,11 +241,21 @@ pub(super) fn canonical(path: &Path) -> io::Result<PathBuf> {
             if links > MAX_SYMLINKS {
                 return Err(io::Error::other("too many levels of symbolic links"));
             }
+            // procfs's links (`/proc/self`, `/proc/<pid>/root`, `…/fd/N`, reached from
+            // `/dev/fd` too) mean something else in the worker that opens the path than here.
+            let fs = nix::sys::statfs::fstatfs(&fd).map_err(io::Error::from)?;
+            if fs.filesystem_type() == nix::sys::statfs::PROC_SUPER_MAGIC {
+                return Err(io::Error::other("a procfs link"));
+            }
             let target =
                 PathBuf::from(nix::fcntl::readlinkat(&fd, Path::new("")).map_err(io::Error::from)?);
             if target.as_os_str().is_empty() {
                 return Err(io::Error::from(io::ErrorKind::NotFound));
             }
+            // The target's components are charged as they are read, and again as they are
+            // walked: a walk that stops early (at a missing component, at the 41st link) read
+            // them all.
+            spend(target.components().count())?;
             if target.has_root() {
                 dir = root()?;
                 resolved = PathBuf::from("/");

@@ -985,6 +985,35 @@ fn canonical_resolves_as_realpath_does() {
     assert!(paths::canonical(&ws.join("c41-0/b")).is_err());
 }
 
+/// procfs's links mean something else in the worker that opens the path than in the router that
+/// checks it (`/proc/self/root` is the worker's root, `…/fd/N` the worker's descriptor): a path
+/// through one is unresolvable, so refused, though `realpath` would have found it inside.
+#[test]
+fn paths_through_procfs_links_are_refused() {
+    let f = Fixture::new();
+    let inside = f.ws("src/main.rs");
+    assert!(f.roots.check(&inside).is_ok());
+    let ws = PathBuf::from(f.ws(""));
+    symlink("/proc/self/root", ws.join("proc-root")).unwrap();
+    let through_ws_link = format!("proc-root{inside}");
+    for path in [
+        format!("/proc/self/root{inside}"),
+        format!("/proc/{}/root{inside}", std::process::id()),
+        format!("/dev/fd/../../self/root{inside}"),
+        through_ws_link,
+    ] {
+        assert!(
+            fs::canonicalize(ws.join(&path)).is_ok(),
+            "realpath resolves {path:?}"
+        );
+        assert_eq!(
+            f.roots.check(&path),
+            Err(PathError::Unresolvable),
+            "{path:?}"
+        );
+    }
+}
+
 /// A short path through a chain of symlinks whose targets are long (`d/../` × 800, 40 links) is
 /// tens of thousands of lookups, though the client wrote one component: the check is charged for
 /// every component it walks, `..` included, so it is handed off the runtime (charged by what the
