@@ -190,15 +190,17 @@ pub const INLINE_PARAMS_BYTES: usize = 256 << 10;
 
 /// Path lookups (a component walked, `..` and symlinks' targets included: a system call or three)
 /// a check on a thread that serves sessions may make before it is run on the blocking pool
-/// instead: about half a millisecond in a debug build (a lookup took 2–2.7 µs there, measured
-/// below). A request naming a few ordinary paths stays below: a path 8 deep is 8 or 9.
+/// instead: about half a millisecond in a debug build, scaled from the 2–2.7 µs a lookup
+/// measured there (BENCHMARKS.md, section 7). A request naming a few ordinary paths stays
+/// below: a path 8 deep is 8 or 9.
 pub const INLINE_PATH_LOOKUPS: usize = 256;
 
 /// Path lookups one request's check may make at all (on the blocking pool, one of its tenant's
 /// at a time): beyond, the request is refused as invalid. Without a bound, a `turn/start` of
 /// paths through chains of symlinks would hold a thread, and its tenant's and the process's turn
 /// at costly work, for hours. The 75,000 plain paths of the heaviest request the tests send are
-/// 1.8 million lookups, 4.9 s in a debug build: the bound is about 10 s of checking there.
+/// 1.8 million lookups, 4.9 s in a debug build: the bound is about 10 s of checking there
+/// (scaled, not measured).
 pub const MAX_PATH_LOOKUPS: usize = 4 << 20;
 
 /// Built-in profiles no wider than workspace-write.

@@ -58,14 +58,6 @@ impl Default for DenialRecords {
     }
 }
 
-impl std::fmt::Debug for DenialRecords {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DenialRecords")
-            .field("suppressed", &self.suppressed.load(Ordering::Relaxed))
-            .finish_non_exhaustive()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
