@@ -458,7 +458,10 @@ async fn another_tenant_learns_nothing_of_a_move_and_cannot_take_the_thread() ->
     unknown_to(&mut z, &thread, made_up).await?;
 
     a.start_turn(&thread, "SLOW30 acme's long turn").await?;
-    a.wait_for(|v| v["method"] == "turn/started").await?;
+    // Both subscribers have the turn before its worker dies: app-server writes to each
+    // connection from its own queue, and a SIGKILL drops what it has not written yet.
+    a.notification("turn/started").await?;
+    b.notification("turn/started").await?;
     let owner = fleet.tenant("acme").find_owner(&thread).context("owner")?;
     kill(Pid::from_raw(pid_of(&fleet, owner)?), Signal::SIGKILL)?;
     a.until_turn_completed(&thread).await?;

@@ -213,16 +213,27 @@ impl Session {
             }
             return Ok(());
         };
-        if let Some(turn) = followed.turn.take().and_then(|p| started_turn(&p)) {
-            let frames = rehome::turn_ended_frames(
-                &order.thread,
-                &turn,
-                order.cause.turn_message(),
-                rehome::now_ms(),
-            );
-            for frame in frames {
-                self.notify_client(frame)?;
+        match followed.turn.take().and_then(|p| started_turn(&p)) {
+            Some(turn) => {
+                let frames = rehome::turn_ended_frames(
+                    &order.thread,
+                    &turn,
+                    order.cause.turn_message(),
+                    rehome::now_ms(),
+                );
+                for frame in frames {
+                    self.notify_client(frame)?;
+                }
             }
+            // A turn ran but its `turn/started` never reached this session: the worker died
+            // before writing it to this leg (each connection has its own queue in app-server,
+            // and a SIGKILL drops what is unwritten). The client may have seen the thread go
+            // active through the relay; without the turn there is nothing to end, but the
+            // thread must not stay active for it.
+            None if order.was_active => {
+                self.notify_client(rehome::thread_idle_frame(&order.thread))?;
+            }
+            None => {}
         }
         let Some(to) = order.to else {
             self.moved(&order.thread, order.cause, Outcome::NoWorker, None);

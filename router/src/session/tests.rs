@@ -723,6 +723,60 @@ pub(super) mod in_memory {
         }
     }
 
+    /// A follower whose copy of `turn/started` the dying worker never wrote (app-server writes
+    /// to each connection from its own queue; a SIGKILL drops what is unwritten) has no turn to
+    /// end, but the thread was active: it is told the thread is idle before anything else of
+    /// the move, as a session that does not follow the thread is. A thread that was idle gets
+    /// no such word.
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_that_never_got_the_running_turn_is_told_its_thread_is_idle() {
+        let p = Process::new("", "", "");
+        let from = WorkerId::new("acme", 1, 1);
+        for was_active in [true, false] {
+            let mut s = p.unstarted("acme");
+            s.live.insert(from);
+            s.follow("th", from);
+            let mut h = p.run(s, Vec::new(), true);
+            settle().await;
+            h.tenant.relay(crate::tenants::Relayed {
+                worker: from,
+                text: "".into(),
+                method: Arc::from(""),
+                to_all: true,
+                turn: None,
+                status_of: None,
+                rehome: Some(Arc::new(crate::tenants::rehome::Rehome {
+                    thread: Arc::from("th"),
+                    from,
+                    // Not in the pool: the resume cannot be sent, and the thread closes.
+                    to: Some(WorkerId::new("acme", 2, 1)),
+                    cause: crate::tenants::rehome::Cause::Crash,
+                    since: tokio::time::Instant::now(),
+                    was_active,
+                })),
+            });
+            let mut seen = Vec::new();
+            loop {
+                let frame = h.next().await;
+                assert_eq!(frame["params"]["threadId"], "th", "{frame}");
+                let closed = frame["method"] == "thread/closed";
+                seen.push(match frame["params"]["status"]["type"].as_str() {
+                    Some(status) => status.to_owned(),
+                    None => frame["method"].as_str().unwrap_or_default().to_owned(),
+                });
+                if closed {
+                    break;
+                }
+            }
+            let want: &[&str] = if was_active {
+                &["idle", "systemError", "thread/closed"]
+            } else {
+                &["systemError", "thread/closed"]
+            };
+            assert_eq!(seen, want, "was active: {was_active}");
+        }
+    }
+
     /// A session further behind its tenant's broadcasts than the relay holds has lost some (a
     /// status change, or a followed thread's move): it is closed with a reason, as app-server
     /// closes a connection whose outbound queue filled, rather than go on with a wrong picture.

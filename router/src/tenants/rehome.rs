@@ -115,7 +115,8 @@ pub struct Rehome {
     /// When the tenant learned that the worker ended (for the re-home duration).
     pub since: Instant,
     /// The thread was running a turn (or waiting on the user) when its worker ended: sessions
-    /// that do not follow it saw it `active` and are told it is `idle` again.
+    /// that do not follow it saw it `active` and are told it is `idle` again, and so are
+    /// followers that have no turn of it to end.
     pub was_active: bool,
 }
 
@@ -311,7 +312,8 @@ impl Synthesized {
 }
 
 /// A thread that was active is idle again (its worker ended; told to sessions that do not
-/// follow it, which saw it active).
+/// follow it, which saw it active, and to followers whose `turn/started` the worker never
+/// wrote).
 pub fn thread_idle_frame(thread: &str) -> Synthesized {
     Synthesized::new(
         Method::ThreadStatusChanged,
