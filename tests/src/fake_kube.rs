@@ -187,6 +187,8 @@ struct Inner {
     gather: Mutex<Option<(usize, usize)>>,
     /// Wakes the held pod creates once they are gathered.
     gathered: tokio::sync::Notify,
+    /// How long each pod create takes to be answered (see [`FakeKube::slow_pod_creates`]).
+    create_latency: Mutex<Duration>,
     /// Wakes held watch requests.
     watches_released: tokio::sync::Notify,
 }
@@ -278,6 +280,7 @@ impl FakeKube {
             events_log: Mutex::new(Vec::new()),
             gather: Mutex::new(None),
             gathered: tokio::sync::Notify::new(),
+            create_latency: Mutex::new(Duration::ZERO),
             watches_released: tokio::sync::Notify::new(),
         });
         let stop = CancellationToken::new();
@@ -379,6 +382,20 @@ impl FakeKube {
             .filter(|e| e["regarding"]["name"] == name)
             .map(|e| (s(&e["type"]), s(&e["reason"]), s(&e["note"])))
             .collect()
+    }
+
+    /// How often an Event of `reason` about object `name` was said: kube's recorder writes a
+    /// repeat as a patch of the first one's `series`, so this sums each such Event's series
+    /// count (1 for one without a series).
+    pub fn event_occurrences(&self, name: &str, reason: &str) -> u64 {
+        self.inner
+            .events_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter(|e| e["regarding"]["name"] == name && e["reason"] == reason)
+            .map(|e| e["series"]["count"].as_u64().unwrap_or(1))
+            .sum()
     }
 
     /// The next `n` API requests are answered 500.
@@ -485,6 +502,17 @@ impl FakeKube {
             .gather
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some((n, 0));
+    }
+
+    /// Each pod create is answered `latency` after it arrives (decided then, in arrival order),
+    /// as a real API server's is while admission webhooks and quota checks run: a create in
+    /// flight that long is one every session arriving meanwhile could race.
+    pub fn slow_pod_creates(&self, latency: Duration) {
+        *self
+            .inner
+            .create_latency
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = latency;
     }
 
     /// The next `n` pod creates are refused with `code`, as admission or validation would:

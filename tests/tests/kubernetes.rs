@@ -261,6 +261,155 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// The API requests the fake saw that start with `prefix` (like `POST /api/v1/…/pods`).
+fn requests_like(c: &Cluster, prefix: &str) -> usize {
+    c.fake
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with(prefix))
+        .count()
+}
+
+/// How often acme's pod was the subject of an Event of `reason`.
+fn said(c: &Cluster, reason: &str) -> u64 {
+    c.fake.event_occurrences("codex-fleet-node-acme", reason)
+}
+
+/// `n` sessions of acme arrive together, and each is refused for `reason`.
+async fn refused_together(c: &Cluster, n: usize, reason: &str) -> anyhow::Result<()> {
+    let refused = futures_util::future::join_all((0..n).map(|_| refused_start(c, "acme"))).await;
+    for r in refused {
+        let (answer, _, _) = r?;
+        assert_eq!(answer["error"]["data"]["reason"], reason, "{answer}");
+    }
+    Ok(())
+}
+
+/// Acme's pod was the subject of exactly one Event of `reason`.
+fn said_once(c: &Cluster, reason: &str) {
+    assert_eq!(
+        said(c, reason),
+        1,
+        "{reason}: {:?}",
+        c.fake.events_about("codex-fleet-node-acme")
+    );
+}
+
+/// A hostile (or merely busy) tenant's sessions arriving together on one edge while its pod
+/// does not exist make one create, however many they are: they take turns at the create and
+/// see its answer, rather than each posting the pod (one `201`, the rest `409`) and the claim.
+/// Another tenant's start is not queued behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_sessions_arriving_together_make_one_create() -> anyhow::Result<()> {
+    const SESSIONS: usize = 8;
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await, "the watch never synced");
+    // A create in flight this long (admission webhooks, quota) is one every session arriving
+    // meanwhile could race.
+    c.fake.slow_pod_creates(Duration::from_millis(400));
+    let acme = futures_util::future::join_all((0..SESSIONS).map(|_| c.client(0, "acme")));
+    let beta = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = Instant::now();
+        let client = c.client(0, "beta").await;
+        (client, started.elapsed())
+    };
+    let (acme, (beta, beta_took)) = tokio::join!(acme, beta);
+    let mut acme: Vec<Client> = acme.into_iter().collect::<anyhow::Result<_>>()?;
+    let mut beta = beta?;
+    let pod_posts = requests_like(&c, "POST /api/v1/namespaces/codex/pods");
+    let claim_gets = requests_like(
+        &c,
+        "GET /api/v1/namespaces/codex/persistentvolumeclaims/codex-fleet-home-acme",
+    );
+    eprintln!(
+        "measured: {SESSIONS} sessions of one tenant arriving together: {pod_posts} pod creates \
+         in all (the other tenant's included), {claim_gets} claim lookups; the other tenant \
+         served after {beta_took:?}"
+    );
+    assert_eq!(
+        pod_posts, 2,
+        "one create for acme's sessions, one for beta's"
+    );
+    assert_eq!(claim_gets, 1, "acme's claim looked up once");
+    assert_eq!(c.fake.pod_creates(), 2);
+    assert_eq!(c.fake.pvc_creates(), 2);
+    // All of them are served by the one node.
+    let thread = acme[0].start_thread().await?;
+    turn(&mut acme[0], &thread, "one pod for all").await?;
+    acme[SESSIONS - 1]
+        .request("thread/resume", json!({ "threadId": thread }))
+        .await?;
+    let own = beta.start_thread().await?;
+    turn(&mut beta, &own, "not queued behind acme").await?;
+    Ok(())
+}
+
+/// Refusals and start timeouts that a burst of a tenant's sessions share are said once: one
+/// create refused (one `FailedCreate` Event, counted once) for the sessions that queued behind
+/// it, and one `StartTimeout` Event for a pod that is late however many sessions it refuses,
+/// each of which is still counted. A session after a refusal tries again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow::Result<()> {
+    const SESSIONS: usize = 6;
+    let c = Cluster::start(Options {
+        start_timeout_secs: 3,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await, "the watch never synced");
+    c.fake.slow_pod_creates(Duration::from_millis(400));
+    c.fake.refuse_pod_creates(403, usize::MAX);
+    refused_together(&c, SESSIONS, "nodeStartFailed").await?;
+    let written = wait_until(Duration::from_secs(10), || said(&c, "FailedCreate") >= 1).await;
+    assert!(written, "no FailedCreate Event");
+    // Each session's Event (were there several) is written as it is refused: all by now.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let posts = requests_like(&c, "POST /api/v1/namespaces/codex/pods");
+    let events = said(&c, "FailedCreate");
+    eprintln!("measured: {SESSIONS} sessions refused together: {posts} pod creates, {events} FailedCreate");
+    assert_eq!(
+        posts, 1,
+        "the sessions queued behind the refused create share its answer"
+    );
+    said_once(&c, "FailedCreate");
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "forbidden")]
+        ),
+        1.0,
+        "{m}"
+    );
+    // The namespace mended: the next session tries again, and its pod is late.
+    c.fake.refuse_pod_creates(403, 0);
+    c.fake.hold_pods(true);
+    refused_together(&c, SESSIONS, "nodeStarting").await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let late = said(&c, "StartTimeout");
+    eprintln!("measured: {SESSIONS} sessions refused by a late pod: {late} StartTimeout");
+    assert_eq!(requests_like(&c, "POST /api/v1/namespaces/codex/pods"), 2);
+    said_once(&c, "Created");
+    said_once(&c, "StartTimeout");
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "timeout")]
+        ),
+        SESSIONS as f64,
+        "every refused session is counted: {m}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_the_volume(
 ) -> anyhow::Result<()> {
@@ -307,12 +456,14 @@ async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_
         .requests()
         .iter()
         .any(|r| r.starts_with("DELETE /api/v1/namespaces/codex/pods/codex-fleet-node-acme")));
-    let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(&m, "codex_fleet_tenant_pods", &[("phase", "Succeeded")]),
-        0.0,
-        "{m}"
-    );
+    // The gauge follows the edge's watch, which sees the delete after the API server answered it.
+    let gone = wait_until_async(Duration::from_secs(10), || async {
+        c.metrics(0)
+            .await
+            .is_ok_and(|m| metric(&m, "codex_fleet_tenant_pods", &[("phase", "Succeeded")]) == 0.0)
+    })
+    .await;
+    assert!(gone, "{}", c.metrics(0).await?);
 
     // The next session creates a new pod on the same volume and resumes the thread.
     let mut b = c.client(0, "acme").await?;
@@ -918,20 +1069,28 @@ async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced
     .await?;
     assert!(c.synced(0).await);
     c.fake.fail_image_pulls(true);
-    let (answer, took, close) = refused_start(&c, "acme").await?;
-    assert_eq!(
-        answer["error"]["data"]["reason"], "nodeStartFailed",
-        "{answer}"
-    );
-    let cause = answer["error"]["data"]["cause"]
-        .as_str()
-        .context("a cause")?;
-    assert!(cause.contains("ImagePullBackOff"), "{answer}");
-    assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
-    assert!(took < Duration::from_secs(15), "answered after {took:?}");
-    eprintln!("measured: ImagePullBackOff answered nodeStartFailed after {took:?}");
+    // Several sessions wait on the pod; each is refused with the cause, which is counted and
+    // said (an Event) once.
+    let refused = futures_util::future::join_all((0..4).map(|_| refused_start(&c, "acme"))).await;
+    for r in refused {
+        let (answer, took, close) = r?;
+        assert_eq!(
+            answer["error"]["data"]["reason"], "nodeStartFailed",
+            "{answer}"
+        );
+        let cause = answer["error"]["data"]["cause"]
+            .as_str()
+            .context("a cause")?;
+        assert!(cause.contains("ImagePullBackOff"), "{answer}");
+        assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
+        assert!(took < Duration::from_secs(15), "answered after {took:?}");
+        eprintln!("measured: ImagePullBackOff answered nodeStartFailed after {took:?}");
+    }
     let gone = wait_until(Duration::from_secs(10), || c.fake.pod_names().is_empty()).await;
     assert!(gone, "the pod that cannot pull was not deleted");
+    assert_eq!(c.fake.pod_creates(), 1, "the sessions shared one pod");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    said_once(&c, "ImagePullFailed");
     let m = c.metrics(0).await?;
     assert_eq!(
         metric(

@@ -16,6 +16,7 @@ mod failure;
 pub mod idle;
 mod metrics;
 pub mod spec;
+mod starts;
 mod sweep;
 mod view;
 mod watch;
@@ -38,6 +39,7 @@ pub use failure::StartError;
 use failure::{already_exists, cause, chain, create_backoff, CreateError, Failure};
 pub use metrics::{KubeMetrics, PHASES, RECREATIONS, START_FAILURES};
 use spec::{Names, Template};
+use starts::{Answer, Last, Next, Starts};
 use view::{PodView, State};
 
 /// Container waiting reasons that no wait will mend: the pod is deleted (and a waiting session
@@ -74,6 +76,8 @@ pub struct KubeNodes {
     /// Each tenant's current template hash (what its next pod is made from).
     hashes: RwLock<HashMap<String, String>>,
     state: Mutex<State>,
+    /// Each tenant's start, shared by its waiting sessions (one create in flight).
+    starts: Starts,
     changes: tokio::sync::watch::Sender<u64>,
     /// The watch has listed every tenant pod and follows them (false again after `410 Gone`
     /// until it has listed anew).
@@ -142,6 +146,7 @@ impl KubeNodes {
             tenants: RwLock::new(HashMap::new()),
             hashes: RwLock::new(HashMap::new()),
             state: Mutex::new(State::default()),
+            starts: Starts::default(),
             changes,
             synced: AtomicBool::new(false),
             listed_once: AtomicBool::new(false),
@@ -181,6 +186,7 @@ impl KubeNodes {
             tenants,
         );
         let current = self.tenants.read().unwrap_or_else(PoisonError::into_inner);
+        self.starts.retain(|id| current.contains_key(id));
         for id in old.keys().filter(|id| !current.contains_key(*id)) {
             for resource in ["cpu", "memory"] {
                 let _gone = self.metrics.requests.remove_label_values(&[id, resource]);
@@ -219,7 +225,6 @@ impl KubeNodes {
         let deadline = Instant::now() + timeout;
         let mut changes = self.changes.subscribe();
         let mut created_here = false;
-        let mut backoff: Option<Duration> = None;
         loop {
             let (view, shared, replacing) = {
                 let s = lock(&self.state);
@@ -251,14 +256,22 @@ impl KubeNodes {
                 Some(v) if v.ended() && !v.deleting => self.delete_ended(tenant, &v).await,
                 Some(v) if v.pull_failure.is_some() && !v.deleting => {
                     let cause = cause(v.pull_failure.as_deref().unwrap_or(""));
-                    self.metrics
-                        .start_failures
-                        .with_label_values(&["image"])
-                        .inc();
-                    tracing::warn!(tenant, %cause, "the tenant's pod cannot pull its image; deleting it");
-                    self.note_error(format!("image: {cause}"));
-                    self.event(tenant, Some(&v.uid), true, "ImagePullFailed", cause.clone());
-                    self.replace(tenant, &v, "image").await;
+                    // Every session waiting on the pod sees its failure at once: the first
+                    // counts it, says it and deletes the pod; all are refused with its cause.
+                    let first = lock(&self.state)
+                        .replacing
+                        .insert(v.uid.clone(), "image")
+                        .is_none();
+                    if first {
+                        self.metrics
+                            .start_failures
+                            .with_label_values(&["image"])
+                            .inc();
+                        tracing::warn!(tenant, %cause, "the tenant's pod cannot pull its image; deleting it");
+                        self.note_error(format!("image: {cause}"));
+                        self.event(tenant, Some(&v.uid), true, "ImagePullFailed", cause.clone());
+                        self.delete_ended(tenant, &v).await;
+                    }
                     return Err(StartError::Refused {
                         reason: "image",
                         cause,
@@ -273,51 +286,7 @@ impl KubeNodes {
                     self.force_delete(tenant, &v).await;
                 }
                 Some(_) => {} // starting, or going away: the watch will tell
-                None => match tokio::time::timeout(
-                    deadline.saturating_duration_since(Instant::now()),
-                    self.create(tenant),
-                )
-                .await
-                .unwrap_or(Err(CreateError::Timeout))
-                {
-                    Ok(()) => created_here = true,
-                    Err(e) => match e.failure() {
-                        Failure::Permanent(reason, cause) => {
-                            self.metrics
-                                .start_failures
-                                .with_label_values(&[reason])
-                                .inc();
-                            tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
-                            self.note_error(format!("create: {}", chain(&e)));
-                            let action = if reason == "forbidden" {
-                                "CreateForbidden"
-                            } else {
-                                "CreateInvalid"
-                            };
-                            self.event_of(
-                                tenant,
-                                None,
-                                true,
-                                "FailedCreate",
-                                action,
-                                cause.clone(),
-                            );
-                            return Err(StartError::Refused { reason, cause });
-                        }
-                        Failure::Transient => {
-                            self.metrics
-                                .start_failures
-                                .with_label_values(&["api"])
-                                .inc();
-                            let (base, sleep) = create_backoff(backoff);
-                            backoff = Some(base);
-                            tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
-                            self.note_error(format!("create: {}", chain(&e)));
-                            let left = deadline.saturating_duration_since(Instant::now());
-                            tokio::time::sleep(sleep.min(left)).await;
-                        }
-                    },
-                },
+                None => created_here |= self.start_once(tenant, deadline).await?,
             }
             let now = Instant::now();
             if now >= deadline {
@@ -332,17 +301,103 @@ impl KubeNodes {
                     "the tenant's node is not ready in time"
                 );
                 let uid = lock(&self.state).pods.get(tenant).map(|v| v.uid.clone());
-                self.event(
-                    tenant,
-                    uid.as_deref(),
-                    true,
-                    "StartTimeout",
-                    format!("not ready within nodes.kubernetes.start_timeout_secs ({timeout:?}); the waiting session was refused nodeStarting"),
-                );
+                // One Event per pod that is late, however many sessions it refuses.
+                let due = self
+                    .starts
+                    .of(tenant, self.knows(tenant))
+                    .is_none_or(|s| s.timeout_event_due(uid.as_deref(), now, timeout));
+                if due {
+                    self.event(
+                        tenant,
+                        uid.as_deref(),
+                        true,
+                        "StartTimeout",
+                        format!("not ready within nodes.kubernetes.start_timeout_secs ({timeout:?}); waiting sessions are refused nodeStarting"),
+                    );
+                }
                 return Err(StartError::Timeout(timeout));
             }
             let wait = (deadline - now).min(RECHECK);
             let _changed = tokio::time::timeout(wait, changes.changed()).await;
+        }
+    }
+
+    /// A session that found no pod takes its tenant's turn at the create ([`starts`]): posts the
+    /// pod unless, by then, the view has it or the last create's answer still stands. `Ok(true)`
+    /// when this session created it; `Ok(false)` to wait on the watch (also when `deadline`
+    /// passes in the queue: the caller's deadline check answers).
+    async fn start_once(&self, tenant: &str, deadline: Instant) -> Result<bool, StartError> {
+        let Some(start) = self.starts.of(tenant, self.knows(tenant)) else {
+            return Ok(false); // not a tenant of this edge's: nothing to create
+        };
+        let queued = Instant::now();
+        let Ok(mut last) = tokio::time::timeout_at(deadline, start.create.lock()).await else {
+            return Ok(false);
+        };
+        // The session ahead in the queue may have made the pod (a `201` puts it in the view).
+        if lock(&self.state).pods.contains_key(tenant) {
+            return Ok(false);
+        }
+        let base = match last.as_ref().map(|l| l.next(Instant::now(), queued)) {
+            None => None,
+            Some(Next::Post { base }) => base,
+            Some(Next::Wait) => return Ok(false),
+            Some(Next::Fail(e)) => return Err(e),
+        };
+        let answer = tokio::time::timeout_at(deadline, self.create(tenant))
+            .await
+            .unwrap_or(Err(CreateError::Timeout));
+        let at = Instant::now();
+        let e = match answer {
+            Ok(made) => {
+                let answer = if made {
+                    Answer::Created
+                } else {
+                    Answer::Exists
+                };
+                *last = Some(Last { at, answer });
+                return Ok(made);
+            }
+            Err(e) => e,
+        };
+        match e.failure() {
+            Failure::Permanent(reason, cause) => {
+                self.metrics
+                    .start_failures
+                    .with_label_values(&[reason])
+                    .inc();
+                tracing::warn!(tenant, reason, error = %e, "the API server refused the tenant's node; not retrying");
+                self.note_error(format!("create: {}", chain(&e)));
+                let action = if reason == "forbidden" {
+                    "CreateForbidden"
+                } else {
+                    "CreateInvalid"
+                };
+                self.event_of(tenant, None, true, "FailedCreate", action, cause.clone());
+                let refused = StartError::Refused { reason, cause };
+                *last = Some(Last {
+                    at,
+                    answer: Answer::Refused(refused.clone()),
+                });
+                Err(refused)
+            }
+            Failure::Transient => {
+                self.metrics
+                    .start_failures
+                    .with_label_values(&["api"])
+                    .inc();
+                let (base, sleep) = create_backoff(base);
+                tracing::warn!(tenant, error = %e, retry_in = ?sleep, "cannot create the tenant's pod; retrying");
+                self.note_error(format!("create: {}", chain(&e)));
+                let retry_at = at + sleep;
+                *last = Some(Last {
+                    at,
+                    answer: Answer::Transient { retry_at, base },
+                });
+                drop(last);
+                tokio::time::sleep_until(retry_at.min(deadline)).await;
+                Ok(false)
+            }
         }
     }
 
@@ -369,8 +424,8 @@ impl KubeNodes {
     }
 
     /// Creates the tenant's volume claim (once) and pod; `AlreadyExists` is success for both
-    /// (another edge, or an earlier session, created them).
-    async fn create(&self, tenant: &str) -> Result<(), CreateError> {
+    /// (another edge, or an earlier session, created them). `true` when this call made the pod.
+    async fn create(&self, tenant: &str) -> Result<bool, CreateError> {
         let t = self
             .tenants
             .read()
@@ -378,7 +433,7 @@ impl KubeNodes {
             .get(tenant)
             .cloned();
         let Some(t) = t else {
-            return Ok(());
+            return Ok(false);
         };
         self.ensure_claim(tenant).await?;
         let pod = spec::tenant_pod(&self.template, &self.settings, &self.namespace, &t)
@@ -403,16 +458,17 @@ impl KubeNodes {
                     .entry(tenant.to_owned())
                     .or_insert_with(|| PodView::of(&created));
                 self.publish(&s);
+                Ok(true)
             }
             Err(e) if already_exists(&e) => {
                 tracing::info!(
                     tenant,
                     "the tenant's pod exists already (another edge created it)"
                 );
+                Ok(false)
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => Err(e.into()),
         }
-        Ok(())
     }
 
     /// The tenant's volume claim exists: looked up first, created when it does not. A create

@@ -160,6 +160,11 @@ pub(super) async fn handle(
             };
             if kind == Kind::Pod {
                 gather(&inner).await;
+                let latency = *inner
+                    .create_latency
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                tokio::time::sleep(latency).await;
             }
             create(&inner, kind, &ns, object)
         }

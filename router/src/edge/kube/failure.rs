@@ -15,7 +15,7 @@ pub(super) const CREATE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 pub(super) const CAUSE_MAX: usize = 300;
 
 /// Why no pod could be offered.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StartError {
     /// The pod was not ready within `start_timeout_secs`.
     #[error("the tenant's node is still starting after {0:?}")]
