@@ -194,6 +194,9 @@ struct Session {
     /// (In a mutex only so that the session stays `Sync`; never contended.)
     new_legs: std::sync::Mutex<Vec<legs::LegFrames>>,
     protocol_errors: u32,
+    /// This session's host-access denials that got no audit record of their own since its
+    /// last one (`audit::denials`): in its next record, or in one of their own when it ends.
+    denials_suppressed: u64,
     /// Legs whose initialize was answered: they receive the worker's broadcasts themselves
     /// (all but [`LEG_OPT_OUTS`]).
     live: Set<WorkerId>,
@@ -270,6 +273,7 @@ impl Session {
             server_requests: ServerRequests::default(),
             new_legs: std::sync::Mutex::default(),
             protocol_errors: 0,
+            denials_suppressed: 0,
             live: Set::default(),
             replayed: Set::default(),
             init_sent: false,
@@ -408,6 +412,13 @@ where
         }
     };
     session.legs.clear();
+    if session.denials_suppressed > 0 {
+        // One record per session at most: bounded as its connections are.
+        session.audit(
+            "access.denied.suppressed",
+            serde_json::json!({ "count": session.denials_suppressed }),
+        );
+    }
     if let Some(frame) = end.close_frame() {
         // Normally the close frame follows what is queued (e.g. the errors that led to it); a
         // slow client's queue is dropped instead, and it gets the close frame next.

@@ -270,8 +270,10 @@ impl Session {
                 self.count_error(ClientError::HostAccessDenied);
                 let shown = Untrusted::method(method.as_str());
                 // Logged and recorded at a bounded rate per tenant (`audit::denials`), counted
-                // in `codex_fleet_client_errors_total` every time.
-                if let Some(suppressed) = self.ctx.tenant.denial_records.admit() {
+                // in `codex_fleet_client_errors_total` every time, and by this session until
+                // one of its records carries the count.
+                if self.ctx.tenant.denial_records.admit() {
+                    let suppressed = std::mem::take(&mut self.denials_suppressed);
                     tracing::info!(method = %shown, policy = denial.class.as_str(), suppressed, "request denied by host-access policy");
                     let mut record =
                         json!({ "method": shown.json(), "policy": denial.class.as_str() });
@@ -279,6 +281,8 @@ impl Session {
                         record["suppressed"] = json!(suppressed);
                     }
                     self.audit("access.denied", record);
+                } else {
+                    self.denials_suppressed += 1;
                 }
                 self.to_client(denial.to_error_response(id)).map(|()| None)
             }

@@ -1024,48 +1024,92 @@ mod approvals {
     const AUDIT: &str = "[audit]\npath = \"{dir}/audit.log\"\nqueue = 1000000";
 
     /// A tenant denied at a rate its admission allows gets a burst of `access.denied` records,
-    /// then a tenth of a second each; the denials in between are counted into the next record,
-    /// and every denial is still answered.
+    /// then a tenth of a second each; the denials in between are counted by the session denied,
+    /// into its own next record (never a colleague's) or, when it ends first, a record of their
+    /// own; and every denial is still answered.
     #[tokio::test(start_paused = true)]
     async fn a_tenants_denials_are_recorded_at_a_bounded_rate_and_none_goes_uncounted() {
+        use super::in_memory::Process;
         use crate::audit::denials::BURST;
-        let mut h = start_with(
+        let p = Process::new(
             "conn_fps = 100000\nconn_burst = 100000\ntenant_rps = 100000\ntenant_burst = 100000\nturn_start_per_min = 100000\nturn_start_burst = 100000",
             AUDIT,
-            Vec::new(),
-        )
-        .await;
-        let log = h.dir().join("audit.log");
-        let denied = |id: u32| {
-            Message::text(
-                json!({
-                    "id": id, "method": "turn/start",
-                    "params": { "threadId": "t", "input": [{ "type": "localImage", "path": "/etc/passwd" }] },
-                })
-                .to_string(),
-            )
+            "",
+        );
+        let as_subject = |subject: &str| {
+            let mut s = p.unstarted("acme");
+            s.ctx.subject = subject.into();
+            p.run(s, Vec::new(), false)
         };
+        let mut flooder = as_subject("flooder");
+        let mut colleague = as_subject("colleague");
+        let log = flooder.dir().join("audit.log");
+        /// Sends `ids.len()` requests the policy denies.
+        fn deny(h: &mut Harness, ids: std::ops::Range<u32>) -> usize {
+            let n = ids.len();
+            for id in ids {
+                h.send(Message::text(
+                    json!({
+                        "id": id, "method": "turn/start",
+                        "params": { "threadId": "t", "input": [{ "type": "localImage", "path": "/etc/passwd" }] },
+                    })
+                    .to_string(),
+                ));
+            }
+            n
+        }
+        /// The next `n` answers are denials.
+        async fn answered(h: &mut Harness, n: usize) {
+            for _ in 0..n {
+                let answer = h.next().await;
+                assert_eq!(answer["error"]["code"], -32003, "{answer}");
+            }
+        }
         let flood = 3 * BURST.get();
-        for id in 0..flood {
-            h.send(denied(id));
-        }
-        for _ in 0..flood {
-            let answer = h.next().await;
-            assert_eq!(answer["error"]["code"], -32003, "{answer}");
-        }
+        let n = deny(&mut flooder, 0..flood + 50);
+        answered(&mut flooder, n).await;
         let events = audit_events(&log, "access.denied", BURST.get() as usize).await;
         assert_eq!(count(&events, "access.denied", None), BURST.get() as usize);
         assert!(events.iter().all(|e| e.get("suppressed").is_none()));
+        // The next record is the colleague's: it carries none of the flooder's count.
         tokio::time::advance(Duration::from_millis(100)).await;
-        h.send(denied(flood));
-        assert_eq!(h.next().await["error"]["code"], -32003);
+        deny(&mut colleague, 0..1);
+        answered(&mut colleague, 1).await;
         let events = audit_events(&log, "access.denied", BURST.get() as usize + 1).await;
         let last = events
             .iter()
             .rfind(|e| e["event"] == "access.denied")
             .unwrap();
-        assert_eq!(last["suppressed"], 2 * BURST.get(), "{last}");
+        assert_eq!(last["subject"], "colleague", "{last}");
+        assert!(last.get("suppressed").is_none(), "{last}");
+        // The flooder's next record carries its own.
+        tokio::time::advance(Duration::from_millis(100)).await;
+        deny(&mut flooder, 0..1);
+        answered(&mut flooder, 1).await;
+        let events = audit_events(&log, "access.denied", BURST.get() as usize + 2).await;
+        let last = events
+            .iter()
+            .rfind(|e| e["event"] == "access.denied")
+            .unwrap();
+        assert_eq!(last["subject"], "flooder", "{last}");
+        assert_eq!(last["suppressed"], 2 * BURST.get() + 50, "{last}");
         assert_eq!(last["tenant"], "acme", "{last}");
+        // Denials that no later record carries are written when the session ends.
+        let n = deny(&mut flooder, 0..7);
+        answered(&mut flooder, n).await;
+        flooder.send(Message::Close(None));
+        assert_eq!(flooder.session.await.unwrap(), End::ClientGone);
+        let events = audit_events(&log, "access.denied.suppressed", 1).await;
+        let flushed = events
+            .iter()
+            .find(|e| e["event"] == "access.denied.suppressed")
+            .unwrap();
+        assert_eq!(flushed["count"], 7, "{flushed}");
+        assert_eq!(flushed["subject"], "flooder", "{flushed}");
+        assert_eq!(
+            count(&events, "access.denied", None),
+            BURST.get() as usize + 2
+        );
     }
 
     /// The session's next text frame; the approvals of this test come one at a time.
