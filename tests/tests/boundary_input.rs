@@ -581,6 +581,18 @@ async fn the_buffers_large_answers_leave_are_bounded_per_tenant() -> anyhow::Res
     );
     // The builder (7.7 MiB) and one reader (6.7) fit; every further reader does not.
     assert_eq!((readers.len(), closed), (1, 3));
+    // A session's end is counted as it finishes, after its close frame went out.
+    let counted = testkit::wait_until_async(Duration::from_secs(10), || async {
+        metric_at(
+            fleet.admin_addr,
+            "codex_fleet_sessions_closed_total",
+            &[("reason", "large_frames")],
+        )
+        .await
+        .is_ok_and(|v| v >= 3.0)
+    })
+    .await;
+    assert!(counted, "the closed sessions were not counted");
     assert_eq!(
         metric_at(
             fleet.admin_addr,

@@ -592,8 +592,9 @@ async fn a_thread_whose_resume_fails_closes_for_its_session_and_is_counted_resum
     assert_eq!(outcome_is(&fleet, "resume_failed").await?, 1.0);
     assert_eq!(outcome_is(&fleet, "no_worker").await?, 0.0);
     assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
-    // Another worker was ready all along: it was the resume that failed, not the placement.
-    assert_eq!(testkit::ready_workers(&fleet, "acme"), 1);
+    // Another worker was ready all along: it was the resume that failed, not the placement (the
+    // killed one's replacement may be ready by now too).
+    assert!(testkit::ready_workers(&fleet, "acme") >= 1);
     a.close().await;
     fleet.stop().await
 }
@@ -703,9 +704,11 @@ async fn at_the_fleet_worker_cap_the_thread_closes_after_ready_timeout() -> anyh
     );
     assert_eq!(outcome_is(&fleet, "no_worker").await?, 1.0);
     assert_eq!(rehomed(&fleet, "crash").await?, 0.0);
-    assert_eq!(
-        testkit::ready_workers(&fleet, "beta"),
-        1,
+    assert!(
+        testkit::wait_until(Duration::from_secs(10), || {
+            testkit::ready_workers(&fleet, "beta") == 1
+        })
+        .await,
         "beta took the freed slot"
     );
     assert_eq!(testkit::ready_workers(&fleet, "acme"), 0);

@@ -645,8 +645,7 @@ async fn a_resume_that_loses_the_writer_race_is_retried_on_the_owner() -> anyhow
         .iter()
         .find_map(|w| w.pid)
         .context("a worker pid")?;
-    let stopped = nix::unistd::Pid::from_raw(i32::try_from(stopped)?);
-    nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGSTOP)?;
+    testkit::stop_process(i32::try_from(stopped)?).await?;
     // Both resumes on their way before either is answered; the running worker's wins.
     let ra = a
         .send_request("thread/resume", json!({ "threadId": thread }))
@@ -655,7 +654,10 @@ async fn a_resume_that_loses_the_writer_race_is_retried_on_the_owner() -> anyhow
         .send_request("thread/resume", json!({ "threadId": thread }))
         .await?;
     tokio::time::sleep(Duration::from_millis(700)).await;
-    nix::sys::signal::kill(stopped, nix::sys::signal::Signal::SIGCONT)?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(stopped)?),
+        nix::sys::signal::Signal::SIGCONT,
+    )?;
     for (c, id) in [(&mut a, ra), (&mut b, rb)] {
         let resp = c.wait_for(|v| v["id"] == id).await?;
         assert_eq!(resp["result"]["thread"]["id"], thread.as_str(), "{resp}");
