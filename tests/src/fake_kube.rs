@@ -187,8 +187,8 @@ struct Inner {
     gather: Mutex<Option<(usize, usize)>>,
     /// Wakes the held pod creates once they are gathered.
     gathered: tokio::sync::Notify,
-    /// How long each pod create takes to be answered (see [`FakeKube::slow_pod_creates`]).
-    create_latency: Mutex<Duration>,
+    /// Pod creates wait while this is true (see [`FakeKube::hold_pod_creates`]).
+    creates_held: tokio::sync::watch::Sender<bool>,
     /// Wakes held watch requests.
     watches_released: tokio::sync::Notify,
 }
@@ -280,7 +280,7 @@ impl FakeKube {
             events_log: Mutex::new(Vec::new()),
             gather: Mutex::new(None),
             gathered: tokio::sync::Notify::new(),
-            create_latency: Mutex::new(Duration::ZERO),
+            creates_held: tokio::sync::watch::Sender::new(false),
             watches_released: tokio::sync::Notify::new(),
         });
         let stop = CancellationToken::new();
@@ -504,15 +504,11 @@ impl FakeKube {
             .unwrap_or_else(PoisonError::into_inner) = Some((n, 0));
     }
 
-    /// Each pod create is answered `latency` after it arrives (decided then, in arrival order),
-    /// as a real API server's is while admission webhooks and quota checks run: a create in
-    /// flight that long is one every session arriving meanwhile could race.
-    pub fn slow_pod_creates(&self, latency: Duration) {
-        *self
-            .inner
-            .create_latency
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = latency;
+    /// Pod creates that arrive wait, unanswered, while `hold` is true (they arrive: they are in
+    /// [`FakeKube::requests`]); `false` lets them through, in arrival order. A test holds the
+    /// first create until every session it opened is waiting for the pod.
+    pub fn hold_pod_creates(&self, hold: bool) {
+        self.inner.creates_held.send_replace(hold);
     }
 
     /// The next `n` pod creates are refused with `code`, as admission or validation would:

@@ -275,16 +275,6 @@ fn said(c: &Cluster, reason: &str) -> u64 {
     c.fake.event_occurrences("codex-fleet-node-acme", reason)
 }
 
-/// `n` sessions of acme arrive together, and each is refused for `reason`.
-async fn refused_together(c: &Cluster, n: usize, reason: &str) -> anyhow::Result<()> {
-    let refused = futures_util::future::join_all((0..n).map(|_| refused_start(c, "acme"))).await;
-    for r in refused {
-        let (answer, _, _) = r?;
-        assert_eq!(answer["error"]["data"]["reason"], reason, "{answer}");
-    }
-    Ok(())
-}
-
 /// Acme's pod was the subject of exactly one Event of `reason`.
 fn said_once(c: &Cluster, reason: &str) {
     assert_eq!(
@@ -295,10 +285,46 @@ fn said_once(c: &Cluster, reason: &str) {
     );
 }
 
+/// `n` sessions of each of `tenants` upgraded at edge 0, so each is waiting for its tenant's pod,
+/// while the fake holds pod creates (a create that arrives stays in flight): none can see a pod
+/// made before all of them wait. Returns the clients (not initialized yet) by tenant, with the
+/// creates still held.
+async fn waiting_sessions(
+    c: &Cluster,
+    tenants: &[(&str, usize)],
+) -> anyhow::Result<Vec<Vec<Client>>> {
+    c.fake.hold_pod_creates(true);
+    let mut all = Vec::new();
+    for &(tenant, n) in tenants {
+        let (url, token) = (c.edges[0].url(), c.files.token(tenant));
+        let connected = futures_util::future::join_all(
+            (0..n).map(|_| Client::connect(&url, &c.files.ca, Some(&token))),
+        )
+        .await;
+        all.push(connected.into_iter().collect::<anyhow::Result<Vec<_>>>()?);
+    }
+    Ok(all)
+}
+
+/// The pod creates that reached the fake so far.
+fn pod_posts(c: &Cluster) -> usize {
+    requests_like(c, "POST /api/v1/namespaces/codex/pods")
+}
+
+/// Waits until `n` pod creates have arrived, then a while longer: more would have arrived by
+/// then (the sessions are all waiting already); returns how many did.
+async fn pod_posts_settled(c: &Cluster, n: usize) -> usize {
+    let arrived = wait_until(Duration::from_secs(15), || pod_posts(c) >= n).await;
+    assert!(arrived, "{} pod creates arrived, not {n}", pod_posts(c));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    pod_posts(c)
+}
+
 /// A hostile (or merely busy) tenant's sessions arriving together on one edge while its pod
 /// does not exist make one create, however many they are: they take turns at the create and
 /// see its answer, rather than each posting the pod (one `201`, the rest `409`) and the claim.
-/// Another tenant's start is not queued behind them.
+/// Another tenant's start is its own: its create goes out while the first tenant's is still in
+/// flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_sessions_arriving_together_make_one_create() -> anyhow::Result<()> {
     const SESSIONS: usize = 8;
@@ -308,44 +334,47 @@ async fn a_tenants_sessions_arriving_together_make_one_create() -> anyhow::Resul
     })
     .await?;
     assert!(c.synced(0).await, "the watch never synced");
-    // A create in flight this long (admission webhooks, quota) is one every session arriving
-    // meanwhile could race.
-    c.fake.slow_pod_creates(Duration::from_millis(400));
-    let acme = futures_util::future::join_all((0..SESSIONS).map(|_| c.client(0, "acme")));
-    let beta = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let started = Instant::now();
-        let client = c.client(0, "beta").await;
-        (client, started.elapsed())
-    };
-    let (acme, (beta, beta_took)) = tokio::join!(acme, beta);
-    let mut acme: Vec<Client> = acme.into_iter().collect::<anyhow::Result<_>>()?;
-    let mut beta = beta?;
-    let pod_posts = requests_like(&c, "POST /api/v1/namespaces/codex/pods");
+    let mut waiting = waiting_sessions(&c, &[("acme", SESSIONS), ("beta", 1)]).await?;
+    // Both tenants' creates are in flight at once (held), and no other session of acme's posts.
+    let posts = pod_posts_settled(&c, 2).await;
     let claim_gets = requests_like(
         &c,
         "GET /api/v1/namespaces/codex/persistentvolumeclaims/codex-fleet-home-acme",
     );
     eprintln!(
-        "measured: {SESSIONS} sessions of one tenant arriving together: {pod_posts} pod creates \
-         in all (the other tenant's included), {claim_gets} claim lookups; the other tenant \
-         served after {beta_took:?}"
+        "measured: {SESSIONS} sessions of one tenant and 1 of another, all waiting: {posts} pod \
+         creates, {claim_gets} lookups of the first tenant's claim"
     );
-    assert_eq!(
-        pod_posts, 2,
-        "one create for acme's sessions, one for beta's"
-    );
+    assert_eq!(posts, 2, "one create for acme's sessions, one for beta's");
     assert_eq!(claim_gets, 1, "acme's claim looked up once");
+    c.fake.hold_pod_creates(false);
+    let (mut acme, mut beta) = (waiting.remove(0), waiting.remove(0));
+    for client in acme.iter_mut().chain(beta.iter_mut()) {
+        client
+            .initialize_within("kubernetes-test", c.first_answer)
+            .await?;
+    }
+    assert_eq!(pod_posts(&c), 2);
     assert_eq!(c.fake.pod_creates(), 2);
     assert_eq!(c.fake.pvc_creates(), 2);
-    // All of them are served by the one node.
+    // All of acme's are served by its one node.
     let thread = acme[0].start_thread().await?;
     turn(&mut acme[0], &thread, "one pod for all").await?;
     acme[SESSIONS - 1]
         .request("thread/resume", json!({ "threadId": thread }))
         .await?;
-    let own = beta.start_thread().await?;
-    turn(&mut beta, &own, "not queued behind acme").await?;
+    let own = beta[0].start_thread().await?;
+    turn(&mut beta[0], &own, "a pod of its own").await?;
+    Ok(())
+}
+
+/// Each of `clients` (waiting for acme's pod) sends its `initialize` and is refused for `reason`.
+async fn each_refused(clients: Vec<Client>, reason: &str) -> anyhow::Result<()> {
+    let answers = futures_util::future::join_all(clients.into_iter().map(refused_start_on)).await;
+    for answer in answers {
+        let (answer, _, _) = answer?;
+        assert_eq!(answer["error"]["data"]["reason"], reason, "{answer}");
+    }
     Ok(())
 }
 
@@ -362,18 +391,20 @@ async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow:
     })
     .await?;
     assert!(c.synced(0).await, "the watch never synced");
-    c.fake.slow_pod_creates(Duration::from_millis(400));
     c.fake.refuse_pod_creates(403, usize::MAX);
-    refused_together(&c, SESSIONS, "nodeStartFailed").await?;
+    let mut waiting = waiting_sessions(&c, &[("acme", SESSIONS)]).await?;
+    let posts = pod_posts_settled(&c, 1).await;
+    c.fake.hold_pod_creates(false);
+    each_refused(waiting.remove(0), "nodeStartFailed").await?;
     let written = wait_until(Duration::from_secs(10), || said(&c, "FailedCreate") >= 1).await;
     assert!(written, "no FailedCreate Event");
     // Each session's Event (were there several) is written as it is refused: all by now.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let posts = requests_like(&c, "POST /api/v1/namespaces/codex/pods");
     let events = said(&c, "FailedCreate");
     eprintln!("measured: {SESSIONS} sessions refused together: {posts} pod creates, {events} FailedCreate");
     assert_eq!(
-        posts, 1,
+        (posts, pod_posts(&c)),
+        (1, 1),
         "the sessions queued behind the refused create share its answer"
     );
     said_once(&c, "FailedCreate");
@@ -387,14 +418,18 @@ async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow:
         1.0,
         "{m}"
     );
-    // The namespace mended: the next session tries again, and its pod is late.
+    // The namespace mended: the next sessions try again, and their pod is late (all of them
+    // wait from before it exists, so none finds it Pending past the timeout and replaces it).
     c.fake.refuse_pod_creates(403, 0);
     c.fake.hold_pods(true);
-    refused_together(&c, SESSIONS, "nodeStarting").await?;
+    let mut waiting = waiting_sessions(&c, &[("acme", SESSIONS)]).await?;
+    assert_eq!(pod_posts_settled(&c, 2).await, 2);
+    c.fake.hold_pod_creates(false);
+    each_refused(waiting.remove(0), "nodeStarting").await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let late = said(&c, "StartTimeout");
     eprintln!("measured: {SESSIONS} sessions refused by a late pod: {late} StartTimeout");
-    assert_eq!(requests_like(&c, "POST /api/v1/namespaces/codex/pods"), 2);
+    assert_eq!(pod_posts(&c), 2);
     said_once(&c, "Created");
     said_once(&c, "StartTimeout");
     let m = c.metrics(0).await?;
@@ -626,9 +661,13 @@ async fn refused_start_after(
     tenant: &str,
     delay: Duration,
 ) -> anyhow::Result<(Value, Duration, u16)> {
-    let mut a =
-        Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token(tenant))).await?;
+    let a = Client::connect(&c.edges[0].url(), &c.files.ca, Some(&c.files.token(tenant))).await?;
     tokio::time::sleep(delay).await;
+    refused_start_on(a).await
+}
+
+/// [`refused_start`] of a session already connected.
+async fn refused_start_on(mut a: Client) -> anyhow::Result<(Value, Duration, u16)> {
     let started = Instant::now();
     a.send(&json!({ "id": 1, "method": "initialize", "params": { "clientInfo": { "name": "t", "title": null, "version": "0" } } }))
         .await?;
@@ -1071,7 +1110,11 @@ async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced
     c.fake.fail_image_pulls(true);
     // Several sessions wait on the pod; each is refused with the cause, which is counted and
     // said (an Event) once.
-    let refused = futures_util::future::join_all((0..4).map(|_| refused_start(&c, "acme"))).await;
+    let mut waiting = waiting_sessions(&c, &[("acme", 4)]).await?;
+    assert_eq!(pod_posts_settled(&c, 1).await, 1);
+    c.fake.hold_pod_creates(false);
+    let refused =
+        futures_util::future::join_all(waiting.remove(0).into_iter().map(refused_start_on)).await;
     for r in refused {
         let (answer, took, close) = r?;
         assert_eq!(

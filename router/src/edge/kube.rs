@@ -258,10 +258,14 @@ impl KubeNodes {
                     let cause = cause(v.pull_failure.as_deref().unwrap_or(""));
                     // Every session waiting on the pod sees its failure at once: the first
                     // counts it, says it and deletes the pod; all are refused with its cause.
-                    let first = lock(&self.state)
-                        .replacing
-                        .insert(v.uid.clone(), "image")
-                        .is_none();
+                    // (A replacement already under way keeps its own reason.)
+                    let first = match lock(&self.state).replacing.entry(v.uid.clone()) {
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert("image");
+                            true
+                        }
+                        std::collections::hash_map::Entry::Occupied(_) => false,
+                    };
                     if first {
                         self.metrics
                             .start_failures

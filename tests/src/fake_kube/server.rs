@@ -159,12 +159,11 @@ pub(super) async fn handle(
                 return status(400, "BadRequest", "not JSON");
             };
             if kind == Kind::Pod {
+                let mut held = inner.creates_held.subscribe();
+                if held.wait_for(|held| !*held).await.is_err() {
+                    return status(503, "ServiceUnavailable", "the fake is stopping");
+                }
                 gather(&inner).await;
-                let latency = *inner
-                    .create_latency
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                tokio::time::sleep(latency).await;
             }
             create(&inner, kind, &ns, object)
         }

@@ -69,7 +69,7 @@ impl KubeMetrics {
             start_failures: IntCounterVec::new(
                 Opts::new(
                     "codex_fleet_node_start_failures_total",
-                    "Tenant nodes that did not start: timeout, failed (pod Failed before ready), api (transient API errors, retried), forbidden and invalid (refused by the API server, not retried).",
+                    "Tenant nodes that did not start: timeout (per session refused), failed (pod Failed before ready) and image (it cannot pull its image), per pod; api (transient API errors, retried), forbidden and invalid (refused by the API server, not retried), per create an edge sent.",
                 ),
                 &["reason"],
             )?,

@@ -22,9 +22,9 @@
 //! again, so nothing waits on a session that is gone. Entries exist only for configured tenants
 //! (dropped on reload), so a tenant's name cannot grow the map.
 //!
-//! `StartTimeout` Events are likewise one per pod that did not become ready (one per
-//! `start_timeout_secs` while no pod exists), however many sessions it refused; every refused
-//! session is still counted in `codex_fleet_node_start_failures_total{reason="timeout"}`.
+//! `StartTimeout` Events are likewise one per pod that did not become ready (and per
+//! `start_timeout_secs` it stays so), however many sessions it refused; every refused session is
+//! still counted in `codex_fleet_node_start_failures_total{reason="timeout"}`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -122,8 +122,9 @@ impl Starts {
 // === impl TenantStart ===
 
 impl TenantStart {
-    /// Whether a `StartTimeout` Event about `pod` is due now: none yet, or the last was about
-    /// another pod, or (no pod) longer than `every` ago.
+    /// Whether a `StartTimeout` Event about `pod` is due now: none yet, the last was about
+    /// another pod, or it was `every` ago or longer (a pod late again, days after it served, is
+    /// news; the sessions of one late start are not).
     pub(super) fn timeout_event_due(
         &self,
         pod: Option<&str>,
@@ -136,9 +137,9 @@ impl TenantStart {
             .unwrap_or_else(PoisonError::into_inner);
         let due = match &*last {
             None => true,
-            Some((_, Some(uid))) if Some(uid.as_str()) != pod => true,
-            Some((_, Some(_))) => false,
-            Some((at, None)) => pod.is_some() || now.saturating_duration_since(*at) >= every,
+            Some((at, about)) => {
+                about.as_deref() != pod || now.saturating_duration_since(*at) >= every
+            }
         };
         if due {
             *last = Some((now, pod.map(str::to_owned)));
@@ -228,7 +229,7 @@ mod tests {
     }
 
     #[test]
-    fn one_start_timeout_event_per_pod_and_one_per_period_without_one() {
+    fn one_start_timeout_event_per_late_pod_and_period() {
         let s = TenantStart::default();
         let t0 = Instant::now();
         let every = Duration::from_secs(120);
@@ -236,17 +237,23 @@ mod tests {
         assert!(s.timeout_event_due(None, t0, every));
         assert!(!s.timeout_event_due(None, t0 + Duration::from_secs(119), every));
         assert!(s.timeout_event_due(None, t0 + every, every));
-        // A pod that does not become ready: once, however many sessions it refuses, however long.
+        // A pod that does not become ready: once per period, however many sessions it refuses.
         assert!(s.timeout_event_due(Some("uid-1"), t0 + every, every));
-        for later in [1, 120, 3600] {
+        for later in [1, 60, 119] {
             assert!(!s.timeout_event_due(
                 Some("uid-1"),
                 t0 + every + Duration::from_secs(later),
                 every
             ));
         }
-        // Its replacement is news.
-        assert!(s.timeout_event_due(Some("uid-2"), t0 + every * 40, every));
+        // Late again, a period on (or days later, after it served): news again.
+        assert!(s.timeout_event_due(Some("uid-1"), t0 + every * 2, every));
+        // Its replacement is news at once.
+        assert!(s.timeout_event_due(
+            Some("uid-2"),
+            t0 + every * 2 + Duration::from_secs(1),
+            every
+        ));
     }
 
     #[test]
