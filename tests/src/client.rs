@@ -235,6 +235,14 @@ impl Client {
         }
     }
 
+    /// The error answers kept in the backlog (none, when every request got the answer waited for).
+    pub fn backlog_errors(&self) -> Vec<&Value> {
+        self.backlog
+            .iter()
+            .filter(|v| v.get("error").is_some())
+            .collect()
+    }
+
     /// The next message matching `pred`, from the backlog first; others are kept in the backlog.
     pub async fn wait_for(&mut self, pred: impl FnMut(&Value) -> bool) -> anyhow::Result<Value> {
         self.wait_for_within(pred, STEP).await

@@ -539,11 +539,7 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
     // The session still works, and nothing else arrived in between.
     let r = c.call("thread/loaded/list", json!({})).await?;
     assert!(r.get("result").is_some(), "{r}");
-    assert!(
-        c.backlog.iter().all(|v| v.get("error").is_none()),
-        "{:?}",
-        c.backlog
-    );
+    assert!(c.backlog_errors().is_empty(), "{:?}", c.backlog);
     assert_eq!(
         fleet
             .metric(

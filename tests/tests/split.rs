@@ -218,6 +218,48 @@ async fn a_tenant_s_request_rate_is_exact_across_edges() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Malformed input through an edge gets the answer `serve` gives it (tests/tests/admission.rs,
+/// `bad_input_gets_its_defined_answer`): the JSON-RPC error with a null id, the session going on.
+/// The long id matters most here: an edge keeps the id of each request in flight to route its
+/// answer, and one over 1 KiB is refused (and not kept) before any worker sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_through_an_edge_gets_the_answer_serve_gives() -> anyhow::Result<()> {
+    let s = Split::start(&[("acme", "n1")], 1, "").await?;
+    let mut c = s.client(0, "acme").await?;
+    let long_id = format!(
+        r#"{{"id":"{}","method":"thread/loaded/list","params":{{}}}}"#,
+        "i".repeat(1100)
+    );
+    for (frame, code) in [
+        ("{this is not json", -32700),
+        (
+            r#"[{"id":1,"method":"thread/loaded/list","params":{}}]"#,
+            -32600,
+        ),
+        ("42", -32600),
+        (
+            r#"{"id":null,"method":"thread/loaded/list","params":{}}"#,
+            -32600,
+        ),
+        (
+            r#"{"id":3.5,"method":"thread/loaded/list","params":{}}"#,
+            -32600,
+        ),
+        (r#"{"id":7}"#, -32600),
+        (long_id.as_str(), -32600),
+    ] {
+        c.send_text(frame).await?;
+        let v = c.wait_for(|v| v.get("error").is_some()).await?;
+        assert!(v["id"].is_null(), "{frame}: {v}");
+        assert_eq!(v["error"]["code"], code, "{frame}: {v}");
+    }
+    let r = c.call("thread/loaded/list", json!({})).await?;
+    assert!(r.get("result").is_some(), "{r}");
+    // Nothing else arrived in between: one answer each.
+    assert!(c.backlog_errors().is_empty(), "{:?}", c.backlog);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_edge_closes_with_1001_while_the_node_finishes_the_turn() -> anyhow::Result<()> {
     let mut s = Split::start(&[("acme", "n1")], 2, "").await?;
