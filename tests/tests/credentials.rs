@@ -769,11 +769,8 @@ async fn the_certificate_rotates_in_place_and_a_broken_one_is_refused() -> anyho
     fleet.stop().await
 }
 
-#[tokio::test]
-async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
-) -> anyhow::Result<()> {
-    let fleet = fleet().await?;
-    let mut c = open(&fleet, &acme_jwt("approver@acme", 600)).await?;
+/// A new thread's turn asks to run a command, and `c` accepts: the thread and the turn's frames.
+async fn run_an_approved_command(c: &mut Client) -> anyhow::Result<(String, Vec<Value>)> {
     let thread = c.start_thread().await?;
     c.start_turn(&thread, "please RUNSHELL").await?;
     let ask = c
@@ -782,6 +779,15 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     c.send(&json!({ "id": ask["id"], "result": { "decision": "accept" } }))
         .await?;
     let msgs = c.until_turn_completed(&thread).await?;
+    Ok((thread, msgs))
+}
+
+#[tokio::test]
+async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
+) -> anyhow::Result<()> {
+    let fleet = fleet().await?;
+    let mut c = open(&fleet, &acme_jwt("approver@acme", 600)).await?;
+    let (thread, msgs) = run_an_approved_command(&mut c).await?;
     assert!(msgs
         .iter()
         .any(|m| m["method"] == "item/completed"
@@ -849,6 +855,132 @@ async fn the_audit_log_holds_an_approval_its_command_decision_and_who_answered(
     assert!(order.iter().all(Option::is_some), "{order:?}");
     assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
     assert_no_secrets(&fleet, &[])?;
+    fleet.stop().await
+}
+
+/// The audit log is every tenant's: one tenant flooding it with host-access denials (here 9000,
+/// as fast as its admission lets it) while another tenant's approval is asked and decided gets a
+/// bounded number of records of its own, drops none of the other's, and leaves every one of its
+/// denials accounted for exactly once (a record, or a count in a later record of the same
+/// session, or in the one it writes when it ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_flood_of_denials_leaves_another_tenants_audit_whole() -> anyhow::Result<()> {
+    const CONNECTIONS: usize = 3;
+    const PER_CONNECTION: usize = 3000;
+    const CHUNK: usize = 100;
+    let files = FleetBuilder::new()
+        .tenant("acme")
+        .tenant("beta")
+        .limits_toml(
+            "tenant_rps = 1000000\ntenant_burst = 1000000\nconn_fps = 1000000\nconn_burst = 1000000",
+        )
+        .prepare()
+        .await?;
+    let mut toml = std::fs::read_to_string(&files.config)?;
+    toml.push_str(&format!(
+        "\n[audit]\npath = \"{}\"\n",
+        files.dir.path().join("audit.jsonl").display()
+    ));
+    router::fsutil::write_private(&files.config, &toml)?;
+    let fleet = files.start().await?;
+    let deny = r#"{"id":ID,"method":"config/value/write","params":{"keyPath":"model","value":"x","mergeStrategy":"replace"}}"#;
+    let flood = |mut c: Client| async move {
+        for chunk in 0..PER_CONNECTION / CHUNK {
+            for i in 0..CHUNK {
+                c.send_text(&deny.replace("ID", &(chunk * CHUNK + i + 100).to_string()))
+                    .await?;
+            }
+            for _ in 0..CHUNK {
+                let v = c.wait_for(|v| v.get("error").is_some()).await?;
+                anyhow::ensure!(v["error"]["code"] == -32003, "{v}");
+            }
+        }
+        c.close().await;
+        anyhow::Ok(())
+    };
+    let mut hogs = Vec::new();
+    for _ in 0..CONNECTIONS {
+        hogs.push(open(&fleet, &fleet.files.token("beta")).await?);
+    }
+    let mut c = open(&fleet, &fleet.files.token("acme")).await?;
+    let started = std::time::Instant::now();
+    let decided = async {
+        run_an_approved_command(&mut c)
+            .await
+            .map(|(thread, _)| thread)
+    };
+    let (floods, thread) = tokio::join!(
+        futures_util::future::join_all(hogs.into_iter().map(flood)),
+        decided
+    );
+    let elapsed = started.elapsed();
+    let thread = thread?;
+    for f in floods {
+        f?;
+    }
+    c.close().await;
+    let denials = CONNECTIONS * PER_CONNECTION;
+    // Every session has ended (and written what it still counted).
+    let ended = testkit::wait_until_async(Duration::from_secs(30), || async {
+        audit_events(&fleet)
+            .unwrap_or_default()
+            .iter()
+            .filter(|e| e["event"] == "session.ended")
+            .count()
+            == CONNECTIONS + 1
+    })
+    .await;
+    assert!(ended, "sessions not ended");
+    let events = audit_events(&fleet)?;
+    let of = |tenant: &str, event: &str| -> Vec<&Value> {
+        events
+            .iter()
+            .filter(|e| e["tenant"] == tenant && e["event"] == event)
+            .collect()
+    };
+    let records = of("beta", "access.denied");
+    let counted: u64 = records
+        .iter()
+        .map(|e| e["suppressed"].as_u64().unwrap_or(0))
+        .sum::<u64>()
+        + of("beta", "access.denied.suppressed")
+            .iter()
+            .map(|e| e["count"].as_u64().unwrap_or(0))
+            .sum::<u64>();
+    eprintln!(
+        "measured: {denials} denials in {elapsed:?}: {} records, {counted} counted in them; \
+         the other tenant's approval asked and answered meanwhile",
+        records.len()
+    );
+    let allowed = 100 + 10 * elapsed.as_secs() as usize + 10;
+    assert!(
+        records.len() <= allowed,
+        "{} records for {denials} denials in {elapsed:?}",
+        records.len()
+    );
+    assert_eq!(
+        records.len() as u64 + counted,
+        denials as u64,
+        "each denial is a record or counted once"
+    );
+    let asked = of("acme", "approval.requested");
+    let answered = of("acme", "approval.answered");
+    assert_eq!((asked.len(), answered.len()), (1, 1), "{events:?}");
+    assert_eq!(answered[0]["thread"], thread.as_str());
+    assert_eq!(answered[0]["decision"], "accept");
+    assert_eq!(
+        fleet.metric("codex_fleet_audit_dropped_total", &[]).await?,
+        0.0
+    );
+    assert_eq!(
+        fleet
+            .metric(
+                "codex_fleet_client_errors_total",
+                &[("reason", "host_access_denied")]
+            )
+            .await?,
+        denials as f64
+    );
     fleet.stop().await
 }
 
