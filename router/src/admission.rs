@@ -396,6 +396,16 @@ pub struct Admission {
     leg_bytes: Mutex<HashMap<String, Arc<TenantLegBytes>>>,
     /// Per tenant: its sockets' read buffers grown by large frames ([`HeldBuffer`]).
     held: Mutex<HashMap<String, Arc<AtomicUsize>>>,
+    /// Requests' costly steps running off the runtime at once, all tenants together
+    /// ([`Admission::costly_work`]).
+    costly_work: Arc<Semaphore>,
+}
+
+/// How many costly steps run off the runtime at once ([`Admission::costly_work`]): half the
+/// cores, at least one.
+fn costly_parallelism() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    (cores / 2).max(1)
 }
 
 /// Locks a mutex; a panic elsewhere while holding it leaves plain counters, still usable.
@@ -441,7 +451,15 @@ impl Admission {
             queued: Mutex::new(HashMap::new()),
             leg_bytes: Mutex::new(HashMap::new()),
             held: Mutex::new(HashMap::new()),
+            costly_work: Arc::new(Semaphore::new(costly_parallelism())),
         }))
+    }
+
+    /// The process's turns at a request's costly step (a host-access check too costly to run
+    /// inline, the parse of a frame over a MiB), which runs off the runtime: half the cores at
+    /// once, all tenants together, at least one.
+    pub fn costly_work(&self) -> Arc<Semaphore> {
+        self.costly_work.clone()
     }
 
     /// Applies a reloaded configuration. Counters (connections, active turns, permits held)

@@ -4,12 +4,11 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use serde_json::json;
 use serde_json::value::RawValue;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
@@ -200,18 +199,19 @@ impl Session {
 
     /// The two permits a costly step of a request takes before it runs off the runtime: its
     /// tenant's (one at a time per tenant, so a tenant's costly steps wait for each other), then
-    /// the process's ([`COSTLY_WORK`], so all tenants' together take at most half the cores and
-    /// the memory of that many at once; a tenant waits there with one step at most, so tenants
-    /// take turns). The session waits for them, and for the step, itself: its client's next
-    /// frames wait, and the tenant's other costly steps. The session ends instead if the fleet
-    /// shuts down or its credential ends first ([`Session::until_ended`]). Counted, with the
-    /// wait, in `codex_fleet_costly_steps_total` and `codex_fleet_costly_wait_seconds_total`.
+    /// the process's ([`crate::admission::Admission::costly_work`], so all tenants' together take
+    /// at most half the cores and the memory of that many at once; a tenant waits there with one
+    /// step at most, so tenants take turns). The session waits for them, and for the step,
+    /// itself: its client's next frames wait, and the tenant's other costly steps. The session
+    /// ends instead if the fleet shuts down or its credential ends first
+    /// ([`Session::until_ended`]). Counted, with the wait, in `codex_fleet_costly_steps_total`
+    /// and `codex_fleet_costly_wait_seconds_total`.
     async fn costly_permits(&self, step: CostlyStep) -> Result<CostlyPermits, End> {
         let waiting = CostlyWait::start(&self.ctx.metrics, self.tenant());
         let permits = self
             .until_ended(async {
                 let tenant = self.ctx.tenant.costly_work.clone().acquire_owned().await;
-                let all = COSTLY_WORK.acquire().await;
+                let all = self.ctx.admission.costly_work().acquire_owned().await;
                 tenant.ok().zip(all.ok())
             })
             .await?
@@ -621,15 +621,8 @@ fn opt_outs(list: &serde_json::Value) -> HashSet<Box<str>> {
         .collect()
 }
 
-/// How many costly steps of requests ([`Session::costly_permits`]) run off the runtime at once,
-/// all tenants together: half the cores, at least one.
-static COSTLY_WORK: LazyLock<Semaphore> = LazyLock::new(|| {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    Semaphore::new((cores / 2).max(1))
-});
-
 /// The permits a costly step holds while it runs: its tenant's, then the process's.
-type CostlyPermits = (OwnedSemaphorePermit, SemaphorePermit<'static>);
+type CostlyPermits = (OwnedSemaphorePermit, OwnedSemaphorePermit);
 
 /// A session's wait for a costly step's turn: in `codex_fleet_costly_waiting` while it lasts,
 /// and in `codex_fleet_costly_wait_seconds_total` when it ends, however it ends.

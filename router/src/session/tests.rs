@@ -525,14 +525,8 @@ pub(super) mod in_memory {
     /// counted, its wait is. When the turn comes, the step runs and is counted with its wait.
     /// Both costly steps: the parse of a frame over a MiB, a host-access check too costly to run
     /// inline.
-    /// Held by the tests whose sessions take the process's turn at costly work (`COSTLY_WORK`,
-    /// shared by every test in this process): one waiting for a turn another holds would see
-    /// its paused clock run out.
-    static COSTLY_TESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
     #[tokio::test(start_paused = true)]
     async fn a_session_waiting_for_a_costly_step_still_ends_with_its_credential() {
-        let _one = COSTLY_TESTS.lock().await;
         let p = Process::new("", "", "");
         let large = json!({
             "id": 1, "method": "thread/list",
@@ -605,7 +599,6 @@ pub(super) mod in_memory {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_credential_revoked_while_a_large_frame_is_parsed_ends_the_session_before_it_goes_on()
     {
-        let _one = COSTLY_TESTS.lock().await;
         let p = Process::new("", "", "");
         let large = json!({
             "id": 1, "method": "thread/list",
