@@ -222,7 +222,8 @@ impl KubeNodes {
     /// for up to `start_timeout_secs`.
     pub async fn locate(&self, tenant: &str) -> Result<PodTarget, StartError> {
         let timeout = Duration::from_secs(self.settings.start_timeout_secs);
-        let deadline = Instant::now() + timeout;
+        let arrived = Instant::now();
+        let deadline = arrived + timeout;
         let mut changes = self.changes.subscribe();
         let mut created_here = false;
         loop {
@@ -290,7 +291,7 @@ impl KubeNodes {
                     self.force_delete(tenant, &v).await;
                 }
                 Some(_) => {} // starting, or going away: the watch will tell
-                None => created_here |= self.start_once(tenant, deadline).await?,
+                None => created_here |= self.start_once(tenant, arrived, deadline).await?,
             }
             let now = Instant::now();
             if now >= deadline {
@@ -329,12 +330,17 @@ impl KubeNodes {
     /// A session that found no pod takes its tenant's turn at the create ([`starts`]): posts the
     /// pod unless, by then, the view has it or the last create's answer still stands. `Ok(true)`
     /// when this session created it; `Ok(false)` to wait on the watch (also when `deadline`
-    /// passes in the queue: the caller's deadline check answers).
-    async fn start_once(&self, tenant: &str, deadline: Instant) -> Result<bool, StartError> {
+    /// passes in the queue: the caller's deadline check answers). The session has waited for the
+    /// pod since `arrived`: a refusal that came since is its answer too.
+    async fn start_once(
+        &self,
+        tenant: &str,
+        arrived: Instant,
+        deadline: Instant,
+    ) -> Result<bool, StartError> {
         let Some(start) = self.starts.of(tenant, self.knows(tenant)) else {
             return Ok(false); // not a tenant of this edge's: nothing to create
         };
-        let queued = Instant::now();
         let Ok(mut last) = tokio::time::timeout_at(deadline, start.create.lock()).await else {
             return Ok(false);
         };
@@ -342,7 +348,7 @@ impl KubeNodes {
         if lock(&self.state).pods.contains_key(tenant) {
             return Ok(false);
         }
-        let base = match last.as_ref().map(|l| l.next(Instant::now(), queued)) {
+        let base = match last.as_ref().map(|l| l.next(Instant::now(), arrived)) {
             None => None,
             Some(Next::Post { base }) => base,
             Some(Next::Wait) => return Ok(false),

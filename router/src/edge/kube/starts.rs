@@ -12,10 +12,11 @@
 //!   further create until [`EXISTS_FOR`] has passed; the sessions wait on the watch.
 //! - a transient failure: no further create before its back-off ends (one back-off per tenant,
 //!   doubling across the sessions' tries, not one per session).
-//! - a refusal (quota, PodSecurity, an invalid spec): the sessions that queued behind it are
-//!   refused with the same cause, counted and written as an Event once. A session that arrives
-//!   after it tries again (an operator who mended the namespace's policy expects the next
-//!   connection to start): one create at a time still.
+//! - a refusal (quota, PodSecurity, an invalid spec): every session already waiting when it came
+//!   (queued behind the create, or waiting on the watch) is refused with the same cause, counted
+//!   and written as an Event once. A session that arrives after it tries again (an operator who
+//!   mended the namespace's policy expects the next connection to start): one create at a time
+//!   still.
 //!
 //! A session's own deadline still bounds its wait, the queue for the create included. A session
 //! that leaves (its client closed) while posting drops its create; the next in the queue looks
@@ -151,9 +152,9 @@ impl TenantStart {
 // === impl Last ===
 
 impl Last {
-    /// What a session that finds no pod does, `now`, after this answer; it began waiting for
-    /// its turn at `queued` (a refusal stands for the sessions that waited on it).
-    pub(super) fn next(&self, now: Instant, queued: Instant) -> Next {
+    /// What a session that finds no pod does, `now`, after this answer; it has waited for the
+    /// tenant's pod since `waiting_since` (a refusal stands for the sessions already waiting).
+    pub(super) fn next(&self, now: Instant, waiting_since: Instant) -> Next {
         let since = now.saturating_duration_since(self.at);
         match &self.answer {
             Answer::Created => Next::Post { base: None },
@@ -161,7 +162,7 @@ impl Last {
             Answer::Exists => Next::Post { base: None },
             Answer::Transient { retry_at, .. } if now < *retry_at => Next::Wait,
             Answer::Transient { base, .. } => Next::Post { base: Some(*base) },
-            Answer::Refused(e) if queued <= self.at => Next::Fail(e.clone()),
+            Answer::Refused(e) if waiting_since <= self.at => Next::Fail(e.clone()),
             Answer::Refused(_) => Next::Post { base: None },
         }
     }
@@ -207,15 +208,15 @@ mod tests {
             last(t0, transient).next(t0 + ms(300), t0),
             Next::Post { base: Some(b) } if b == ms(250)
         ));
-        // A refusal: the same answer for the sessions that queued behind it (however long
-        // they waited for the lock), a new try for one that came after it.
+        // A refusal: the same answer for the sessions already waiting (however long), a new try
+        // for one that came after it.
         let refused = Answer::Refused(StartError::Refused {
             reason: "forbidden",
             cause: "403 quota".into(),
         });
-        for queued in [t0 - ms(5000), t0] {
+        for waiting_since in [t0 - ms(5000), t0] {
             assert!(matches!(
-                last(t0, refused.clone()).next(t0 + ms(10), queued),
+                last(t0, refused.clone()).next(t0 + ms(10), waiting_since),
                 Next::Fail(StartError::Refused {
                     reason: "forbidden",
                     ..
