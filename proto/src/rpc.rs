@@ -129,7 +129,7 @@ pub enum ParseError {
     #[error("Invalid request: not a JSON-RPC request, notification or response")]
     NotJsonRpc,
     /// `id` longer than [`MAX_ID_BYTES`].
-    #[error("Invalid request: id longer than 1024 bytes")]
+    #[error("Invalid request: id longer than {MAX_ID_BYTES} bytes")]
     LongId,
 }
 

@@ -67,7 +67,8 @@ pub use rejection::{rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADE
 /// A limiter keyed by `K`, on tokio's clock.
 type KeyedLimiter<K> = RateLimiter<K, DefaultKeyedStateStore<K>, TokioClock, NoOpMiddleware<Nanos>>;
 /// A limiter for one thing, on tokio's clock.
-type DirectLimiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>;
+pub(crate) type DirectLimiter =
+    RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>;
 
 /// The admission keys of `[limits]` (flattened there): every rate and cap admission enforces.
 /// All have defaults.

@@ -227,12 +227,7 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
     c.fake.gather_pod_creates(2);
     let (a, b) = tokio::join!(c.client(0, "acme"), c.client(1, "acme"));
     let (mut a, mut b) = (a?, b?);
-    let posts = c
-        .fake
-        .requests()
-        .iter()
-        .filter(|r| r.starts_with("POST /api/v1/namespaces/codex/pods"))
-        .count();
+    let posts = pod_posts(&c);
     assert_eq!(posts, 2, "both racing edges tried to create the pod");
     assert_eq!(c.fake.pod_creates(), 1, "one pod, whoever won");
     assert_eq!(c.fake.pod_names(), vec!["codex-fleet-node-acme".to_owned()]);
@@ -666,6 +661,17 @@ async fn refused_start_after(
     refused_start_on(a).await
 }
 
+/// The cause of a start refused `nodeStartFailed` (the answer must be one).
+fn start_failed_cause(answer: &Value) -> anyhow::Result<&str> {
+    assert_eq!(
+        answer["error"]["data"]["reason"], "nodeStartFailed",
+        "{answer}"
+    );
+    answer["error"]["data"]["cause"]
+        .as_str()
+        .with_context(|| format!("a cause in {answer}"))
+}
+
 /// [`refused_start`] of a session already connected.
 async fn refused_start_on(mut a: Client) -> anyhow::Result<(Value, Duration, u16)> {
     let started = Instant::now();
@@ -708,13 +714,7 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
             refused_start_after(&c, "acme", Duration::from_millis(delay)).await?;
         assert_eq!(answer["error"]["code"], -32001, "{answer}");
         assert_eq!(answer["error"]["data"]["scope"], "worker", "{answer}");
-        assert_eq!(
-            answer["error"]["data"]["reason"], "nodeStartFailed",
-            "{answer}"
-        );
-        let cause = answer["error"]["data"]["cause"]
-            .as_str()
-            .context("a cause")?;
+        let cause = start_failed_cause(&answer)?;
         assert!(
             cause.contains(needle) && cause.contains(&code.to_string()),
             "{answer}"
@@ -779,27 +779,15 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
     c.fake.refuse_pod_creates(403, 0);
     c.fake.storage_quota_full(true);
     let (answer, took, _) = refused_start(&c, "beta").await?;
-    assert_eq!(
-        answer["error"]["data"]["reason"], "nodeStartFailed",
-        "{answer}"
-    );
     assert!(
-        answer["error"]["data"]["cause"]
-            .as_str()
-            .is_some_and(|c| c.contains("exceeded quota")),
+        start_failed_cause(&answer)?.contains("exceeded quota"),
         "{answer}"
     );
     assert!(took < Duration::from_secs(15), "{took:?}");
     c.fake.storage_quota_full(false);
     // Transient: 429 three times, then the pod is created and the session served (the backend
     // retries with back-off and jitter; kube's own retry is off, so the deadline holds).
-    let posts = |c: &Cluster| {
-        c.fake
-            .requests()
-            .iter()
-            .filter(|r| r.starts_with("POST /api/v1/namespaces/codex/pods"))
-            .count()
-    };
+    let posts = pod_posts;
     let before = posts(&c);
     c.fake.refuse_pod_creates(429, 3);
     let mut a = c.client(0, "acme").await?;
@@ -1117,13 +1105,7 @@ async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced
         futures_util::future::join_all(waiting.remove(0).into_iter().map(refused_start_on)).await;
     for r in refused {
         let (answer, took, close) = r?;
-        assert_eq!(
-            answer["error"]["data"]["reason"], "nodeStartFailed",
-            "{answer}"
-        );
-        let cause = answer["error"]["data"]["cause"]
-            .as_str()
-            .context("a cause")?;
+        let cause = start_failed_cause(&answer)?;
         assert!(cause.contains("ImagePullBackOff"), "{answer}");
         assert_eq!(close, router::edge::NODE_START_FAILED_CODE);
         assert!(took < Duration::from_secs(15), "answered after {took:?}");

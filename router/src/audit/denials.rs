@@ -12,12 +12,9 @@
 
 use std::num::NonZeroU32;
 
-use governor::middleware::NoOpMiddleware;
-use governor::nanos::Nanos;
-use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 
-use crate::admission::TokioClock;
+use crate::admission::{DirectLimiter, TokioClock};
 
 /// Denial records a tenant gets a second, after [`BURST`].
 pub const PER_SECOND: NonZeroU32 = NonZeroU32::new(10).unwrap();
@@ -26,7 +23,7 @@ pub const BURST: NonZeroU32 = NonZeroU32::new(100).unwrap();
 
 /// One tenant's allowance of denial records.
 pub struct DenialRecords {
-    limiter: RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Nanos>>,
+    limiter: DirectLimiter,
 }
 
 impl DenialRecords {

@@ -259,15 +259,7 @@ impl KubeNodes {
                     let cause = cause(v.pull_failure.as_deref().unwrap_or(""));
                     // Every session waiting on the pod sees its failure at once: the first
                     // counts it, says it and deletes the pod; all are refused with its cause.
-                    // (A replacement already under way keeps its own reason.)
-                    let first = match lock(&self.state).replacing.entry(v.uid.clone()) {
-                        std::collections::hash_map::Entry::Vacant(e) => {
-                            e.insert("image");
-                            true
-                        }
-                        std::collections::hash_map::Entry::Occupied(_) => false,
-                    };
-                    if first {
+                    if self.mark_replacing(&v.uid, "image") {
                         self.metrics
                             .start_failures
                             .with_label_values(&["image"])

@@ -235,7 +235,6 @@ pub(super) fn canonical(path: &Path) -> io::Result<PathBuf> {
         .map_err(io::Error::from)?;
         let kind =
             nix::sys::stat::fstat(&fd).map_err(io::Error::from)?.st_mode & SFlag::S_IFMT.bits();
-        let more = !expanded.is_empty() || rest.clone().next().is_some() || trailing;
         if kind == SFlag::S_IFLNK.bits() {
             links += 1;
             if links > MAX_SYMLINKS {
@@ -272,7 +271,8 @@ pub(super) fn canonical(path: &Path) -> io::Result<PathBuf> {
         resolved.push(&name);
         if kind == SFlag::S_IFDIR.bits() {
             dir = fd;
-        } else if more {
+        } else if !expanded.is_empty() || rest.clone().next().is_some() || trailing {
+            // More to walk below a file.
             return Err(io::Error::from(io::ErrorKind::NotADirectory));
         }
     }

@@ -618,20 +618,21 @@ pub(super) mod in_memory {
                 .with_label_values(&["acme", "parse"])
                 .get()
         };
-        let until = |done: &dyn Fn() -> bool| {
+        // Looks yield to the runtime (a blocked worker thread could hold the session task).
+        async fn until(done: &dyn Fn() -> bool) -> bool {
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             while !done() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             done()
-        };
+        }
         assert!(
-            until(&|| waiting() == 1),
+            until(&|| waiting() == 1).await,
             "the session never waited for its turn"
         );
         // The turn comes: the step is counted, and the parse starts.
         drop(held);
-        assert!(until(&|| parses() == 1), "the parse never started");
+        assert!(until(&|| parses() == 1).await, "the parse never started");
         lease.revoke();
         let mut frames = Vec::new();
         loop {
@@ -1064,26 +1065,24 @@ mod approvals {
         let events = audit_events(&log, "access.denied", BURST.get() as usize).await;
         assert_eq!(count(&events, "access.denied", None), BURST.get() as usize);
         assert!(events.iter().all(|e| e.get("suppressed").is_none()));
+        /// A tenth of a second on (one record's allowance), one denial of `h`'s: the record
+        /// it gets, the `nth` after the burst.
+        async fn next_record(h: &mut Harness, log: &std::path::Path, nth: usize) -> Value {
+            tokio::time::advance(Duration::from_millis(100)).await;
+            deny(h, 0..1);
+            answered(h, 1).await;
+            let events = audit_events(log, "access.denied", BURST.get() as usize + nth).await;
+            events
+                .into_iter()
+                .rfind(|e| e["event"] == "access.denied")
+                .unwrap()
+        }
         // The next record is the colleague's: it carries none of the flooder's count.
-        tokio::time::advance(Duration::from_millis(100)).await;
-        deny(&mut colleague, 0..1);
-        answered(&mut colleague, 1).await;
-        let events = audit_events(&log, "access.denied", BURST.get() as usize + 1).await;
-        let last = events
-            .iter()
-            .rfind(|e| e["event"] == "access.denied")
-            .unwrap();
+        let last = next_record(&mut colleague, &log, 1).await;
         assert_eq!(last["subject"], "colleague", "{last}");
         assert!(last.get("suppressed").is_none(), "{last}");
         // The flooder's next record carries its own.
-        tokio::time::advance(Duration::from_millis(100)).await;
-        deny(&mut flooder, 0..1);
-        answered(&mut flooder, 1).await;
-        let events = audit_events(&log, "access.denied", BURST.get() as usize + 2).await;
-        let last = events
-            .iter()
-            .rfind(|e| e["event"] == "access.denied")
-            .unwrap();
+        let last = next_record(&mut flooder, &log, 2).await;
         assert_eq!(last["subject"], "flooder", "{last}");
         assert_eq!(last["suppressed"], 2 * BURST.get() + 50, "{last}");
         assert_eq!(last["tenant"], "acme", "{last}");

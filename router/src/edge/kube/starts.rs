@@ -20,8 +20,9 @@
 //!
 //! A session's own deadline still bounds its wait, the queue for the create included. A session
 //! that leaves (its client closed) while posting drops its create; the next in the queue looks
-//! again, so nothing waits on a session that is gone. Entries exist only for configured tenants
-//! (dropped on reload), so a tenant's name cannot grow the map.
+//! again, so nothing waits on a session that is gone. Entries exist only for tenants configured
+//! at some point (a reload drops the others; a session racing it may put one back until the
+//! next), so a tenant's name cannot grow the map.
 //!
 //! `StartTimeout` Events are likewise one per pod that did not become ready (and per
 //! `start_timeout_secs` it stays so), however many sessions it refused; every refused session is

@@ -201,6 +201,17 @@ impl KubeNodes {
         self.replace(tenant, v, "upgraded").await;
     }
 
+    /// Marks pod `uid` as being replaced for `why`, unless a replacement of it is already under
+    /// way (which keeps its own reason): whether this call marked it, and so acts on it.
+    pub(super) fn mark_replacing(&self, uid: &str, why: &'static str) -> bool {
+        let mut s = lock(&self.state);
+        if s.replacing.contains_key(uid) {
+            return false;
+        }
+        s.replacing.insert(uid.to_owned(), why);
+        true
+    }
+
     /// Deletes a pod that cannot become ready so the next creation replaces it (on the same
     /// volume); `why` is counted when the new pod is created.
     pub(super) async fn replace(&self, tenant: &str, v: &PodView, why: &'static str) {
