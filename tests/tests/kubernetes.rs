@@ -440,6 +440,83 @@ async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow:
     Ok(())
 }
 
+/// A tenant removed by a reload while its sessions wait for its pod: each of them is closed at
+/// once as revoked (1008), not left to its start timeout; no create follows, no `StartTimeout`
+/// is written nor counted for them, and another tenant's session on the same edge is served
+/// throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_removed_while_its_sessions_wait_for_its_pod_is_told_at_once() -> anyhow::Result<()>
+{
+    const SESSIONS: usize = 4;
+    let c = Cluster::start(Options {
+        tenants: vec!["acme", "beta"],
+        start_timeout_secs: 30,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await, "the watch never synced");
+    let mut beta = c.client(0, "beta").await?;
+    let thread = beta.start_thread().await?;
+    // Acme's pod is created and stays Pending: its sessions wait.
+    c.fake.hold_pods(true);
+    let mut waiting = waiting_sessions(&c, &[("acme", SESSIONS)]).await?;
+    assert_eq!(pod_posts_settled(&c, 2).await, 2, "beta's pod and acme's");
+    c.fake.hold_pod_creates(false);
+    let created = wait_until(Duration::from_secs(10), || {
+        c.fake.pod("codex-fleet-node-acme").is_some()
+    })
+    .await;
+    assert!(created, "acme's pod was never created");
+    let text = std::fs::read_to_string(&c.edge_config)?;
+    let from = text
+        .find("[[tenants]]\nid = \"acme\"")
+        .context("acme's entry")?;
+    let to = from + 1 + text[from + 1..].find("\n[").context("the entry's end")?;
+    std::fs::write(
+        &c.edge_config,
+        format!("{}{}", &text[..from], &text[to + 1..]),
+    )?;
+    let removed = Instant::now();
+    c.edges[0].signal(nix::sys::signal::Signal::SIGHUP)?;
+    let closes = futures_util::future::join_all(
+        waiting[0]
+            .iter_mut()
+            .map(|a| a.recv_close_frame(Duration::from_secs(20))),
+    )
+    .await;
+    let told = removed.elapsed();
+    for close in closes {
+        assert_eq!(
+            close?,
+            Some((1008, router::end::REVOKED_REASON.to_owned())),
+            "a waiting session of a removed tenant is closed as revoked"
+        );
+    }
+    eprintln!("measured: {SESSIONS} waiting sessions of a removed tenant all closed {told:?} after the reload signal (start timeout 30 s)");
+    assert!(told < Duration::from_secs(15), "closed only after {told:?}");
+    turn(&mut beta, &thread, "served while acme went").await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(pod_posts(&c), 2, "no create for a removed tenant");
+    assert_eq!(said(&c, "StartTimeout"), 0);
+    let m = c.metrics(0).await?;
+    assert_eq!(
+        metric(
+            &m,
+            "codex_fleet_node_start_failures_total",
+            &[("reason", "timeout")]
+        ),
+        0.0,
+        "{m}"
+    );
+    // A new session with acme's token is refused at the door.
+    let refused = c.client(0, "acme").await;
+    assert!(
+        refused.is_err(),
+        "a removed tenant's token still opens a session"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_node_exits_its_pod_is_culled_and_the_next_session_resumes_from_the_volume(
 ) -> anyhow::Result<()> {
