@@ -195,19 +195,88 @@ impl Reloader {
     }
 }
 
-/// Sections a reload cannot change (they need a restart), named in a warning.
+/// Sections and settings a reload cannot change (they need a restart), each named in a
+/// warning: what the running listeners, sessions, audit writer and edge were built with.
+/// (Worker settings are compared per tenant by [`Tenants::rebuild`]; `[auth]`, `[limits.*]`
+/// rates and caps, the tenants and their tokens are applied.)
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
-    let mut out = Vec::new();
     let differs =
         |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
-    if differs(&old.listen, &new.listen) {
-        out.push("[listen] changed; it applies after a restart".to_owned());
+    let (o, n) = (&old.limits, &new.limits);
+    let checks: [(&str, &dyn std::fmt::Debug, &dyn std::fmt::Debug); 10] = [
+        ("[listen]", &old.listen, &new.listen),
+        ("[admin]", &old.admin, &new.admin),
+        ("[drain]", &old.drain, &new.drain),
+        ("[audit]", &old.audit, &new.audit),
+        ("[node]", &old.node, &new.node),
+        ("[nodes]", &old.nodes, &new.nodes),
+        (
+            "limits.max_message_bytes",
+            &o.max_message_bytes,
+            &n.max_message_bytes,
+        ),
+        ("limits.client_queue", &o.client_queue, &n.client_queue),
+        (
+            "limits.client_queue_bytes",
+            &o.client_queue_bytes,
+            &n.client_queue_bytes,
+        ),
+        (
+            "limits.tenant_queue_bytes",
+            &o.tenant_queue_bytes,
+            &n.tenant_queue_bytes,
+        ),
+    ];
+    checks
+        .into_iter()
+        .filter(|(_, a, b)| differs(*a, *b))
+        .map(|(what, _, _)| format!("{what} changed; it applies after a restart"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::minimal;
+
+    fn parsed(extra: &str) -> Config {
+        Config::parse(&minimal(extra)).expect("valid")
     }
-    if differs(&old.admin, &new.admin) {
-        out.push("[admin] changed; it applies after a restart".to_owned());
+
+    #[test]
+    fn a_reload_names_each_setting_it_does_not_apply_and_only_those() {
+        let old = parsed("");
+        let same = restart_only_changes(&old, &parsed(""));
+        assert!(same.is_empty(), "{same:?}");
+        // Applied by a reload: no warning here.
+        let applied = parsed("[limits]\ntenant_rps = 7\nmax_connections_per_tenant = 3\n");
+        let none = restart_only_changes(&old, &applied);
+        assert!(none.is_empty(), "{none:?}");
+        for (extra, named) in [
+            ("[admin]\naddr = \"127.0.0.1:9999\"\n", "[admin]"),
+            ("[drain]\ntimeout_secs = 7\n", "[drain]"),
+            ("[audit]\npath = \"/tmp/elsewhere.jsonl\"\n", "[audit]"),
+            ("[audit]\nmax_file_bytes = 1000\n", "[audit]"),
+            (
+                "[limits]\nmax_message_bytes = 65536\n",
+                "limits.max_message_bytes",
+            ),
+            ("[limits]\nclient_queue = 77\n", "limits.client_queue"),
+            (
+                "[limits]\nclient_queue_bytes = 99999999\n",
+                "limits.client_queue_bytes",
+            ),
+            (
+                "[limits]\ntenant_queue_bytes = 99999999\n",
+                "limits.tenant_queue_bytes",
+            ),
+        ] {
+            let warned = restart_only_changes(&old, &parsed(extra));
+            assert_eq!(
+                warned,
+                vec![format!("{named} changed; it applies after a restart")],
+                "{extra}"
+            );
+        }
     }
-    if differs(&old.drain, &new.drain) {
-        out.push("[drain] changed; it applies after a restart".to_owned());
-    }
-    out
 }
