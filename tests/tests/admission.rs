@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use testkit::{agent_text, reply_text, wait_until, Client, FleetBuilder, Upgrade};
+use testkit::{
+    agent_text, reply_text, wait_until, wait_until_async, Client, FleetBuilder, Upgrade,
+};
 use tokio::time::Instant;
 
 /// Generous rates, so a test only meets the limit it is about.
@@ -648,10 +650,21 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
     let sent = reply_text(&format!("MANY{DELTAS} shared"))
         .split_inclusive(' ')
         .count();
-    let dropped = fleet
-        .metric("codex_fleet_client_deltas_dropped_total", &[])
-        .await?
-        - dropped_before;
+    // The counter is the fleet's: deltas the fast subscriber missed may be in it too, so only
+    // drops beyond those are the slow client's. The slow session counts its drops as it takes
+    // the relayed deltas, which may be after the fast one saw its turn end: waited for.
+    let fast_missed = (sent - fast_deltas) as f64;
+    let dropped_now = || async {
+        fleet
+            .metric("codex_fleet_client_deltas_dropped_total", &[])
+            .await
+            .map_or(0.0, |v| v - dropped_before)
+    };
+    wait_until_async(Duration::from_secs(10), || async {
+        dropped_now().await > fast_missed
+    })
+    .await;
+    let dropped = dropped_now().await;
     let rss_after = rss_bytes();
     // Small answers now fill its queue to the hard mark.
     for _ in 0..600 {
@@ -674,9 +687,6 @@ async fn a_slow_reader_is_cut_off_without_slowing_a_subscriber_of_the_same_threa
         close,
         Some((1008, "client is not reading fast enough".to_owned()))
     );
-    // The counter is the fleet's: deltas the fast subscriber missed may be in it too, so only
-    // drops beyond those are the slow client's.
-    let fast_missed = (sent - fast_deltas) as f64;
     assert!(
         dropped > fast_missed,
         "deltas above the soft mark are dropped for the slow client: {dropped} dropped, of which \

@@ -451,10 +451,17 @@ async fn every_bad_credential_is_refused_with_401_and_counted_by_reason() -> any
             .await?,
         2.0
     );
-    let failed = audit_events(&fleet)?
-        .iter()
-        .filter(|e| e["event"] == "authentication.failed")
-        .count();
+    // The audit writer is a thread of its own: its records are waited for.
+    let failed = || {
+        audit_events(&fleet).map_or(0, |events| {
+            events
+                .iter()
+                .filter(|e| e["event"] == "authentication.failed")
+                .count()
+        })
+    };
+    testkit::wait_until(Duration::from_secs(10), || failed() >= cases.len() + 2).await;
+    let failed = failed();
     assert!(
         failed >= cases.len() + 2,
         "{failed} authentication.failed events"

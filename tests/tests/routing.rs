@@ -170,6 +170,13 @@ async fn two_clients_share_a_thread_and_the_first_answer_wins() -> anyhow::Resul
     while statuses(&msgs_c, &thread).last().map(String::as_str) != Some("idle") {
         msgs_c.push(c.wait_for(|_| true).await?);
     }
+    // A and B get the thread's status relayed apart from their legs' frames: each reads until
+    // the thread is idle, as C did, so no relayed status is left behind the request below.
+    for (s, msgs) in [(&mut a, &mut msgs_a), (&mut b, &mut msgs_b)] {
+        while statuses(msgs, &thread).last().map(String::as_str) != Some("idle") {
+            msgs.push(s.wait_for(|_| true).await?);
+        }
+    }
     // Every session reads on, past the turn's end, up to the answer of a later request, so a
     // late second copy of a broadcast would be seen too.
     tokio::time::sleep(Duration::from_millis(500)).await;
