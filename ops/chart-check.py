@@ -663,6 +663,7 @@ INVALID = [
     ("single-defaults", {"tenants": [{"id": "acme", "gid": 65534}]}, "/tenants/0/gid"),
     ("single-defaults", {"workers": {"uid_range": [500, 2000]}}, "/workers/uid_range/0"),
     ("kubernetes-defaults", {"nodes": {"kubernetes": {"unknown_key": 1}}}, "unknown_key"),
+    ("single-defaults", {"audit": {"keep_files": 0}}, "/audit/keep_files"),
 ]
 
 

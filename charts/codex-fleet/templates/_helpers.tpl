@@ -183,13 +183,14 @@ addr = "0.0.0.0:9464"
 {{- include "codex-fleet.toml.int" (dict "k" "timeout_secs" "v" .Values.drain.timeout_secs) }}
 
 {{- /* The session audit is the node's (it owns sessions, approvals, threads): always on,
-tenantPod.audit.path ("-": stdout, the pod's log) with audit.queue and audit.max_file_bytes. */}}
+tenantPod.audit.path ("-": stdout, the pod's log) with audit.queue, audit.max_file_bytes and audit.keep_files. */}}
 
 [audit]
 {{- include "codex-fleet.toml.str" (dict "k" "path" "v" (.Values.tenantPod.audit.path | default "-")) }}
 {{- with .Values.audit }}
 {{- include "codex-fleet.toml.int" (dict "k" "queue" "v" .queue) }}
 {{- include "codex-fleet.toml.int" (dict "k" "max_file_bytes" "v" .max_file_bytes) }}
+{{- include "codex-fleet.toml.int" (dict "k" "keep_files" "v" .keep_files) }}
 {{- end }}
 {{- end }}
 

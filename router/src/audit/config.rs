@@ -8,8 +8,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuditConfig {
-    /// A file (appended, rotated to `<path>.1` past `max_file_bytes`) or `-` for stdout; unset:
-    /// no audit log.
+    /// A file (appended, rotated past `max_file_bytes`: `<path>.1` the newest of `keep_files`)
+    /// or `-` for stdout; unset: no audit log.
     #[serde(default)]
     pub path: Option<PathBuf>,
     /// Events queued towards the sink; beyond it events are dropped and counted.
@@ -18,7 +18,13 @@ pub struct AuditConfig {
     /// Size at which the file is rotated.
     #[serde(default = "defaults::audit_max_file_bytes")]
     pub max_file_bytes: u64,
+    /// Rotated files kept (`<path>.1` … `<path>.N`, the oldest dropped at the next rotation).
+    #[serde(default = "defaults::audit_keep_files")]
+    pub keep_files: u32,
 }
+
+/// Most rotated audit files kept.
+pub const MAX_KEEP_FILES: u32 = 1000;
 
 impl Default for AuditConfig {
     fn default() -> Self {
@@ -26,6 +32,7 @@ impl Default for AuditConfig {
             path: None,
             queue: defaults::audit_queue(),
             max_file_bytes: defaults::audit_max_file_bytes(),
+            keep_files: defaults::audit_keep_files(),
         }
     }
 }
@@ -36,5 +43,8 @@ mod defaults {
     }
     pub(super) fn audit_max_file_bytes() -> u64 {
         104_857_600
+    }
+    pub(super) fn audit_keep_files() -> u32 {
+        1
     }
 }

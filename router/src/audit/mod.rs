@@ -89,6 +89,8 @@ enum Sink {
         file: std::fs::File,
         size: u64,
         max: u64,
+        /// Rotated files kept: `<path>.1` (the newest) to `<path>.<keep>`.
+        keep: u32,
     },
 }
 
@@ -114,6 +116,7 @@ impl Audit {
                 file,
                 size,
                 max: cfg.max_file_bytes,
+                keep: cfg.keep_files.max(1),
             }
         };
         let (tx, rx) = mpsc::channel(cfg.queue.max(1));
@@ -269,6 +272,26 @@ fn open_append(path: &std::path::Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
+/// `<path>.<n>` for generation `n`.
+fn generation(path: &std::path::Path, n: u32) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(format!(".{n}"));
+    PathBuf::from(p)
+}
+
+/// Moves each kept generation one up (`<path>.<keep>` is replaced, so dropped), then the full
+/// file to `<path>.1`. A generation missing (fewer rotations so far, or removed by hand) is
+/// skipped.
+fn rotate(path: &std::path::Path, keep: u32) -> std::io::Result<()> {
+    for n in (1..keep).rev() {
+        match std::fs::rename(generation(path, n), generation(path, n + 1)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    std::fs::rename(path, generation(path, 1))
+}
+
 fn write_lines(mut sink: Sink, mut rx: mpsc::Receiver<Entry>) {
     while let Some(entry) = rx.blocking_recv() {
         let (text, done) = match entry {
@@ -300,13 +323,11 @@ impl Sink {
                 file,
                 size,
                 max,
+                keep,
             } => {
                 let len = text.len() as u64 + 1;
                 if *size > 0 && *size + len > *max {
-                    // Rotate: the full file becomes `<path>.1` (replacing the previous one).
-                    let mut old = path.clone().into_os_string();
-                    old.push(".1");
-                    std::fs::rename(&*path, &old)?;
+                    rotate(path, *keep)?;
                     *file = open_append(path)?;
                     *size = 0;
                 }
@@ -360,6 +381,7 @@ mod tests {
             path: Some(path.clone()),
             queue: 4,
             max_file_bytes: 400,
+            keep_files: 1,
         };
         let registry = Registry::new();
         let audit = Audit::start(&cfg, &registry).unwrap();
@@ -388,5 +410,56 @@ mod tests {
             .map(|m| m.get_metric()[0].get_counter().get_value())
             .unwrap();
         assert!(dropped > 0.0, "{dropped}");
+    }
+
+    #[tokio::test]
+    async fn rotation_keeps_the_newest_generations_in_order_and_drops_the_oldest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let cfg = AuditConfig {
+            path: Some(path.clone()),
+            queue: 16,
+            max_file_bytes: 200,
+            keep_files: 3,
+        };
+        let audit = Audit::start(&cfg, &Registry::new()).unwrap();
+        // Each record is over half the bound: one a file, so record n ends in generation 9 - n.
+        for n in 0..10 {
+            audit
+                .record_written("test.event", json!({ "n": n, "pad": "x".repeat(120) }))
+                .await;
+        }
+        let n_in = |p: &std::path::Path| -> Vec<i64> {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(|l| {
+                    serde_json::from_str::<Value>(l).unwrap()["n"]
+                        .as_i64()
+                        .unwrap()
+                })
+                .collect()
+        };
+        assert_eq!(n_in(&path), [9]);
+        for g in 1..=3 {
+            assert_eq!(
+                n_in(&generation(&path, g)),
+                [9 - i64::from(g)],
+                "generation {g}"
+            );
+        }
+        assert!(
+            !generation(&path, 4).exists(),
+            "only keep_files generations are kept"
+        );
+        // Every kept generation stays private.
+        use std::os::unix::fs::PermissionsExt;
+        for g in 1..=3 {
+            let mode = std::fs::metadata(generation(&path, g))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "generation {g}");
+        }
     }
 }

@@ -167,6 +167,21 @@ fn workers_run_at_the_fleets_priority_by_default_and_nice_stays_in_the_kernels_r
 }
 
 #[test]
+fn audit_keep_files_is_one_to_a_thousand() {
+    let keep = |n: i64| Config::parse(&minimal(&format!("[audit]\nkeep_files = {n}\n")));
+    assert_eq!(keep(1).expect("valid").audit.keep_files, 1);
+    assert_eq!(keep(1000).expect("valid").audit.keep_files, 1000);
+    for n in [0, 1001] {
+        let err = keep(n).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("audit.keep_files must be 1 to 1000"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn unknown_keys_are_refused_by_name() {
     let err = Config::parse(&minimal("bogus_key = 1\n")).unwrap_err();
     assert!(err.to_string().contains("bogus_key"), "{err}");
@@ -442,6 +457,7 @@ fn a_minimal_config_gets_the_documented_defaults() {
         ("audit.path", "unset".to_owned()),
         ("audit.queue", cfg.audit.queue.to_string()),
         ("audit.max_file_bytes", cfg.audit.max_file_bytes.to_string()),
+        ("audit.keep_files", cfg.audit.keep_files.to_string()),
     ];
     let docs = [
         include_str!("../../../docs/configuration.md"),

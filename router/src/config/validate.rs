@@ -39,6 +39,13 @@ impl Config {
                 self.workers.nice
             ));
         }
+        let keep = self.audit.keep_files;
+        if !(1..=crate::audit::config::MAX_KEEP_FILES).contains(&keep) {
+            return bad(format!(
+                "audit.keep_files must be 1 to {}, got {keep}",
+                crate::audit::config::MAX_KEEP_FILES
+            ));
+        }
         if self.workers.thread_unload_delay_secs > 365 * 24 * 3600 {
             return bad("workers.thread_unload_delay_secs is larger than a year".into());
         }
