@@ -17,6 +17,38 @@ use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 use crate::process::codex_bin;
 use crate::wait::STEP;
 
+/// Malformed text frames and the JSON-RPC error code each is answered with (its `id` null),
+/// the same through `serve` and through an edge: not JSON, a batch, a bare value, ids the
+/// protocol does not allow (null, fractional), no method, and an id over the 1 KiB kept for
+/// an answer.
+pub fn bad_frames() -> Vec<(String, i64)> {
+    let long_id = format!(
+        r#"{{"id":"{}","method":"thread/loaded/list","params":{{}}}}"#,
+        "i".repeat(1100)
+    );
+    [
+        ("{this is not json", -32700),
+        (
+            r#"[{"id":1,"method":"thread/loaded/list","params":{}}]"#,
+            -32600,
+        ),
+        ("42", -32600),
+        (
+            r#"{"id":null,"method":"thread/loaded/list","params":{}}"#,
+            -32600,
+        ),
+        (
+            r#"{"id":3.5,"method":"thread/loaded/list","params":{}}"#,
+            -32600,
+        ),
+        (r#"{"id":7}"#, -32600),
+        (long_id.as_str(), -32600),
+    ]
+    .into_iter()
+    .map(|(f, code)| (f.to_owned(), code))
+    .collect()
+}
+
 /// A JSON-RPC client over wss, as the protocol manual describes one.
 pub struct Client {
     ws: WebSocketStream<MaybeTlsStream<TcpStream>>,

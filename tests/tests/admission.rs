@@ -508,25 +508,12 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
         assert!(v["id"].is_null(), "{v}");
         assert_eq!(v["error"]["code"], code, "{v}");
     };
-    c.send_text("{this is not json").await?;
-    bad_request(&next_error(&mut c).await?, -32700);
     // An id is kept until its request is answered: one over 1 KiB is refused, not kept.
-    let long_id = format!(
-        r#"{{"id":"{}","method":"thread/loaded/list","params":{{}}}}"#,
-        "i".repeat(1100)
-    );
-    for frame in [
-        r#"[{"id":1,"method":"thread/loaded/list","params":{}}]"#,
-        "42",
-        r#"{"id":null,"method":"thread/loaded/list","params":{}}"#,
-        r#"{"id":3.5,"method":"thread/loaded/list","params":{}}"#,
-        r#"{"id":7}"#,
-        &long_id,
-    ] {
-        c.send_text(frame).await?;
+    for (frame, code) in testkit::bad_frames() {
+        c.send_text(&frame).await?;
         let v = next_error(&mut c).await?;
-        bad_request(&v, -32600);
-        eprintln!("{frame} -> {}", v["error"]["message"]);
+        bad_request(&v, code);
+        eprintln!("{frame:.80} -> {}", v["error"]["message"]);
     }
     c.send_binary(b"{\"id\":1}".to_vec()).await?;
     let v = next_error(&mut c).await?;

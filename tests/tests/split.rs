@@ -226,29 +226,8 @@ async fn a_tenant_s_request_rate_is_exact_across_edges() -> anyhow::Result<()> {
 async fn bad_input_through_an_edge_gets_the_answer_serve_gives() -> anyhow::Result<()> {
     let s = Split::start(&[("acme", "n1")], 1, "").await?;
     let mut c = s.client(0, "acme").await?;
-    let long_id = format!(
-        r#"{{"id":"{}","method":"thread/loaded/list","params":{{}}}}"#,
-        "i".repeat(1100)
-    );
-    for (frame, code) in [
-        ("{this is not json", -32700),
-        (
-            r#"[{"id":1,"method":"thread/loaded/list","params":{}}]"#,
-            -32600,
-        ),
-        ("42", -32600),
-        (
-            r#"{"id":null,"method":"thread/loaded/list","params":{}}"#,
-            -32600,
-        ),
-        (
-            r#"{"id":3.5,"method":"thread/loaded/list","params":{}}"#,
-            -32600,
-        ),
-        (r#"{"id":7}"#, -32600),
-        (long_id.as_str(), -32600),
-    ] {
-        c.send_text(frame).await?;
+    for (frame, code) in testkit::bad_frames() {
+        c.send_text(&frame).await?;
         let v = c.wait_for(|v| v.get("error").is_some()).await?;
         assert!(v["id"].is_null(), "{frame}: {v}");
         assert_eq!(v["error"]["code"], code, "{frame}: {v}");
