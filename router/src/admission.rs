@@ -57,7 +57,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use worker::WorkerId;
 
-pub use held_bytes::{HeldBuffer, HELD_FREE};
+pub use held_bytes::{HeldBuffer, ReadMeter, HELD_FREE};
 pub use leg_bytes::{LegBudget, TenantLegBytes};
 
 pub use clock::TokioClock;
@@ -736,6 +736,12 @@ impl Admission {
             .or_default()
             .clone();
         HeldBuffer::new(total, bound)
+    }
+
+    /// A client socket's read buffer, counted against `tenant`'s sockets' total up to `bound`
+    /// as its bytes arrive ([`ReadMeter`]).
+    pub fn read_meter(&self, tenant: &str, bound: usize) -> Arc<ReadMeter> {
+        Arc::new(ReadMeter::new(self.held_buffer(tenant, bound)))
     }
 
     /// What `tenant`'s sockets' read buffers hold beyond [`HELD_FREE`] each.

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::admission::{Admission, Rejection};
+use crate::admission::{Admission, ReadMeter, Rejection};
 use crate::audit::Audit;
 use crate::auth::AuthError;
 use crate::metrics::RouterMetrics;
@@ -135,13 +135,14 @@ impl Door {
         resp
     }
     /// After the 101: waits for the upgraded connection, takes its TLS stream back from hyper
-    /// ([`ClientIo`]), records the handshake time and runs
-    /// `serve` on its WebSocket in a tracked task.
+    /// ([`ClientIo`], its reads counted by `meter`, the session's), records the handshake time
+    /// and runs `serve` on its WebSocket in a tracked task.
     pub(crate) fn spawn_upgraded<F, Fut>(
         &self,
         on_upgrade: hyper::upgrade::OnUpgrade,
         started: tokio::time::Instant,
         span: tracing::Span,
+        meter: Arc<ReadMeter>,
         serve: F,
     ) where
         F: FnOnce(WebSocketStream<ClientIo>) -> Fut + Send + 'static,
@@ -159,7 +160,7 @@ impl Door {
                     }
                 };
                 handshake.observe(started.elapsed().as_secs_f64());
-                let io = match ClientIo::from_upgraded(upgraded) {
+                let io = match ClientIo::from_upgraded(upgraded, meter) {
                     Ok(io) => io,
                     Err(_) => {
                         tracing::error!("upgraded connection of an unexpected type; closed");
@@ -210,24 +211,29 @@ pub struct ClientIo<T = ClientTls> {
     /// across their awaits would each lay out room for it inline (about 2.5 KiB more per
     /// relayed session on an edge, measured, than with the stream behind a pointer).
     io: Box<T>,
+    /// Counts what is read against the tenant's read buffers as it arrives, so a message that
+    /// is never finished is bounded too; a read that would take the tenant over fails.
+    meter: Arc<ReadMeter>,
 }
 
 impl ClientIo {
-    /// The TLS stream under an upgraded connection; the connection back if it is not one of
-    /// the listener's.
+    /// The TLS stream under an upgraded connection, its reads counted by `meter`; the
+    /// connection back if it is not one of the listener's.
     pub(crate) fn from_upgraded(
         upgraded: hyper::upgrade::Upgraded,
+        meter: Arc<ReadMeter>,
     ) -> Result<ClientIo, hyper::upgrade::Upgraded> {
         let parts = upgraded.downcast::<TokioIo<ClientTls>>()?;
-        Ok(ClientIo::new(parts.read_buf, parts.io.into_inner()))
+        Ok(ClientIo::new(parts.read_buf, parts.io.into_inner(), meter))
     }
 }
 
 impl<T> ClientIo<T> {
-    fn new(ahead: Bytes, io: T) -> ClientIo<T> {
+    fn new(ahead: Bytes, io: T, meter: Arc<ReadMeter>) -> ClientIo<T> {
         let mut io = ClientIo {
             ahead,
             io: Box::new(io),
+            meter,
         };
         io.release_ahead();
         io
@@ -249,13 +255,20 @@ impl<T: AsyncRead + Unpin> AsyncRead for ClientIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
         if !self.ahead.is_empty() {
             let n = self.ahead.len().min(buf.remaining());
             buf.put_slice(&self.ahead.split_to(n));
             self.release_ahead();
+        } else {
+            std::task::ready!(Pin::new(&mut *self.io).poll_read(cx, buf))?;
+        }
+        if self.meter.read(buf.filled().len() - before) {
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut *self.io).poll_read(cx, buf)
+        Poll::Ready(Err(std::io::Error::other(
+            "the tenant's read buffers are full",
+        )))
     }
 }
 
@@ -297,7 +310,11 @@ mod tests {
     #[tokio::test]
     async fn what_hyper_read_ahead_comes_first_then_the_stream_and_writes_go_through() {
         let (ours, mut theirs) = tokio::io::duplex(64);
-        let mut io = ClientIo::new(Bytes::from_static(b"ahead:"), ours);
+        let meter = Arc::new(ReadMeter::new(crate::admission::HeldBuffer::new(
+            Arc::default(),
+            usize::MAX,
+        )));
+        let mut io = ClientIo::new(Bytes::from_static(b"ahead:"), ours, meter);
         theirs.write_all(b"then").await.unwrap();
         // A small buffer takes what was read ahead in parts, before the stream.
         let mut small = [0u8; 4];

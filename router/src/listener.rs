@@ -403,6 +403,7 @@ impl Conn {
         };
         let accept = derive_accept_key(key.as_bytes());
         let on_upgrade = hyper::upgrade::on(&mut req);
+        let tenant_id = tenant.id.clone();
         let ctx = SessionCtx {
             tenant,
             metrics: self.door.metrics.clone(),
@@ -415,11 +416,16 @@ impl Conn {
             lease,
             subject: subject.clone(),
             audit: self.door.audit.clone(),
+            client_read: self
+                .door
+                .admission
+                .read_meter(&tenant_id, self.door.tenant_queue_bytes),
         };
         let audit = self.door.audit.clone();
         let span = tracing::info_span!("session", tenant = %ctx.tenant.id, subject = %Untrusted::text(&subject), client.addr = %remote);
         let remote = remote.to_string();
-        self.door.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
+        let meter = ctx.client_read.clone();
+        self.door.spawn_upgraded(on_upgrade, started, span, meter, move |ws| async move {
             let (sink, stream) = futures_util::StreamExt::split(ws);
             tracing::info!("session started");
             let tenant = ctx.tenant.id.clone();

@@ -137,6 +137,9 @@ pub struct SessionCtx {
     pub subject: String,
     /// The audit log.
     pub audit: crate::audit::Audit,
+    /// The client socket's read buffer, counted against the tenant as it reads (shared with
+    /// the socket: `door::ClientIo`).
+    pub client_read: Arc<crate::admission::ReadMeter>,
 }
 
 /// Where a request goes.
@@ -217,7 +220,7 @@ struct Session {
     /// Bytes queued on the legs towards the workers, per session and per tenant.
     leg_budget: crate::admission::LegBudget,
     /// The client socket's read buffer, as large as the largest frame it read.
-    client_held: crate::admission::HeldBuffer,
+    client_read: Arc<crate::admission::ReadMeter>,
     /// The threads this client follows, and those being moved off a worker that ended.
     following: rehome::Following,
     /// Requests sent to every worker, waiting for their answers to merge.
@@ -258,7 +261,7 @@ impl Session {
             ctx.admission
                 .leg_budget(&tenant, ctx.client_queue_bytes, ctx.tenant_queue_bytes);
         let soft_mark = crate::config::soft_mark(ctx.client_queue);
-        let client_held = ctx.admission.held_buffer(&tenant, ctx.tenant_queue_bytes);
+        let client_read = ctx.client_read.clone();
         let counted = Counted {
             client_frames: ctx.metrics.client_frames.with_label_values(&[&tenant]),
             request_seconds: ctx.metrics.request_seconds.with_label_values(&[&tenant]),
@@ -282,7 +285,7 @@ impl Session {
             soft_mark,
             queued_bytes,
             leg_budget,
-            client_held,
+            client_read,
             following: rehome::Following::default(),
             fanouts: fanout::FanOuts::default(),
             counted,

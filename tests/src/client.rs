@@ -49,6 +49,130 @@ pub fn bad_frames() -> Vec<(String, i64)> {
     .collect()
 }
 
+/// A hostile client's connection: upgraded with a bearer token, then `sent` bytes of a text
+/// frame announced as `announced` bytes, never finished. What the server has read of it sits in
+/// the socket's read buffer for as long as the client likes.
+pub struct Unfinished {
+    tls: tokio_rustls::client::TlsStream<TcpStream>,
+}
+
+impl Unfinished {
+    /// Upgrades at `addr` (wss, trusting `ca`) as `token`, then sends the frame's head and
+    /// `sent` bytes of it.
+    pub async fn open(
+        addr: SocketAddr,
+        ca: &Path,
+        token: &str,
+        announced: usize,
+        sent: usize,
+    ) -> anyhow::Result<Unfinished> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let connector = tokio_rustls::TlsConnector::from(client_tls(ca)?);
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let mut tls = tokio::time::timeout(
+            STEP,
+            connector.connect(name, TcpStream::connect(addr).await?),
+        )
+        .await
+        .context("TLS handshake timed out")??;
+        tls.write_all(
+            format!(
+                "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+                 Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+                 Authorization: Bearer {token}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await?;
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut b = [0u8; 1];
+            let n = tokio::time::timeout(STEP, tls.read(&mut b))
+                .await
+                .context("no answer to the upgrade")??;
+            anyhow::ensure!(n == 1, "closed before the upgrade was answered");
+            head.push(b[0]);
+        }
+        let head = String::from_utf8_lossy(&head);
+        anyhow::ensure!(head.starts_with("HTTP/1.1 101"), "not upgraded: {head}");
+        // FIN, text; masked (with a zero key, so the payload is sent as is), 64-bit length.
+        let mut frame = vec![0x81, 0x80 | 127];
+        frame.extend_from_slice(&(announced as u64).to_be_bytes());
+        frame.extend_from_slice(&[0; 4]);
+        tls.write_all(&frame).await?;
+        let chunk = vec![b'a'; 64 << 10];
+        let mut left = sent;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            if tls.write_all(&chunk[..n]).await.is_err() {
+                break; // closed by the server: [`Unfinished::closed_within`] says why
+            }
+            left -= n;
+        }
+        let _flushed = tls.flush().await;
+        Ok(Unfinished { tls })
+    }
+
+    /// `n` such connections of one tenant, opened one after another; then how many of them were
+    /// closed within 5 s, each with 1008 and `reason` (any other close fails), and the
+    /// connections (those closed included, as the server left them).
+    pub async fn open_many(
+        n: usize,
+        addr: SocketAddr,
+        ca: &Path,
+        token: &str,
+        (announced, sent): (usize, usize),
+        reason: &str,
+    ) -> anyhow::Result<(usize, Vec<Unfinished>)> {
+        let mut all = Vec::new();
+        for _ in 0..n {
+            all.push(Unfinished::open(addr, ca, token, announced, sent).await?);
+        }
+        let outcomes = futures_util::future::join_all(
+            all.iter_mut()
+                .map(|u| u.closed_within(Duration::from_secs(5))),
+        )
+        .await;
+        let mut closed = 0;
+        for outcome in outcomes {
+            if let Some(close) = outcome? {
+                anyhow::ensure!(close == (1008, reason.to_owned()), "closed with {close:?}");
+                closed += 1;
+            }
+        }
+        Ok((closed, all))
+    }
+
+    /// The close frame's code and reason when the server closes within `within`; `None` when
+    /// the connection is still open then.
+    pub async fn closed_within(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<Option<(u16, String)>> {
+        use tokio::io::AsyncReadExt;
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if got.len() >= 2 && got.len() >= 2 + usize::from(got[1] & 0x7f) {
+                anyhow::ensure!(got[0] == 0x88, "a frame other than close: {got:?}");
+                let end = 2 + usize::from(got[1] & 0x7f);
+                let code = u16::from_be_bytes([got[2], got[3]]);
+                return Ok(Some((
+                    code,
+                    String::from_utf8_lossy(&got[4..end]).into_owned(),
+                )));
+            }
+            let mut buf = [0u8; 512];
+            match tokio::time::timeout_at(deadline, self.tls.read(&mut buf)).await {
+                Err(_) => return Ok(None),
+                Ok(Ok(0)) => anyhow::bail!("closed without a close frame: {got:?}"),
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Ok(Err(e)) => anyhow::bail!("read: {e} (after {got:?})"),
+            }
+        }
+    }
+}
+
 /// A JSON-RPC client over wss, as the protocol manual describes one.
 pub struct Client {
     ws: WebSocketStream<MaybeTlsStream<TcpStream>>,

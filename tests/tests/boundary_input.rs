@@ -535,6 +535,39 @@ async fn failed_tokens_count_against_the_handshake_rate() -> anyhow::Result<()> 
 
 // === item 2b: the read buffers large frames leave are bounded per tenant ===
 
+/// Exactly `n` sessions were counted closed for `large_frames`: waited for (up to 10 s; a
+/// session's end is counted as it finishes, after its close frame went out), then no more.
+async fn large_frames_closed(fleet: &testkit::Fleet, n: f64) -> anyhow::Result<()> {
+    let closed = || {
+        metric_at(
+            fleet.admin_addr,
+            "codex_fleet_sessions_closed_total",
+            &[("reason", "large_frames")],
+        )
+    };
+    let counted = testkit::wait_until_async(Duration::from_secs(10), || async {
+        closed().await.is_ok_and(|v| v >= n)
+    })
+    .await;
+    anyhow::ensure!(counted, "the closed sessions were not counted");
+    assert_eq!(closed().await?, n, "only the closed sessions are counted");
+    Ok(())
+}
+
+/// Waits until acme's sockets' read buffers count nothing (its sessions are gone); fails after
+/// 10 s.
+async fn acme_buffers_freed(fleet: &testkit::Fleet) {
+    let freed = testkit::wait_until(Duration::from_secs(10), || {
+        fleet.admission.held_bytes("acme") == 0
+    })
+    .await;
+    assert!(
+        freed,
+        "{} bytes still counted",
+        fleet.admission.held_bytes("acme")
+    );
+}
+
 /// A worker's large answer sizes the read buffer of the leg that reads it, and the buffer stays
 /// that large for as long as the leg lives (app-server writes each frame whole). Each tenant's
 /// such buffers count against `limits.tenant_queue_bytes`: a session whose answer finds no room
@@ -581,27 +614,7 @@ async fn the_buffers_large_answers_leave_are_bounded_per_tenant() -> anyhow::Res
     );
     // The builder (7.7 MiB) and one reader (6.7) fit; every further reader does not.
     assert_eq!((readers.len(), closed), (1, 3));
-    // A session's end is counted as it finishes, after its close frame went out.
-    let counted = testkit::wait_until_async(Duration::from_secs(10), || async {
-        metric_at(
-            fleet.admin_addr,
-            "codex_fleet_sessions_closed_total",
-            &[("reason", "large_frames")],
-        )
-        .await
-        .is_ok_and(|v| v >= 3.0)
-    })
-    .await;
-    assert!(counted, "the closed sessions were not counted");
-    assert_eq!(
-        metric_at(
-            fleet.admin_addr,
-            "codex_fleet_sessions_closed_total",
-            &[("reason", "large_frames")]
-        )
-        .await?,
-        3.0
-    );
+    large_frames_closed(&fleet, 3.0).await?;
     // The readers that got their answer go on; another tenant has its own room.
     for c in &mut readers {
         c.request("thread/list", json!({})).await?;
@@ -611,15 +624,64 @@ async fn the_buffers_large_answers_leave_are_bounded_per_tenant() -> anyhow::Res
     assert!(fleet.admission.held_bytes("beta") > answer_bytes);
     // Sessions that end give their buffers back.
     drop((a, readers));
-    let freed = testkit::wait_until(Duration::from_secs(10), || {
-        fleet.admission.held_bytes("acme") == 0
-    })
-    .await;
-    assert!(
-        freed,
-        "{} bytes still counted",
-        fleet.admission.held_bytes("acme")
+    acme_buffers_freed(&fleet).await;
+    fleet.stop().await
+}
+
+/// What a client's socket has read of a message not yet whole counts against its tenant as it
+/// arrives (tungstenite keeps it in memory until the message ends): a tenant that opens
+/// connections and sends each most of a large frame, never finishing it, pins no more than
+/// `limits.tenant_queue_bytes` in the process every tenant shares. The connections past the
+/// bound are closed (1008) and free what they held; another tenant's large messages have their
+/// own room. Before, none of it was counted and each connection could pin `max_message_bytes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_messages_are_bounded_per_tenant_as_they_arrive() -> anyhow::Result<()> {
+    const BOUND: usize = 8 << 20;
+    const SENT: usize = 3 << 20;
+    const CONNECTIONS: usize = 4;
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .tenant_pool("beta", 1, 1)
+        .limits_toml(&format!(
+            "{OPEN_RATES}\nmax_message_bytes = {m}\nclient_queue_bytes = {m}\n\
+             tenant_queue_bytes = {BOUND}",
+            m = 4 << 20
+        ))
+        .start()
+        .await?;
+    let token = fleet.files.token("acme");
+    let (closed, hostile) = testkit::Unfinished::open_many(
+        CONNECTIONS,
+        fleet.addr,
+        &fleet.files.ca,
+        &token,
+        (4 << 20, SENT),
+        router::end::LARGE_FRAMES_REASON,
+    )
+    .await?;
+    let held = fleet.admission.held_bytes("acme");
+    eprintln!(
+        "measured: {CONNECTIONS} connections each sending {} MiB of an unfinished frame, {} MiB \
+         for the tenant's buffers: {closed} closed; the tenant's buffers count {:.2} MiB",
+        SENT >> 20,
+        BOUND >> 20,
+        held as f64 / 1048576.0
     );
+    // Two unfinished messages fit, each counted at what arrived of it; the others do not.
+    assert_eq!(closed, CONNECTIONS - BOUND / SENT);
+    assert!(
+        (2 * SENT..=BOUND).contains(&held),
+        "the tenant's buffers count {held} bytes"
+    );
+    large_frames_closed(&fleet, closed as f64).await?;
+    // Another tenant has its own room: its large message goes through, and it is served.
+    let mut b = fleet.client("beta").await?;
+    b.large_thread(1, 1_000_000).await?;
+    b.request("thread/list", json!({})).await?;
+    assert!(fleet.admission.held_bytes("beta") >= 1_000_000);
+    // The connections that hold theirs give it back as they go.
+    drop(hostile);
+    acme_buffers_freed(&fleet).await;
     fleet.stop().await
 }
 

@@ -874,3 +874,58 @@ async fn a_tenants_large_frames_do_not_stall_an_edge_for_another() -> anyhow::Re
     );
     Ok(())
 }
+
+/// An edge counts what a client's socket has read of an unfinished message against the tenant
+/// as it arrives, as `serve` does (`boundary_input::unfinished_messages_are_bounded_per_tenant_as_they_arrive`):
+/// a tenant sending most of a large frame on each of its connections and never finishing it
+/// pins at most its `tenant_queue_bytes` on the edge every tenant shares; the connections past it
+/// are closed (1008), and another tenant's large messages go through the same edge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_bounds_unfinished_messages_per_tenant_as_they_arrive() -> anyhow::Result<()> {
+    const BOUND: usize = 8 << 20;
+    const SENT: usize = 3 << 20;
+    const CONNECTIONS: usize = 4;
+    let s = Split::start(&[("acme", "n1"), ("beta", "n2")], 1, "").await?;
+    let limits = format!(
+        "max_message_bytes = {m}\nclient_queue_bytes = {m}\ntenant_queue_bytes = {BOUND}",
+        m = 4 << 20
+    );
+    let edge = edge_with_limits(&s, "bounded", &limits).await?;
+    let pid = edge.pid().context("edge pid")?;
+    let base = rss_kib(pid).context("edge RSS")?;
+    let token = s.token("acme");
+    let (closed, hostile) = testkit::Unfinished::open_many(
+        CONNECTIONS,
+        edge.addr,
+        &s.files.ca,
+        &token,
+        (4 << 20, SENT),
+        router::end::LARGE_FRAMES_REASON,
+    )
+    .await?;
+    let grown = rss_kib(pid).context("edge RSS")?.saturating_sub(base);
+    eprintln!(
+        "measured: {CONNECTIONS} connections each sending {} MiB of an unfinished frame through \
+         an edge with {} MiB for the tenant's buffers: {closed} closed; edge RSS +{:.1} MiB",
+        SENT >> 20,
+        BOUND >> 20,
+        grown as f64 / 1024.0
+    );
+    assert_eq!(closed, CONNECTIONS - BOUND / SENT);
+    let counted = wait_until_async(Duration::from_secs(10), || async {
+        metric(
+            &edge,
+            "codex_fleet_sessions_closed_total",
+            &[("reason", "large_frames")],
+        )
+        .await
+        .is_ok_and(|v| v == closed as f64)
+    })
+    .await;
+    assert!(counted, "the closed sessions were not counted");
+    let mut b = edge.client(&s.files, &s.token("beta")).await?;
+    b.large_thread(1, 1_000_000).await?;
+    b.request("thread/list", json!({})).await?;
+    drop(hostile);
+    Ok(())
+}

@@ -10,9 +10,15 @@
 //! ends the session that read it, and with it the buffers it held. Without the bound, a tenant's
 //! sessions (256 by default) could each pin a `max_message_bytes` answer in a process every
 //! tenant shares, by reading a long thread once.
+//!
+//! A client's socket is counted as its bytes arrive, not only once a message is whole
+//! ([`ReadMeter`]): tungstenite keeps what it has read of an unfinished frame (and of an
+//! unfinished fragmented message) in memory, so a tenant that opens its connections and sends
+//! each all but the last byte of a `max_message_bytes` frame would otherwise pin that much per
+//! connection, uncounted, for as long as it likes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::queue_bytes::add_within;
 
@@ -60,6 +66,75 @@ impl HeldBuffer {
     }
 }
 
+/// A client socket's read buffer, counted as the socket reads: the bytes read since the session
+/// last took a message belong to the message not yet whole, and count against the tenant once
+/// past [`HELD_FREE`], as a whole frame of that size would. Shared by the socket's reads
+/// (`door::ClientIo`) and the session that takes its messages, in one task.
+#[derive(Debug)]
+pub struct ReadMeter {
+    /// Bytes read since the session last took a message (an upper bound on the unfinished
+    /// message's: a read may also hold the start of the next frame).
+    unfinished: AtomicUsize,
+    /// A growth was refused: the socket's read fails, and the session ends as for a whole
+    /// frame refused (`End::LargeFrames`).
+    refused: AtomicBool,
+    held: Mutex<HeldBuffer>,
+}
+
+// === impl ReadMeter ===
+
+impl ReadMeter {
+    /// A meter for a socket whose buffer counts in `held`.
+    pub fn new(held: HeldBuffer) -> ReadMeter {
+        ReadMeter {
+            unfinished: AtomicUsize::new(0),
+            refused: AtomicBool::new(false),
+            held: Mutex::new(held),
+        }
+    }
+
+    /// The socket read `n` more bytes. False when the unfinished message they belong to
+    /// would take the tenant over its bound (remembered: [`ReadMeter::refused`]).
+    #[inline]
+    pub fn read(&self, n: usize) -> bool {
+        let unfinished = self.unfinished.fetch_add(n, Ordering::Relaxed) + n;
+        unfinished <= HELD_FREE || self.hold(unfinished)
+    }
+
+    /// The session took a message of `len` bytes from the socket, whose buffer held it whole;
+    /// what the socket reads next belongs to the next message. False as [`ReadMeter::read`].
+    #[inline]
+    pub fn took(&self, len: usize) -> bool {
+        self.unfinished.store(0, Ordering::Relaxed);
+        len <= HELD_FREE || self.hold(len)
+    }
+
+    /// Whether a growth was refused.
+    pub fn refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Bytes this socket's buffer counts.
+    pub fn held(&self) -> usize {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .held()
+    }
+
+    fn hold(&self, len: usize) -> bool {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .read(len);
+        if !held {
+            self.refused.store(true, Ordering::Relaxed);
+        }
+        held
+    }
+}
+
 impl Drop for HeldBuffer {
     fn drop(&mut self) {
         self.tenant.fetch_sub(self.held, Ordering::AcqRel);
@@ -96,5 +171,45 @@ mod tests {
         assert!(b.read(2 * big));
         drop(b);
         assert_eq!(total(), 0);
+    }
+
+    #[test]
+    fn a_message_is_counted_as_it_arrives_and_a_tenant_is_bounded_before_it_is_whole() {
+        let tenant = Arc::new(AtomicUsize::new(0));
+        let total = || tenant.load(Ordering::Acquire);
+        let bound = 3 << 20;
+        let a = ReadMeter::new(HeldBuffer::new(tenant.clone(), bound));
+        // Small messages, however many, count nothing.
+        for _ in 0..100 {
+            assert!(a.read(4096) && a.took(4000));
+        }
+        assert_eq!(total(), 0);
+        // A 2 MiB message not yet whole counts what has arrived of it.
+        for _ in 0..256 {
+            assert!(a.read(4096));
+        }
+        assert_eq!((a.held(), total()), (1 << 20, 1 << 20));
+        for _ in 0..256 {
+            assert!(a.read(4096));
+        }
+        assert!(a.took(2 << 20));
+        assert_eq!(total(), 2 << 20, "counted at its size once whole");
+        // Another socket's unfinished message finds room for 1 MiB, then none.
+        let b = ReadMeter::new(HeldBuffer::new(tenant.clone(), bound));
+        for _ in 0..256 {
+            assert!(b.read(4096));
+        }
+        assert!(!b.refused());
+        assert!(
+            !b.read(4096),
+            "over the tenant's bound before the message is whole"
+        );
+        assert!(b.refused());
+        assert_eq!(total(), bound, "a refused growth is not counted");
+        drop(b);
+        assert_eq!(total(), 2 << 20, "the refused socket's bytes leave with it");
+        // What a socket reads after a message starts the next one's count afresh.
+        assert!(a.read(100_000) && a.took(90_000) && a.read(4096));
+        assert_eq!(total(), 2 << 20);
     }
 }

@@ -38,7 +38,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Admission, ConnectionGuard, HeldBuffer, QueueBytes, Rejection};
+use crate::admission::{Admission, ConnectionGuard, QueueBytes, ReadMeter, Rejection};
 use crate::credentials::Lease;
 use crate::end::End;
 use crate::gate::Gate;
@@ -80,6 +80,9 @@ pub struct RelayCtx {
     pub tenant_queue_bytes: usize,
     /// Cancelled when the edge shuts down.
     pub shutdown: CancellationToken,
+    /// The client socket's read buffer, counted against the tenant as it reads (shared with
+    /// the socket: `door::ClientIo`).
+    pub client_read: Arc<ReadMeter>,
 }
 
 /// How a relayed session ends: what each side is told.
@@ -262,7 +265,7 @@ pub(super) struct Relay<C> {
     rx: SplitStream<WebSocketStream<C>>,
     out: Out,
     /// The client socket's read buffer, as large as the largest frame it read.
-    held: HeldBuffer,
+    client_read: Arc<ReadMeter>,
     guard: ConnectionGuard,
     metrics: RouterMetrics,
     shutdown: CancellationToken,
@@ -281,13 +284,10 @@ where
             ctx.tenant_queue_bytes,
         );
         let (tx, rx) = client.split();
-        let held = ctx
-            .admission
-            .held_buffer(ctx.guard.tenant(), ctx.tenant_queue_bytes);
         Relay {
             tx,
             rx,
-            held,
+            client_read: ctx.client_read,
             out: Out {
                 frames: VecDeque::new(),
                 capacity: ctx.client_queue.max(1),
@@ -319,9 +319,10 @@ where
         &mut self,
         frame: Option<Result<Message, WsError>>,
     ) -> Result<Option<Message>, Ending> {
-        // The client's socket keeps a read buffer as large as its largest frame.
+        // The client's socket keeps a read buffer as large as its largest frame (an unfinished
+        // one is counted as it arrives).
         if let Some(Ok(m)) = &frame {
-            if !self.held.read(Out::len_of(m)) {
+            if !self.client_read.took(m.len()) {
                 tracing::info!("a client's frame found the tenant's read buffers full");
                 return Err(Ending::ours(End::LargeFrames));
             }
@@ -354,6 +355,12 @@ where
                 Ok(None)
             }
             Some(Err(WsError::Capacity(_))) => Err(Ending::ours(End::TooBig)),
+            Some(Err(_)) if self.client_read.refused() => {
+                tracing::info!(
+                    "a client's unfinished message found the tenant's read buffers full"
+                );
+                Err(Ending::ours(End::LargeFrames))
+            }
             Some(Err(_)) | None => Err(Ending::client_closed(None)),
         }
     }

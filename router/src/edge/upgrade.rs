@@ -120,12 +120,16 @@ impl Edge {
             client_queue_bytes: door.client_queue_bytes,
             tenant_queue_bytes: door.tenant_queue_bytes,
             shutdown: door.shutdown.clone(),
+            client_read: door
+                .admission
+                .read_meter(&who.tenant, door.tenant_queue_bytes),
         };
         let span = tracing::info_span!("relay", tenant = %who.tenant, node = %who.node, subject = %crate::untrusted::Untrusted::text(&who.subject));
         let audit = door.audit.clone();
         let client = door.addr;
         let edge = self.clone();
-        door.spawn_upgraded(on_upgrade, started, span, move |ws| async move {
+        let meter = ctx.client_read.clone();
+        door.spawn_upgraded(on_upgrade, started, span, meter, move |ws| async move {
             match link {
                 Some(link) => {
                     tracing::info!("relaying the session to its node");

@@ -82,25 +82,25 @@ impl Session {
         self.to_client(rpc::error_response(id, code, message, data))
     }
 
-    /// The client's socket read a frame of `len` bytes: its read buffer is at least that large
-    /// for as long as the session lives.
-    fn hold_client_frame(&mut self, len: usize) -> Result<(), End> {
-        if self.client_held.read(len) {
-            return Ok(());
-        }
-        tracing::info!(len, "a client's frame found the tenant's read buffers full");
-        Err(End::LargeFrames)
-    }
-
     pub(super) async fn on_client_frame(
         &mut self,
         frame: Option<Result<Message, WsError>>,
     ) -> Result<(), End> {
+        // The client's socket read a message whole: its read buffer is at least that large for
+        // as long as the session lives (an unfinished one is counted as it arrives).
+        if let Some(Ok(m)) = &frame {
+            if !self.client_read.took(m.len()) {
+                tracing::info!(
+                    len = m.len(),
+                    "a client's frame found the tenant's read buffers full"
+                );
+                return Err(End::LargeFrames);
+            }
+        }
         let text = match frame {
             None | Some(Ok(Message::Close(_))) => return Err(End::ClientGone),
             Some(Ok(Message::Text(t))) => t,
-            Some(Ok(Message::Binary(b))) => {
-                self.hold_client_frame(b.len())?;
+            Some(Ok(Message::Binary(_))) => {
                 self.check_unanswerable_frame()?;
                 self.count_error(ClientError::BinaryFrame);
                 self.reply_error(
@@ -120,12 +120,17 @@ impl Session {
                 self.count_error(ClientError::TooBig);
                 return Err(End::TooBig);
             }
+            Some(Err(_)) if self.client_read.refused() => {
+                tracing::info!(
+                    "a client's unfinished message found the tenant's read buffers full"
+                );
+                return Err(End::LargeFrames);
+            }
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "client read error");
                 return Err(End::ClientGone);
             }
         };
-        self.hold_client_frame(text.len())?;
         self.counted.client_frames.inc();
         let parsed = if text.len() > LARGE_FRAME_BYTES {
             // Rare, so boxed: it adds little to every session's future.

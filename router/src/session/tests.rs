@@ -447,6 +447,9 @@ pub(super) mod in_memory {
                 lease: crate::credentials::Lease::unbounded(),
                 subject: "test".into(),
                 audit: self.audit.clone(),
+                client_read: self
+                    .admission
+                    .read_meter(tenant, cfg.limits.tenant_queue_bytes),
             };
             Session::new(ctx, guard)
         }

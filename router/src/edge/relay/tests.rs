@@ -48,6 +48,7 @@ impl Fixture {
             client_queue_bytes: session_bytes,
             tenant_queue_bytes: tenant_bytes,
             shutdown: CancellationToken::new(),
+            client_read: self.admission.read_meter("acme", tenant_bytes),
         };
         Relay::new(client, ctx)
     }
