@@ -131,9 +131,26 @@ pub enum ParseError {
     /// `id` longer than [`MAX_ID_BYTES`].
     #[error("Invalid request: id longer than {MAX_ID_BYTES} bytes")]
     LongId,
+    /// A request whose `trace` is not a W3C trace context. app-server reads such a frame as a
+    /// notification and answers nothing, so the request would wait forever (holding its
+    /// worker's in-flight slot); it is answered here, with its id.
+    #[error("Invalid request: trace must be a W3C trace context, an object of string traceparent and tracestate")]
+    BadTrace {
+        /// The request's id.
+        id: RequestId,
+    },
 }
 
 impl ParseError {
+    /// The id to answer it with, when the frame's id could be read (a request otherwise well
+    /// formed); `None`: answered with a null id.
+    pub fn id(&self) -> Option<&RequestId> {
+        match self {
+            ParseError::BadTrace { id } => Some(id),
+            _ => None,
+        }
+    }
+
     /// The JSON-RPC error code for answering it.
     pub fn code(&self) -> i64 {
         match self {
@@ -155,6 +172,25 @@ struct Envelope<'a> {
     result: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
     error: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    trace: Option<&'a RawValue>,
+}
+
+/// app-server's `W3cTraceContext` (a request's `trace`), read as it reads one: `null`, or an
+/// object (or array) of optional strings, other keys ignored.
+#[derive(Deserialize)]
+struct TraceContext {
+    #[serde(default)]
+    #[allow(dead_code)]
+    traceparent: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    tracestate: Option<String>,
+}
+
+/// Whether app-server reads `raw` as a request's `trace`.
+fn is_trace(raw: &RawValue) -> bool {
+    serde_json::from_str::<Option<TraceContext>>(raw.get()).is_ok()
 }
 
 /// A string read in place unless it has escapes. serde borrows a `Cow` only where a field is
@@ -213,6 +249,9 @@ impl<'a> Frame<'a> {
             })?),
         };
         let message = match (id, env.method.map(|m| m.0)) {
+            (Some(id), Some(_)) if env.trace.is_some_and(|t| !is_trace(t)) => {
+                return Err(ParseError::BadTrace { id });
+            }
             (Some(id), Some(method)) => Message::Request {
                 id,
                 method: Method::parse(method),

@@ -17,11 +17,12 @@ use tokio_tungstenite::{Connector, MaybeTlsStream, WebSocketStream};
 use crate::process::codex_bin;
 use crate::wait::STEP;
 
-/// Malformed text frames and the JSON-RPC error code each is answered with (its `id` null),
-/// the same through `serve` and through an edge: not JSON, a batch, a bare value, ids the
-/// protocol does not allow (null, fractional), no method, and an id over the 1 KiB kept for
-/// an answer.
-pub fn bad_frames() -> Vec<(String, i64)> {
+/// Malformed text frames, the JSON-RPC error code each is answered with, and the answer's `id`:
+/// the same through `serve` and through an edge. Null for not JSON, a batch, a bare value, ids
+/// the protocol does not allow (null, fractional), no method, and an id over the 1 KiB kept for
+/// an answer; the request's own for a request with a `trace` app-server cannot read (it would
+/// answer nothing, and the request would wait forever).
+pub fn bad_frames() -> Vec<(String, i64, Value)> {
     let long_id = format!(
         r#"{{"id":"{}","method":"thread/loaded/list","params":{{}}}}"#,
         "i".repeat(1100)
@@ -45,7 +46,12 @@ pub fn bad_frames() -> Vec<(String, i64)> {
         (long_id.as_str(), -32600),
     ]
     .into_iter()
-    .map(|(f, code)| (f.to_owned(), code))
+    .map(|(f, code)| (f.to_owned(), code, Value::Null))
+    .chain([(
+        r#"{"id":"traced","method":"model/list","params":{},"trace":5}"#.to_owned(),
+        -32600,
+        json!("traced"),
+    )])
     .collect()
 }
 

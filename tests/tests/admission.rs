@@ -509,10 +509,11 @@ async fn bad_input_gets_its_defined_answer() -> anyhow::Result<()> {
         assert_eq!(v["error"]["code"], code, "{v}");
     };
     // An id is kept until its request is answered: one over 1 KiB is refused, not kept.
-    for (frame, code) in testkit::bad_frames() {
+    for (frame, code, id) in testkit::bad_frames() {
         c.send_text(&frame).await?;
         let v = next_error(&mut c).await?;
-        bad_request(&v, code);
+        assert_eq!(v["id"], id, "{frame:.80}: {v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
         eprintln!("{frame:.80} -> {}", v["error"]["message"]);
     }
     c.send_binary(b"{\"id\":1}".to_vec()).await?;

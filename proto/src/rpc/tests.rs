@@ -71,6 +71,48 @@ fn bad_input_gets_a_defined_error() {
     );
 }
 
+/// A request's `trace` as app-server 0.171 reads it (measured on the pinned binary over stdio:
+/// `null`, `{}`, `[]`, string fields and unknown keys answered; a string, a number or a
+/// non-string field got no answer at all, the frame read as a notification).
+#[test]
+fn a_request_whose_trace_app_server_cannot_read_is_refused_with_its_id() {
+    for trace in [
+        "null",
+        "{}",
+        "[]",
+        r#"{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#,
+        r#"{"traceparent":null,"tracestate":"k=v","other":1}"#,
+    ] {
+        let text = format!(r#"{{"id":2,"method":"model/list","params":{{}},"trace":{trace}}}"#);
+        assert!(
+            matches!(parse(&text), Ok(Message::Request { .. })),
+            "{trace}"
+        );
+    }
+    for trace in [
+        "5",
+        r#""x""#,
+        r#"{"tracestate":1}"#,
+        r#"{"traceparent":[]}"#,
+    ] {
+        let text = format!(r#"{{"id":2,"method":"model/list","params":{{}},"trace":{trace}}}"#);
+        let e = parse(&text).unwrap_err();
+        assert_eq!(
+            e,
+            ParseError::BadTrace {
+                id: RequestId::Int(2)
+            },
+            "{trace}"
+        );
+        assert_eq!(e.id(), Some(&RequestId::Int(2)));
+        assert_eq!(e.code(), codes::INVALID_REQUEST);
+    }
+    // Only a request has a trace to app-server: a notification's or a response's is ignored.
+    assert!(parse(r#"{"method":"initialized","trace":5}"#).is_ok());
+    assert!(parse(r#"{"id":2,"result":{},"trace":5}"#).is_ok());
+    assert_eq!(ParseError::NotObject.id(), None);
+}
+
 #[test]
 fn a_method_is_read_in_place() {
     let m = parse(r#"{"method":"x/made-up","params":{}}"#).unwrap();

@@ -143,7 +143,7 @@ impl Session {
             Err(e) => {
                 self.check_unanswerable_frame()?;
                 self.count_error(ClientError::InvalidMessage);
-                self.reply_error(None, e.code(), &e.to_string(), None)?;
+                self.reply_error(e.id(), e.code(), &e.to_string(), None)?;
                 return self.protocol_error();
             }
         };
