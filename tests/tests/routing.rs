@@ -680,3 +680,47 @@ async fn a_resume_that_loses_the_writer_race_is_retried_on_the_owner() -> anyhow
     assert_eq!(agent_text(&msgs), Some(reply_text("both see it")));
     fleet.stop().await
 }
+
+/// `thread/resume` with a `path` resumes the rollout at that path whatever `threadId` says
+/// (app-server ignores it then): the router learns and follows the thread the worker names, not
+/// the client's `threadId`. Before, each made-up id (as long as a message may be) was kept in
+/// the tenant's owner table and the session's followed threads, for the session's life.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_by_path_is_learned_by_the_thread_it_resumed() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .start()
+        .await?;
+    let mut a = fleet.client("acme").await?;
+    let thread = a.start_thread().await?;
+    a.start_turn(&thread, "on disk").await?;
+    a.until_turn_completed(&thread).await?;
+    let read = a
+        .request("thread/read", json!({ "threadId": thread }))
+        .await?;
+    let path = read["thread"]["path"]
+        .as_str()
+        .with_context(|| format!("the rollout's path: {read:.300}"))?
+        .to_owned();
+    let mut b = fleet.client("acme").await?;
+    for n in 0..20 {
+        let made_up = format!("made-up-{n}-{}", "x".repeat(64 << 10));
+        let r = b
+            .request(
+                "thread/resume",
+                json!({ "threadId": made_up, "path": path }),
+            )
+            .await?;
+        assert_eq!(r["thread"]["id"], thread.as_str(), "{r:.300}");
+        assert!(
+            fleet.tenant("acme").find_owner(&made_up).is_none(),
+            "a made-up thread id was learned"
+        );
+    }
+    assert!(fleet.tenant("acme").find_owner(&thread).is_some());
+    // B follows the thread it resumed: A's next turn reaches it.
+    a.start_turn(&thread, "both see it").await?;
+    let msgs = b.until_turn_completed(&thread).await?;
+    assert_eq!(agent_text(&msgs), Some(reply_text("both see it")));
+    fleet.stop().await
+}

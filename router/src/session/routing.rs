@@ -174,9 +174,15 @@ impl Session {
                 None
             }
             Learn::Resume { thread, retry } => {
-                if answer.result.and_then(rpc::thread_of_result).is_some() {
-                    pool.learn(&thread, worker);
-                    self.follow(&thread, worker);
+                // The thread the worker resumed, as it names it: with a `path` (or `history`)
+                // app-server ignores the request's `threadId`, which may then be anything the
+                // client chose (kept, it would grow this session's and the tenant's maps).
+                if let Some(resumed) = answer.result.and_then(rpc::thread_of_result) {
+                    if resumed != thread {
+                        tracing::debug!(%worker, "a resume named another thread than it resumed");
+                    }
+                    pool.learn(&resumed, worker);
+                    self.follow(&resumed, worker);
                     return None;
                 }
                 let busy = answer
