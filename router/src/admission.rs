@@ -568,9 +568,10 @@ impl Admission {
         }
     }
 
-    /// Admits one client request on `conn`: its tenant's request rate, and for `turn/start`
-    /// also the tenant's turn rate and active-turn cap. A `turn/start` naming a thread that
-    /// already runs a turn steers it and is not counted as a new turn.
+    /// Admits one client request on `conn`: its tenant's request rate, and for a request that
+    /// starts a turn ([`starts_a_turn`]) also the tenant's turn rate and active-turn cap. One
+    /// naming a thread that already runs a turn (a `turn/start` steers it) is not counted as a
+    /// new turn.
     pub fn check_request(
         &self,
         conn: &mut ConnectionGuard,
@@ -588,14 +589,14 @@ impl Admission {
                 not_until.wait_time_from(limiter.clock().now()),
             )
         })?;
-        if method != TURN_START {
+        if !starts_a_turn(method) {
             return Ok(());
         }
         self.check_turn_start(conn, thread_id)
     }
 
-    /// `turn/start`'s own admission: the tenant's active-turn cap (unless it steers a running
-    /// turn), then its turn rate.
+    /// A turn's own admission: the tenant's active-turn cap (unless its thread runs a turn
+    /// already), then its turn rate.
     fn check_turn_start(
         &self,
         conn: &ConnectionGuard,
@@ -892,8 +893,25 @@ impl Admission {
     }
 }
 
-/// The method whose requests count against the turn rate and the active-turn cap.
-const TURN_START: &str = "turn/start";
+/// Whether a request of `method` starts a turn on the thread it names, and so counts against the
+/// turn rate and the active-turn cap: `turn/start`, and the requests app-server answers with a
+/// turn of their own (measured on 0.171: `review/start` answers with the review's turn
+/// `inProgress`; `thread/goal/set` sets a goal that runs turns by itself) or runs as one by the
+/// protocol (`thread/compact/start`, `thread/shellCommand`, `thread/queue/start`, which starts
+/// the queued turns).
+pub fn starts_a_turn(method: &str) -> bool {
+    STARTS_A_TURN.contains(&method)
+}
+
+/// [`starts_a_turn`]'s methods.
+const STARTS_A_TURN: [&str; 6] = [
+    "turn/start",
+    "review/start",
+    "thread/compact/start",
+    "thread/shellCommand",
+    "thread/goal/set",
+    "thread/queue/start",
+];
 
 /// One admitted client connection: holds its tenant's connection slot until dropped and
 /// limits the connection's frame rate.

@@ -763,3 +763,58 @@ async fn a_connection_at_its_in_flight_cap_is_refused_until_answers_come() -> an
     }
     fleet.stop().await
 }
+
+/// Every request that starts a turn, not only `turn/start`, is held to the tenant's active-turn
+/// cap and its turn rate: a review, a compaction, a shell command run as a turn, a goal (which
+/// runs turns on its own) and the queue's start. Before, only `turn/start` was checked, and a
+/// tenant at its cap started as many reviews or compactions as it had threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_that_starts_a_turn_is_held_to_the_active_turn_cap() -> anyhow::Result<()> {
+    let fleet = FleetBuilder::new()
+        .tenant_pool("acme", 1, 1)
+        .limits_toml(
+            "turn_start_per_min = 600\nturn_start_burst = 100\nmax_active_turns_per_tenant = 1",
+        )
+        .start()
+        .await?;
+    let mut c = fleet.client("acme").await?;
+    let running = c.start_thread().await?;
+    let other = c.start_thread().await?;
+    c.start_turn(&running, "hold SLOW4").await?;
+    c.wait_for(|v| v["method"] == "turn/started" && v["params"]["threadId"] == running.as_str())
+        .await?;
+    for (method, params) in [
+        (
+            "review/start",
+            json!({ "threadId": other, "target": { "type": "custom", "instructions": "look" } }),
+        ),
+        ("thread/compact/start", json!({ "threadId": other })),
+        (
+            "thread/shellCommand",
+            json!({ "threadId": other, "command": "true" }),
+        ),
+        (
+            "thread/goal/set",
+            json!({ "threadId": other, "objective": "finish" }),
+        ),
+        ("thread/queue/start", json!({ "threadId": other })),
+    ] {
+        let answer = c.call(method, params).await?;
+        eprintln!("{method}: {answer:.300}");
+        assert_eq!(
+            overloaded(&answer, "tenant")["reason"],
+            "activeTurnLimit",
+            "{method}"
+        );
+    }
+    // Once the running turn ends, the next one is admitted.
+    c.until_turn_completed(&running).await?;
+    let review = c
+        .request(
+            "review/start",
+            json!({ "threadId": other, "target": { "type": "custom", "instructions": "look" } }),
+        )
+        .await?;
+    assert_eq!(review["turn"]["status"], "inProgress", "{review:.300}");
+    fleet.stop().await
+}

@@ -476,7 +476,7 @@ async fn tracked_turns_are_corrected_by_the_workers_count_once_settled() {
     adm.turn_started("acme", "t2");
     let mut conn = adm.open_connection("acme").unwrap();
     assert!(adm
-        .check_request(&mut conn, TURN_START, Some("t3"))
+        .check_request(&mut conn, "turn/start", Some("t3"))
         .is_err());
     // The workers say none runs: only t1 is old enough to be dropped (t2 may just not have
     // reached the workers' count yet).

@@ -153,7 +153,7 @@ impl Session {
         }
         match msg {
             Rpc::Request { id, method, params } => {
-                if method == Method::TurnStart {
+                if crate::admission::starts_a_turn(method.as_str()) {
                     self.reconcile_turns();
                 }
                 let admitted = self.guard.check_frame().and_then(|()| {
