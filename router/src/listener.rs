@@ -118,6 +118,29 @@ const ACCEPT_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
 /// How often, at most, an accept loop logs its failures.
 const ACCEPT_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// A connection idle this long is probed by the kernel (TCP keepalive)...
+const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+/// ... every this long ...
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// ... and this many unanswered probes end it: a peer gone without a word (its machine lost, a
+/// NAT or firewall that forgot the flow) is found within about two minutes, and its session
+/// ends and frees its connection slot, its legs (and, on a node, lets the pod idle out).
+/// Without it such a session, with nothing to send, stayed for the process's life. A live peer
+/// answers the probes, however long it is idle or slow to read.
+const KEEPALIVE_PROBES: u32 = 6;
+
+/// Nagle off and TCP keepalive on a client's or a link's socket.
+pub(crate) fn tune(tcp: &tokio::net::TcpStream) {
+    let _nodelay = tcp.set_nodelay(true);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    if let Err(e) = socket2::SockRef::from(tcp).set_tcp_keepalive(&keepalive) {
+        tracing::debug!(error = %e, "TCP keepalive not set");
+    }
+}
+
 /// An accept loop's failures: EMFILE when the process holds every file descriptor it may open
 /// (ENFILE, ENOMEM and the like alike), or, for the client port, every one below the reserve
 /// ([`crate::descriptors`]). The connection stays in the listen queue and the loop tries again
@@ -216,7 +239,7 @@ impl Listener {
                 }
             };
             this.metrics.connections_accepted.inc();
-            let _nodelay = tcp.set_nodelay(true);
+            tune(&tcp);
             // Edges are trusted peers of a node: their addresses carry many clients each.
             let throttled = match this.role {
                 Role::Node => None,
@@ -461,4 +484,28 @@ fn websocket_key<B>(req: &Request<B>) -> Option<String> {
     h.get(header::SEC_WEBSOCKET_KEY)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_tuned_socket_has_nagle_off_and_keepalive_on() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let plain = socket2::SockRef::from(&accepted);
+        assert!(!plain.keepalive().unwrap(), "tokio leaves keepalive off");
+        tune(&accepted);
+        let tuned = socket2::SockRef::from(&accepted);
+        assert!(accepted.nodelay().unwrap());
+        assert!(tuned.keepalive().unwrap());
+        assert_eq!(tuned.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(tuned.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(tuned.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+        drop(client);
+    }
 }

@@ -329,7 +329,7 @@ impl Edge {
         let tcp = TcpStream::connect(&target.addr)
             .await
             .map_err(|e| format!("connect {}: {e}", target.addr))?;
-        let _nodelay = tcp.set_nodelay(true);
+        crate::listener::tune(&tcp);
         self.tls
             .connect(target.server_name.clone(), tcp)
             .await
