@@ -40,6 +40,10 @@ pub enum PathError {
     /// The first missing component is a symlink to nowhere.
     #[error("goes through a dangling symlink")]
     DanglingSymlink,
+    /// Relative, where the worker would read it from its working directory (the workspace) and
+    /// the check from the tenant's CODEX_HOME: the two would not be the same file.
+    #[error("must be an absolute path")]
+    Relative,
 }
 
 impl TenantRoots {
@@ -111,8 +115,12 @@ impl TenantRoots {
             .or_else(|_| self.check_home(path, &["skills", "plugins"]))
     }
 
-    /// `path` must resolve inside one of `subdirs` of the tenant's CODEX_HOME.
+    /// `path` must be absolute (the worker reads a relative one from its working directory, not
+    /// from CODEX_HOME) and resolve inside one of `subdirs` of the tenant's CODEX_HOME.
     fn check_home(&self, path: &str, subdirs: &[&str]) -> Result<PathBuf, PathError> {
+        if !Path::new(path).is_absolute() {
+            return Err(PathError::Relative);
+        }
         let resolved = resolve(path, &self.codex_home)?;
         let ok = subdirs
             .iter()

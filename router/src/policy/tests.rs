@@ -432,6 +432,12 @@ fn thread_and_turn_working_directories_stay_inside() {
             json!({ "threadId": "t", "path": f.p("state/tenants/acme/auth.json") }),
             "`path`",
         ),
+        // Relative: the check would read it from CODEX_HOME, the worker from its workspace.
+        (
+            "thread/resume",
+            json!({ "threadId": "t", "path": "sessions/2026/11/30/rollout-x.jsonl" }),
+            "must be an absolute path",
+        ),
         (
             "thread/fork",
             json!({ "threadId": "t", "sandbox": "danger-full-access" }),
