@@ -569,8 +569,8 @@ impl Admission {
     }
 
     /// Admits one client request on `conn`: its tenant's request rate, and for a request that
-    /// starts a turn ([`starts_a_turn`]) also the tenant's turn rate and active-turn cap. One
-    /// naming a thread that already runs a turn (a `turn/start` steers it) is not counted as a
+    /// starts a turn ([`starts_a_turn`]) also the tenant's turn rate and active-turn cap. A
+    /// `turn/start` naming a thread that already runs a turn steers it and is not counted as a
     /// new turn.
     pub fn check_request(
         &self,
@@ -592,21 +592,24 @@ impl Admission {
         if !starts_a_turn(method) {
             return Ok(());
         }
-        self.check_turn_start(conn, thread_id)
+        // Only a `turn/start` on a thread running a turn steers it; the others start turns
+        // of their own (a review, a compaction) whatever the thread runs.
+        let steers = method == "turn/start";
+        self.check_turn_start(conn, thread_id.filter(|_| steers))
     }
 
-    /// A turn's own admission: the tenant's active-turn cap (unless its thread runs a turn
-    /// already), then its turn rate.
+    /// A turn's own admission: the tenant's active-turn cap (unless it steers the turn `steered`
+    /// runs), then its turn rate.
     fn check_turn_start(
         &self,
         conn: &ConnectionGuard,
-        thread_id: Option<&str>,
+        steered: Option<&str>,
     ) -> Result<(), Rejection> {
         let cfg = self.config();
         {
             let counts = lock(&self.counts);
             let turns = counts.tenants.get(conn.tenant.as_str()).map(|t| &t.turns);
-            let steering = thread_id.is_some_and(|t| turns.is_some_and(|ts| ts.contains_key(t)));
+            let steering = steered.is_some_and(|t| turns.is_some_and(|ts| ts.contains_key(t)));
             if steering {
                 return Ok(());
             }

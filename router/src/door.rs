@@ -302,6 +302,20 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ClientIo<T> {
     }
 }
 
+/// The client's socket handed over `m`: a data message or a close ends what it was reading; a
+/// ping or a pong may come between the fragments of a message that stays unfinished. False
+/// when `m`'s size takes the tenant's read buffers over their bound.
+pub(crate) fn took(meter: &ReadMeter, m: &tokio_tungstenite::tungstenite::Message) -> bool {
+    match m {
+        tokio_tungstenite::tungstenite::Message::Ping(p)
+        | tokio_tungstenite::tungstenite::Message::Pong(p) => {
+            meter.took_control(p.len());
+            true
+        }
+        m => meter.took(m.len()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

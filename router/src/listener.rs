@@ -123,7 +123,8 @@ const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 /// ... every this long ...
 const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 /// ... and this many unanswered probes end it: a peer gone without a word (its machine lost, a
-/// NAT or firewall that forgot the flow) is found within about two minutes, and its session
+/// NAT or firewall that forgot the flow) is found within about two minutes of idleness (with
+/// data unacknowledged, the kernel's retransmission limit ends it instead), and its session
 /// ends and frees its connection slot, its legs (and, on a node, lets the pod idle out).
 /// Without it such a session, with nothing to send, stayed for the process's life. A live peer
 /// answers the probes, however long it is idle or slow to read.

@@ -430,6 +430,7 @@ where
     // Everything else the session holds (legs, requests in flight and their worker slots, its
     // relay) goes now; only what is queued for the client stays, to be written.
     let out = session.out.clone();
+    let client_read = session.client_read.clone();
     drop(session);
     // Until the close frame is out, and then until the client answers it, what the client
     // still sends is read and discarded: closing a socket with unread input resets it, and the
@@ -437,7 +438,11 @@ where
     let closing = async {
         let writer = out.finish(&mut sink);
         tokio::pin!(writer);
-        let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+        let drain = async {
+            while let Some(Ok(_)) = stream.next().await {
+                client_read.discarded();
+            }
+        };
         tokio::pin!(drain);
         let drained = tokio::select! {
             () = &mut writer => false,
@@ -448,10 +453,10 @@ where
         } else {
             drain.await;
         }
-        if end == End::TooBig {
-            // The rest of the oversized message is still unread and cannot be parsed away
-            // (whichever of the two ended first): give the client a moment to read the 1009
-            // before our close resets the socket.
+        if end == End::TooBig || (end == End::LargeFrames && client_read.refused()) {
+            // The rest of the oversized (or refused, as it arrived) message is still unread and
+            // cannot be parsed away (whichever of the two ended first): give the client a
+            // moment to read the close frame before our close resets the socket.
             tokio::time::sleep(TOO_BIG_LINGER).await;
         }
     };

@@ -102,10 +102,13 @@ impl Unfinished {
         let head = String::from_utf8_lossy(&head);
         anyhow::ensure!(head.starts_with("HTTP/1.1 101"), "not upgraded: {head}");
         // FIN, text; masked (with a zero key, so the payload is sent as is), 64-bit length.
-        let mut frame = vec![0x81, 0x80 | 127];
-        frame.extend_from_slice(&(announced as u64).to_be_bytes());
-        frame.extend_from_slice(&[0; 4]);
-        tls.write_all(&frame).await?;
+        // Nothing at all when `announced` is 0.
+        if announced > 0 {
+            let mut frame = vec![0x81, 0x80 | 127];
+            frame.extend_from_slice(&(announced as u64).to_be_bytes());
+            frame.extend_from_slice(&[0; 4]);
+            tls.write_all(&frame).await?;
+        }
         let chunk = vec![b'a'; 64 << 10];
         let mut left = sent;
         while left > 0 {
@@ -119,7 +122,41 @@ impl Unfinished {
         Ok(Unfinished { tls })
     }
 
-    /// `n` such connections of one tenant, opened one after another; then how many of them were
+    /// Like [`Unfinished::open`], but the unfinished message is `sent` bytes of 60 KiB
+    /// fragments (a text frame without FIN, then continuations), each followed by a ping: a
+    /// message the server must count across its fragments and the control frames between them.
+    pub async fn open_fragmented(
+        addr: SocketAddr,
+        ca: &Path,
+        token: &str,
+        sent: usize,
+    ) -> anyhow::Result<Unfinished> {
+        use tokio::io::AsyncWriteExt;
+        let mut u = Unfinished::open(addr, ca, token, 0, 0).await?;
+        let fragment = 60 << 10;
+        let mut left = sent;
+        let mut first = true;
+        while left > 0 {
+            let n = left.min(fragment);
+            let opcode = if first { 0x01 } else { 0x00 };
+            first = false;
+            let mut frame = vec![opcode, 0x80 | 126];
+            frame.extend_from_slice(&(n as u16).to_be_bytes());
+            frame.extend_from_slice(&[0; 4]);
+            frame.resize(frame.len() + n, b'a');
+            // A masked ping with no payload.
+            frame.extend_from_slice(&[0x89, 0x80, 0, 0, 0, 0]);
+            if u.tls.write_all(&frame).await.is_err() {
+                break; // closed by the server: [`Unfinished::closed_within`] says why
+            }
+            left -= n;
+        }
+        let _flushed = u.tls.flush().await;
+        Ok(u)
+    }
+
+    /// `n` such connections of one tenant, opened one after another (every other one sending
+    /// its message as [`Unfinished::open_fragmented`] does); then how many of them were
     /// closed within 5 s, each with 1008 and `reason` (any other close fails), and the
     /// connections (those closed included, as the server left them).
     pub async fn open_many(
@@ -131,8 +168,13 @@ impl Unfinished {
         reason: &str,
     ) -> anyhow::Result<(usize, Vec<Unfinished>)> {
         let mut all = Vec::new();
-        for _ in 0..n {
-            all.push(Unfinished::open(addr, ca, token, announced, sent).await?);
+        for i in 0..n {
+            // Every other one sends its message in fragments, with pings between them.
+            all.push(if i % 2 == 0 {
+                Unfinished::open(addr, ca, token, announced, sent).await?
+            } else {
+                Unfinished::open_fragmented(addr, ca, token, sent).await?
+            });
         }
         let outcomes = futures_util::future::join_all(
             all.iter_mut()
@@ -159,6 +201,10 @@ impl Unfinished {
         let mut got = Vec::new();
         let deadline = tokio::time::Instant::now() + within;
         loop {
+            // Pongs (answers to the pings sent) come first: skipped.
+            while got.len() >= 2 && got[0] == 0x8a && got.len() >= 2 + usize::from(got[1] & 0x7f) {
+                got.drain(..2 + usize::from(got[1] & 0x7f));
+            }
             if got.len() >= 2 && got.len() >= 2 + usize::from(got[1] & 0x7f) {
                 anyhow::ensure!(got[0] == 0x88, "a frame other than close: {got:?}");
                 let end = 2 + usize::from(got[1] & 0x7f);

@@ -788,6 +788,11 @@ async fn every_request_that_starts_a_turn_is_held_to_the_active_turn_cap() -> an
             "review/start",
             json!({ "threadId": other, "target": { "type": "custom", "instructions": "look" } }),
         ),
+        // On the thread that runs the turn: a review is a turn of its own, not a steer.
+        (
+            "review/start",
+            json!({ "threadId": running, "target": { "type": "custom", "instructions": "look" } }),
+        ),
         ("thread/compact/start", json!({ "threadId": other })),
         (
             "thread/shellCommand",

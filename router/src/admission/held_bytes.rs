@@ -78,8 +78,17 @@ pub struct ReadMeter {
     /// A growth was refused: the socket's read fails, and the session ends as for a whole
     /// frame refused (`End::LargeFrames`).
     refused: AtomicBool,
+    /// What `held` counts (read without its lock).
+    charged: AtomicUsize,
     held: Mutex<HeldBuffer>,
 }
+
+/// Bytes a socket reads towards one message before they count: a frame of [`HELD_FREE`], its
+/// head (up to 14 bytes) and one read of the next frame (`proto::ws::READ_BUFFER_SIZE`).
+const UNFINISHED_SLACK: usize = HELD_FREE + proto::ws::READ_BUFFER_SIZE + 14;
+
+/// An unfinished message is charged in steps of this size.
+const CHARGE_STEP: usize = 64 << 10;
 
 // === impl ReadMeter ===
 
@@ -89,24 +98,51 @@ impl ReadMeter {
         ReadMeter {
             unfinished: AtomicUsize::new(0),
             refused: AtomicBool::new(false),
+            charged: AtomicUsize::new(0),
             held: Mutex::new(held),
         }
     }
 
     /// The socket read `n` more bytes. False when the unfinished message they belong to
     /// would take the tenant over its bound (remembered: [`ReadMeter::refused`]).
+    ///
+    /// Counted with [`UNFINISHED_SLACK`] free (a read may also hold a frame head and the start
+    /// of the next frame), and charged in [`CHARGE_STEP`]s: the tenant's account is touched once
+    /// per step of a large message's arrival, not once per read.
     #[inline]
     pub fn read(&self, n: usize) -> bool {
         let unfinished = self.unfinished.fetch_add(n, Ordering::Relaxed) + n;
-        unfinished <= HELD_FREE || self.hold(unfinished)
+        unfinished <= UNFINISHED_SLACK
+            || unfinished <= self.charged.load(Ordering::Relaxed)
+            || self.hold(unfinished.next_multiple_of(CHARGE_STEP))
     }
 
-    /// The session took a message of `len` bytes from the socket, whose buffer held it whole;
-    /// what the socket reads next belongs to the next message. False as [`ReadMeter::read`].
+    /// The session took a data message (or a close) of `len` bytes from the socket, whose
+    /// buffer held it whole; what the socket reads next belongs to the next message. False as
+    /// [`ReadMeter::read`].
     #[inline]
     pub fn took(&self, len: usize) -> bool {
         self.unfinished.store(0, Ordering::Relaxed);
         len <= HELD_FREE || self.hold(len)
+    }
+
+    /// The session took a ping or a pong of `len` payload bytes. One may come between the
+    /// fragments of a message, which stays unfinished: only the control frame's own bytes
+    /// leave the count (a client frame's head and mask are 6 bytes).
+    #[inline]
+    pub fn took_control(&self, len: usize) {
+        let frame = len + 6;
+        let _counted = self
+            .unfinished
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                Some(u.saturating_sub(frame))
+            });
+    }
+
+    /// What the socket reads from now on is being discarded as the session closes: counted
+    /// from nothing, per message (the closing reads are bounded in time).
+    pub fn discarded(&self) {
+        self.unfinished.store(0, Ordering::Relaxed);
     }
 
     /// Whether a growth was refused.
@@ -123,11 +159,9 @@ impl ReadMeter {
     }
 
     fn hold(&self, len: usize) -> bool {
-        let held = self
-            .held
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .read(len);
+        let mut buffer = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = buffer.read(len);
+        self.charged.store(buffer.held(), Ordering::Relaxed);
         if !held {
             self.refused.store(true, Ordering::Relaxed);
         }
@@ -211,5 +245,39 @@ mod tests {
         // What a socket reads after a message starts the next one's count afresh.
         assert!(a.read(100_000) && a.took(90_000) && a.read(4096));
         assert_eq!(total(), 2 << 20);
+    }
+
+    #[test]
+    fn pings_between_fragments_leave_the_message_unfinished_and_counted() {
+        let tenant = Arc::new(AtomicUsize::new(0));
+        let total = || tenant.load(Ordering::Acquire);
+        let a = ReadMeter::new(HeldBuffer::new(tenant.clone(), 1 << 20));
+        // A frame just under HELD_FREE read with the next one's head and start: free.
+        assert!(a.read(HELD_FREE + 4096) && a.took(HELD_FREE - 1));
+        assert_eq!(total(), 0);
+        // 60 KiB fragments with a ping after each: the pings leave the count, the fragments
+        // add up, and the message is bounded before it is whole.
+        let mut refused_after = None;
+        for n in 1..=32 {
+            if !a.read((60 << 10) + 6) {
+                refused_after = Some(n);
+                break;
+            }
+            a.took_control(0);
+        }
+        assert_eq!(
+            refused_after,
+            Some(18),
+            "1 MiB of fragments, counted in 64 KiB steps"
+        );
+        assert!(a.refused());
+        assert!(total() <= 1 << 20);
+        // A session closing discards what it reads: counted afresh per message.
+        let b = ReadMeter::new(HeldBuffer::new(tenant.clone(), 1 << 20));
+        for _ in 0..100 {
+            assert!(b.read(4096));
+            b.discarded();
+        }
+        assert_eq!(b.held(), 0);
     }
 }

@@ -322,7 +322,7 @@ where
         // The client's socket keeps a read buffer as large as its largest frame (an unfinished
         // one is counted as it arrives).
         if let Some(Ok(m)) = &frame {
-            if !self.client_read.took(m.len()) {
+            if !crate::door::took(&self.client_read, m) {
                 tracing::info!("a client's frame found the tenant's read buffers full");
                 return Err(Ending::ours(End::LargeFrames));
             }
@@ -632,6 +632,7 @@ where
             mut out,
             guard,
             metrics,
+            client_read,
             ..
         } = self;
         if let Some(end) = &ending.end {
@@ -640,7 +641,9 @@ where
                 .with_label_values(&[end.label()])
                 .inc();
         }
-        let too_big = ending.end == Some(End::TooBig);
+        // The rest of the message is still unread: too big, or refused as it arrived.
+        let unread = ending.end == Some(End::TooBig)
+            || (ending.end == Some(End::LargeFrames) && client_read.refused());
         if ending.skip_queue {
             out.drop_queue();
         }
@@ -660,15 +663,19 @@ where
                 let _closed = tx.close().await;
             };
             tokio::pin!(writer);
-            let drain = async { while let Some(Ok(_)) = rx.next().await {} };
+            let drain = async {
+                while let Some(Ok(_)) = rx.next().await {
+                    client_read.discarded();
+                }
+            };
             tokio::pin!(drain);
             tokio::select! {
                 () = &mut writer => drain.await,
                 () = &mut drain => writer.await,
             }
-            if too_big {
-                // As serve: the rest of the oversized message is unread, and closing now would
-                // reset the socket before the client reads the 1009.
+            if unread {
+                // As serve: the rest of the message is unread, and closing now would reset the
+                // socket before the client reads the close frame.
                 tokio::time::sleep(crate::end::TOO_BIG_LINGER).await;
             }
         };

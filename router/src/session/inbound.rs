@@ -89,7 +89,7 @@ impl Session {
         // The client's socket read a message whole: its read buffer is at least that large for
         // as long as the session lives (an unfinished one is counted as it arrives).
         if let Some(Ok(m)) = &frame {
-            if !self.client_read.took(m.len()) {
+            if !crate::door::took(&self.client_read, m) {
                 tracing::info!(
                     len = m.len(),
                     "a client's frame found the tenant's read buffers full"
