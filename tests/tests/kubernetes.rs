@@ -236,15 +236,7 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
     // The loser's 409 AlreadyExists is success, not an API failure.
     for edge in 0..2 {
         let m = c.metrics(edge).await?;
-        assert_eq!(
-            metric(
-                &m,
-                "codex_fleet_node_start_failures_total",
-                &[("reason", "api")]
-            ),
-            0.0,
-            "{m}"
-        );
+        assert_eq!(start_failures(&m, "api"), 0.0, "{m}");
     }
     // Both are relayed to the same node: a thread started through one edge resumes through
     // the other.
@@ -263,6 +255,15 @@ fn requests_like(c: &Cluster, prefix: &str) -> usize {
         .iter()
         .filter(|r| r.starts_with(prefix))
         .count()
+}
+
+/// `codex_fleet_node_start_failures_total{reason}` in the metrics text `m`.
+fn start_failures(m: &str, reason: &str) -> f64 {
+    metric(
+        m,
+        "codex_fleet_node_start_failures_total",
+        &[("reason", reason)],
+    )
 }
 
 /// How often acme's pod was the subject of an Event of `reason`.
@@ -404,15 +405,7 @@ async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow:
     );
     said_once(&c, "FailedCreate");
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "forbidden")]
-        ),
-        1.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "forbidden"), 1.0, "{m}");
     // The namespace mended: the next sessions try again, and their pod is late (all of them
     // wait from before it exists, so none finds it Pending past the timeout and replaces it).
     c.fake.refuse_pod_creates(403, 0);
@@ -429,11 +422,7 @@ async fn a_burst_of_refused_sessions_costs_one_create_and_one_event() -> anyhow:
     said_once(&c, "StartTimeout");
     let m = c.metrics(0).await?;
     assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "timeout")]
-        ),
+        start_failures(&m, "timeout"),
         SESSIONS as f64,
         "every refused session is counted: {m}"
     );
@@ -499,15 +488,7 @@ async fn a_tenant_removed_while_its_sessions_wait_for_its_pod_is_told_at_once() 
     assert_eq!(pod_posts(&c), 2, "no create for a removed tenant");
     assert_eq!(said(&c, "StartTimeout"), 0);
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "timeout")]
-        ),
-        0.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "timeout"), 0.0, "{m}");
     // A new session with acme's token is refused at the door.
     let refused = c.client(0, "acme").await;
     assert!(
@@ -692,15 +673,7 @@ async fn a_full_storage_quota_does_not_stop_a_tenant_whose_volume_exists() -> an
     assert_eq!(c.fake.pod_creates(), 2);
     assert_eq!(c.fake.pvc_creates(), 1);
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "api")]
-        ),
-        0.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "api"), 0.0, "{m}");
     let replaced = metric(&m, "codex_fleet_node_start_seconds_sum", &[]) - first;
     eprintln!(
         "measured: a replaced pod (same volume) to ready {replaced:.2} s (edge's node_start_seconds); \
@@ -822,24 +795,8 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
         );
         eprintln!("measured: a {code} create answered nodeStartFailed after {took:?}");
         let m = c.metrics(0).await?;
-        assert_eq!(
-            metric(
-                &m,
-                "codex_fleet_node_start_failures_total",
-                &[("reason", reason)]
-            ),
-            1.0,
-            "{m}"
-        );
-        assert_eq!(
-            metric(
-                &m,
-                "codex_fleet_node_start_failures_total",
-                &[("reason", "timeout")]
-            ),
-            0.0,
-            "{m}"
-        );
+        assert_eq!(start_failures(&m, reason), 1.0, "{m}");
+        assert_eq!(start_failures(&m, "timeout"), 0.0, "{m}");
         // Every refused request is counted with the admission refusals, the held one (403)
         // and the one that came after the refusal (422) alike.
         assert_eq!(
@@ -876,24 +833,8 @@ async fn a_start_that_cannot_succeed_ends_at_once_with_its_cause() -> anyhow::Re
         "three refused creates and one that succeeded"
     );
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "api")]
-        ),
-        3.0,
-        "{m}"
-    );
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "forbidden")]
-        ),
-        2.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "api"), 3.0, "{m}");
+    assert_eq!(start_failures(&m, "forbidden"), 2.0, "{m}");
     assert_eq!(c.fake.pod_creates(), 1);
     Ok(())
 }
@@ -926,15 +867,7 @@ async fn a_pod_that_fails_before_ready_is_replaced_while_the_session_waits() -> 
     middle.sort_unstable();
     assert_eq!(middle, ["Replaced", "StartFailed"], "{evs:?}");
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "failed")]
-        ),
-        1.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "failed"), 1.0, "{m}");
     assert_eq!(
         metric(
             &m,
@@ -963,14 +896,7 @@ async fn api_errors_and_an_expired_watch_are_survived() -> anyhow::Result<()> {
     let thread = a.start_thread().await?;
     turn(&mut a, &thread, "through the errors").await?;
     let m = c.metrics(0).await?;
-    assert!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "api")]
-        ) >= 1.0,
-        "{m}"
-    );
+    assert!(start_failures(&m, "api") >= 1.0, "{m}");
     assert_eq!(c.fake.pod_creates(), 1);
 
     // The watch expires (410 Gone on resume) and the relist fails a few times: /readyz says
@@ -1068,15 +994,7 @@ async fn a_node_not_ready_in_time_answers_minus_32001_node_starting() -> anyhow:
         router::edge::NODE_STARTING_CODE
     );
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "timeout")]
-        ),
-        1.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "timeout"), 1.0, "{m}");
     assert_eq!(
         metric(&m, "codex_fleet_tenant_pods_starting", &[]),
         1.0,
@@ -1194,15 +1112,7 @@ async fn a_pod_that_cannot_pull_its_image_is_refused_with_the_cause_and_replaced
     tokio::time::sleep(Duration::from_secs(1)).await;
     said_once(&c, "ImagePullFailed");
     let m = c.metrics(0).await?;
-    assert_eq!(
-        metric(
-            &m,
-            "codex_fleet_node_start_failures_total",
-            &[("reason", "image")]
-        ),
-        1.0,
-        "{m}"
-    );
+    assert_eq!(start_failures(&m, "image"), 1.0, "{m}");
     // The image is fixed: the next session gets a new pod and is served.
     c.fake.fail_image_pulls(false);
     let mut a = c.client(0, "acme").await?;
