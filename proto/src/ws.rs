@@ -3,11 +3,10 @@
 
 use std::collections::VecDeque;
 
-use futures_util::{Sink, SinkExt};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
 use tokio_tungstenite::tungstenite::protocol::frame::Frame;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
-use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::{Bytes, Message, Utf8Bytes};
 
 /// Frames never need to be larger than tungstenite's default frame cap.
 pub const MAX_FRAME_SIZE: usize = 16 << 20;
@@ -121,8 +120,8 @@ impl Iterator for Fragments {
 
 /// What a writer hands its socket next: the next fragment of `partial` (the large text being
 /// written, kept there until its last fragment) or else the next of `frames`, a large text
-/// split. With it, the bytes of the text message it completes (0 for a fragment before the
-/// last, and for any other frame).
+/// split. With it, the bytes of the data message it completes (0 for a fragment before the
+/// last, and for a control frame).
 pub fn next_out(
     partial: &mut Option<Fragments>,
     frames: &mut VecDeque<Message>,
@@ -137,6 +136,10 @@ pub fn next_out(
                     return Some((Message::Text(text), len));
                 }
             },
+            Message::Binary(bytes) => {
+                let len = bytes.len();
+                return Some((Message::Binary(bytes), len));
+            }
             msg => return Some((msg, 0)),
         },
     };
@@ -148,26 +151,6 @@ pub fn next_out(
         0
     };
     Some((Message::Frame(frame), done))
-}
-
-/// Sends `msg` on `sink`, a text larger than [`FRAGMENT_SIZE`] in fragments, and flushes.
-pub async fn send_in_fragments<S>(sink: &mut S, msg: Message) -> Result<(), WsError>
-where
-    S: Sink<Message, Error = WsError> + Unpin,
-{
-    let text = match msg {
-        Message::Text(text) => text,
-        msg => return sink.send(msg).await,
-    };
-    match Fragments::split(text) {
-        Err(text) => sink.send(Message::Text(text)).await,
-        Ok(fragments) => {
-            for frame in fragments {
-                sink.feed(Message::Frame(frame)).await?;
-            }
-            sink.flush().await
-        }
-    }
 }
 
 #[cfg(test)]

@@ -755,6 +755,12 @@ impl Admission {
             .map_or(0, |t| t.load(std::sync::atomic::Ordering::Acquire))
     }
 
+    /// Bytes `tenant`'s sessions hold towards its workers (on an edge: towards its node), over
+    /// all its sessions.
+    pub fn leg_bytes(&self, tenant: &str) -> usize {
+        lock(&self.leg_bytes).get(tenant).map_or(0, |t| t.used())
+    }
+
     /// Bytes queued towards `tenant`'s clients, over all its sessions.
     pub fn queued_bytes(&self, tenant: &str) -> usize {
         lock(&self.queued)

@@ -384,6 +384,26 @@ impl Client {
         Ok(())
     }
 
+    /// Sends 1 MiB notifications, at most `max`, until one is not taken within 2 s (the client
+    /// is held: no longer read), calling `each` after every one that went. Returns how many
+    /// went, and whether the client was held; an error if the session was closed instead.
+    pub async fn flood_until_held(
+        &mut self,
+        max: usize,
+        mut each: impl FnMut(),
+    ) -> anyhow::Result<(usize, bool)> {
+        let pad = "x".repeat(1 << 20);
+        let frame = serde_json::json!({"method": "x/flood", "params": {"pad": pad}}).to_string();
+        for sent in 0..max {
+            match tokio::time::timeout(Duration::from_secs(2), self.send_text(&frame)).await {
+                Ok(Ok(())) => each(),
+                Err(_) => return Ok((sent, true)),
+                Ok(Err(e)) => anyhow::bail!("the session was closed instead of held: {e}"),
+            }
+        }
+        Ok((max, false))
+    }
+
     /// Sends a binary frame.
     pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
         self.ws.send(Message::binary(bytes)).await?;

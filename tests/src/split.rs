@@ -133,7 +133,23 @@ impl Split {
         edges: usize,
         limits: &str,
     ) -> anyhow::Result<Split> {
-        let mut b = FleetBuilder::new().limits_toml(limits);
+        Split::start_built(
+            program,
+            FleetBuilder::new().limits_toml(limits),
+            tenants,
+            edges,
+        )
+        .await
+    }
+
+    /// Same, from the one-process config `b` makes (its `[limits]`, `[workers]`, … reach every
+    /// node and edge).
+    pub async fn start_built(
+        program: &Path,
+        mut b: FleetBuilder,
+        tenants: &[(&str, &str)],
+        edges: usize,
+    ) -> anyhow::Result<Split> {
         // Two nodes on one machine with one uid range, each allocating for its own tenants: as
         // root, their claims on the host keep the uids apart (an explicit uid per tenant would
         // collide between split tests run at once).

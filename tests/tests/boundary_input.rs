@@ -314,24 +314,12 @@ async fn a_flood_towards_a_stalled_worker_is_bounded_in_bytes() -> anyhow::Resul
     tokio::time::sleep(Duration::from_millis(500)).await;
     let baseline = testkit::rss_kib(pid).context("rss")?;
 
-    let pad = "x".repeat(1 << 20);
-    let mut sent = 0;
     let mut peak = baseline;
-    let mut held = false;
-    for _ in 0..300 {
-        let frame = json!({"method": "x/flood", "params": {"pad": pad}}).to_string();
-        match tokio::time::timeout(Duration::from_secs(2), flood.send_text(&frame)).await {
-            Ok(Ok(())) => sent += 1,
-            // Not read any more: the session holds no more, and keeps the client
-            // (docs/architecture.md, admission).
-            Err(_) => {
-                held = true;
-                break;
-            }
-            Ok(Err(e)) => anyhow::bail!("the session was closed instead of held: {e}"),
-        }
-        peak = peak.max(testkit::rss_kib(pid).unwrap_or(0));
-    }
+    // Not read any more: the session holds no more, and keeps the client
+    // (docs/architecture.md, admission).
+    let (sent, held) = flood
+        .flood_until_held(300, || peak = peak.max(testkit::rss_kib(pid).unwrap_or(0)))
+        .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     peak = peak.max(testkit::rss_kib(pid).unwrap_or(0));
     nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGCONT)?;

@@ -929,3 +929,68 @@ async fn an_edge_bounds_unfinished_messages_per_tenant_as_they_arrive() -> anyho
     drop(hostile);
     Ok(())
 }
+
+/// docs/architecture.md ("Faults across the link"): a worker that stops reading (stopped by its
+/// tenant's own agent) makes its node stop reading the session's link, as `serve` stops reading
+/// a client whose worker does not read. The edge holds the client as `serve` does: what its link
+/// holds is bounded, the client is not read beyond it, and the held link is not taken for a lost
+/// node (no 1012, no `lost` counted, which the node-lost alert watches) however long it lasts.
+/// Once the worker resumes, the same session is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_does(
+) -> anyhow::Result<()> {
+    let b = FleetBuilder::new()
+        // No hang detection while the worker is stopped on purpose.
+        .workers_toml("health_interval_secs = 120\nhealth_timeout_secs = 120")
+        .limits_toml(
+            "tenant_rps = 100000\ntenant_burst = 100000\nconn_fps = 100000\nconn_burst = 100000\n\
+             max_message_bytes = 2097152\nclient_queue_bytes = 8388608\ntenant_queue_bytes = 8388608",
+        );
+    let s = Split::start_built(&fleet_bin(), b, &[("flood", "n1")], 1).await?;
+    let edge = &s.edges[0];
+    let edge_pid = edge.pid().context("edge pid")?;
+    let mut flood = s.client(0, "flood").await?;
+    let workers = testkit::workers_under(&s.files.dir.path().join("n1/tenants/flood"));
+    anyhow::ensure!(workers.len() == 1, "{workers:?}");
+    let worker = nix::unistd::Pid::from_raw(workers[0]);
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGSTOP)?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let baseline = rss_kib(edge_pid).context("rss")?;
+
+    let mut peak = baseline;
+    let (sent, held) = flood
+        .flood_until_held(300, || peak = peak.max(rss_kib(edge_pid).unwrap_or(0)))
+        .await?;
+    anyhow::ensure!(held, "the whole flood ({sent} × 1 MiB) was taken in");
+    // Past the link's silence deadline (10 s) and two of its ping intervals.
+    let since = Instant::now();
+    while since.elapsed() < Duration::from_secs(16) {
+        peak = peak.max(rss_kib(edge_pid).unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let lost = metric(edge, "codex_fleet_link_errors_total", &[("reason", "lost")]).await?;
+    nix::sys::signal::kill(worker, nix::sys::signal::Signal::SIGCONT)?;
+    let growth_mib = peak.saturating_sub(baseline) / 1024;
+    eprintln!(
+        "measured: a stopped worker behind an edge: {sent} × 1 MiB sent before the client was \
+         held; the edge grew {growth_mib} MiB; held 16 s, `lost` counted {lost}"
+    );
+    assert_eq!(lost, 0.0, "a held link was taken for a lost node");
+    assert!(
+        growth_mib < 64,
+        "the edge grew by {growth_mib} MiB holding a client for a stopped worker"
+    );
+    let listed = tokio::time::timeout(
+        Duration::from_secs(60),
+        flood.request("thread/list", json!({})),
+    )
+    .await
+    .context("no answer after the worker resumed")??;
+    assert!(listed.get("data").is_some(), "{listed}");
+    let lost = metric(edge, "codex_fleet_link_errors_total", &[("reason", "lost")]).await?;
+    assert_eq!(
+        lost, 0.0,
+        "the link was taken for lost once the worker resumed"
+    );
+    Ok(())
+}

@@ -20,6 +20,11 @@
 //! - While the tenant's node starts, what the client sends is held, bounded in messages and
 //!   in bytes (against the same byte account as the queue), and the credential is watched; it
 //!   is checked once more before the held messages leave.
+//! - What goes towards the node is queued too ([`LinkOut`]), bounded as `serve` bounds a
+//!   session's legs towards its workers: while it holds `client_queue_bytes` (or the tenant's
+//!   sessions on this edge hold `tenant_queue_bytes`) the client is not read. A node that stops
+//!   reading a session (its worker stopped) holds the client there, as `serve` would, and the
+//!   relay's other work goes on: the node's frames, the client's queue, the credential.
 
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
@@ -38,7 +43,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Admission, ConnectionGuard, QueueBytes, ReadMeter, Rejection};
+use crate::admission::{Admission, ConnectionGuard, LegBudget, QueueBytes, ReadMeter, Rejection};
 use crate::credentials::Lease;
 use crate::end::End;
 use crate::gate::Gate;
@@ -164,12 +169,11 @@ pub(super) enum Waited<L> {
     Ended(Ending),
 }
 
-/// Frames waiting for the client, bounded in frames and in bytes.
-struct Out {
+/// Frames on their way to one socket: whole messages, the rest of a large one going out in
+/// fragments, and the bytes handed to the socket since its last flush.
+#[derive(Default)]
+struct Outbox {
     frames: VecDeque<Message>,
-    capacity: usize,
-    soft_mark: usize,
-    bytes: Arc<QueueBytes>,
     /// The rest of the large frame being written (counted until flushed whole).
     partial: Option<Fragments>,
     /// Bytes handed to the socket since its last flush (still counted), when any were.
@@ -178,54 +182,16 @@ struct Out {
     closed: bool,
 }
 
-impl Out {
-    fn len_of(msg: &Message) -> usize {
-        match msg {
-            Message::Text(t) => t.len(),
-            Message::Binary(b) => b.len(),
-            _ => 0,
-        }
-    }
-
+impl Outbox {
     fn busy(&self) -> bool {
         !self.closed
             && (!self.frames.is_empty() || self.partial.is_some() || self.unflushed.is_some())
     }
 
-    /// Above the soft mark of any bound: streaming deltas go.
-    fn behind(&self) -> bool {
-        self.frames.len() >= self.soft_mark || self.bytes.behind()
-    }
-
-    /// Queues a frame; a client whose queue is full (frames, or bytes of the session or the
-    /// tenant) is too slow.
-    fn push(&mut self, text: Utf8Bytes) -> Result<(), End> {
-        if self.frames.len() >= self.capacity || !self.bytes.try_add(text.len()) {
-            tracing::info!(
-                frames = self.frames.len(),
-                queued = self.bytes.session(),
-                "closing a client over its queue's bound"
-            );
-            return Err(End::SlowClient);
-        }
-        self.frames.push_back(Message::Text(text));
-        Ok(())
-    }
-
-    fn drop_queue(&mut self) {
-        for msg in self.frames.drain(..) {
-            self.bytes.release(Out::len_of(&msg));
-        }
-        // A control frame may come between fragments; the rest of the message goes.
-        if let Some(partial) = self.partial.take() {
-            self.bytes.release(partial.message_len());
-        }
-    }
-
-    /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then
-    /// flushes; their bytes leave the account once flushed. Cancel-safe. Ready(true) once the
-    /// close frame is out.
-    fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<bool, WsError>>
+    /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), large
+    /// texts in fragments, then flushes. Cancel-safe. Ready with the bytes of the messages that
+    /// were flushed whole (they leave their account then).
+    fn poll_send<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<usize, WsError>>
     where
         Si: Sink<Message, Error = WsError> + Unpin,
     {
@@ -243,12 +209,145 @@ impl Out {
             sink.start_send_unpin(msg)?;
             batch += 1;
         }
-        if let Some(n) = self.unflushed {
-            ready!(sink.poll_flush_unpin(cx))?;
-            self.bytes.release(n);
-            self.unflushed = None;
+        let Some(n) = self.unflushed else {
+            return Poll::Ready(Ok(0));
+        };
+        ready!(sink.poll_flush_unpin(cx))?;
+        self.unflushed = None;
+        Poll::Ready(Ok(n))
+    }
+}
+
+/// Frames waiting for the client, bounded in frames and in bytes.
+struct Out {
+    queue: Outbox,
+    capacity: usize,
+    soft_mark: usize,
+    bytes: Arc<QueueBytes>,
+}
+
+/// Frames waiting for the node, bounded as a `serve` session's legs towards its workers are
+/// ([`LegBudget`]: `client_queue_bytes` for the session, `tenant_queue_bytes` for the tenant's
+/// sessions on this edge). While the budget is spent the client is not read (TCP backpressure,
+/// as `serve` holds a client whose worker does not read); the link's other direction, the
+/// client's queue and the keepalive go on.
+struct LinkOut {
+    queue: Outbox,
+    budget: LegBudget,
+    /// Bytes of `queue` counted in `budget`.
+    held: usize,
+}
+
+impl LinkOut {
+    fn new(budget: LegBudget) -> Self {
+        LinkOut {
+            queue: Outbox::default(),
+            budget,
+            held: 0,
         }
-        Poll::Ready(Ok(self.closed))
+    }
+
+    fn push(&mut self, msg: Message) {
+        let n = Out::len_of(&msg);
+        self.budget.add(n);
+        self.held += n;
+        self.queue.frames.push_back(msg);
+    }
+
+    /// Writes what the link takes (a batch, see [`Outbox::poll_send`]); the flushed bytes leave
+    /// the budget. Cancel-safe.
+    fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<(), WsError>>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        let n = ready!(self.queue.poll_send(sink, cx))?;
+        if n > 0 {
+            self.budget.release(n);
+            self.held -= n;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    async fn write<Si>(&mut self, sink: &mut Si) -> Result<(), WsError>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        std::future::poll_fn(|cx| self.poll_write(sink, cx)).await
+    }
+
+    /// Writes what the link takes without waiting: a frame goes out in the pass that read it,
+    /// and the loop's write branch finishes what the socket did not take.
+    async fn write_now<Si>(&mut self, sink: &mut Si) -> Result<(), WsError>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        match std::future::poll_fn(|cx| Poll::Ready(self.poll_write(sink, cx))).await {
+            Poll::Ready(Err(e)) => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for LinkOut {
+    fn drop(&mut self) {
+        self.budget.release(self.held);
+    }
+}
+
+impl Out {
+    fn len_of(msg: &Message) -> usize {
+        match msg {
+            Message::Text(t) => t.len(),
+            Message::Binary(b) => b.len(),
+            _ => 0,
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.queue.busy()
+    }
+
+    /// Above the soft mark of any bound: streaming deltas go.
+    fn behind(&self) -> bool {
+        self.queue.frames.len() >= self.soft_mark || self.bytes.behind()
+    }
+
+    /// Queues a frame; a client whose queue is full (frames, or bytes of the session or the
+    /// tenant) is too slow.
+    fn push(&mut self, text: Utf8Bytes) -> Result<(), End> {
+        if self.queue.frames.len() >= self.capacity || !self.bytes.try_add(text.len()) {
+            tracing::info!(
+                frames = self.queue.frames.len(),
+                queued = self.bytes.session(),
+                "closing a client over its queue's bound"
+            );
+            return Err(End::SlowClient);
+        }
+        self.queue.frames.push_back(Message::Text(text));
+        Ok(())
+    }
+
+    fn drop_queue(&mut self) {
+        for msg in self.queue.frames.drain(..) {
+            self.bytes.release(Out::len_of(&msg));
+        }
+        // A control frame may come between fragments; the rest of the message goes.
+        if let Some(partial) = self.queue.partial.take() {
+            self.bytes.release(partial.message_len());
+        }
+    }
+
+    /// Writes what the socket takes (see [`Outbox::poll_send`]); the flushed bytes leave the
+    /// account. Ready(true) once the close frame is out.
+    fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<bool, WsError>>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        let n = ready!(self.queue.poll_send(sink, cx))?;
+        if n > 0 {
+            self.bytes.release(n);
+        }
+        Poll::Ready(Ok(self.queue.closed))
     }
 
     async fn write<Si>(&mut self, sink: &mut Si) -> Result<bool, WsError>
@@ -271,6 +370,8 @@ pub(super) struct Relay<C> {
     shutdown: CancellationToken,
     /// Client requests not answered yet (a draining edge waits for them).
     in_flight: HashSet<RequestId>,
+    /// What the link towards the node may hold ([`LinkOut`]).
+    link_budget: LegBudget,
 }
 
 impl<C> Relay<C>
@@ -283,24 +384,27 @@ where
             ctx.client_queue_bytes,
             ctx.tenant_queue_bytes,
         );
+        let link_budget = ctx.admission.leg_budget(
+            ctx.guard.tenant(),
+            ctx.client_queue_bytes,
+            ctx.tenant_queue_bytes,
+        );
         let (tx, rx) = client.split();
         Relay {
             tx,
             rx,
             client_read: ctx.client_read,
             out: Out {
-                frames: VecDeque::new(),
+                queue: Outbox::default(),
                 capacity: ctx.client_queue.max(1),
                 soft_mark: crate::config::soft_mark(ctx.client_queue),
                 bytes,
-                partial: None,
-                unflushed: None,
-                closed: false,
             },
             guard: ctx.guard,
             metrics: ctx.metrics,
             shutdown: ctx.shutdown,
             in_flight: HashSet::new(),
+            link_budget,
         }
     }
 
@@ -496,14 +600,23 @@ where
         L: AsyncRead + AsyncWrite + Unpin,
     {
         let (mut link_tx, mut link_rx) = link.split();
-        let ending = self.relay(&mut link_tx, &mut link_rx, pending, lease).await;
+        let mut to_node = LinkOut::new(self.link_budget.clone());
+        let ending = self
+            .relay(&mut link_tx, &mut link_rx, &mut to_node, pending, lease)
+            .await;
         let lost = ending.lost;
         // The session is over: counted now, not after the closing handshakes.
         relayed(lost);
         let frame = ending.link.clone();
         let node = async move {
             if !lost {
-                let _sent = link_tx.send(Message::Close(frame)).await;
+                // What the client sent before it closed goes first, then the close frame.
+                to_node.queue.frames.push_back(Message::Close(frame));
+                while to_node.queue.busy() {
+                    if to_node.write(&mut link_tx).await.is_err() {
+                        break;
+                    }
+                }
                 let _closed = link_tx.close().await;
             }
         };
@@ -514,30 +627,26 @@ where
         &mut self,
         link_tx: &mut SplitSink<WebSocketStream<L>, Message>,
         link_rx: &mut SplitStream<WebSocketStream<L>>,
+        to_node: &mut LinkOut,
         pending: Vec<Message>,
         lease: &Lease,
     ) -> Ending
     where
         L: AsyncRead + AsyncWrite + Unpin,
     {
+        // The held messages move from the client's byte account to the link's.
+        for m in &pending {
+            self.out.bytes.release(Out::len_of(m));
+        }
         // The credential may have ended while the node started: nothing held leaves then.
         if let Some(end) = lease.ended_now() {
-            for m in &pending {
-                self.out.bytes.release(Out::len_of(m));
-            }
             return Ending::ours(End::from(end));
         }
-        let mut sending = pending.into_iter();
-        while let Some(m) = sending.next() {
-            let n = Out::len_of(&m);
-            let sent = ws::send_in_fragments(link_tx, m).await;
-            self.out.bytes.release(n);
-            if sent.is_err() {
-                for m in sending {
-                    self.out.bytes.release(Out::len_of(&m));
-                }
-                return Ending::node_lost();
-            }
+        for m in pending {
+            to_node.push(m);
+        }
+        if to_node.write_now(link_tx).await.is_err() {
+            return Ending::node_lost();
         }
         let credential_ended = lease.ended();
         tokio::pin!(credential_ended);
@@ -551,6 +660,7 @@ where
         let mut heard = tokio::time::Instant::now();
         let mut keepalive = tokio::time::interval_at(heard + LINK_PING, LINK_PING);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let budget = to_node.budget.clone();
         loop {
             if let Some(deadline) = draining {
                 if self.in_flight.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -558,10 +668,16 @@ where
                 }
             }
             let writing = self.out.busy();
+            let linking = to_node.queue.busy();
+            // While the link holds as much as it may, the client is not read; room in the
+            // tenant's total comes from its other sessions' links.
+            let link_full = budget.full();
+            let tenant_full = link_full && budget.tenant_full();
             tokio::select! {
-                m = self.rx.next(), if draining.is_none() => match self.on_client_frame(m) {
+                m = self.rx.next(), if draining.is_none() && !link_full => match self.on_client_frame(m) {
                     Ok(Some(m)) => {
-                        if ws::send_in_fragments(link_tx, m).await.is_err() {
+                        to_node.push(m);
+                        if to_node.write_now(link_tx).await.is_err() {
                             return Ending::node_lost();
                         }
                     }
@@ -583,21 +699,37 @@ where
                         Some(Err(_)) | None => return Ending::node_lost(),
                     }
                 }
+                w = to_node.write(link_tx), if linking => {
+                    if w.is_err() {
+                        return Ending::node_lost();
+                    }
+                }
+                () = budget.tenant_room(), if tenant_full => {}
                 w = self.out.write(&mut self.tx), if writing => {
                     if w.is_err() {
                         return Ending::client_closed(None);
                     }
                 }
                 _ = keepalive.tick() => {
+                    // A link that has not taken what was written to it is not judged by its
+                    // silence: its node is alive enough to hold the bytes back (a worker of the
+                    // tenant's that stopped reading holds this session there, as `serve` holds
+                    // its client), and a ping could not pass them. A machine lost meanwhile is
+                    // found by the kernel, whose retransmissions to it fail.
+                    if to_node.queue.busy() {
+                        heard = tokio::time::Instant::now();
+                        continue;
+                    }
                     let silent = heard.elapsed();
                     if silent >= LINK_SILENCE {
                         tracing::warn!(?silent, "the node's link is silent (its machine lost?); closing the session");
                         return Ending::node_lost();
                     }
-                    if silent >= LINK_PING
-                        && link_tx.send(Message::Ping(Default::default())).await.is_err()
-                    {
-                        return Ending::node_lost();
+                    if silent >= LINK_PING {
+                        to_node.push(Message::Ping(Default::default()));
+                        if to_node.write_now(link_tx).await.is_err() {
+                            return Ending::node_lost();
+                        }
                     }
                 }
                 event = std::future::poll_fn(|cx| rare.poll(cx, |cx| {
@@ -648,7 +780,7 @@ where
             out.drop_queue();
         }
         if let Some(frame) = ending.client {
-            out.frames.push_back(Message::Close(frame));
+            out.queue.frames.push_back(Message::Close(frame));
         }
         // Until the close frame is out, what the client still sends is read and discarded:
         // closing a socket with unread input resets it, and the reset would destroy the close

@@ -63,6 +63,7 @@ impl Fixture {
     /// Nothing of the session is left: no queued bytes, no connection slot.
     fn all_freed(&self) {
         assert_eq!(self.admission.queued_bytes("acme"), 0);
+        assert_eq!(self.admission.leg_bytes("acme"), 0);
         assert_eq!(self.admission.connections("acme"), (0, 0));
     }
 }
@@ -410,5 +411,84 @@ async fn a_client_s_large_frames_count_against_its_tenant_s_buffers_until_it_goe
     assert!((200 << 10..250 << 10).contains(&held), "{held}");
     assert_eq!(f.closed("large_frames"), 1);
     assert_eq!(f.admission.held_bytes("acme"), 0);
+    f.all_freed();
+}
+
+/// A node that stops reading a session (its tenant's worker stopped: `serve` then stops reading
+/// the client) holds the client at the edge as `serve` holds it: what the link holds is bounded
+/// ([`super::LinkOut`]), the client is not read beyond it, the node's frames still reach the
+/// client, the held link is not taken for a lost node, and once the node reads again every
+/// message arrives, in order.
+#[tokio::test(start_paused = true)]
+async fn a_node_that_stops_reading_holds_the_client_and_the_relay_goes_on() {
+    use std::time::Duration;
+
+    let f = Fixture::new(AdmissionConfig::default());
+    let lease = Lease::unbounded();
+    let (client, peer) = pair(256 << 10).await;
+    let (mut peer_tx, mut peer_rx) = peer.split();
+    let (link, node) = pair(64 << 10).await;
+    let (mut node_tx, mut node_rx) = node.split();
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let session = relay.run(link, Vec::new(), &lease, |lost| {
+        assert!(!lost, "taken for lost")
+    });
+    let driver = async {
+        // The node reads nothing: the client's messages fill the link, then the link's budget,
+        // then the client's own socket, and its sends stop.
+        let mut sent = 0;
+        while sent < 200 {
+            let send = peer_tx.send(notification("x/flood", 32 << 10));
+            if tokio::time::timeout(Duration::from_secs(1), send)
+                .await
+                .is_err()
+            {
+                break;
+            }
+            sent += 1;
+        }
+        assert!(sent < 200, "the client was never held");
+        let held = f.admission.leg_bytes("acme");
+        assert!(
+            (256 << 10..(256 + 40) << 10).contains(&held),
+            "the link holds {held} bytes"
+        );
+        // The other direction goes on, long past the link's silence deadline.
+        for round in 0..4 {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            node_tx.send(notification("x/still", round)).await.unwrap();
+            match tokio::time::timeout(Duration::from_secs(5), peer_rx.next()).await {
+                Ok(Some(Ok(Message::Text(t)))) => assert!(t.contains("x/still"), "{t}"),
+                other => panic!("the client got {other:?} at round {round}"),
+            }
+        }
+        // The node reads again: everything arrives, in order (the one whose send timed out
+        // included), then the client's close.
+        let mut got = 0;
+        let reader = async {
+            while let Some(Ok(m)) = node_rx.next().await {
+                match m {
+                    Message::Text(t) => {
+                        assert!(t.contains("x/flood"), "{t}");
+                        got += 1;
+                    }
+                    Message::Close(_) => break,
+                    _ => {}
+                }
+            }
+        };
+        let closer = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            peer_tx.close().await.unwrap();
+            while peer_rx.next().await.is_some() {}
+        };
+        tokio::join!(reader, closer);
+        (sent, got)
+    };
+    let ((), (sent, got)) = tokio::join!(session, driver);
+    assert!(
+        got == sent || got == sent + 1,
+        "sent {sent}, the node got {got}"
+    );
     f.all_freed();
 }
