@@ -551,15 +551,15 @@ where
         reason: &str,
     ) {
         let mut answered = false;
+        let mut answering = true;
+        let deadline = tokio::time::Instant::now() + CLOSE_GRACE;
         for m in pending {
             self.out.bytes.release(Out::len_of(&m));
-            if let Message::Text(text) = &m {
+            if let (true, Message::Text(text)) = (answering, &m) {
                 if let Ok(Rpc::Request { id, .. }) = parse(text) {
                     answered = true;
                     self.metrics.rejected_for(self.guard.tenant(), refusal);
-                    if self.out.push(answer(&id).into()).is_err() {
-                        break;
-                    }
+                    answering = self.push_in_time(answer(&id).into(), deadline).await;
                 }
             }
         }
@@ -586,6 +586,19 @@ where
             }
         }
         self.finish(Ending::close(code, reason), async {}).await;
+    }
+
+    /// Queues `text` for the client, first writing out what is queued while the queue is full
+    /// in frames (a session may hold more requests while it waits than `client_queue` frames),
+    /// until `deadline`. False when it could not be queued.
+    async fn push_in_time(&mut self, text: Utf8Bytes, deadline: tokio::time::Instant) -> bool {
+        while self.out.queue.frames.len() >= self.out.capacity {
+            let written = tokio::time::timeout_at(deadline, self.out.write(&mut self.tx)).await;
+            if !matches!(written, Ok(Ok(false))) {
+                return false;
+            }
+        }
+        self.out.push(text).is_ok()
     }
 
     /// Relays until either side ends, `pending` first (once the credential is checked); then

@@ -40,11 +40,22 @@ impl Fixture {
     }
 
     fn relay(&self, client: Ws, session_bytes: usize, tenant_bytes: usize) -> Relay<DuplexStream> {
+        self.relay_queue(client, session_bytes, tenant_bytes, 8192)
+    }
+
+    /// A relay whose client queue holds `frames` frames.
+    fn relay_queue(
+        &self,
+        client: Ws,
+        session_bytes: usize,
+        tenant_bytes: usize,
+        frames: usize,
+    ) -> Relay<DuplexStream> {
         let ctx = RelayCtx {
             guard: self.admission.open_connection("acme").unwrap(),
             metrics: self.metrics.clone(),
             admission: self.admission.clone(),
-            client_queue: 8192,
+            client_queue: frames,
             client_queue_bytes: session_bytes,
             tenant_queue_bytes: tenant_bytes,
             shutdown: CancellationToken::new(),
@@ -490,5 +501,55 @@ async fn a_node_that_stops_reading_holds_the_client_and_the_relay_goes_on() {
         got == sent || got == sent + 1,
         "sent {sent}, the node got {got}"
     );
+    f.all_freed();
+}
+
+/// A session refused while it waited answers every request it held, even more of them than its
+/// client queue holds frames (`client_queue` may be set below what a waiting session may hold).
+#[tokio::test(start_paused = true)]
+async fn a_refused_session_answers_every_request_it_held_whatever_its_queue() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let (client, mut peer) = pair(1 << 20).await;
+    let relay = f.relay_queue(client, 1 << 20, 1 << 20, 4);
+    let held: Vec<Message> = (0..40)
+        .map(|i| {
+            Message::text(format!(
+                r#"{{"id":{i},"method":"thread/list","params":{{}}}}"#
+            ))
+        })
+        .collect();
+    for m in &held {
+        assert!(relay.out.bytes.try_add(super::Out::len_of(m)));
+    }
+    use crate::admission::{Reason, Rejection, Scope};
+    let refusal = Rejection::cap(
+        Scope::Worker,
+        Reason::NodeUnavailable,
+        std::time::Duration::from_secs(1),
+    );
+    let answer = |id: &proto::rpc::RequestId| refusal.to_error_response(id);
+    let refuse = relay.refuse(held, &refusal, answer, None, 1013, "no node");
+    let read = async {
+        let mut ids = Vec::new();
+        let close = loop {
+            match peer.next().await {
+                Some(Ok(Message::Text(t))) => {
+                    let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+                    assert_eq!(v["error"]["code"], -32001, "{v}");
+                    ids.push(v["id"].as_i64().unwrap());
+                }
+                Some(Ok(Message::Close(f))) => break f.map(|f| u16::from(f.code)),
+                other => panic!("the client got {other:?}"),
+            }
+        };
+        (ids, close)
+    };
+    let ((), (ids, close)) = tokio::join!(refuse, read);
+    assert_eq!(
+        ids,
+        (0..40).collect::<Vec<_>>(),
+        "every held request answered, in order"
+    );
+    assert_eq!(close, Some(1013));
     f.all_freed();
 }
