@@ -119,17 +119,7 @@ impl Door {
         self.metrics.rejected(r);
         let status =
             StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        let mut resp = self.plain(
-            status,
-            reason,
-            &format!(
-                "{} (scope {}, reason {}); retry after {} ms",
-                crate::admission::OVERLOADED_MESSAGE,
-                r.scope.as_str(),
-                r.reason.as_str(),
-                r.retry_after_ms_jittered()
-            ),
-        );
+        let mut resp = self.plain(status, reason, &r.http_body());
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
         resp

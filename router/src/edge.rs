@@ -68,6 +68,14 @@ pub const NODE_START_FAILED_CODE: u16 = 1011;
 pub const NODE_START_FAILED_REASON: &str =
     "codex-fleet: the tenant's node cannot start; the error's data.cause says why";
 
+/// Close code for a session the tenant's node refused under its own limits after the client
+/// was upgraded (on Kubernetes; its caps and rates hold over every edge in front of it): 1013,
+/// try again later. The `-32001` answers carry the node's scope and reason.
+pub const NODE_REFUSED_CODE: u16 = 1013;
+/// Its reason.
+pub const NODE_REFUSED_REASON: &str =
+    "codex-fleet: the tenant's node refused the session under its limits; retry after retryAfterMs";
+
 /// Close code for a session this edge has no descriptor for (its link would take one from the
 /// reserve, [`crate::descriptors`]): 1013, try again later, at this edge or another.
 pub const EDGE_FULL_CODE: u16 = 1013;

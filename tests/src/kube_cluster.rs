@@ -63,6 +63,8 @@ pub struct Options {
     pub max_pod_age_secs: Option<u64>,
     /// The template's `terminationGracePeriodSeconds` (unset: the API server's 30).
     pub termination_grace_secs: Option<u64>,
+    /// Extra `[limits]` lines, for the edges and the tenants' nodes alike.
+    pub limits_toml: &'static str,
 }
 
 impl Default for Options {
@@ -78,6 +80,7 @@ impl Default for Options {
             max_workers: Vec::new(),
             max_pod_age_secs: None,
             termination_grace_secs: None,
+            limits_toml: "",
         }
     }
 }
@@ -88,10 +91,12 @@ pub fn q(p: &Path) -> String {
 
 impl Cluster {
     pub async fn start(o: Options) -> anyhow::Result<Cluster> {
-        let mut b = FleetBuilder::new().workers_toml(&format!(
-            "worker_idle_secs = {}\nthread_unload_delay_secs = 1",
-            o.worker_idle_secs
-        ));
+        let mut b = FleetBuilder::new()
+            .workers_toml(&format!(
+                "worker_idle_secs = {}\nthread_unload_delay_secs = 1",
+                o.worker_idle_secs
+            ))
+            .limits_toml(o.limits_toml);
         for t in &o.tenants {
             let max = o
                 .max_workers

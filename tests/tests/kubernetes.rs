@@ -248,6 +248,62 @@ async fn two_edges_racing_for_one_tenant_create_one_pod() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// docs/architecture.md ("Faults across the link"): a tenant's node holds its own limits over
+/// every edge in front of it. A session that an edge admits and upgrades but the node then
+/// refuses (here its tenant's connection cap, reached through the other edge) is told the node's
+/// refusal, `-32001` with the node's scope and reason and close 1013, not that its node went
+/// away (1012 and `nodeUnavailable`, which send a client to reconnect at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_its_node_refuses_under_its_limits_is_told_the_nodes_refusal(
+) -> anyhow::Result<()> {
+    let c = Cluster::start(Options {
+        edges: 2,
+        limits_toml: "max_connections_per_tenant = 2",
+        ..Options::default()
+    })
+    .await?;
+    let mut a = c.client(0, "acme").await?;
+    let _b = c.client(0, "acme").await?;
+    // Edge 1 holds none of acme's connections: it admits a third, which its node refuses.
+    let mut third =
+        Client::connect(&c.edges[1].url(), &c.files.ca, Some(&c.files.token("acme"))).await?;
+    let id = third
+        .send_request(
+            "initialize",
+            json!({"clientInfo": {"name": "third", "version": "1"}}),
+        )
+        .await?;
+    let answer = third.recv_wire(c.first_answer).await?;
+    assert_eq!(answer["id"], id, "{answer}");
+    assert_eq!(answer["error"]["code"], -32001, "{answer}");
+    assert_eq!(answer["error"]["data"]["scope"], "tenant", "{answer}");
+    assert_eq!(
+        answer["error"]["data"]["reason"], "tooManyConnections",
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["data"]["retryAfterMs"]
+            .as_u64()
+            .is_some_and(|ms| ms > 0),
+        "{answer}"
+    );
+    let close = third.recv_close_frame(Duration::from_secs(10)).await?;
+    assert_eq!(
+        close,
+        Some((1013, router::edge::NODE_REFUSED_REASON.to_owned())),
+        "closed as its node's refusal"
+    );
+    // Not taken for a node gone: no `lost` link, and the first two sessions go on.
+    let m = c.metrics(1).await?;
+    assert_eq!(
+        metric(&m, "codex_fleet_link_errors_total", &[("reason", "lost")]),
+        0.0,
+        "{m}"
+    );
+    a.request("thread/list", json!({})).await?;
+    Ok(())
+}
+
 /// The API requests the fake saw that start with `prefix` (like `POST /api/v1/…/pods`).
 fn requests_like(c: &Cluster, prefix: &str) -> usize {
     c.fake

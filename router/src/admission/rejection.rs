@@ -194,6 +194,49 @@ impl Rejection {
     pub fn retry_after_secs(&self) -> u64 {
         self.retry_after_ms.div_ceil(1000)
     }
+
+    /// The body of the HTTP refusal at the upgrade, which [`Rejection::from_http`] reads back.
+    pub fn http_body(&self) -> String {
+        format!(
+            "{OVERLOADED_MESSAGE} (scope {}, reason {}); retry after {} ms",
+            self.scope.as_str(),
+            self.reason.as_str(),
+            self.retry_after_ms
+        )
+    }
+
+    /// The refusal a codex-fleet upstream (a node, to an edge's link) answered an upgrade with:
+    /// its `status` and the body [`Rejection::http_body`] wrote (the jittered wait it sent
+    /// stands for both waits). `None` for any other answer.
+    pub fn from_http(status: u16, body: &str) -> Option<Rejection> {
+        let kind = match status {
+            429 => Kind::Rate,
+            503 => Kind::Cap,
+            _ => return None,
+        };
+        let rest = body
+            .strip_prefix(OVERLOADED_MESSAGE)?
+            .strip_prefix(" (scope ")?;
+        let (scope, rest) = rest.split_once(", reason ")?;
+        let (reason, rest) = rest.split_once("); retry after ")?;
+        let ms: u64 = rest.strip_suffix(" ms")?.parse().ok()?;
+        let scope = [
+            Scope::Connection,
+            Scope::Tenant,
+            Scope::Worker,
+            Scope::Fleet,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == scope)?;
+        let reason = Reason::ALL.into_iter().find(|r| r.as_str() == reason)?;
+        Some(Rejection {
+            scope,
+            reason,
+            retry_after: Duration::from_millis(ms),
+            kind,
+            retry_after_ms: ms,
+        })
+    }
 }
 
 /// Whole milliseconds, rounded up and at least 1, plus up to a quarter more at random.

@@ -20,8 +20,8 @@ use tokio_tungstenite::WebSocketStream;
 use super::relay::{Relay, Waited};
 use super::{
     Admitted, Edge, Link, LinkError, RelayCtx, EDGE_FULL_CODE, EDGE_FULL_REASON, NODE_LOST_CODE,
-    NODE_LOST_REASON, NODE_STARTING_CODE, NODE_STARTING_REASON, NODE_START_FAILED_CODE,
-    NODE_START_FAILED_REASON,
+    NODE_LOST_REASON, NODE_REFUSED_CODE, NODE_REFUSED_REASON, NODE_STARTING_CODE,
+    NODE_STARTING_REASON, NODE_START_FAILED_CODE, NODE_START_FAILED_REASON,
 };
 use proto::rpc::RequestId;
 
@@ -31,7 +31,8 @@ use crate::door::{switching_protocols, Door};
 /// How long a client whose tenant's node is unreachable is asked to wait.
 const NODE_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// How long a session refused with `nodeStartFailed` before its first request waits for it.
+/// How long a session refused with `nodeStartFailed`, or by its node's limits, before its first
+/// request waits for it.
 const START_FAILED_LINGER: Duration = Duration::from_secs(2);
 /// How long a session refused with `nodeStartFailed` is told to wait (an operator must act).
 const NODE_START_FAILED_RETRY: Duration = Duration::from_secs(30);
@@ -170,6 +171,25 @@ impl Edge {
             Waited::Linked(link, pending) => (link, pending),
             Waited::Ended(ending) => return relay.end(ending).await,
             Waited::Failed(e, pending) => {
+                // The node refused the session under its own limits (its caps and rates hold
+                // over every edge in front of it): the client learns the node's refusal, as
+                // `serve`'s client would, not that the node went away.
+                if let LinkError::Refused { status, body, .. } = &e {
+                    if let Some(r) = Rejection::from_http(*status, body) {
+                        tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), "session refused by its node's limits");
+                        let answer = |id: &RequestId| r.to_error_response(id);
+                        return relay
+                            .refuse(
+                                pending,
+                                &r,
+                                answer,
+                                Some(START_FAILED_LINGER),
+                                NODE_REFUSED_CODE,
+                                NODE_REFUSED_REASON,
+                            )
+                            .await;
+                    }
+                }
                 let (scope, reason) = e.refusal();
                 let (retry_after, code, text) = match &e {
                     LinkError::Starting { retry_after, .. } => {

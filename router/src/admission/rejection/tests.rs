@@ -111,3 +111,42 @@ fn worker_overload_gets_the_same_shape() {
         );
     }
 }
+
+#[test]
+fn an_upstream_refusal_reads_back_as_the_same_rejection() {
+    for scope in [
+        Scope::Connection,
+        Scope::Tenant,
+        Scope::Worker,
+        Scope::Fleet,
+    ] {
+        for reason in Reason::ALL {
+            for r in [
+                Rejection::rate(scope, reason, Duration::from_millis(1500)),
+                Rejection::cap(scope, reason, Duration::from_secs(5)),
+            ] {
+                let back = Rejection::from_http(r.http_status(), &r.http_body()).unwrap();
+                // What a client is told is the same (the unjittered wait is not sent).
+                assert_eq!((back.scope, back.reason), (r.scope, r.reason));
+                assert_eq!(back.http_status(), r.http_status());
+                assert_eq!(back.to_error_data(), r.to_error_data());
+                assert_eq!(back.retry_after_secs(), r.retry_after_secs());
+            }
+        }
+    }
+    // Anything else is not one: another status, another body, a reason we do not know.
+    let r = Rejection::cap(
+        Scope::Tenant,
+        Reason::TooManyConnections,
+        Duration::from_secs(1),
+    );
+    for (status, body) in [
+        (502, r.http_body()),
+        (503, "codex-fleet is shutting down".to_owned()),
+        (503, r.http_body().replace("tooManyConnections", "tooMany")),
+        (503, r.http_body().replace(" ms", " s")),
+        (503, String::new()),
+    ] {
+        assert_eq!(Rejection::from_http(status, &body), None, "{status} {body}");
+    }
+}
