@@ -45,6 +45,10 @@ use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 use crate::untrusted::Untrusted;
 
+/// The body of the 503 an upgrade gets while codex-fleet drains (an edge's link reads it: the
+/// node is going, and a Kubernetes session looks for the tenant's next pod).
+pub const DRAINING_BODY: &str = "codex-fleet is shutting down";
+
 /// The role this listener serves ([`crate::config::Role`], with what the role runs on): where
 /// its sessions run, and how its clients prove who they are.
 #[derive(Clone)]
@@ -365,11 +369,9 @@ impl Conn {
             );
         }
         if self.door.shutdown.is_cancelled() || self.refuse.is_cancelled() {
-            let mut r = self.door.plain(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "draining",
-                "codex-fleet is shutting down",
-            );
+            let mut r = self
+                .door
+                .plain(StatusCode::SERVICE_UNAVAILABLE, "draining", DRAINING_BODY);
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
             return r;

@@ -56,6 +56,24 @@ fn uid(c: &Cluster) -> Option<Value> {
     c.fake.pod(POD).map(|p| p["metadata"]["uid"].clone())
 }
 
+/// A cluster (its pods' grace period `grace`, unset: the API server's), a session of acme's with
+/// a thread that has run a turn, and acme's pod's uid.
+async fn acme_with_a_thread(
+    grace: Option<u64>,
+) -> anyhow::Result<(Cluster, Client, String, Value)> {
+    let c = Cluster::start(Options {
+        termination_grace_secs: grace,
+        ..Options::default()
+    })
+    .await?;
+    assert!(c.synced(0).await);
+    let mut a = c.client(0, "acme").await?;
+    let thread = a.start_thread().await?;
+    turn(&mut a, &thread, "before the delete").await?;
+    let first = uid(&c).context("the pod")?;
+    Ok((c, a, thread, first))
+}
+
 /// docs/kubernetes.md ("Culling"): `kubectl delete pod` (and an API eviction, a drain) is
 /// graceful: the pod is Terminating (its name still taken: a create gets 409), its node gets
 /// SIGTERM and drains — the running turn finishes, then the session closes 1001 "codex-fleet is
@@ -65,16 +83,7 @@ fn uid(c: &Cluster) -> Option<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_pod_finishes_its_turn_closes_1001_and_its_next_session_waits_for_it_to_go(
 ) -> anyhow::Result<()> {
-    let c = Cluster::start(Options {
-        termination_grace_secs: Some(20),
-        ..Options::default()
-    })
-    .await?;
-    assert!(c.synced(0).await);
-    let mut a = c.client(0, "acme").await?;
-    let thread = a.start_thread().await?;
-    turn(&mut a, &thread, "before the delete").await?;
-    let first = uid(&c).context("the pod")?;
+    let (c, mut a, thread, first) = acme_with_a_thread(Some(20)).await?;
 
     let prompt = "SLOW3 a turn across the delete";
     a.start_turn(&thread, prompt).await?;
@@ -162,16 +171,9 @@ async fn a_deleted_pod_finishes_its_turn_closes_1001_and_its_next_session_waits_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_dials_a_pod_just_force_deleted_waits_for_the_next_pod() -> anyhow::Result<()>
 {
-    let c = Cluster::start(Options::default()).await?;
-    assert!(c.synced(0).await);
-    let mut a = c.client(0, "acme").await?;
-    let thread = a.start_thread().await?;
-    turn(&mut a, &thread, "before the force delete").await?;
-    let first = uid(&c).context("the pod")?;
+    let (c, mut a, thread, first) = acme_with_a_thread(None).await?;
 
-    c.fake.hold_watches(true);
-    c.fake.end_watches();
-    assert!(wait_until(Duration::from_secs(10), || c.fake.open_watches() == 0).await);
+    watch_down(&c).await;
     assert!(c.fake.delete_pod_with_grace(POD, 0));
     let (code, _) = a
         .recv_close_frame(Duration::from_secs(10))
@@ -179,27 +181,64 @@ async fn a_session_that_dials_a_pod_just_force_deleted_waits_for_the_next_pod() 
         .context("a close frame")?;
     assert_eq!(code, router::edge::NODE_LOST_CODE);
     // The edge still sees the pod ready: the next session dials it and finds nobody.
+    next_session_outlives_the_going_pod(&c, &thread, &first, "unreachable").await
+}
+
+/// Holds the fake's watches and ends the open ones: the edge hears of no change until they are
+/// released.
+async fn watch_down(c: &Cluster) {
+    c.fake.hold_watches(true);
+    c.fake.end_watches();
+    assert!(wait_until(Duration::from_secs(10), || c.fake.open_watches() == 0).await);
+}
+
+/// With the watch down and acme's pod (`first`) going, a new session dials it while the edge
+/// still sees it ready; the watch comes back a second later. The session is served by the next
+/// pod (it resumes `thread` and runs a turn there), having dialled the going one once (counted
+/// as `link_errors_total{reason}`).
+async fn next_session_outlives_the_going_pod(
+    c: &Cluster,
+    thread: &str,
+    first: &Value,
+    reason: &str,
+) -> anyhow::Result<()> {
     let (next, ()) = tokio::join!(c.client(0, "acme"), async {
         tokio::time::sleep(Duration::from_millis(1000)).await;
         c.fake.hold_watches(false);
     });
     let mut b = next?;
-    assert_ne!(uid(&c).context("the next pod")?, first);
+    assert_ne!(&uid(c).context("the next pod")?, first);
     assert_eq!(c.fake.pod_creates(), 2);
     b.request("thread/resume", json!({ "threadId": thread }))
         .await?;
-    turn(&mut b, &thread, "on the next pod").await?;
+    turn(&mut b, thread, "on the next pod").await?;
     let m = c.metrics(0).await?;
     assert_eq!(
-        testkit::metric_in(
-            &m,
-            "codex_fleet_link_errors_total",
-            &[("reason", "unreachable")]
-        ),
+        testkit::metric_in(&m, "codex_fleet_link_errors_total", &[("reason", reason)]),
         1.0,
-        "the dead pod was dialled once: {m}"
+        "the going pod was dialled once: {m}"
     );
     Ok(())
+}
+
+/// docs/kubernetes.md ("When a pod goes"): a node draining (its pod deleted, its turn still
+/// running) answers new links 503 "shutting down", and the watch that tells the edge can come
+/// after a new session has dialled it (here the watch is down across the delete). That session
+/// is not refused 1012: once the watch says the pod is going, the edge looks again and the
+/// session is served by the tenant's next pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_dials_a_draining_pod_waits_for_the_next_pod() -> anyhow::Result<()> {
+    let (c, mut a, thread, first) = acme_with_a_thread(Some(20)).await?;
+
+    watch_down(&c).await;
+    // The node drains while its turn runs (SLOW4: four seconds more).
+    a.start_turn(&thread, "SLOW4 a turn across the delete")
+        .await?;
+    a.notification("turn/started").await?;
+    assert!(c.fake.delete_pod(POD));
+    assert!(c.fake.terminated(POD), "no SIGTERM reached the node");
+    // The edge still sees the pod ready: the next session dials it and is told it drains.
+    next_session_outlives_the_going_pod(&c, &thread, &first, "refused").await
 }
 
 /// docs/kubernetes.md ("Culling"): a node that has not drained when its grace period is over

@@ -200,8 +200,8 @@ impl Edge {
     }
 
     /// Opens a session's link to its tenant's node. On Kubernetes, a pod that cannot be reached
-    /// because it has just gone (a force delete kills its node before the watch tells this edge)
-    /// is looked for again, so the session waits for the tenant's next pod instead of being
+    /// because it has just gone (a force delete kills its node before the watch tells this edge),
+    /// or that answers it is draining, is looked for again, so the session waits for the tenant's next pod instead of being
     /// refused; at most [`REDIALS`] times, and only once the watch says that pod went.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
         let mut redials = 0;
@@ -210,8 +210,17 @@ impl Edge {
             // (`codex_fleet_node_start_failures_total`), never as an unreachable node.
             let target = self.target(who).await?;
             let result = self.dial(who, &target, client).await;
-            if let (Err(LinkError::Unreachable { .. }), Backend::Kubernetes(kube), Some(uid)) =
-                (&result, &self.backend, &target.pod_uid)
+            // A pod that does not answer, or answers that it is draining (its node exits: idle,
+            // or its pod is being deleted), may be going.
+            let going = match &result {
+                Err(LinkError::Unreachable { .. }) => true,
+                Err(LinkError::Refused { status, body, .. }) => {
+                    *status == 503 && body == crate::listener::DRAINING_BODY
+                }
+                _ => false,
+            };
+            if let (true, Backend::Kubernetes(kube), Some(uid)) =
+                (going, &self.backend, &target.pod_uid)
             {
                 if redials < REDIALS && kube.went_away(&who.tenant, uid, GONE_WITHIN).await {
                     redials += 1;
