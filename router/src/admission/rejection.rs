@@ -15,6 +15,9 @@ pub use proto::error::OVERLOADED_MESSAGE;
 use proto::error::codes;
 use proto::rpc::{Frame, RequestId};
 
+/// The longest wait an upstream's refusal is passed on with ([`Rejection::from_http`]).
+const MAX_UPSTREAM_RETRY_MS: u64 = 3_600_000;
+
 /// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
 const JITTER_DIVISOR: u64 = 4;
 
@@ -70,6 +73,14 @@ pub enum Reason {
 }
 
 impl Scope {
+    /// Every scope.
+    pub const ALL: [Scope; 4] = [
+        Scope::Connection,
+        Scope::Tenant,
+        Scope::Worker,
+        Scope::Fleet,
+    ];
+
     /// The wire spelling, e.g. `"tenant"`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -219,15 +230,13 @@ impl Rejection {
             .strip_prefix(" (scope ")?;
         let (scope, rest) = rest.split_once(", reason ")?;
         let (reason, rest) = rest.split_once("); retry after ")?;
-        let ms: u64 = rest.strip_suffix(" ms")?.parse().ok()?;
-        let scope = [
-            Scope::Connection,
-            Scope::Tenant,
-            Scope::Worker,
-            Scope::Fleet,
-        ]
-        .into_iter()
-        .find(|s| s.as_str() == scope)?;
+        // At most an hour: what a client is told to wait stays sane whatever the body says.
+        let ms = rest
+            .strip_suffix(" ms")?
+            .parse::<u64>()
+            .ok()?
+            .min(MAX_UPSTREAM_RETRY_MS);
+        let scope = Scope::ALL.into_iter().find(|s| s.as_str() == scope)?;
         let reason = Reason::ALL.into_iter().find(|r| r.as_str() == reason)?;
         Some(Rejection {
             scope,

@@ -60,9 +60,16 @@ const DRAIN_ANSWERS: Duration = Duration::from_secs(4);
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// A link the node has sent nothing on for this long is pinged; one silent for
 /// [`LINK_SILENCE`] is lost (its machine gone, its process frozen: a TCP connection to a machine
-/// that is gone neither answers nor closes), and the client is closed 1012.
+/// that is gone neither answers nor closes), and the client is closed 1012. A link holding what
+/// it has not taken is not judged by its silence (no ping could pass): see [`LINK_BLOCKED`].
 const LINK_PING: Duration = Duration::from_secs(5);
 const LINK_SILENCE: Duration = Duration::from_secs(10);
+/// A link that has taken nothing of what it holds for this long is lost too. A node stops
+/// reading a session while the session's worker does not read; the node's health check replaces
+/// a worker that hangs within `health_interval_secs` + `health_timeout_secs` (15 s by default),
+/// so a link held much longer is a node frozen (its kernel still acknowledging, its window shut)
+/// or a machine gone with data unacknowledged (which TCP alone ends after about 15 minutes).
+const LINK_BLOCKED: Duration = Duration::from_secs(120);
 /// Frames from the node at least this large are queued as an exact-size copy.
 const COPY_ABOVE: usize = 64 << 10;
 /// Frames written to the client before one flush.
@@ -180,6 +187,8 @@ struct Outbox {
     unflushed: Option<usize>,
     /// The close frame went out: nothing more is written.
     closed: bool,
+    /// Frames handed to the socket so far.
+    sent: u64,
 }
 
 impl Outbox {
@@ -207,6 +216,7 @@ impl Outbox {
             *self.unflushed.get_or_insert(0) += done;
             self.closed = matches!(msg, Message::Close(_));
             sink.start_send_unpin(msg)?;
+            self.sent += 1;
             batch += 1;
         }
         let Some(n) = self.unflushed else {
@@ -230,7 +240,8 @@ struct Out {
 /// ([`LegBudget`]: `client_queue_bytes` for the session, `tenant_queue_bytes` for the tenant's
 /// sessions on this edge). While the budget is spent the client is not read (TCP backpressure,
 /// as `serve` holds a client whose worker does not read); the link's other direction, the
-/// client's queue and the keepalive go on.
+/// client's queue and the credential go on. A link that holds what it has not taken is judged
+/// by its progress ([`LINK_BLOCKED`]), not by its silence.
 struct LinkOut {
     queue: Outbox,
     budget: LegBudget,
@@ -447,10 +458,11 @@ where
                 }
                 Ok(Some(Message::Text(text)))
             }
-            // The node answers binary frames as codex-fleet does (an error, counted).
-            Some(Ok(m @ Message::Binary(_))) => {
+            // The node answers binary frames as codex-fleet does (an error, counted), whatever
+            // they hold: an empty one goes on, so a large one grows no buffer of the link's.
+            Some(Ok(Message::Binary(_))) => {
                 self.unanswerable()?;
-                Ok(Some(m))
+                Ok(Some(Message::Binary(Default::default())))
             }
             Some(Ok(Message::Close(frame))) => Err(Ending::client_closed(frame)),
             // Ping and pong are answered on each hop, and cost a write each: they count.
@@ -590,7 +602,8 @@ where
 
     /// Queues `text` for the client, first writing out what is queued while the queue is full
     /// in frames (a session may hold more requests while it waits than `client_queue` frames),
-    /// until `deadline`. False when it could not be queued.
+    /// until `deadline`. False when it could not be queued (the deadline passed, the client is
+    /// gone, or its queue is full in bytes: a slow client, as anywhere else).
     async fn push_in_time(&mut self, text: Utf8Bytes, deadline: tokio::time::Instant) -> bool {
         while self.out.queue.frames.len() >= self.out.capacity {
             let written = tokio::time::timeout_at(deadline, self.out.write(&mut self.tx)).await;
@@ -671,6 +684,9 @@ where
         let mut rare = Gate::new();
         let mut draining: Option<tokio::time::Instant> = None;
         let mut heard = tokio::time::Instant::now();
+        // While the link holds what it has not taken: when it last took a frame, and how many
+        // it had taken then.
+        let mut taken = (heard, to_node.queue.sent);
         let mut keepalive = tokio::time::interval_at(heard + LINK_PING, LINK_PING);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let budget = to_node.budget.clone();
@@ -724,13 +740,21 @@ where
                     }
                 }
                 _ = keepalive.tick() => {
+                    let now = tokio::time::Instant::now();
+                    if !to_node.queue.busy() || to_node.queue.sent != taken.1 {
+                        taken = (now, to_node.queue.sent);
+                    }
                     // A link that has not taken what was written to it is not judged by its
-                    // silence: its node is alive enough to hold the bytes back (a worker of the
-                    // tenant's that stopped reading holds this session there, as `serve` holds
-                    // its client), and a ping could not pass them. A machine lost meanwhile is
-                    // found by the kernel, whose retransmissions to it fail.
+                    // silence: its node may be holding the bytes back (a worker of the tenant's
+                    // that stopped reading holds this session there, as `serve` holds its
+                    // client), and a ping could not pass them. It is judged by its progress.
                     if to_node.queue.busy() {
-                        heard = tokio::time::Instant::now();
+                        heard = now;
+                        let stuck = now - taken.0;
+                        if stuck >= LINK_BLOCKED {
+                            tracing::warn!(?stuck, "the node's link has taken nothing (its node frozen?); closing the session");
+                            return Ending::node_lost();
+                        }
                         continue;
                     }
                     let silent = heard.elapsed();

@@ -24,10 +24,12 @@ const WRITE_BATCH: usize = 64;
 /// [`Session::for_client`]): one batch, which is all a client that keeps up has waiting.
 pub(super) const SHARED_QUEUED: usize = WRITE_BATCH;
 
-/// The bytes a queued frame counts against the queue's byte bounds.
+/// The bytes a queued frame counts against the queue's byte bounds (what [`ws::next_out`]
+/// reports once it is written).
 fn queued_len(msg: &Message) -> usize {
     match msg {
         Message::Text(t) => t.len(),
+        Message::Binary(b) => b.len(),
         _ => 0,
     }
 }

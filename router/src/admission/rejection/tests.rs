@@ -114,12 +114,7 @@ fn worker_overload_gets_the_same_shape() {
 
 #[test]
 fn an_upstream_refusal_reads_back_as_the_same_rejection() {
-    for scope in [
-        Scope::Connection,
-        Scope::Tenant,
-        Scope::Worker,
-        Scope::Fleet,
-    ] {
+    for scope in Scope::ALL {
         for reason in Reason::ALL {
             for r in [
                 Rejection::rate(scope, reason, Duration::from_millis(1500)),
@@ -134,6 +129,12 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
             }
         }
     }
+    // A wait past an hour is passed on as an hour.
+    let long = format!(
+        "{OVERLOADED_MESSAGE} (scope tenant, reason tooManyConnections); retry after 99999999999 ms"
+    );
+    let back = Rejection::from_http(503, &long).unwrap();
+    assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
     // Anything else is not one: another status, another body, a reason we do not know.
     let r = Rejection::cap(
         Scope::Tenant,

@@ -553,3 +553,79 @@ async fn a_refused_session_answers_every_request_it_held_whatever_its_queue() {
     assert_eq!(close, Some(1013));
     f.all_freed();
 }
+
+/// A link that takes nothing of what it holds for [`super::LINK_BLOCKED`] is a node frozen (its
+/// kernel still acknowledging, its window shut) or a machine gone: the session is closed 1012
+/// and counted lost, and everything it held is freed.
+#[tokio::test(start_paused = true)]
+async fn a_link_that_takes_nothing_for_two_minutes_is_lost() {
+    use std::time::Duration;
+
+    let f = Fixture::new(AdmissionConfig::default());
+    let lease = Lease::unbounded();
+    let (client, peer) = pair(256 << 10).await;
+    let (mut peer_tx, mut peer_rx) = peer.split();
+    let (link, _node) = pair(64 << 10).await;
+    let relay = f.relay(client, 256 << 10, 1 << 20);
+    let lost = std::sync::atomic::AtomicBool::new(false);
+    let session = relay.run(link, Vec::new(), &lease, |l| {
+        lost.store(l, std::sync::atomic::Ordering::Relaxed);
+    });
+    let started = tokio::time::Instant::now();
+    let driver = async {
+        for _ in 0..40 {
+            let send = peer_tx.send(notification("x/flood", 32 << 10));
+            if tokio::time::timeout(Duration::from_secs(1), send)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        let close = tokio::time::timeout(Duration::from_secs(300), async {
+            while let Some(m) = peer_rx.next().await {
+                if let Ok(Message::Close(f)) = m {
+                    return f.map(|f| u16::from(f.code));
+                }
+            }
+            None
+        })
+        .await;
+        (close.ok().flatten(), started.elapsed())
+    };
+    let ((), (close, after)) = tokio::join!(session, driver);
+    assert_eq!(close, Some(super::super::NODE_LOST_CODE));
+    assert!(lost.load(std::sync::atomic::Ordering::Relaxed));
+    assert!(
+        (Duration::from_secs(120)..Duration::from_secs(135)).contains(&after),
+        "closed after {after:?}"
+    );
+    f.all_freed();
+}
+
+/// A binary frame is answered by the node with an error whatever it holds: the edge passes on
+/// an empty one, so a large one costs the link nothing.
+#[tokio::test(start_paused = true)]
+async fn a_binary_frame_goes_on_empty() {
+    let f = Fixture::new(AdmissionConfig::default());
+    let lease = Lease::unbounded();
+    let (client, mut peer) = pair(1 << 20).await;
+    let (link, mut node) = pair(1 << 20).await;
+    let relay = f.relay(client, 1 << 20, 1 << 20);
+    let session = relay.run(link, Vec::new(), &lease, |_| {});
+    let driver = async {
+        peer.send(Message::binary(vec![7u8; 200 << 10]))
+            .await
+            .unwrap();
+        let got = node.next().await;
+        peer.close(None).await.unwrap();
+        while node.next().await.is_some() {}
+        got
+    };
+    let ((), got) = tokio::join!(session, driver);
+    match got {
+        Some(Ok(Message::Binary(b))) => assert!(b.is_empty(), "{} bytes", b.len()),
+        other => panic!("the node got {other:?}"),
+    }
+    f.all_freed();
+}
