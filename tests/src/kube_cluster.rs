@@ -91,12 +91,13 @@ pub fn q(p: &Path) -> String {
 
 impl Cluster {
     pub async fn start(o: Options) -> anyhow::Result<Cluster> {
-        let mut b = FleetBuilder::new()
-            .workers_toml(&format!(
-                "worker_idle_secs = {}\nthread_unload_delay_secs = 1",
-                o.worker_idle_secs
-            ))
-            .limits_toml(o.limits_toml);
+        let mut b = FleetBuilder::new().workers_toml(&format!(
+            "worker_idle_secs = {}\nthread_unload_delay_secs = 1",
+            o.worker_idle_secs
+        ));
+        if !o.limits_toml.is_empty() {
+            b = b.limits_toml(o.limits_toml);
+        }
         for t in &o.tenants {
             let max = o
                 .max_workers
