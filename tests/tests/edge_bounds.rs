@@ -935,7 +935,8 @@ async fn an_edge_bounds_unfinished_messages_per_tenant_as_they_arrive() -> anyho
 /// a client whose worker does not read. The edge holds the client as `serve` does: what its link
 /// holds is bounded, the client is not read beyond it, and the held link is not taken for a lost
 /// node (no 1012, no `lost` counted, which the node-lost alert watches) however long it lasts.
-/// Once the worker resumes, the same session is answered.
+/// Meanwhile another tenant on the same edge sends as large messages and is answered: the bound
+/// is the held tenant's own. Once the worker resumes, the same session is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_does(
 ) -> anyhow::Result<()> {
@@ -946,10 +947,12 @@ async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_
             "tenant_rps = 100000\ntenant_burst = 100000\nconn_fps = 100000\nconn_burst = 100000\n\
              max_message_bytes = 2097152\nclient_queue_bytes = 8388608\ntenant_queue_bytes = 8388608",
         );
-    let s = Split::start_built(&fleet_bin(), b, &[("flood", "n1")], 1).await?;
+    let s = Split::start_built(&fleet_bin(), b, &[("flood", "n1"), ("calm", "n2")], 1).await?;
     let edge = &s.edges[0];
     let edge_pid = edge.pid().context("edge pid")?;
     let mut flood = s.client(0, "flood").await?;
+    let mut calm = s.client(0, "calm").await?;
+    let quiet = testkit::contention::quiet_median(&mut calm).await?;
     let workers = testkit::workers_under(&s.files.dir.path().join("n1/tenants/flood"));
     anyhow::ensure!(workers.len() == 1, "{workers:?}");
     let worker = nix::unistd::Pid::from_raw(workers[0]);
@@ -962,8 +965,26 @@ async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_
         .flood_until_held(300, || peak = peak.max(rss_kib(edge_pid).unwrap_or(0)))
         .await?;
     anyhow::ensure!(held, "the whole flood ({sent} × 1 MiB) was taken in");
-    // Past the link's silence deadline (10 s) and two of its ping intervals.
+    // The other tenant sends 6 MiB through the same edge (its own link budget is 8 MiB) and
+    // its round trips are measured.
     let since = Instant::now();
+    let pad = "x".repeat(1 << 20);
+    let mut waits = Vec::new();
+    for _ in 0..6 {
+        calm.send(&json!({"method": "x/large", "params": {"pad": pad}}))
+            .await?;
+        let t = Instant::now();
+        let listed = tokio::time::timeout(
+            Duration::from_secs(10),
+            calm.request("thread/list", json!({})),
+        )
+        .await
+        .context("the other tenant got no answer")??;
+        waits.push(t.elapsed());
+        assert!(listed.get("data").is_some(), "{listed}");
+    }
+    waits.sort();
+    // Past the link's silence deadline (10 s) and two of its ping intervals.
     while since.elapsed() < Duration::from_secs(16) {
         peak = peak.max(rss_kib(edge_pid).unwrap_or(0));
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -973,7 +994,8 @@ async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_
     let growth_mib = peak.saturating_sub(baseline) / 1024;
     eprintln!(
         "measured: a stopped worker behind an edge: {sent} × 1 MiB sent before the client was \
-         held; the edge grew {growth_mib} MiB; held 16 s, `lost` counted {lost}"
+         held; the edge grew {growth_mib} MiB; held 16 s, `lost` counted {lost}; the other \
+         tenant's round trips after 1 MiB each: {waits:?} (quiet median {quiet:?})"
     );
     assert_eq!(lost, 0.0, "a held link was taken for a lost node");
     assert!(
