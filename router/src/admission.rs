@@ -62,7 +62,9 @@ pub use leg_bytes::{LegBudget, TenantLegBytes};
 
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
-pub use rejection::{rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE};
+pub use rejection::{
+    rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE, REFUSAL_HEADER,
+};
 
 /// A limiter keyed by `K`, on tokio's clock.
 type KeyedLimiter<K> = RateLimiter<K, DefaultKeyedStateStore<K>, TokioClock, NoOpMiddleware<Nanos>>;

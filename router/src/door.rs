@@ -120,8 +120,11 @@ impl Door {
         let status =
             StatusCode::from_u16(r.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut resp = self.plain(status, reason, &r.http_body());
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+        let h = resp.headers_mut();
+        h.insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs()));
+        if let Ok(v) = HeaderValue::from_str(&r.http_header()) {
+            h.insert(crate::admission::REFUSAL_HEADER, v);
+        }
         resp
     }
     /// After the 101: waits for the upgraded connection, takes its TLS stream back from hyper

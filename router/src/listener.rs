@@ -45,9 +45,14 @@ use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 use crate::untrusted::Untrusted;
 
-/// The body of the 503 an upgrade gets while codex-fleet drains (an edge's link reads it: the
-/// node is going, and a Kubernetes session looks for the tenant's next pod).
+/// The body of the 503 an upgrade gets while codex-fleet drains (an edge's link reads it from a
+/// node older than [`DRAINING_REFUSAL`]: the node is going, and a Kubernetes session looks for
+/// the tenant's next pod).
 pub const DRAINING_BODY: &str = "codex-fleet is shutting down";
+
+/// The [`crate::admission::REFUSAL_HEADER`] of that answer: what an edge reads to know a node
+/// is draining.
+pub const DRAINING_REFUSAL: &str = "draining";
 
 /// The role this listener serves ([`crate::config::Role`], with what the role runs on): where
 /// its sessions run, and how its clients prove who they are.
@@ -372,8 +377,12 @@ impl Conn {
             let mut r = self
                 .door
                 .plain(StatusCode::SERVICE_UNAVAILABLE, "draining", DRAINING_BODY);
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            let h = r.headers_mut();
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            h.insert(
+                crate::admission::REFUSAL_HEADER,
+                HeaderValue::from_static(DRAINING_REFUSAL),
+            );
             return r;
         }
         let key = match websocket_key(&req) {

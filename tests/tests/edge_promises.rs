@@ -52,23 +52,34 @@ async fn raw_upgrade(
         .with_context(|| format!("no HTTP answer: {text:?}"))?;
     let mut lines = head.lines();
     let status = lines.next().unwrap_or_default().to_owned();
-    let headers = lines
+    let mut headers: BTreeMap<String, String> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .filter(|(k, _)| k != "date")
         .collect();
     // "… ; retry after 2212 ms": the jitter differs per answer.
-    let body = match body.rsplit_once("retry after ") {
+    let (body, body_ms) = match body.rsplit_once("retry after ") {
         Some((before, after)) => {
             let (ms, rest) = after
                 .split_once(" ms")
                 .with_context(|| format!("body {body:?}"))?;
             let ms: u64 = ms.parse().with_context(|| format!("body {body:?}"))?;
             anyhow::ensure!((2001..=2502).contains(&ms), "retry after {ms} ms: {body:?}");
-            format!("{before}retry after <ms> ms{rest}")
+            (format!("{before}retry after <ms> ms{rest}"), Some(ms))
         }
-        None => body.to_owned(),
+        None => (body.to_owned(), None),
     };
+    // The machine-readable refusal says what the body says, to the millisecond.
+    if let Some(refusal) = headers.get_mut("codex-fleet-refusal") {
+        let (before, ms) = refusal
+            .rsplit_once("retry-after-ms=")
+            .with_context(|| format!("refusal header {refusal:?}"))?;
+        anyhow::ensure!(
+            ms.parse::<u64>().ok() == body_ms,
+            "header {refusal:?}, body {body:?}"
+        );
+        *refusal = format!("{before}retry-after-ms=<ms>");
+    }
     Ok(Answer {
         status,
         headers,
@@ -116,6 +127,13 @@ async fn a_node_s_caps_answer_through_two_edges_as_serve_answers_and_stay_exact(
     assert_eq!(
         serve_tenant.headers.get("retry-after").map(String::as_str),
         Some("3")
+    );
+    assert_eq!(
+        serve_tenant
+            .headers
+            .get("codex-fleet-refusal")
+            .map(String::as_str),
+        Some("overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=<ms>")
     );
 
     // Two edges in front of one node, every process with the same file (as deployed): each

@@ -18,6 +18,14 @@ use proto::rpc::{Frame, RequestId};
 /// The longest wait an upstream's refusal is passed on with ([`Rejection::from_http`]).
 const MAX_UPSTREAM_RETRY_MS: u64 = 3_600_000;
 
+/// The header on every codex-fleet refusal at the upgrade that says what it is, for an edge to
+/// read without parsing the body's text: `overloaded; scope=…; reason=…; retry-after-ms=N`
+/// ([`Rejection::http_header`]), or [`crate::listener::DRAINING_REFUSAL`].
+pub const REFUSAL_HEADER: &str = "codex-fleet-refusal";
+
+/// The first word of [`REFUSAL_HEADER`] on an admission refusal.
+const OVERLOADED_REFUSAL: &str = "overloaded";
+
 /// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
 const JITTER_DIVISOR: u64 = 4;
 
@@ -216,26 +224,34 @@ impl Rejection {
         )
     }
 
+    /// The value of [`REFUSAL_HEADER`] on the HTTP refusal at the upgrade, which
+    /// [`Rejection::from_http`] reads back.
+    pub fn http_header(&self) -> String {
+        format!(
+            "{OVERLOADED_REFUSAL}; scope={}; reason={}; retry-after-ms={}",
+            self.scope.as_str(),
+            self.reason.as_str(),
+            self.retry_after_ms
+        )
+    }
+
     /// The refusal a codex-fleet upstream (a node, to an edge's link) answered an upgrade with:
-    /// its `status` and the body [`Rejection::http_body`] wrote (the jittered wait it sent
-    /// stands for both waits). `None` for any other answer.
-    pub fn from_http(status: u16, body: &str) -> Option<Rejection> {
+    /// its `status`, its [`REFUSAL_HEADER`] when it has one, and its body. The header alone
+    /// decides when present; a node from before the header is read by the body
+    /// [`Rejection::http_body`] wrote. The jittered wait it sent stands for both waits. `None`
+    /// for any other answer.
+    pub fn from_http(status: u16, header: Option<&str>, body: &str) -> Option<Rejection> {
         let kind = match status {
             429 => Kind::Rate,
             503 => Kind::Cap,
             _ => return None,
         };
-        let rest = body
-            .strip_prefix(OVERLOADED_MESSAGE)?
-            .strip_prefix(" (scope ")?;
-        let (scope, rest) = rest.split_once(", reason ")?;
-        let (reason, rest) = rest.split_once("); retry after ")?;
-        // At most an hour: what a client is told to wait stays sane whatever the body says.
-        let ms = rest
-            .strip_suffix(" ms")?
-            .parse::<u64>()
-            .ok()?
-            .min(MAX_UPSTREAM_RETRY_MS);
+        let (scope, reason, ms) = match header {
+            Some(h) => parse_refusal_header(h)?,
+            None => parse_refusal_body(body)?,
+        };
+        // At most an hour: what a client is told to wait stays sane whatever the node says.
+        let ms = ms.min(MAX_UPSTREAM_RETRY_MS);
         let scope = Scope::ALL.into_iter().find(|s| s.as_str() == scope)?;
         let reason = Reason::ALL.into_iter().find(|r| r.as_str() == reason)?;
         Some(Rejection {
@@ -246,6 +262,33 @@ impl Rejection {
             retry_after_ms: ms,
         })
     }
+}
+
+/// `overloaded; scope=S; reason=R; retry-after-ms=N` into its three values, in that order.
+fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
+    let mut parts = h.split(';').map(str::trim);
+    if parts.next()? != OVERLOADED_REFUSAL {
+        return None;
+    }
+    let scope = parts.next()?.strip_prefix("scope=")?;
+    let reason = parts.next()?.strip_prefix("reason=")?;
+    let ms = parts
+        .next()?
+        .strip_prefix("retry-after-ms=")?
+        .parse()
+        .ok()?;
+    parts.next().is_none().then_some((scope, reason, ms))
+}
+
+/// [`Rejection::http_body`]'s text into its three values.
+fn parse_refusal_body(body: &str) -> Option<(&str, &str, u64)> {
+    let rest = body
+        .strip_prefix(OVERLOADED_MESSAGE)?
+        .strip_prefix(" (scope ")?;
+    let (scope, rest) = rest.split_once(", reason ")?;
+    let (reason, rest) = rest.split_once("); retry after ")?;
+    let ms = rest.strip_suffix(" ms")?.parse().ok()?;
+    Some((scope, reason, ms))
 }
 
 /// Whole milliseconds, rounded up and at least 1, plus up to a quarter more at random.

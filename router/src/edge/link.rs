@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Error as WsError;
 
 use super::{headers, Admitted, Backend, Edge, Link, Target};
-use crate::admission::{Reason, Scope};
+use crate::admission::{Reason, Rejection, Scope};
 
 /// Why a link could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +39,9 @@ pub enum LinkError {
         status: u16,
         /// Its `Retry-After`, when given.
         retry_after: Option<HeaderValue>,
+        /// Its [`crate::admission::REFUSAL_HEADER`], when given (a codex-fleet node's refusal)
+        /// and text.
+        refusal: Option<Box<str>>,
         /// Its body.
         body: String,
     },
@@ -87,6 +90,41 @@ impl LinkError {
             LinkError::StartFailed { .. } => (Scope::Worker, Reason::NodeStartFailed),
             LinkError::Descriptors { .. } => (Scope::Fleet, Reason::TooManyConnections),
             _ => (Scope::Worker, Reason::NodeUnavailable),
+        }
+    }
+
+    /// The node refused the session under its own limits (its caps and rates): that refusal,
+    /// read from its [`crate::admission::REFUSAL_HEADER`] (or, from a node older than the
+    /// header, its body). `None` for any other failure.
+    pub(super) fn node_refusal(&self) -> Option<Rejection> {
+        match self {
+            LinkError::Refused {
+                status,
+                refusal,
+                body,
+                ..
+            } => Rejection::from_http(*status, refusal.as_deref(), body),
+            _ => None,
+        }
+    }
+
+    /// The node answered that it is draining (its process exits: idle, or its pod is being
+    /// deleted): [`crate::listener::DRAINING_REFUSAL`] in its header, or, from a node older
+    /// than the header, [`crate::listener::DRAINING_BODY`].
+    pub(super) fn draining(&self) -> bool {
+        match self {
+            LinkError::Refused {
+                status: 503,
+                refusal: Some(v),
+                ..
+            } => &**v == crate::listener::DRAINING_REFUSAL,
+            LinkError::Refused {
+                status: 503,
+                refusal: None,
+                body,
+                ..
+            } => body == crate::listener::DRAINING_BODY,
+            _ => false,
         }
     }
 }
@@ -214,9 +252,7 @@ impl Edge {
             // or its pod is being deleted), may be going.
             let going = match &result {
                 Err(LinkError::Unreachable { .. }) => true,
-                Err(LinkError::Refused { status, body, .. }) => {
-                    *status == 503 && body == crate::listener::DRAINING_BODY
-                }
+                Err(e) => e.draining(),
                 _ => false,
             };
             if let (true, Backend::Kubernetes(kube), Some(uid)) =
@@ -327,6 +363,11 @@ impl Edge {
                     node: node.clone(),
                     status: resp.status().as_u16(),
                     retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
+                    refusal: resp
+                        .headers()
+                        .get(crate::admission::REFUSAL_HEADER)
+                        .and_then(|v| v.to_str().ok())
+                        .map(Box::from),
                     body,
                 })
             }
@@ -385,5 +426,66 @@ impl Edge {
                 tokio::time::sleep(every).await;
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::listener::{DRAINING_BODY, DRAINING_REFUSAL};
+
+    fn refused(status: u16, refusal: Option<&str>, body: &str) -> LinkError {
+        LinkError::Refused {
+            node: "n1".into(),
+            status,
+            retry_after: None,
+            refusal: refusal.map(Box::from),
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn a_nodes_refusal_is_read_by_its_header_and_from_an_older_node_by_its_body() {
+        let r = Rejection::cap(
+            Scope::Tenant,
+            Reason::TooManyConnections,
+            Duration::from_secs(3),
+        );
+        let header = r.http_header();
+        // The header alone: a body that came in a later TLS record than the head is not needed.
+        for e in [
+            refused(503, Some(&header), ""),
+            refused(503, Some(&header), &r.http_body()),
+            refused(503, None, &r.http_body()),
+        ] {
+            let back = e.node_refusal().expect("a node's refusal");
+            assert_eq!(back.to_error_data(), r.to_error_data(), "{e:?}");
+            assert!(!e.draining(), "{e:?}");
+        }
+        // Draining, by header, or by body from an older node; never read as an overload.
+        for e in [
+            refused(503, Some(DRAINING_REFUSAL), ""),
+            refused(503, Some(DRAINING_REFUSAL), "anything"),
+            refused(503, None, DRAINING_BODY),
+        ] {
+            assert!(e.draining(), "{e:?}");
+            assert!(e.node_refusal().is_none(), "{e:?}");
+        }
+        // Neither: a header that says otherwise wins over a body, other statuses, other errors.
+        for e in [
+            refused(503, Some("overloaded"), &r.http_body()),
+            refused(503, Some("something-else"), DRAINING_BODY),
+            refused(429, Some(DRAINING_REFUSAL), ""),
+            refused(502, Some(&header), &r.http_body()),
+            refused(503, None, ""),
+            refused(404, None, "not found"),
+            LinkError::Unreachable {
+                node: "n1".into(),
+                reason: "refused".into(),
+            },
+        ] {
+            assert!(!e.draining(), "{e:?}");
+            assert!(e.node_refusal().is_none(), "{e:?}");
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{header, Request, Response, StatusCode};
+use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use serde_json::json;
@@ -75,13 +75,18 @@ impl Edge {
                 node,
                 status,
                 retry_after,
+                refusal,
                 body,
             }) => {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                 let mut r = door.plain(status, "node_refused", &body);
+                let h = r.headers_mut();
                 if let Some(v) = retry_after {
-                    r.headers_mut().insert(header::RETRY_AFTER, v);
+                    h.insert(header::RETRY_AFTER, v);
+                }
+                if let Some(v) = refusal.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                    h.insert(crate::admission::REFUSAL_HEADER, v);
                 }
                 return r;
             }
@@ -174,21 +179,19 @@ impl Edge {
                 // The node refused the session under its own limits (its caps and rates hold
                 // over every edge in front of it): the client learns the node's refusal, as
                 // `serve`'s client would, not that the node went away.
-                if let LinkError::Refused { status, body, .. } = &e {
-                    if let Some(r) = Rejection::from_http(*status, body) {
-                        tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), "session refused by its node's limits");
-                        let answer = |id: &RequestId| r.to_error_response(id);
-                        return relay
-                            .refuse(
-                                pending,
-                                &r,
-                                answer,
-                                Some(START_FAILED_LINGER),
-                                NODE_REFUSED_CODE,
-                                NODE_REFUSED_REASON,
-                            )
-                            .await;
-                    }
+                if let Some(r) = e.node_refusal() {
+                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), "session refused by its node's limits");
+                    let answer = |id: &RequestId| r.to_error_response(id);
+                    return relay
+                        .refuse(
+                            pending,
+                            &r,
+                            answer,
+                            Some(START_FAILED_LINGER),
+                            NODE_REFUSED_CODE,
+                            NODE_REFUSED_REASON,
+                        )
+                        .await;
                 }
                 let (scope, reason) = e.refusal();
                 let (retry_after, code, text) = match &e {

@@ -120,20 +120,31 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
                 Rejection::rate(scope, reason, Duration::from_millis(1500)),
                 Rejection::cap(scope, reason, Duration::from_secs(5)),
             ] {
-                let back = Rejection::from_http(r.http_status(), &r.http_body()).unwrap();
-                // What a client is told is the same (the unjittered wait is not sent).
-                assert_eq!((back.scope, back.reason), (r.scope, r.reason));
-                assert_eq!(back.http_status(), r.http_status());
-                assert_eq!(back.to_error_data(), r.to_error_data());
-                assert_eq!(back.retry_after_secs(), r.retry_after_secs());
+                let header = r.http_header();
+                // By its header (the body need not have arrived), and by the body alone (a node
+                // from before the header).
+                for (header, body) in [
+                    (Some(header.as_str()), String::new()),
+                    (None, r.http_body()),
+                ] {
+                    let back = Rejection::from_http(r.http_status(), header, &body).unwrap();
+                    // What a client is told is the same (the unjittered wait is not sent).
+                    assert_eq!((back.scope, back.reason), (r.scope, r.reason));
+                    assert_eq!(back.http_status(), r.http_status());
+                    assert_eq!(back.to_error_data(), r.to_error_data());
+                    assert_eq!(back.retry_after_secs(), r.retry_after_secs());
+                }
             }
         }
     }
-    // A wait past an hour is passed on as an hour.
+    // A wait past an hour is passed on as an hour, by header or by body.
     let long = format!(
         "{OVERLOADED_MESSAGE} (scope tenant, reason tooManyConnections); retry after 99999999999 ms"
     );
-    let back = Rejection::from_http(503, &long).unwrap();
+    let back = Rejection::from_http(503, None, &long).unwrap();
+    assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
+    let long = "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=99999999999";
+    let back = Rejection::from_http(503, Some(long), "").unwrap();
     assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
     // Anything else is not one: another status, another body, a reason we do not know.
     let r = Rejection::cap(
@@ -148,6 +159,28 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
         (503, r.http_body().replace(" ms", " s")),
         (503, String::new()),
     ] {
-        assert_eq!(Rejection::from_http(status, &body), None, "{status} {body}");
+        assert_eq!(
+            Rejection::from_http(status, None, &body),
+            None,
+            "{status} {body}"
+        );
+    }
+    // A header decides alone: one that is not an overload is not one, whatever the body says.
+    let header = r.http_header();
+    for (status, header) in [
+        (502, header.clone()),
+        (503, "draining".to_owned()),
+        (503, header.replace("tooManyConnections", "tooMany")),
+        (503, header.replace("scope=", "scopes=")),
+        (503, header.replace("overloaded", "refused")),
+        (503, format!("{header}; more=1")),
+        (503, header.replace("retry-after-ms=", "retry-after-ms=-")),
+        (503, String::new()),
+    ] {
+        assert_eq!(
+            Rejection::from_http(status, Some(&header), &r.http_body()),
+            None,
+            "{status} {header}"
+        );
     }
 }
