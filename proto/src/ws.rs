@@ -2,11 +2,13 @@
 //! to a worker, [`client_config`] for clients' connections and the edge→node link.
 
 use std::collections::VecDeque;
+use std::task::{ready, Context, Poll};
 
+use futures_util::{Sink, SinkExt};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
 use tokio_tungstenite::tungstenite::protocol::frame::Frame;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
-use tokio_tungstenite::tungstenite::{Bytes, Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message, Utf8Bytes};
 
 /// Frames never need to be larger than tungstenite's default frame cap.
 pub const MAX_FRAME_SIZE: usize = 16 << 20;
@@ -118,11 +120,15 @@ impl Iterator for Fragments {
     }
 }
 
+/// Frames handed to a socket before one flush: a streaming turn queues many small deltas, and
+/// flushing each one alone costs a TLS record and a system call apiece.
+pub const WRITE_BATCH: usize = 64;
+
 /// What a writer hands its socket next: the next fragment of `partial` (the large text being
 /// written, kept there until its last fragment) or else the next of `frames`, a large text
 /// split. With it, the bytes of the data message it completes (0 for a fragment before the
 /// last, and for a control frame).
-pub fn next_out(
+fn next_out(
     partial: &mut Option<Fragments>,
     frames: &mut VecDeque<Message>,
 ) -> Option<(Message, usize)> {
@@ -153,9 +159,208 @@ pub fn next_out(
     Some((Message::Frame(frame), done))
 }
 
+/// Frames on their way to one WebSocket, written in batches with one flush per batch: whole
+/// messages, and the rest of a large text going out in fragments ([`Fragments`]). Its owner
+/// bounds and counts what it queues (a session's client queue, an edge's queues); this is the
+/// writing they share.
+#[derive(Default)]
+pub struct Outgoing {
+    /// Messages waiting, in order.
+    pub frames: VecDeque<Message>,
+    /// The rest of the large text being written, kept until its last fragment is taken.
+    pub partial: Option<Fragments>,
+    /// Bytes of the messages handed to the socket since its last flush, when any were.
+    unflushed: Option<usize>,
+    /// The close frame went out: nothing more is written.
+    closed: bool,
+    /// Frames handed to the socket so far.
+    sent: u64,
+}
+
+impl Outgoing {
+    /// Whether there is writing to do: frames waiting, or a flush owed.
+    pub fn busy(&self) -> bool {
+        !self.closed
+            && (!self.frames.is_empty() || self.partial.is_some() || self.unflushed.is_some())
+    }
+
+    /// Whether the close frame was handed to the socket.
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Frames handed to the socket so far (fragments one each): a writer that took nothing in a
+    /// while has not moved it.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Hands waiting frames to `sink` while it takes them (at most [`WRITE_BATCH`]), then
+    /// flushes. `taken` hears the bytes of each message the sink took whole (0 for a fragment
+    /// before the last and for a control frame), as it is taken; ready with the bytes of the
+    /// messages that were flushed whole. Cancel-safe: a frame leaves the queue only once the
+    /// sink has taken it, and what was taken is flushed (and counted) by the next call.
+    pub fn poll_send<Si>(
+        &mut self,
+        sink: &mut Si,
+        cx: &mut Context<'_>,
+        mut taken: impl FnMut(usize),
+    ) -> Poll<Result<usize, WsError>>
+    where
+        Si: Sink<Message, Error = WsError> + Unpin,
+    {
+        let mut batch = 0;
+        while batch < WRITE_BATCH
+            && !self.closed
+            && (self.partial.is_some() || !self.frames.is_empty())
+        {
+            ready!(sink.poll_ready_unpin(cx))?;
+            let Some((msg, done)) = next_out(&mut self.partial, &mut self.frames) else {
+                break;
+            };
+            *self.unflushed.get_or_insert(0) += done;
+            taken(done);
+            self.closed = matches!(msg, Message::Close(_));
+            sink.start_send_unpin(msg)?;
+            self.sent += 1;
+            batch += 1;
+        }
+        let Some(n) = self.unflushed else {
+            return Poll::Ready(Ok(0));
+        };
+        ready!(sink.poll_flush_unpin(cx))?;
+        self.unflushed = None;
+        Poll::Ready(Ok(n))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::Pin;
+
+    /// A socket that takes frames and flushes when told to.
+    #[derive(Default)]
+    struct Socket {
+        taking: bool,
+        flushing: bool,
+        taken: Vec<Message>,
+        flushes: usize,
+    }
+
+    impl Sink<Message> for Socket {
+        type Error = WsError;
+        fn poll_ready(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            if self.taking {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        }
+        fn start_send(mut self: Pin<&mut Self>, msg: Message) -> Result<(), WsError> {
+            assert!(self.taking, "sent to a socket that was not ready");
+            self.taken.push(msg);
+            Ok(())
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            if self.flushing {
+                self.flushes += 1;
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        }
+        fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), WsError>> {
+            self.poll_flush(cx)
+        }
+    }
+
+    /// One [`Outgoing::poll_send`]: what `taken` heard, and what it was ready with.
+    fn send_once(out: &mut Outgoing, socket: &mut Socket) -> (usize, Poll<usize>) {
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        let mut heard = 0;
+        let poll = out.poll_send(socket, &mut cx, |n| heard += n);
+        (heard, poll.map(|r| r.expect("the socket does not fail")))
+    }
+
+    #[test]
+    fn outgoing_writes_in_batches_with_one_flush_each_and_counts_what_was_taken_and_flushed() {
+        let mut out = Outgoing::default();
+        let mut socket = Socket {
+            taking: true,
+            flushing: true,
+            ..Socket::default()
+        };
+        for n in 0..100 {
+            out.frames.push_back(Message::text(format!("{n:03}")));
+        }
+        assert!(out.busy());
+        assert_eq!(
+            send_once(&mut out, &mut socket),
+            (3 * WRITE_BATCH, Poll::Ready(3 * WRITE_BATCH))
+        );
+        assert_eq!(
+            (socket.taken.len(), socket.flushes, out.sent()),
+            (WRITE_BATCH, 1, 64)
+        );
+        assert_eq!(
+            send_once(&mut out, &mut socket),
+            (3 * 36, Poll::Ready(3 * 36))
+        );
+        assert_eq!(
+            (socket.taken.len(), socket.flushes, out.sent()),
+            (100, 2, 100)
+        );
+        assert!(!out.busy());
+        // In order.
+        for (n, msg) in socket.taken.iter().enumerate() {
+            assert_eq!(msg.to_text().unwrap(), format!("{n:03}"));
+        }
+        // Nothing to write: no flush.
+        assert_eq!(send_once(&mut out, &mut socket), (0, Poll::Ready(0)));
+        assert_eq!(socket.flushes, 2);
+    }
+
+    #[test]
+    fn outgoing_is_cancel_safe_and_a_large_text_counts_with_its_last_fragment() {
+        let mut out = Outgoing::default();
+        let mut socket = Socket::default();
+        let large = "x".repeat(FRAGMENT_SIZE * 2 + 1);
+        out.frames.push_back(Message::text(large.clone()));
+        out.frames.push_back(Message::text("after"));
+        // A socket that takes nothing: nothing leaves the queue.
+        assert_eq!(send_once(&mut out, &mut socket), (0, Poll::Pending));
+        assert_eq!((out.frames.len(), out.sent()), (2, 0));
+        // It takes, but does not flush: the fragments went, their message counted with its last.
+        socket.taking = true;
+        let (heard, poll) = send_once(&mut out, &mut socket);
+        assert_eq!((heard, poll), (large.len() + 5, Poll::Pending));
+        assert_eq!((socket.taken.len(), out.sent()), (4, 4));
+        assert!(out.busy(), "a flush is owed");
+        // The next call flushes what was taken and reports it once.
+        socket.flushing = true;
+        assert_eq!(
+            send_once(&mut out, &mut socket),
+            (0, Poll::Ready(large.len() + 5))
+        );
+        assert!(!out.busy());
+        // The fragments join back into the message.
+        let joined: Vec<u8> = socket.taken[..3]
+            .iter()
+            .flat_map(|m| match m {
+                Message::Frame(f) => f.payload().to_vec(),
+                other => panic!("not a fragment: {other:?}"),
+            })
+            .collect();
+        assert_eq!(joined, large.as_bytes());
+        // After the close frame nothing more goes.
+        out.frames.push_back(Message::Close(None));
+        out.frames.push_back(Message::text("too late"));
+        assert_eq!(send_once(&mut out, &mut socket), (0, Poll::Ready(0)));
+        assert!(out.closed() && !out.busy());
+        assert_eq!(socket.taken.len(), 5);
+        assert!(matches!(socket.taken[4], Message::Close(None)));
+    }
 
     #[test]
     fn a_large_text_goes_in_fragments_cut_on_characters_that_join_back_whole() {

@@ -26,7 +26,7 @@
 //!   reading a session (its worker stopped) holds the client there, as `serve` would, and the
 //!   relay's other work goes on: the node's frames, the client's queue, the credential.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -35,7 +35,7 @@ use std::time::Duration;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{Sink, SinkExt, StreamExt};
 use proto::rpc::{self, Message as Rpc, RequestId};
-use proto::ws::{self as ws, Fragments};
+use proto::ws::Outgoing;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -72,8 +72,6 @@ const LINK_SILENCE: Duration = Duration::from_secs(10);
 const LINK_BLOCKED: Duration = Duration::from_secs(120);
 /// Frames from the node at least this large are queued as an exact-size copy.
 const COPY_ABOVE: usize = 64 << 10;
-/// Frames written to the client before one flush.
-const WRITE_BATCH: usize = 64;
 
 /// What a relayed session needs from the listener: its admission and its bounds.
 pub struct RelayCtx {
@@ -176,61 +174,9 @@ pub(super) enum Waited<L> {
     Ended(Ending),
 }
 
-/// Frames on their way to one socket: whole messages, the rest of a large one going out in
-/// fragments, and the bytes handed to the socket since its last flush.
-#[derive(Default)]
-struct Outbox {
-    frames: VecDeque<Message>,
-    /// The rest of the large frame being written (counted until flushed whole).
-    partial: Option<Fragments>,
-    /// Bytes handed to the socket since its last flush (still counted), when any were.
-    unflushed: Option<usize>,
-    /// The close frame went out: nothing more is written.
-    closed: bool,
-    /// Frames handed to the socket so far.
-    sent: u64,
-}
-
-impl Outbox {
-    fn busy(&self) -> bool {
-        !self.closed
-            && (!self.frames.is_empty() || self.partial.is_some() || self.unflushed.is_some())
-    }
-
-    /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), large
-    /// texts in fragments, then flushes. Cancel-safe. Ready with the bytes of the messages that
-    /// were flushed whole (they leave their account then).
-    fn poll_send<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<usize, WsError>>
-    where
-        Si: Sink<Message, Error = WsError> + Unpin,
-    {
-        let mut batch = 0;
-        while batch < WRITE_BATCH
-            && !self.closed
-            && (self.partial.is_some() || !self.frames.is_empty())
-        {
-            ready!(sink.poll_ready_unpin(cx))?;
-            let Some((msg, done)) = ws::next_out(&mut self.partial, &mut self.frames) else {
-                break;
-            };
-            *self.unflushed.get_or_insert(0) += done;
-            self.closed = matches!(msg, Message::Close(_));
-            sink.start_send_unpin(msg)?;
-            self.sent += 1;
-            batch += 1;
-        }
-        let Some(n) = self.unflushed else {
-            return Poll::Ready(Ok(0));
-        };
-        ready!(sink.poll_flush_unpin(cx))?;
-        self.unflushed = None;
-        Poll::Ready(Ok(n))
-    }
-}
-
 /// Frames waiting for the client, bounded in frames and in bytes.
 struct Out {
-    queue: Outbox,
+    queue: Outgoing,
     capacity: usize,
     soft_mark: usize,
     bytes: Arc<QueueBytes>,
@@ -243,7 +189,7 @@ struct Out {
 /// client's queue and the credential go on. A link that holds what it has not taken is judged
 /// by its progress ([`LINK_BLOCKED`]), not by its silence.
 struct LinkOut {
-    queue: Outbox,
+    queue: Outgoing,
     budget: LegBudget,
     /// Bytes of `queue` counted in `budget`.
     held: usize,
@@ -252,7 +198,7 @@ struct LinkOut {
 impl LinkOut {
     fn new(budget: LegBudget) -> Self {
         LinkOut {
-            queue: Outbox::default(),
+            queue: Outgoing::default(),
             budget,
             held: 0,
         }
@@ -265,13 +211,13 @@ impl LinkOut {
         self.queue.frames.push_back(msg);
     }
 
-    /// Writes what the link takes (a batch, see [`Outbox::poll_send`]); the flushed bytes leave
+    /// Writes what the link takes (a batch, see [`Outgoing::poll_send`]); the flushed bytes leave
     /// the budget. Cancel-safe.
     fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<(), WsError>>
     where
         Si: Sink<Message, Error = WsError> + Unpin,
     {
-        let n = ready!(self.queue.poll_send(sink, cx))?;
+        let n = ready!(self.queue.poll_send(sink, cx, |_| {}))?;
         if n > 0 {
             self.budget.release(n);
             self.held -= n;
@@ -348,17 +294,17 @@ impl Out {
         }
     }
 
-    /// Writes what the socket takes (see [`Outbox::poll_send`]); the flushed bytes leave the
+    /// Writes what the socket takes (see [`Outgoing::poll_send`]); the flushed bytes leave the
     /// account. Ready(true) once the close frame is out.
     fn poll_write<Si>(&mut self, sink: &mut Si, cx: &mut Context<'_>) -> Poll<Result<bool, WsError>>
     where
         Si: Sink<Message, Error = WsError> + Unpin,
     {
-        let n = ready!(self.queue.poll_send(sink, cx))?;
+        let n = ready!(self.queue.poll_send(sink, cx, |_| {}))?;
         if n > 0 {
             self.bytes.release(n);
         }
-        Poll::Ready(Ok(self.queue.closed))
+        Poll::Ready(Ok(self.queue.closed()))
     }
 
     async fn write<Si>(&mut self, sink: &mut Si) -> Result<bool, WsError>
@@ -406,7 +352,7 @@ where
             rx,
             client_read: ctx.client_read,
             out: Out {
-                queue: Outbox::default(),
+                queue: Outgoing::default(),
                 capacity: ctx.client_queue.max(1),
                 soft_mark: crate::config::soft_mark(ctx.client_queue),
                 bytes,
@@ -686,7 +632,7 @@ where
         let mut heard = tokio::time::Instant::now();
         // While the link holds what it has not taken: when it last took a frame, and how many
         // it had taken then.
-        let mut taken = (heard, to_node.queue.sent);
+        let mut taken = (heard, to_node.queue.sent());
         let mut keepalive = tokio::time::interval_at(heard + LINK_PING, LINK_PING);
         keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let budget = to_node.budget.clone();
@@ -741,8 +687,8 @@ where
                 }
                 _ = keepalive.tick() => {
                     let now = tokio::time::Instant::now();
-                    if !to_node.queue.busy() || to_node.queue.sent != taken.1 {
-                        taken = (now, to_node.queue.sent);
+                    if !to_node.queue.busy() || to_node.queue.sent() != taken.1 {
+                        taken = (now, to_node.queue.sent());
                     }
                     // A link that has not taken what was written to it is not judged by its
                     // silence: its node may be holding the bytes back (a worker of the tenant's

@@ -5,27 +5,23 @@
 //! slow to keep it from filling is closed (docs/decisions/0008-bounded-everything.md). A large
 //! frame goes out in fragments ([`Fragments`]), so the socket's buffers stay small.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 
 use futures_util::{Sink, SinkExt};
-use proto::ws::{self, Fragments};
+use proto::ws::{Outgoing, WRITE_BATCH};
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::{End, Session};
 use crate::admission::QueueBytes;
 
-/// Frames written before one flush: a streaming turn queues many small deltas, and flushing
-/// each one alone costs a TLS record and a syscall apiece.
-const WRITE_BATCH: usize = 64;
 /// Queued frames up to which a worker frame is queued shared rather than copied (see
 /// [`Session::for_client`]): one batch, which is all a client that keeps up has waiting.
 pub(super) const SHARED_QUEUED: usize = WRITE_BATCH;
 
-/// The bytes a queued frame counts against the queue's byte bounds (what [`ws::next_out`]
-/// reports once it is written).
+/// The bytes a queued frame counts against the queue's byte bounds (what
+/// [`Outgoing::poll_send`] reports once it is written).
 fn queued_len(msg: &Message) -> usize {
     match msg {
         Message::Text(t) => t.len(),
@@ -37,16 +33,11 @@ fn queued_len(msg: &Message) -> usize {
 /// Frames waiting for the client, bounded in frames (`capacity`) and in bytes (`bytes`, the
 /// session's and its tenant's bounds).
 pub(super) struct OutQueue {
-    frames: VecDeque<Message>,
+    /// A message's bytes leave `bytes` as the socket takes it (a large text's with its last
+    /// fragment).
+    queue: Outgoing,
     capacity: usize,
     bytes: Arc<QueueBytes>,
-    /// The rest of the large frame being written, counted until its last fragment is handed
-    /// to the socket.
-    partial: Option<Fragments>,
-    /// Frames were handed to the socket since its last flush.
-    unflushed: bool,
-    /// The close frame went out: nothing more is written.
-    closed: bool,
 }
 
 /// The session's [`OutQueue`], in a mutex only so that the session stays `Sync`; only the session
@@ -67,12 +58,9 @@ pub(super) enum Written {
 impl Out {
     pub(super) fn new(capacity: usize, bytes: Arc<QueueBytes>) -> Self {
         Self(Mutex::new(OutQueue {
-            frames: VecDeque::new(),
+            queue: Outgoing::default(),
             capacity: capacity.max(1),
             bytes,
-            partial: None,
-            unflushed: false,
-            closed: false,
         }))
     }
 
@@ -82,8 +70,7 @@ impl Out {
 
     /// Whether the loop has writing to do.
     pub(super) fn busy(&self) -> bool {
-        let q = self.lock();
-        !q.closed && (!q.frames.is_empty() || q.partial.is_some() || q.unflushed)
+        self.lock().queue.busy()
     }
 
     /// Writes what the socket takes now; see [`OutQueue::poll_write`].
@@ -126,34 +113,35 @@ impl Out {
 impl OutQueue {
     /// Frames waiting.
     pub(super) fn len(&self) -> usize {
-        self.frames.len()
+        self.queue.frames.len()
     }
 
     fn push(&mut self, msg: Message) -> bool {
-        if self.frames.len() >= self.capacity {
+        if self.queue.frames.len() >= self.capacity {
             return false;
         }
-        self.frames.push_back(msg);
+        self.queue.frames.push_back(msg);
         true
     }
 
     /// Queues the close frame after what is queued; if the queue is full, or the client is too
     /// slow (`skip_queue`), what is queued is dropped and the close frame goes next.
     pub(super) fn close(&mut self, frame: CloseFrame, skip_queue: bool) {
-        if skip_queue || self.frames.len() >= self.capacity {
-            for msg in self.frames.drain(..) {
+        let q = &mut self.queue;
+        if skip_queue || q.frames.len() >= self.capacity {
+            for msg in q.frames.drain(..) {
                 self.bytes.release(queued_len(&msg));
             }
             // A control frame may come between fragments; the rest of the message goes.
-            if let Some(partial) = self.partial.take() {
+            if let Some(partial) = q.partial.take() {
                 self.bytes.release(partial.message_len());
             }
         }
-        self.frames.push_back(Message::Close(Some(frame)));
+        q.frames.push_back(Message::Close(Some(frame)));
     }
 
     /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then
-    /// flushes. Cancel-safe: a frame leaves the queue only once the sink has taken it.
+    /// flushes ([`Outgoing::poll_send`]). Cancel-safe.
     fn poll_write<Si>(
         &mut self,
         sink: &mut Si,
@@ -162,26 +150,9 @@ impl OutQueue {
     where
         Si: Sink<Message, Error = WsError> + Unpin,
     {
-        let mut batch = 0;
-        while batch < WRITE_BATCH
-            && !self.closed
-            && (self.partial.is_some() || !self.frames.is_empty())
-        {
-            ready!(sink.poll_ready_unpin(cx))?;
-            let Some((msg, done)) = ws::next_out(&mut self.partial, &mut self.frames) else {
-                break;
-            };
-            self.bytes.release(done);
-            self.closed = matches!(msg, Message::Close(_));
-            sink.start_send_unpin(msg)?;
-            self.unflushed = true;
-            batch += 1;
-        }
-        if self.unflushed {
-            ready!(sink.poll_flush_unpin(cx))?;
-            self.unflushed = false;
-        }
-        Poll::Ready(Ok(if self.closed {
+        let bytes = &self.bytes;
+        ready!(self.queue.poll_send(sink, cx, |done| bytes.release(done)))?;
+        Poll::Ready(Ok(if self.queue.closed() {
             Written::Closed
         } else {
             Written::Flushed
