@@ -198,8 +198,9 @@ impl Outgoing {
     /// Hands waiting frames to `sink` while it takes them (at most [`WRITE_BATCH`]), then
     /// flushes. `taken` hears the bytes of each message the sink took whole (0 for a fragment
     /// before the last and for a control frame), as it is taken; ready with the bytes of the
-    /// messages that were flushed whole. Cancel-safe: a frame leaves the queue only once the
-    /// sink has taken it, and what was taken is flushed (and counted) by the next call.
+    /// messages that were flushed whole. The same bytes are reported both ways: an owner gives
+    /// its account back by one of them, never both. Cancel-safe: a frame leaves the queue only
+    /// once the sink has taken it, and what was taken is flushed (and counted) by the next call.
     pub fn poll_send<Si>(
         &mut self,
         sink: &mut Si,
@@ -301,11 +302,14 @@ mod tests {
         );
         assert_eq!(
             (socket.taken.len(), socket.flushes, out.sent()),
-            (WRITE_BATCH, 1, 64)
+            (WRITE_BATCH, 1, WRITE_BATCH as u64)
         );
         assert_eq!(
             send_once(&mut out, &mut socket),
-            (3 * 36, Poll::Ready(3 * 36))
+            (
+                3 * (100 - WRITE_BATCH),
+                Poll::Ready(3 * (100 - WRITE_BATCH))
+            )
         );
         assert_eq!(
             (socket.taken.len(), socket.flushes, out.sent()),

@@ -63,7 +63,8 @@ pub use leg_bytes::{LegBudget, TenantLegBytes};
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
 pub use rejection::{
-    rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE, REFUSAL_HEADER,
+    refusal_kind, rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE,
+    REFUSAL_HEADER,
 };
 
 /// A limiter keyed by `K`, on tokio's clock.

@@ -264,20 +264,28 @@ impl Rejection {
     }
 }
 
-/// `overloaded; scope=S; reason=R; retry-after-ms=N` into its three values, in that order.
+/// The first word of a [`REFUSAL_HEADER`] value (`overloaded`, `draining`): what the refusal is.
+pub fn refusal_kind(header: &str) -> &str {
+    header.split(';').next().unwrap_or_default().trim()
+}
+
+/// `overloaded; scope=S; reason=R; retry-after-ms=N` into its three values. Fields in any order,
+/// and fields it does not know ignored, so a newer node may add some without older edges
+/// misreading its refusals.
 fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
-    let mut parts = h.split(';').map(str::trim);
-    if parts.next()? != OVERLOADED_REFUSAL {
+    if refusal_kind(h) != OVERLOADED_REFUSAL {
         return None;
     }
-    let scope = parts.next()?.strip_prefix("scope=")?;
-    let reason = parts.next()?.strip_prefix("reason=")?;
-    let ms = parts
-        .next()?
-        .strip_prefix("retry-after-ms=")?
-        .parse()
-        .ok()?;
-    parts.next().is_none().then_some((scope, reason, ms))
+    let (mut scope, mut reason, mut ms) = (None, None, None);
+    for field in h.split(';').skip(1) {
+        match field.trim().split_once('=') {
+            Some(("scope", v)) => scope = Some(v),
+            Some(("reason", v)) => reason = Some(v),
+            Some(("retry-after-ms", v)) => ms = Some(v.parse().ok()?),
+            _ => {}
+        }
+    }
+    Some((scope?, reason?, ms?))
 }
 
 /// [`Rejection::http_body`]'s text into its three values.

@@ -117,7 +117,7 @@ impl LinkError {
                 status: 503,
                 refusal: Some(v),
                 ..
-            } => &**v == crate::listener::DRAINING_REFUSAL,
+            } => crate::admission::refusal_kind(v) == crate::listener::DRAINING_REFUSAL,
             LinkError::Refused {
                 status: 503,
                 refusal: None,
@@ -363,11 +363,7 @@ impl Edge {
                     node: node.clone(),
                     status: resp.status().as_u16(),
                     retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
-                    refusal: resp
-                        .headers()
-                        .get(crate::admission::REFUSAL_HEADER)
-                        .and_then(|v| v.to_str().ok())
-                        .map(Box::from),
+                    refusal: refusal_header(resp.headers()),
                     body,
                 })
             }
@@ -429,6 +425,14 @@ impl Edge {
     }
 }
 
+/// A node's [`crate::admission::REFUSAL_HEADER`]. One present but not text is still present:
+/// it fails to parse, and the body is not read instead.
+fn refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
+    headers
+        .get(crate::admission::REFUSAL_HEADER)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,6 +445,32 @@ mod tests {
             retry_after: None,
             refusal: refusal.map(Box::from),
             body: body.into(),
+        }
+    }
+
+    #[test]
+    fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
+        let r = Rejection::cap(
+            Scope::Tenant,
+            Reason::TooManyConnections,
+            Duration::from_secs(3),
+        );
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(refusal_header(&headers), None);
+        for bytes in [&b"overloaded\xff"[..], b"draining\x80", b"\xfe"] {
+            headers.insert(
+                crate::admission::REFUSAL_HEADER,
+                HeaderValue::from_bytes(bytes).unwrap(),
+            );
+            let header = refusal_header(&headers);
+            assert!(header.is_some(), "{bytes:?}");
+            for body in [r.http_body(), DRAINING_BODY.to_owned()] {
+                let e = refused(503, header.as_deref(), &body);
+                assert!(
+                    e.node_refusal().is_none() && !e.draining(),
+                    "{bytes:?} {body}"
+                );
+            }
         }
     }
 
@@ -466,6 +496,8 @@ mod tests {
         for e in [
             refused(503, Some(DRAINING_REFUSAL), ""),
             refused(503, Some(DRAINING_REFUSAL), "anything"),
+            // A newer node's fields after the word are not ours to judge.
+            refused(503, Some("draining; until=later"), ""),
             refused(503, None, DRAINING_BODY),
         ] {
             assert!(e.draining(), "{e:?}");
@@ -475,6 +507,7 @@ mod tests {
         for e in [
             refused(503, Some("overloaded"), &r.http_body()),
             refused(503, Some("something-else"), DRAINING_BODY),
+            refused(503, Some("drainingsoon"), DRAINING_BODY),
             refused(429, Some(DRAINING_REFUSAL), ""),
             refused(502, Some(&header), &r.http_body()),
             refused(503, None, ""),

@@ -3,7 +3,7 @@
 //! session loop polls [`OutQueue::poll_write`] beside its other work: no writer task, no
 //! channel, no wake-up per frame). The queue is bounded in frames and bytes, and a client too
 //! slow to keep it from filling is closed (docs/decisions/0008-bounded-everything.md). A large
-//! frame goes out in fragments ([`Fragments`]), so the socket's buffers stay small.
+//! frame goes out in fragments ([`proto::ws::Fragments`]), so the socket's buffers stay small.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};

@@ -165,6 +165,14 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
             "{status} {body}"
         );
     }
+    // A newer node's header: its fields in another order, and one this edge does not know.
+    let newer = "overloaded; reason=tooManyConnections; since=12; scope=tenant; retry-after-ms=900";
+    let back = Rejection::from_http(503, Some(newer), "").unwrap();
+    assert_eq!(
+        (back.scope, back.reason),
+        (Scope::Tenant, Reason::TooManyConnections)
+    );
+    assert_eq!(back.retry_after_ms_jittered(), 900);
     // A header decides alone: one that is not an overload is not one, whatever the body says.
     let header = r.http_header();
     for (status, header) in [
@@ -173,8 +181,8 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
         (503, header.replace("tooManyConnections", "tooMany")),
         (503, header.replace("scope=", "scopes=")),
         (503, header.replace("overloaded", "refused")),
-        (503, format!("{header}; more=1")),
         (503, header.replace("retry-after-ms=", "retry-after-ms=-")),
+        (503, header.replace("; retry-after-ms=", "; wait=")),
         (503, String::new()),
     ] {
         assert_eq!(
