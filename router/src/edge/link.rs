@@ -239,8 +239,9 @@ impl Edge {
 
     /// Opens a session's link to its tenant's node. On Kubernetes, a pod that cannot be reached
     /// because it has just gone (a force delete kills its node before the watch tells this edge),
-    /// or that answers it is draining, is looked for again, so the session waits for the tenant's next pod instead of being
-    /// refused; at most [`REDIALS`] times, and only once the watch says that pod went.
+    /// or that answers it is draining, is looked for again, so the session waits for the tenant's
+    /// next pod instead of being refused; at most [`REDIALS`] times, and only once the watch says
+    /// that pod went.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
         let mut redials = 0;
         loop {
