@@ -449,13 +449,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
-        let r = Rejection::cap(
+    /// A node's refusal at its tenant's connection cap.
+    fn tenant_cap() -> Rejection {
+        Rejection::cap(
             Scope::Tenant,
             Reason::TooManyConnections,
             Duration::from_secs(3),
-        );
+        )
+    }
+
+    #[test]
+    fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
+        let r = tenant_cap();
         let mut headers = http::HeaderMap::new();
         assert_eq!(refusal_header(&headers), None);
         for bytes in [&b"overloaded\xff"[..], b"draining\x80", b"\xfe"] {
@@ -477,11 +482,7 @@ mod tests {
 
     #[test]
     fn a_nodes_refusal_is_read_by_its_header_and_from_an_older_node_by_its_body() {
-        let r = Rejection::cap(
-            Scope::Tenant,
-            Reason::TooManyConnections,
-            Duration::from_secs(3),
-        );
+        let r = tenant_cap();
         let header = r.http_header();
         // The header alone: a body that came in a later TLS record than the head is not needed.
         for e in [

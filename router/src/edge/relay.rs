@@ -13,7 +13,8 @@
 //!   (`tenant_queue_bytes`). A frame counts until the socket has flushed it. Above half of any
 //!   bound streaming deltas are dropped (`item/completed` carries the whole item); at a bound
 //!   the client is too slow and is closed with 1008. Large frames go out in fragments, to the
-//!   client and to the node ([`proto::ws::Fragments`]), so that neither socket's buffers keep their size.
+//!   client and to the node ([`proto::ws::Fragments`]), so that neither socket's buffers keep
+//!   their size.
 //! - Every client frame, pings and pongs included, passes the connection's frame rate
 //!   (`conn_fps`, `conn_burst`): a request over it is answered `-32001` and not forwarded; any
 //!   other frame over it closes the session with 1008 and [`FLOOD_CLOSE_REASON`].
