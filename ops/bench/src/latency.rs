@@ -191,6 +191,25 @@ impl XorShift {
     }
 }
 
+/// Every run's samples as one set per path, each run first moved by the difference between its
+/// `base` path's median and the mean of the runs' `base` medians. The machine's level moves
+/// between runs (a worker's round trip of 960 µs in one run and 700 in the next, on 2026-12-06),
+/// and a median taken straight over such a mix lands between the levels, where one path's share
+/// of each run decides it: the added medians of "all runs" came out negative. Moved so, each run
+/// keeps its own added medians, and the pooled ones are measured against one level.
+pub fn pooled<const N: usize>(runs: &[[Vec<f64>; N]], base: usize) -> [Vec<f64>; N] {
+    let medians: Vec<f64> = runs.iter().map(|r| summarize(&r[base]).p50).collect();
+    let level = medians.iter().sum::<f64>() / medians.len().max(1) as f64;
+    let mut all: [Vec<f64>; N] = std::array::from_fn(|_| Vec::new());
+    for (run, median) in runs.iter().zip(&medians) {
+        let shift = level - median;
+        for (a, s) in all.iter_mut().zip(run) {
+            a.extend(s.iter().map(|x| x + shift));
+        }
+    }
+    all
+}
+
 /// p50, p99 and p99.9 of samples.
 pub struct Summary {
     /// Median.
@@ -338,6 +357,38 @@ mod tests {
             wide_hi - wide_lo > 5.0 * (hi - lo),
             "wider with noise: {wide_lo}..{wide_hi} against {lo}..{hi}"
         );
+    }
+
+    #[test]
+    fn runs_at_different_levels_pool_to_their_added_medians() {
+        // Two runs of [base, a proxy adding 50, a noisy one adding 10], the second 260 µs
+        // faster throughout, as two runs of one day were.
+        let run = |level: f64, seed: u64| {
+            [(0.0, 20.0), (50.0, 20.0), (10.0, 200.0)]
+                .map(|(added, spread)| samples(level + added, spread, 2000, seed + added as u64))
+        };
+        let runs = [run(960.0, 1), run(700.0, 2)];
+        let added = |all: &[Vec<f64>; 3], i: usize| summarize(&all[i]).p50 - summarize(&all[0]).p50;
+        // Taken straight, the pooled medians fall in the gap between the runs' levels.
+        let mut straight: [Vec<f64>; 3] = Default::default();
+        for r in &runs {
+            for (a, s) in straight.iter_mut().zip(r) {
+                a.extend(s);
+            }
+        }
+        let (wrong_a, wrong_b) = (added(&straight, 1), added(&straight, 2));
+        assert!(
+            (wrong_a - 50.0).abs() > 15.0 || (wrong_b - 10.0).abs() > 15.0,
+            "the straight pool should have misread this mix: {wrong_a}, {wrong_b}"
+        );
+        let all = pooled(&runs, 0);
+        assert_eq!(all[1].len(), 4000);
+        let (a, b) = (added(&all, 1), added(&all, 2));
+        assert!((a - 50.0).abs() < 12.0, "{a}");
+        assert!((b - 10.0).abs() < 12.0, "{b}");
+        // One level, between the runs': the mean of their base medians.
+        let level = summarize(&all[0]).p50;
+        assert!((level - 830.0).abs() < 12.0, "{level}");
     }
 
     #[test]

@@ -35,7 +35,7 @@ use anyhow::bail;
 use clap::Parser;
 use codex_fleet_bench::floor::{Routing, Upstream};
 use codex_fleet_bench::latency::{
-    added_ratio_interval, connect_unix, connect_ws, free_port, interleaved, start_haproxy,
+    added_ratio_interval, connect_unix, connect_ws, free_port, interleaved, pooled, start_haproxy,
     summarize, wait_port, with_interval, within, Summary, RESAMPLES, TIMEOUT, WARM_UP,
 };
 use serde_json::json;
@@ -316,7 +316,7 @@ async fn main() -> anyhow::Result<()> {
     ];
 
     let params = json!({"threadId": thread, "includeTurns": args.include_turns});
-    let mut all: [Vec<f64>; 7] = Default::default();
+    let mut runs = Vec::new();
     let mut all_cpu = [0.0; 5];
     let mut rows = Vec::new();
     for run in 1..=args.runs {
@@ -362,12 +362,14 @@ async fn main() -> anyhow::Result<()> {
             run.to_string(),
             report(&format!("run {run}"), &samples, cpu),
         ));
-        for (a, s) in all.iter_mut().zip(samples) {
-            a.extend(s);
-        }
+        runs.push(samples);
     }
     if args.runs > 1 {
-        let a = report("all runs", &all, all_cpu);
+        let a = report(
+            "all runs (each moved to one level)",
+            &pooled(&runs, 0),
+            all_cpu,
+        );
         rows.push(("all".to_owned(), a));
     }
     table(&rows);
