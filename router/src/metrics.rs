@@ -553,6 +553,8 @@ fn refusal_scopes(reason: crate::admission::Reason) -> &'static [crate::admissio
         | Reason::NodeUnavailable
         | Reason::NodeStarting
         | Reason::NodeStartFailed => &[Scope::Worker],
+        // A newer node's refusal keeps its scope when this edge knows it.
+        Reason::NodeOverloaded => &Scope::ALL,
     }
 }
 

@@ -78,6 +78,10 @@ pub enum Reason {
     /// The tenant's node cannot be started (the API server refused its pod or volume for a
     /// reason a retry cannot change; the error's `data.cause` says which).
     NodeStartFailed,
+    /// The tenant's node refused the session under a limit this edge has no name for (a newer
+    /// node's, while a rolling upgrade runs them beside older edges); the node's status and wait
+    /// stand, so its client waits as the node asked rather than reconnecting at once.
+    NodeOverloaded,
 }
 
 impl Scope {
@@ -102,7 +106,7 @@ impl Scope {
 
 impl Reason {
     /// Every reason, so each series exists (at zero) from the start.
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::HandshakeRateLimited,
         Reason::ConnectionRateLimited,
         Reason::TenantRateLimited,
@@ -118,6 +122,7 @@ impl Reason {
         Reason::NodeUnavailable,
         Reason::NodeStarting,
         Reason::NodeStartFailed,
+        Reason::NodeOverloaded,
     ];
 
     /// The wire spelling, e.g. `"tenantRateLimited"`.
@@ -138,6 +143,7 @@ impl Reason {
             Reason::NodeUnavailable => "nodeUnavailable",
             Reason::NodeStarting => "nodeStarting",
             Reason::NodeStartFailed => "nodeStartFailed",
+            Reason::NodeOverloaded => "nodeOverloaded",
         }
     }
 }
@@ -240,20 +246,35 @@ impl Rejection {
     /// decides when present; a node from before the header is read by the body
     /// [`Rejection::http_body`] wrote. The jittered wait it sent stands for both waits. `None`
     /// for any other answer.
+    ///
+    /// A header's scope or reason this edge does not know (a newer node's) is still the node's
+    /// refusal, with its status and wait: scope `worker` (the node, as for the edge's other
+    /// node failures) and reason [`Reason::NodeOverloaded`] stand in for the unknown ones.
+    /// Read as no refusal, the client would be told the node went away and reconnect at once,
+    /// to the node that is refusing it. A body is read strictly: only nodes older than the
+    /// header send it alone, and they name nothing this edge does not know.
     pub fn from_http(status: u16, header: Option<&str>, body: &str) -> Option<Rejection> {
         let kind = match status {
             429 => Kind::Rate,
             503 => Kind::Cap,
             _ => return None,
         };
-        let (scope, reason, ms) = match header {
-            Some(h) => parse_refusal_header(h)?,
-            None => parse_refusal_body(body)?,
+        let ((scope, reason, ms), by_header) = match header {
+            Some(h) => (parse_refusal_header(h)?, true),
+            None => (parse_refusal_body(body)?, false),
         };
         // At most an hour: what a client is told to wait stays sane whatever the node says.
         let ms = ms.min(MAX_UPSTREAM_RETRY_MS);
-        let scope = Scope::ALL.into_iter().find(|s| s.as_str() == scope)?;
-        let reason = Reason::ALL.into_iter().find(|r| r.as_str() == reason)?;
+        let scope = match Scope::ALL.into_iter().find(|s| s.as_str() == scope) {
+            Some(s) => s,
+            None if by_header => Scope::Worker,
+            None => return None,
+        };
+        let reason = match Reason::ALL.into_iter().find(|r| r.as_str() == reason) {
+            Some(r) => r,
+            None if by_header => Reason::NodeOverloaded,
+            None => return None,
+        };
         Some(Rejection {
             scope,
             reason,

@@ -494,6 +494,16 @@ mod tests {
             assert_eq!(back.to_error_data(), r.to_error_data(), "{e:?}");
             assert!(!e.draining(), "{e:?}");
         }
+        // A newer node's reason this edge has no name for is still the node's refusal: its
+        // client waits as told, not reconnecting at once to the node that refuses it.
+        let newer = "overloaded; scope=tenant; reason=tenantMemoryLimit; retry-after-ms=700";
+        let e = refused(503, Some(newer), "");
+        let back = e.node_refusal().expect("a newer node's refusal");
+        assert_eq!(
+            (back.scope, back.reason, back.retry_after_ms_jittered()),
+            (Scope::Tenant, Reason::NodeOverloaded, 700)
+        );
+        assert!(!e.draining(), "{e:?}");
         // Draining, by header, or by body from an older node; never read as an overload.
         for e in [
             refused(503, Some(DRAINING_REFUSAL), ""),

@@ -180,7 +180,13 @@ impl Edge {
                 // over every edge in front of it): the client learns the node's refusal, as
                 // `serve`'s client would, not that the node went away.
                 if let Some(r) = e.node_refusal() {
-                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), "session refused by its node's limits");
+                    // What the node said, as it said it: a newer node's reason this edge reads
+                    // as `nodeOverloaded` is named here.
+                    let said = match &e {
+                        LinkError::Refused { refusal, .. } => refusal.as_deref(),
+                        _ => None,
+                    };
+                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = said.unwrap_or(""), "session refused by its node's limits");
                     let answer = |id: &RequestId| r.to_error_response(id);
                     return relay
                         .refuse(

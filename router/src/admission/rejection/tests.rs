@@ -146,7 +146,8 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
     let long = "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=99999999999";
     let back = Rejection::from_http(503, Some(long), "").unwrap();
     assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
-    // Anything else is not one: another status, another body, a reason we do not know.
+    // Anything else is not one: another status, another body, a reason we do not know (a body
+    // comes alone only from a node older than the header, which names none).
     let r = Rejection::cap(
         Scope::Tenant,
         Reason::TooManyConnections,
@@ -173,13 +174,45 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
         (Scope::Tenant, Reason::TooManyConnections)
     );
     assert_eq!(back.retry_after_ms_jittered(), 900);
+    // A newer node's scope or reason this edge does not know: still the node's refusal, its
+    // status and wait kept, the unknown value stood in for (a body is not read so: above).
+    for (status, header, scope, reason) in [
+        (
+            503,
+            "overloaded; scope=tenant; reason=tenantMemoryLimit; retry-after-ms=700",
+            Scope::Tenant,
+            Reason::NodeOverloaded,
+        ),
+        (
+            429,
+            "overloaded; scope=region; reason=tenantRateLimited; retry-after-ms=700",
+            Scope::Worker,
+            Reason::TenantRateLimited,
+        ),
+        (
+            503,
+            "overloaded; scope=region; reason=regionFull; retry-after-ms=700",
+            Scope::Worker,
+            Reason::NodeOverloaded,
+        ),
+    ] {
+        let back = Rejection::from_http(status, Some(header), "").expect(header);
+        assert_eq!((back.scope, back.reason), (scope, reason), "{header}");
+        assert_eq!(back.http_status(), status, "{header}");
+        assert_eq!(back.retry_after_ms_jittered(), 700, "{header}");
+        assert_eq!(
+            back.to_error_data()["reason"],
+            serde_json::json!(reason.as_str()),
+            "{header}"
+        );
+    }
     // A header decides alone: one that is not an overload is not one, whatever the body says.
     let header = r.http_header();
     for (status, header) in [
         (502, header.clone()),
         (503, "draining".to_owned()),
-        (503, header.replace("tooManyConnections", "tooMany")),
         (503, header.replace("scope=", "scopes=")),
+        (503, header.replace("reason=", "why=")),
         (503, header.replace("overloaded", "refused")),
         (503, header.replace("retry-after-ms=", "retry-after-ms=-")),
         (503, header.replace("; retry-after-ms=", "; wait=")),
