@@ -374,16 +374,7 @@ impl Conn {
             );
         }
         if self.door.shutdown.is_cancelled() || self.refuse.is_cancelled() {
-            let mut r = self
-                .door
-                .plain(StatusCode::SERVICE_UNAVAILABLE, "draining", DRAINING_BODY);
-            let h = r.headers_mut();
-            h.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
-            h.insert(
-                crate::admission::REFUSAL_HEADER,
-                HeaderValue::from_static(DRAINING_REFUSAL),
-            );
-            return r;
+            return self.door.draining();
         }
         let key = match websocket_key(&req) {
             Some(k) => k,
