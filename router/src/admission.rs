@@ -849,8 +849,14 @@ impl Admission {
     }
 
     /// Drops per-key state that no longer matters: limiter keys back at full burst, idle
-    /// worker semaphores, and active turns older than the TTL.
+    /// worker semaphores, active turns older than the TTL, and the byte accounts of tenants no
+    /// session holds any more (a tenant a reload removed, or one gone quiet on this edge).
     pub fn prune(&self) {
+        // Under each map's lock, as a session takes its account: one taken now is held
+        // (counted), and one pruned is made afresh, at zero, for the next session.
+        lock(&self.queued).retain(|_, t| Arc::strong_count(t) > 1);
+        lock(&self.leg_bytes).retain(|_, t| Arc::strong_count(t) > 1);
+        lock(&self.held).retain(|_, t| Arc::strong_count(t) > 1);
         let limiters = read(&self.limiters);
         limiters.prune_tenant_rates();
         limiters.handshake.retain_recent();

@@ -131,6 +131,49 @@ async fn a_tenant_does_not_reset_its_rate_by_reconnecting() {
     assert_eq!(adm.limiter_keys(), 1);
 }
 
+/// A tenant's byte accounts (its clients' queues, its legs, its sockets' read buffers) last as
+/// long as a session holds them, and no longer: a tenant a reload removed, or one that stopped
+/// connecting, leaves nothing behind; one still connected keeps its totals.
+#[test]
+fn a_tenants_byte_accounts_go_once_no_session_holds_them() {
+    let adm = Admission::new(small()).unwrap();
+    let accounts = |adm: &Admission| {
+        [
+            lock(&adm.queued).len(),
+            lock(&adm.leg_bytes).len(),
+            lock(&adm.held).len(),
+        ]
+    };
+    let queue = adm.client_queue_bytes("acme", 1000, 5000);
+    let legs = adm.leg_budget("acme", 1000, 5000);
+    let mut held = adm.held_buffer("acme", 1 << 20);
+    assert!(queue.try_add(300));
+    assert!(held.read(200 * 1024));
+    let held_before = adm.held_bytes("acme");
+    assert!(held_before > 0);
+    {
+        let _gone = (
+            adm.client_queue_bytes("globex", 1000, 5000),
+            adm.leg_budget("globex", 1000, 5000),
+            adm.held_buffer("globex", 1 << 20),
+        );
+    }
+    assert_eq!(accounts(&adm), [2, 2, 2]);
+    adm.prune();
+    assert_eq!(accounts(&adm), [1, 1, 1], "globex's are gone, acme's held");
+    // acme's totals are the ones its sessions still count against.
+    let other = adm.client_queue_bytes("acme", 1000, 500);
+    assert!(
+        !other.try_add(300),
+        "acme's 300 still count against its total of 500"
+    );
+    assert_eq!(adm.held_bytes("acme"), held_before);
+    drop((queue, other, legs, held));
+    adm.prune();
+    assert_eq!(accounts(&adm), [0, 0, 0]);
+    assert_eq!(adm.held_bytes("acme"), 0);
+}
+
 /// The turn-start rate is the tenant's, not a connection's: its connections share it, another
 /// tenant's is its own, and closing every connection and opening a new one does not reset it,
 /// also after the request rate is back at a full burst.
