@@ -132,6 +132,8 @@ const PATHS: [&str; 7] = [
 /// One run's (or all runs') added medians in µs: codex-fleet, HAProxy, the floors; and each
 /// proxy's CPU time per round trip in µs, in the same order.
 struct Added {
+    /// The direct path's median round trip: the level the run's others are measured from.
+    direct: f64,
     fleet: f64,
     haproxy: f64,
     floor: f64,
@@ -222,6 +224,7 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
     }
     println!();
     Added {
+        direct: s[0].p50,
         fleet: fleet.0,
         haproxy: haproxy.0,
         floor: floor.0,
@@ -237,12 +240,13 @@ fn report(label: &str, samples: &[Vec<f64>; 7], cpu: [f64; 5]) -> Added {
 fn table(rows: &[(String, Added)]) {
     println!("added median, µs, per run (BENCHMARKS.md, bench 1; codex-fleet's ratios with the interval 90% of {RESAMPLES} bootstrap resamples fall in):");
     println!(
-        "  | run | codex-fleet | HAProxy | floor | floor, 1 thread | routing floor | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | fleet/routing floor | routing floor/floor | CPU µs per round trip: fleet / HAProxy / floor / floor 1t / routing floor |"
+        "  | run | direct p50 | codex-fleet | HAProxy | floor | floor, 1 thread | routing floor | fleet/HAProxy | fleet/floor | fleet/floor 1 thread | fleet/routing floor | routing floor/floor | CPU µs per round trip: fleet / HAProxy / floor / floor 1t / routing floor |"
     );
-    println!("  |---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("  |---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (label, a) in rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {:.2} | {} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {:.2} | {} | {:.2} | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
+            a.direct,
             a.fleet,
             a.haproxy,
             a.floor,
