@@ -586,6 +586,11 @@ mod tests {
             ("worker", "workerUnreachable"),
             ("worker", "nodeUnavailable"),
             ("worker", "nodeStarting"),
+            ("worker", "nodeStartFailed"),
+            ("worker", "nodeOverloaded"),
+            ("tenant", "nodeOverloaded"),
+            ("connection", "nodeOverloaded"),
+            ("fleet", "nodeOverloaded"),
         ] {
             let series = format!(
                 "{}{{reason=\"{reason}\",scope=\"{scope}\"}} 0",

@@ -195,8 +195,8 @@ impl XorShift {
 /// `base` path's median and the mean of the runs' `base` medians. The machine's level moves
 /// between runs (a worker's round trip of 960 µs in one run and 700 in the next, on 2026-12-06),
 /// and a median taken straight over such a mix lands between the levels, where one path's share
-/// of each run decides it: the added medians of "all runs" came out negative. Moved so, each run
-/// keeps its own added medians, and the pooled ones are measured against one level.
+/// of each run decides it: the floor's added median over "all runs" came out negative. Moved so,
+/// each run keeps its own added medians, and the pooled ones are measured against one level.
 pub fn pooled<const N: usize>(runs: &[[Vec<f64>; N]], base: usize) -> [Vec<f64>; N] {
     let medians: Vec<f64> = runs.iter().map(|r| summarize(&r[base]).p50).collect();
     let level = medians.iter().sum::<f64>() / medians.len().max(1) as f64;

@@ -247,9 +247,10 @@ impl Rejection {
     /// [`Rejection::http_body`] wrote. The jittered wait it sent stands for both waits. `None`
     /// for any other answer.
     ///
-    /// A header's scope or reason this edge does not know (a newer node's) is still the node's
-    /// refusal, with its status and wait: scope `worker` (the node, as for the edge's other
-    /// node failures) and reason [`Reason::NodeOverloaded`] stand in for the unknown ones.
+    /// A header's reason this edge does not know (a newer node's) is still the node's refusal,
+    /// with its status and wait, as [`Reason::NodeOverloaded`] under the node's scope; an unknown
+    /// scope makes it scope `worker` (the node, as for the edge's other node failures) and
+    /// reason `nodeOverloaded` whatever the reason, so every pair is one the metrics know.
     /// Read as no refusal, the client would be told the node went away and reconnect at once,
     /// to the node that is refusing it. A body is read strictly: only nodes older than the
     /// header send it alone, and they name nothing this edge does not know.
@@ -265,15 +266,13 @@ impl Rejection {
         };
         // At most an hour: what a client is told to wait stays sane whatever the node says.
         let ms = ms.min(MAX_UPSTREAM_RETRY_MS);
-        let scope = match Scope::ALL.into_iter().find(|s| s.as_str() == scope) {
-            Some(s) => s,
-            None if by_header => Scope::Worker,
-            None => return None,
-        };
-        let reason = match Reason::ALL.into_iter().find(|r| r.as_str() == reason) {
-            Some(r) => r,
-            None if by_header => Reason::NodeOverloaded,
-            None => return None,
+        let scope = Scope::ALL.into_iter().find(|s| s.as_str() == scope);
+        let reason = Reason::ALL.into_iter().find(|r| r.as_str() == reason);
+        let (scope, reason) = match (scope, reason) {
+            (Some(s), Some(r)) => (s, r),
+            _ if !by_header => return None,
+            (Some(s), None) => (s, Reason::NodeOverloaded),
+            (None, _) => (Scope::Worker, Reason::NodeOverloaded),
         };
         Some(Rejection {
             scope,

@@ -148,6 +148,7 @@ fn a_tenants_byte_accounts_go_once_no_session_holds_them() {
     let legs = adm.leg_budget("acme", 1000, 5000);
     let mut held = adm.held_buffer("acme", 1 << 20);
     assert!(queue.try_add(300));
+    legs.add(400);
     assert!(held.read(200 * 1024));
     let held_before = adm.held_bytes("acme");
     assert!(held_before > 0);
@@ -168,10 +169,11 @@ fn a_tenants_byte_accounts_go_once_no_session_holds_them() {
         "acme's 300 still count against its total of 500"
     );
     assert_eq!(adm.held_bytes("acme"), held_before);
+    assert_eq!(adm.leg_bytes("acme"), 400);
     drop((queue, other, legs, held));
     adm.prune();
     assert_eq!(accounts(&adm), [0, 0, 0]);
-    assert_eq!(adm.held_bytes("acme"), 0);
+    assert_eq!((adm.held_bytes("acme"), adm.leg_bytes("acme")), (0, 0));
 }
 
 /// The turn-start rate is the tenant's, not a connection's: its connections share it, another

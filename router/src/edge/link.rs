@@ -108,6 +108,15 @@ impl LinkError {
         }
     }
 
+    /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as it said it, when it
+    /// refused with one.
+    pub(super) fn refusal_header(&self) -> Option<&str> {
+        match self {
+            LinkError::Refused { refusal, .. } => refusal.as_deref(),
+            _ => None,
+        }
+    }
+
     /// The node answered that it is draining (its process exits: idle, or its pod is being
     /// deleted): [`crate::listener::DRAINING_REFUSAL`] in its header, or, from a node older
     /// than the header, [`crate::listener::DRAINING_BODY`].

@@ -182,11 +182,8 @@ impl Edge {
                 if let Some(r) = e.node_refusal() {
                     // What the node said, as it said it: a newer node's reason this edge reads
                     // as `nodeOverloaded` is named here.
-                    let said = match &e {
-                        LinkError::Refused { refusal, .. } => refusal.as_deref(),
-                        _ => None,
-                    };
-                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = said.unwrap_or(""), "session refused by its node's limits");
+                    let said = e.refusal_header().unwrap_or_default();
+                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = said, "session refused by its node's limits");
                     let answer = |id: &RequestId| r.to_error_response(id);
                     return relay
                         .refuse(

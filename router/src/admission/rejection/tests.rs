@@ -187,7 +187,7 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
             429,
             "overloaded; scope=region; reason=tenantRateLimited; retry-after-ms=700",
             Scope::Worker,
-            Reason::TenantRateLimited,
+            Reason::NodeOverloaded,
         ),
         (
             503,
