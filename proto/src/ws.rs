@@ -168,7 +168,7 @@ pub struct Outgoing {
     /// Messages waiting, in order.
     pub frames: VecDeque<Message>,
     /// The rest of the large text being written, kept until its last fragment is taken.
-    pub partial: Option<Fragments>,
+    partial: Option<Fragments>,
     /// Bytes of the messages handed to the socket since its last flush, when any were.
     unflushed: Option<usize>,
     /// The close frame went out: nothing more is written.
@@ -187,6 +187,28 @@ impl Outgoing {
     /// Whether the close frame was handed to the socket.
     pub fn closed(&self) -> bool {
         self.closed
+    }
+
+    /// The bytes a queued message counts in its owner's account: its data, the bytes
+    /// [`Outgoing::poll_send`] reports once it is written (0 for a control frame).
+    pub fn counted_len(msg: &Message) -> usize {
+        match msg {
+            Message::Text(t) => t.len(),
+            Message::Binary(b) => b.len(),
+            _ => 0,
+        }
+    }
+
+    /// Drops what waits (the rest of a large text going out in fragments too, since a control
+    /// frame may come between them) and returns the bytes it counted: what the owner gives back.
+    /// A flush owed stays owed.
+    pub fn discard(&mut self) -> usize {
+        let queued: usize = self
+            .frames
+            .drain(..)
+            .map(|m| Outgoing::counted_len(&m))
+            .sum();
+        queued + self.partial.take().map_or(0, |p| p.message_len())
     }
 
     /// Frames handed to the socket so far (fragments one each): a writer that took nothing in a

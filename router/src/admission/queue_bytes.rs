@@ -53,6 +53,10 @@ impl QueueBytes {
 
     /// Gives back `n` bytes taken off the queue (written, or handed to the socket's buffer).
     pub fn release(&self, n: usize) {
+        // The writer gives back every frame it hands over, fragments and control frames (0) too.
+        if n == 0 {
+            return;
+        }
         self.session.fetch_sub(n, Ordering::AcqRel);
         self.tenant.fetch_sub(n, Ordering::AcqRel);
     }

@@ -250,7 +250,8 @@ impl Rejection {
     /// A header's reason this edge does not know (a newer node's) is still the node's refusal,
     /// with its status and wait, as [`Reason::NodeOverloaded`] under the node's scope; an unknown
     /// scope makes it scope `worker` (the node, as for the edge's other node failures) and
-    /// reason `nodeOverloaded` whatever the reason, so every pair is one the metrics know.
+    /// reason `nodeOverloaded` whatever the reason, so no stand-in pairs an unknown scope with a
+    /// reason. (A node's known scope and known reason are passed on as it paired them.)
     /// Read as no refusal, the client would be told the node went away and reconnect at once,
     /// to the node that is refusing it. A body is read strictly: only nodes older than the
     /// header send it alone, and they name nothing this edge does not know.
@@ -285,7 +286,7 @@ impl Rejection {
 }
 
 /// The first word of a [`REFUSAL_HEADER`] value (`overloaded`, `draining`): what the refusal is.
-pub fn refusal_kind(header: &str) -> &str {
+pub(crate) fn refusal_kind(header: &str) -> &str {
     header.split(';').next().unwrap_or_default().trim()
 }
 
@@ -293,11 +294,12 @@ pub fn refusal_kind(header: &str) -> &str {
 /// and fields it does not know ignored, so a newer node may add some without older edges
 /// misreading its refusals.
 fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
-    if refusal_kind(h) != OVERLOADED_REFUSAL {
+    let mut fields = h.split(';');
+    if fields.next().map(str::trim) != Some(OVERLOADED_REFUSAL) {
         return None;
     }
     let (mut scope, mut reason, mut ms) = (None, None, None);
-    for field in h.split(';').skip(1) {
+    for field in fields {
         match field.trim().split_once('=') {
             Some(("scope", v)) => scope = Some(v),
             Some(("reason", v)) => reason = Some(v),

@@ -373,7 +373,7 @@ impl Edge {
                     node: node.clone(),
                     status: resp.status().as_u16(),
                     retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
-                    refusal: refusal_header(resp.headers()),
+                    refusal: read_refusal_header(resp.headers()),
                     body,
                 })
             }
@@ -437,7 +437,7 @@ impl Edge {
 
 /// A node's [`crate::admission::REFUSAL_HEADER`]. One present but not text is still present:
 /// it fails to parse, and the body is not read instead.
-fn refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
+fn read_refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
     headers
         .get(crate::admission::REFUSAL_HEADER)
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into())
@@ -471,13 +471,13 @@ mod tests {
     fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
         let r = tenant_cap();
         let mut headers = http::HeaderMap::new();
-        assert_eq!(refusal_header(&headers), None);
+        assert_eq!(read_refusal_header(&headers), None);
         for bytes in [&b"overloaded\xff"[..], b"draining\x80", b"\xfe"] {
             headers.insert(
                 crate::admission::REFUSAL_HEADER,
                 HeaderValue::from_bytes(bytes).unwrap(),
             );
-            let header = refusal_header(&headers);
+            let header = read_refusal_header(&headers);
             assert!(header.is_some(), "{bytes:?}");
             for body in [r.http_body(), DRAINING_BODY.to_owned()] {
                 let e = refused(503, header.as_deref(), &body);

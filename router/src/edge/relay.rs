@@ -206,7 +206,7 @@ impl LinkOut {
     }
 
     fn push(&mut self, msg: Message) {
-        let n = Out::len_of(&msg);
+        let n = Outgoing::counted_len(&msg);
         self.budget.add(n);
         self.held += n;
         self.queue.frames.push_back(msg);
@@ -253,14 +253,6 @@ impl Drop for LinkOut {
 }
 
 impl Out {
-    fn len_of(msg: &Message) -> usize {
-        match msg {
-            Message::Text(t) => t.len(),
-            Message::Binary(b) => b.len(),
-            _ => 0,
-        }
-    }
-
     fn busy(&self) -> bool {
         self.queue.busy()
     }
@@ -286,13 +278,7 @@ impl Out {
     }
 
     fn drop_queue(&mut self) {
-        for msg in self.queue.frames.drain(..) {
-            self.bytes.release(Out::len_of(&msg));
-        }
-        // A control frame may come between fragments; the rest of the message goes.
-        if let Some(partial) = self.queue.partial.take() {
-            self.bytes.release(partial.message_len());
-        }
+        self.bytes.release(self.queue.discard());
     }
 
     /// Writes what the socket takes (see [`Outgoing::poll_send`]); the flushed bytes leave the
@@ -480,7 +466,7 @@ where
                 }
                 m = self.rx.next() => match self.on_client_frame(m) {
                     Ok(Some(m)) => {
-                        if pending.len() >= MAX_PENDING || !self.out.bytes.try_add(Out::len_of(&m)) {
+                        if pending.len() >= MAX_PENDING || !self.out.bytes.try_add(Outgoing::counted_len(&m)) {
                             break Ending::close(1008, PENDING_CLOSE_REASON);
                         }
                         pending.push(m);
@@ -491,7 +477,7 @@ where
             }
         };
         for m in &pending {
-            self.out.bytes.release(Out::len_of(m));
+            self.out.bytes.release(Outgoing::counted_len(m));
         }
         Waited::Ended(ended)
     }
@@ -513,7 +499,7 @@ where
         let mut answering = true;
         let deadline = tokio::time::Instant::now() + CLOSE_GRACE;
         for m in pending {
-            self.out.bytes.release(Out::len_of(&m));
+            self.out.bytes.release(Outgoing::counted_len(&m));
             if let (true, Message::Text(text)) = (answering, &m) {
                 if let Ok(Rpc::Request { id, .. }) = parse(text) {
                     answered = true;
@@ -609,7 +595,7 @@ where
     {
         // The held messages move from the client's byte account to the link's.
         for m in &pending {
-            self.out.bytes.release(Out::len_of(m));
+            self.out.bytes.release(Outgoing::counted_len(m));
         }
         // The credential may have ended while the node started: nothing held leaves then.
         if let Some(end) = lease.ended_now() {

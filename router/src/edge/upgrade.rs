@@ -183,7 +183,7 @@ impl Edge {
                     // What the node said, as it said it: a newer node's reason this edge reads
                     // as `nodeOverloaded` is named here.
                     let said = e.refusal_header().unwrap_or_default();
-                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = said, "session refused by its node's limits");
+                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = %crate::untrusted::Untrusted::text(said), "session refused by its node's limits");
                     let answer = |id: &RequestId| r.to_error_response(id);
                     return relay
                         .refuse(

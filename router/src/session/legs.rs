@@ -19,14 +19,13 @@ use futures_util::{Future, Sink, Stream, StreamExt};
 
 use crate::admission::{HeldBuffer, LegBudget, WorkerSlots};
 use crate::gate::Gate;
+use proto::ws::WRITE_BATCH;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use worker::{WorkerHandle, WorkerId};
 
 /// Frames queued towards one worker at which the session stops reading its client.
 const LEG_QUEUE: usize = 256;
-/// Frames handed to a leg's socket before one flush.
-const WRITE_BATCH: usize = proto::ws::WRITE_BATCH;
 /// Connect plus WebSocket handshake over the worker's socket.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a leg whose worker exited waits for its socket's end: the process is gone, so the

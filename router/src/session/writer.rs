@@ -20,16 +20,6 @@ use crate::admission::QueueBytes;
 /// [`Session::for_client`]): one batch, which is all a client that keeps up has waiting.
 pub(super) const SHARED_QUEUED: usize = WRITE_BATCH;
 
-/// The bytes a queued frame counts against the queue's byte bounds (what
-/// [`Outgoing::poll_send`] reports once it is written).
-fn queued_len(msg: &Message) -> usize {
-    match msg {
-        Message::Text(t) => t.len(),
-        Message::Binary(b) => b.len(),
-        _ => 0,
-    }
-}
-
 /// Frames waiting for the client, bounded in frames (`capacity`) and in bytes (`bytes`, the
 /// session's and its tenant's bounds).
 pub(super) struct OutQueue {
@@ -127,17 +117,10 @@ impl OutQueue {
     /// Queues the close frame after what is queued; if the queue is full, or the client is too
     /// slow (`skip_queue`), what is queued is dropped and the close frame goes next.
     pub(super) fn close(&mut self, frame: CloseFrame, skip_queue: bool) {
-        let q = &mut self.queue;
-        if skip_queue || q.frames.len() >= self.capacity {
-            for msg in q.frames.drain(..) {
-                self.bytes.release(queued_len(&msg));
-            }
-            // A control frame may come between fragments; the rest of the message goes.
-            if let Some(partial) = q.partial.take() {
-                self.bytes.release(partial.message_len());
-            }
+        if skip_queue || self.queue.frames.len() >= self.capacity {
+            self.bytes.release(self.queue.discard());
         }
-        q.frames.push_back(Message::Close(Some(frame)));
+        self.queue.frames.push_back(Message::Close(Some(frame)));
     }
 
     /// Hands queued frames to the socket while it takes them (at most [`WRITE_BATCH`]), then

@@ -519,7 +519,7 @@ async fn a_refused_session_answers_every_request_it_held_whatever_its_queue() {
         })
         .collect();
     for m in &held {
-        assert!(relay.out.bytes.try_add(super::Out::len_of(m)));
+        assert!(relay.out.bytes.try_add(proto::ws::Outgoing::counted_len(m)));
     }
     use crate::admission::{Reason, Rejection, Scope};
     let refusal = Rejection::cap(
