@@ -62,9 +62,9 @@ pub use leg_bytes::{LegBudget, TenantLegBytes};
 
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
-pub(crate) use rejection::refusal_kind;
 pub use rejection::{
-    rewrite_worker_overload, Reason, Rejection, Scope, OVERLOADED_MESSAGE, REFUSAL_HEADER,
+    is_draining, rewrite_worker_overload, Reason, Rejection, Scope, DRAINING_BODY,
+    DRAINING_REFUSAL, OVERLOADED_MESSAGE, REFUSAL_HEADER,
 };
 
 /// A limiter keyed by `K`, on tokio's clock.

@@ -128,20 +128,20 @@ impl Door {
         resp
     }
     /// The refusal of an upgrade while codex-fleet drains: 503, `Retry-After: 5`, and
-    /// [`crate::listener::DRAINING_REFUSAL`] in the refusal header beside the body older edges
-    /// read ([`crate::listener::DRAINING_BODY`]), so an edge's link looks for the tenant's next
+    /// [`crate::admission::DRAINING_REFUSAL`] in the refusal header beside the body older edges
+    /// read ([`crate::admission::DRAINING_BODY`]), so an edge's link looks for the tenant's next
     /// node.
     pub(crate) fn draining(&self) -> Response<Full<Bytes>> {
         let mut resp = self.plain(
             StatusCode::SERVICE_UNAVAILABLE,
             "draining",
-            crate::listener::DRAINING_BODY,
+            crate::admission::DRAINING_BODY,
         );
         let h = resp.headers_mut();
         h.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         h.insert(
             crate::admission::REFUSAL_HEADER,
-            HeaderValue::from_static(crate::listener::DRAINING_REFUSAL),
+            HeaderValue::from_static(crate::admission::DRAINING_REFUSAL),
         );
         resp
     }

@@ -45,15 +45,6 @@ use crate::session::{self, SessionCtx};
 use crate::tenants::TenantRegistry;
 use crate::untrusted::Untrusted;
 
-/// The body of the 503 an upgrade gets while codex-fleet drains (an edge's link reads it from a
-/// node older than [`DRAINING_REFUSAL`]: the node is going, and a Kubernetes session looks for
-/// the tenant's next pod).
-pub const DRAINING_BODY: &str = "codex-fleet is shutting down";
-
-/// The [`crate::admission::REFUSAL_HEADER`] of that answer: what an edge reads to know a node
-/// is draining.
-pub const DRAINING_REFUSAL: &str = "draining";
-
 /// The role this listener serves ([`crate::config::Role`], with what the role runs on): where
 /// its sessions run, and how its clients prove who they are.
 #[derive(Clone)]

@@ -20,11 +20,21 @@ const MAX_UPSTREAM_RETRY_MS: u64 = 3_600_000;
 
 /// The header on every codex-fleet refusal at the upgrade that says what it is, for an edge to
 /// read without parsing the body's text: `overloaded; scope=…; reason=…; retry-after-ms=N`
-/// ([`Rejection::http_header`]), or [`crate::listener::DRAINING_REFUSAL`].
+/// ([`Rejection::http_header`]), or [`DRAINING_REFUSAL`].
 pub const REFUSAL_HEADER: &str = "codex-fleet-refusal";
 
 /// The first word of [`REFUSAL_HEADER`] on an admission refusal.
 const OVERLOADED_REFUSAL: &str = "overloaded";
+
+/// The [`REFUSAL_HEADER`] of the 503 an upgrade gets while codex-fleet drains
+/// ([`crate::door::Door::draining`]): what an edge reads to know a node is going
+/// ([`is_draining`]).
+pub const DRAINING_REFUSAL: &str = "draining";
+
+/// The body of that answer, which an edge's link reads from a node older than
+/// [`DRAINING_REFUSAL`]: the node is going, and a Kubernetes session looks for the tenant's next
+/// pod.
+pub const DRAINING_BODY: &str = "codex-fleet is shutting down";
 
 /// Largest share of `retry_after` added as jitter (1/4 = up to +25 %).
 const JITTER_DIVISOR: u64 = 4;
@@ -285,9 +295,17 @@ impl Rejection {
     }
 }
 
-/// The first word of a [`REFUSAL_HEADER`] value (`overloaded`, `draining`): what the refusal is.
-pub(crate) fn refusal_kind(header: &str) -> &str {
-    header.split(';').next().unwrap_or_default().trim()
+/// Whether a codex-fleet upstream (a node, to an edge's link) answered an upgrade that it is
+/// draining: a 503 with [`DRAINING_REFUSAL`] as its [`REFUSAL_HEADER`]'s first word (a newer
+/// node's fields after it are not this edge's to judge), or, from a node older than the header,
+/// [`DRAINING_BODY`]. As in [`Rejection::from_http`], the header alone decides when present. Never
+/// true of an answer `from_http` reads as a refusal.
+pub fn is_draining(status: u16, header: Option<&str>, body: &str) -> bool {
+    status == 503
+        && match header {
+            Some(h) => h.split(';').next().unwrap_or_default().trim() == DRAINING_REFUSAL,
+            None => body == DRAINING_BODY,
+        }
 }
 
 /// `overloaded; scope=S; reason=R; retry-after-ms=N` into its three values. Fields in any order,

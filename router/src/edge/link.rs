@@ -44,6 +44,8 @@ pub enum LinkError {
         refusal: Option<Box<str>>,
         /// Its body.
         body: String,
+        /// What the status, header and body mean to this edge, read once with them.
+        answer: NodeAnswer,
     },
     /// The session's identity cannot be carried on the link ([`headers::HeaderError`]): the
     /// session's error, not the node's (no link error is counted, readiness is untouched).
@@ -93,17 +95,14 @@ impl LinkError {
         }
     }
 
-    /// The node refused the session under its own limits (its caps and rates): that refusal,
-    /// read from its [`crate::admission::REFUSAL_HEADER`] (or, from a node older than the
-    /// header, its body). `None` for any other failure.
-    pub(super) fn node_refusal(&self) -> Option<Rejection> {
+    /// The node refused the session under its own limits (its caps and rates): that refusal
+    /// ([`NodeAnswer::Overloaded`]). `None` for any other failure.
+    pub(super) fn node_refusal(&self) -> Option<&Rejection> {
         match self {
             LinkError::Refused {
-                status,
-                refusal,
-                body,
+                answer: NodeAnswer::Overloaded(r),
                 ..
-            } => Rejection::from_http(*status, refusal.as_deref(), body),
+            } => Some(r.as_ref()),
             _ => None,
         }
     }
@@ -117,23 +116,43 @@ impl LinkError {
         }
     }
 
-    /// The node answered that it is draining (its process exits: idle, or its pod is being
-    /// deleted): [`crate::listener::DRAINING_REFUSAL`] in its header, or, from a node older
-    /// than the header, [`crate::listener::DRAINING_BODY`].
+    /// The node answered that it is draining ([`NodeAnswer::Draining`]).
     pub(super) fn draining(&self) -> bool {
-        match self {
+        matches!(
+            self,
             LinkError::Refused {
-                status: 503,
-                refusal: Some(v),
+                answer: NodeAnswer::Draining,
                 ..
-            } => crate::admission::refusal_kind(v) == crate::listener::DRAINING_REFUSAL,
-            LinkError::Refused {
-                status: 503,
-                refusal: None,
-                body,
-                ..
-            } => body == crate::listener::DRAINING_BODY,
-            _ => false,
+            }
+        )
+    }
+}
+
+/// What a node's HTTP answer to the upgrade means to the edge's link, read once where the link
+/// reads the answer ([`NodeAnswer::read`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeAnswer {
+    /// The node refused the session under its own limits (its caps and rates):
+    /// [`Rejection::from_http`]. (Boxed: a rare answer keeps every link result small.)
+    Overloaded(Box<Rejection>),
+    /// The node is draining (its process exits: idle, or its pod is being deleted):
+    /// [`crate::admission::is_draining`].
+    Draining,
+    /// Anything else: a tenant it does not hold, an error, a kind of answer this edge has no
+    /// name for.
+    Other,
+}
+
+impl NodeAnswer {
+    /// Reads a node's `status`, its [`crate::admission::REFUSAL_HEADER`] when it sent one, and
+    /// its `body`.
+    pub fn read(status: u16, header: Option<&str>, body: &str) -> NodeAnswer {
+        if let Some(r) = Rejection::from_http(status, header, body) {
+            NodeAnswer::Overloaded(Box::new(r))
+        } else if crate::admission::is_draining(status, header, body) {
+            NodeAnswer::Draining
+        } else {
+            NodeAnswer::Other
         }
     }
 }
@@ -369,12 +388,16 @@ impl Edge {
                     .as_ref()
                     .map(|b| String::from_utf8_lossy(b).trim().to_owned())
                     .unwrap_or_default();
+                let status = resp.status().as_u16();
+                let refusal = read_refusal_header(resp.headers());
+                let answer = NodeAnswer::read(status, refusal.as_deref(), &body);
                 Err(LinkError::Refused {
                     node: node.clone(),
-                    status: resp.status().as_u16(),
+                    status,
                     retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
-                    refusal: read_refusal_header(resp.headers()),
+                    refusal,
                     body,
+                    answer,
                 })
             }
             Err(e) => Err(unreachable(e.to_string())),
@@ -446,7 +469,7 @@ fn read_refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::listener::{DRAINING_BODY, DRAINING_REFUSAL};
+    use crate::admission::{DRAINING_BODY, DRAINING_REFUSAL};
 
     fn refused(status: u16, refusal: Option<&str>, body: &str) -> LinkError {
         LinkError::Refused {
@@ -455,6 +478,7 @@ mod tests {
             retry_after: None,
             refusal: refusal.map(Box::from),
             body: body.into(),
+            answer: NodeAnswer::read(status, refusal, body),
         }
     }
 

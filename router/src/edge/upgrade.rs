@@ -77,6 +77,7 @@ impl Edge {
                 retry_after,
                 refusal,
                 body,
+                ..
             }) => {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -188,7 +189,7 @@ impl Edge {
                     return relay
                         .refuse(
                             pending,
-                            &r,
+                            r,
                             answer,
                             Some(START_FAILED_LINGER),
                             NODE_REFUSED_CODE,
