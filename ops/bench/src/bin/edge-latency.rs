@@ -54,6 +54,8 @@ const PATHS: [&str; 4] = ["direct-unix", "node", "edge", "haproxy"];
 
 /// One run's (or all runs') second hops alone, medians in µs: the edge's and HAProxy's.
 struct Hops {
+    /// The node's own round trip (median, µs): the level both hops are measured from.
+    node: f64,
     edge: f64,
     haproxy: f64,
     /// [`added_ratio_interval`] of the edge hop against the HAProxy hop.
@@ -103,6 +105,7 @@ fn report(label: &str, samples: &[Vec<f64>; 4]) -> Hops {
         within(interval)
     );
     Hops {
+        node: s[1].p50,
         edge: hop.0,
         haproxy: haproxy_hop.0,
         interval,
@@ -191,11 +194,12 @@ async fn main() -> anyhow::Result<()> {
         rows.push(("all".to_owned(), h));
     }
     println!("the second hop alone, added median, µs, per run (BENCHMARKS.md, bench 5; the ratio with the interval 90% of {RESAMPLES} bootstrap resamples fall in):");
-    println!("  | run | edge hop | HAProxy hop (TCP/TLS) | edge/HAProxy |");
-    println!("  |---|---|---|---|");
+    println!("  | run | node p50 | edge hop | HAProxy hop (TCP/TLS) | edge/HAProxy |");
+    println!("  |---|---|---|---|---|");
     for (label, h) in &rows {
         println!(
-            "  | {label} | {:.0} | {:.0} | {} |",
+            "  | {label} | {:.0} | {:.0} | {:.0} | {} |",
+            h.node,
             h.edge,
             h.haproxy,
             with_interval(h.edge / h.haproxy, h.interval)
