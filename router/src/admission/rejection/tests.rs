@@ -225,3 +225,41 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
         );
     }
 }
+
+#[test]
+fn an_upstream_answer_is_a_refusal_or_draining_never_both() {
+    let r = Rejection::cap(
+        Scope::Tenant,
+        Reason::TooManyConnections,
+        Duration::from_secs(2),
+    );
+    let header = r.http_header();
+    let headers = [
+        None,
+        Some(header.as_str()),
+        Some(DRAINING_REFUSAL),
+        Some("draining; until=later"),
+        Some(" draining "),
+        Some("drainingsoon"),
+        Some("overloaded; scope=tenant; reason=newReason; retry-after-ms=5"),
+        Some(""),
+    ];
+    let body = r.http_body();
+    let bodies = [body.as_str(), DRAINING_BODY, ""];
+    let mut seen = (0, 0);
+    for status in [200, 404, 429, 502, 503] {
+        for h in headers {
+            for b in bodies {
+                let refusal = Rejection::from_http(status, h, b).is_some();
+                let draining = is_draining(status, h, b);
+                assert!(!(refusal && draining), "{status} {h:?} {b:?}");
+                seen.0 += usize::from(refusal);
+                seen.1 += usize::from(draining);
+            }
+        }
+    }
+    // Refusals: 429 and 503, each with the body alone (1) and the two overload headers over
+    // every body (6). Draining: 503 only, the three draining headers over every body (9) and
+    // the body alone (1). So neither check above is vacuous.
+    assert_eq!(seen, (14, 10));
+}
