@@ -63,7 +63,7 @@ pub use leg_bytes::{LegBudget, TenantLegBytes};
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
 pub use rejection::{
-    is_draining, rewrite_worker_overload, Reason, Rejection, Scope, DRAINING_BODY,
+    is_draining_answer, rewrite_worker_overload, Reason, Rejection, Scope, DRAINING_BODY,
     DRAINING_REFUSAL, OVERLOADED_MESSAGE, REFUSAL_HEADER,
 };
 

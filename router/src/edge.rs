@@ -38,7 +38,7 @@ use crate::config::Tenant;
 use crate::credentials::config::Auth;
 use crate::credentials::{Credentials, Lease};
 use link::host_of;
-pub use link::{LinkError, LinkMetrics};
+pub use link::{LinkError, LinkMetrics, NodeAnswer};
 pub use relay::{RelayCtx, PENDING_CLOSE_REASON};
 
 pub mod headers;

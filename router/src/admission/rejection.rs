@@ -1,5 +1,6 @@
 //! What a refused client learns: scope, reason and a jittered time to come back, as JSON-RPC
-//! `-32001` data or as an HTTP status with `Retry-After`.
+//! `-32001` data or as an HTTP status with `Retry-After`; and, read back by an edge, what a
+//! codex-fleet node answered an upgrade with (its refusal, or that it is draining).
 
 use std::time::Duration;
 
@@ -26,9 +27,8 @@ pub const REFUSAL_HEADER: &str = "codex-fleet-refusal";
 /// The first word of [`REFUSAL_HEADER`] on an admission refusal.
 const OVERLOADED_REFUSAL: &str = "overloaded";
 
-/// The [`REFUSAL_HEADER`] of the 503 an upgrade gets while codex-fleet drains
-/// ([`crate::door::Door::draining`]): what an edge reads to know a node is going
-/// ([`is_draining`]).
+/// The [`REFUSAL_HEADER`] of the 503 an upgrade gets while codex-fleet drains (the door's
+/// draining answer): what an edge reads to know a node is going ([`is_draining_answer`]).
 pub const DRAINING_REFUSAL: &str = "draining";
 
 /// The body of that answer, which an edge's link reads from a node older than
@@ -300,22 +300,27 @@ impl Rejection {
 /// node's fields after it are not this edge's to judge), or, from a node older than the header,
 /// [`DRAINING_BODY`]. As in [`Rejection::from_http`], the header alone decides when present. Never
 /// true of an answer `from_http` reads as a refusal.
-pub fn is_draining(status: u16, header: Option<&str>, body: &str) -> bool {
+pub fn is_draining_answer(status: u16, header: Option<&str>, body: &str) -> bool {
     status == 503
         && match header {
-            Some(h) => h.split(';').next().unwrap_or_default().trim() == DRAINING_REFUSAL,
+            Some(h) => refusal_kind(h) == DRAINING_REFUSAL,
             None => body == DRAINING_BODY,
         }
+}
+
+/// The first word of a [`REFUSAL_HEADER`] value (`overloaded`, `draining`): what the answer is.
+fn refusal_kind(header: &str) -> &str {
+    header.split(';').next().unwrap_or_default().trim()
 }
 
 /// `overloaded; scope=S; reason=R; retry-after-ms=N` into its three values. Fields in any order,
 /// and fields it does not know ignored, so a newer node may add some without older edges
 /// misreading its refusals.
 fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
-    let mut fields = h.split(';');
-    if fields.next().map(str::trim) != Some(OVERLOADED_REFUSAL) {
+    if refusal_kind(h) != OVERLOADED_REFUSAL {
         return None;
     }
+    let fields = h.split(';').skip(1);
     let (mut scope, mut reason, mut ms) = (None, None, None);
     for field in fields {
         match field.trim().split_once('=') {

@@ -39,12 +39,13 @@ pub enum LinkError {
         status: u16,
         /// Its `Retry-After`, when given.
         retry_after: Option<HeaderValue>,
-        /// Its [`crate::admission::REFUSAL_HEADER`], when given (a codex-fleet node's refusal)
-        /// and text.
+        /// Its [`crate::admission::REFUSAL_HEADER`], when given (a codex-fleet node's refusal);
+        /// one that is not text, lossily (it then reads as no known answer).
         refusal: Option<Box<str>>,
         /// Its body.
         body: String,
-        /// What the status, header and body mean to this edge, read once with them.
+        /// What the status, header and body mean to this edge, read once with them
+        /// ([`LinkError::refused`]).
         answer: NodeAnswer,
     },
     /// The session's identity cannot be carried on the link ([`headers::HeaderError`]): the
@@ -84,6 +85,25 @@ pub enum LinkError {
 }
 
 impl LinkError {
+    /// A node's HTTP answer to the upgrade, with what it means read once ([`NodeAnswer::read`]).
+    fn refused(
+        node: String,
+        status: u16,
+        retry_after: Option<HeaderValue>,
+        refusal: Option<Box<str>>,
+        body: String,
+    ) -> LinkError {
+        let answer = NodeAnswer::read(status, refusal.as_deref(), &body);
+        LinkError::Refused {
+            node,
+            status,
+            retry_after,
+            refusal,
+            body,
+            answer,
+        }
+    }
+
     /// The admission refusal a session gets for this failure: the node's (scope `worker`), or,
     /// when the edge itself has no descriptor for the link, the edge's, as a full fleet.
     pub(super) fn refusal(&self) -> (Scope, Reason) {
@@ -133,10 +153,11 @@ impl LinkError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeAnswer {
     /// The node refused the session under its own limits (its caps and rates):
-    /// [`Rejection::from_http`]. (Boxed: a rare answer keeps every link result small.)
+    /// [`Rejection::from_http`]. (Boxed: a rare answer, and it keeps [`LinkError`] within
+    /// clippy's `result_large_err` bound.)
     Overloaded(Box<Rejection>),
     /// The node is draining (its process exits: idle, or its pod is being deleted):
-    /// [`crate::admission::is_draining`].
+    /// [`crate::admission::is_draining_answer`].
     Draining,
     /// Anything else: a tenant it does not hold, an error, a kind of answer this edge has no
     /// name for.
@@ -149,7 +170,7 @@ impl NodeAnswer {
     pub fn read(status: u16, header: Option<&str>, body: &str) -> NodeAnswer {
         if let Some(r) = Rejection::from_http(status, header, body) {
             NodeAnswer::Overloaded(Box::new(r))
-        } else if crate::admission::is_draining(status, header, body) {
+        } else if crate::admission::is_draining_answer(status, header, body) {
             NodeAnswer::Draining
         } else {
             NodeAnswer::Other
@@ -388,17 +409,13 @@ impl Edge {
                     .as_ref()
                     .map(|b| String::from_utf8_lossy(b).trim().to_owned())
                     .unwrap_or_default();
-                let status = resp.status().as_u16();
-                let refusal = read_refusal_header(resp.headers());
-                let answer = NodeAnswer::read(status, refusal.as_deref(), &body);
-                Err(LinkError::Refused {
-                    node: node.clone(),
-                    status,
-                    retry_after: resp.headers().get(http::header::RETRY_AFTER).cloned(),
-                    refusal,
+                Err(LinkError::refused(
+                    node.clone(),
+                    resp.status().as_u16(),
+                    resp.headers().get(http::header::RETRY_AFTER).cloned(),
+                    read_refusal_header(resp.headers()),
                     body,
-                    answer,
-                })
+                ))
             }
             Err(e) => Err(unreachable(e.to_string())),
         }
@@ -467,103 +484,4 @@ fn read_refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::admission::{DRAINING_BODY, DRAINING_REFUSAL};
-
-    fn refused(status: u16, refusal: Option<&str>, body: &str) -> LinkError {
-        LinkError::Refused {
-            node: "n1".into(),
-            status,
-            retry_after: None,
-            refusal: refusal.map(Box::from),
-            body: body.into(),
-            answer: NodeAnswer::read(status, refusal, body),
-        }
-    }
-
-    /// A node's refusal at its tenant's connection cap.
-    fn tenant_cap() -> Rejection {
-        Rejection::cap(
-            Scope::Tenant,
-            Reason::TooManyConnections,
-            Duration::from_secs(3),
-        )
-    }
-
-    #[test]
-    fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
-        let r = tenant_cap();
-        let mut headers = http::HeaderMap::new();
-        assert_eq!(read_refusal_header(&headers), None);
-        for bytes in [&b"overloaded\xff"[..], b"draining\x80", b"\xfe"] {
-            headers.insert(
-                crate::admission::REFUSAL_HEADER,
-                HeaderValue::from_bytes(bytes).unwrap(),
-            );
-            let header = read_refusal_header(&headers);
-            assert!(header.is_some(), "{bytes:?}");
-            for body in [r.http_body(), DRAINING_BODY.to_owned()] {
-                let e = refused(503, header.as_deref(), &body);
-                assert!(
-                    e.node_refusal().is_none() && !e.draining(),
-                    "{bytes:?} {body}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_nodes_refusal_is_read_by_its_header_and_from_an_older_node_by_its_body() {
-        let r = tenant_cap();
-        let header = r.http_header();
-        // The header alone: a body that came in a later TLS record than the head is not needed.
-        for e in [
-            refused(503, Some(&header), ""),
-            refused(503, Some(&header), &r.http_body()),
-            refused(503, None, &r.http_body()),
-        ] {
-            let back = e.node_refusal().expect("a node's refusal");
-            assert_eq!(back.to_error_data(), r.to_error_data(), "{e:?}");
-            assert!(!e.draining(), "{e:?}");
-        }
-        // A newer node's reason this edge has no name for is still the node's refusal: its
-        // client waits as told, not reconnecting at once to the node that refuses it.
-        let newer = "overloaded; scope=tenant; reason=tenantMemoryLimit; retry-after-ms=700";
-        let e = refused(503, Some(newer), "");
-        let back = e.node_refusal().expect("a newer node's refusal");
-        assert_eq!(
-            (back.scope, back.reason, back.retry_after_ms_jittered()),
-            (Scope::Tenant, Reason::NodeOverloaded, 700)
-        );
-        assert!(!e.draining(), "{e:?}");
-        // Draining, by header, or by body from an older node; never read as an overload.
-        for e in [
-            refused(503, Some(DRAINING_REFUSAL), ""),
-            refused(503, Some(DRAINING_REFUSAL), "anything"),
-            // A newer node's fields after the word are not ours to judge.
-            refused(503, Some("draining; until=later"), ""),
-            refused(503, None, DRAINING_BODY),
-        ] {
-            assert!(e.draining(), "{e:?}");
-            assert!(e.node_refusal().is_none(), "{e:?}");
-        }
-        // Neither: a header that says otherwise wins over a body, other statuses, other errors.
-        for e in [
-            refused(503, Some("overloaded"), &r.http_body()),
-            refused(503, Some("something-else"), DRAINING_BODY),
-            refused(503, Some("drainingsoon"), DRAINING_BODY),
-            refused(429, Some(DRAINING_REFUSAL), ""),
-            refused(502, Some(&header), &r.http_body()),
-            refused(503, None, ""),
-            refused(404, None, "not found"),
-            LinkError::Unreachable {
-                node: "n1".into(),
-                reason: "refused".into(),
-            },
-        ] {
-            assert!(!e.draining(), "{e:?}");
-            assert!(e.node_refusal().is_none(), "{e:?}");
-        }
-    }
-}
+mod tests;

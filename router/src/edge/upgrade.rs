@@ -77,7 +77,7 @@ impl Edge {
                 retry_after,
                 refusal,
                 body,
-                ..
+                answer: _,
             }) => {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);

@@ -52,9 +52,12 @@ const BENCH_LIMITS: &str = "tenant_rps = 1000000\ntenant_burst = 1000000\nconn_f
 
 const PATHS: [&str; 4] = ["direct-unix", "node", "edge", "haproxy"];
 
-/// One run's (or all runs') second hops alone, medians in µs: the edge's and HAProxy's.
+/// One run's (or all runs') second hops alone, medians in µs: the edge's and HAProxy's, and
+/// the node's round trip they are measured from.
 struct Hops {
-    /// The node's own round trip (median, µs): the level both hops are measured from.
+    /// The node's own round trip (median, µs): the level both hops are measured from. In the
+    /// pooled row, the median of the node's samples once each run was moved to the mean of the
+    /// runs' direct medians ([`pooled`]): not a mean of the runs' node medians.
     node: f64,
     edge: f64,
     haproxy: f64,
@@ -191,9 +194,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.runs > 1 {
         let h = report("all runs (each moved to one level)", &pooled(&runs, 0));
-        rows.push(("all".to_owned(), h));
+        rows.push(("all, pooled at one level".to_owned(), h));
     }
-    println!("the second hop alone, added median, µs, per run (BENCHMARKS.md, bench 5; the ratio with the interval 90% of {RESAMPLES} bootstrap resamples fall in):");
+    println!("the second hop alone, added median, µs, per run, beside the node's own round trip it is measured from (BENCHMARKS.md, bench 5; the ratio with the interval 90% of {RESAMPLES} bootstrap resamples fall in):");
     println!("  | run | node p50 | edge hop | HAProxy hop (TCP/TLS) | edge/HAProxy |");
     println!("  |---|---|---|---|---|");
     for (label, h) in &rows {

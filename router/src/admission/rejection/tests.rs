@@ -155,7 +155,7 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
     );
     for (status, body) in [
         (502, r.http_body()),
-        (503, "codex-fleet is shutting down".to_owned()),
+        (503, DRAINING_BODY.to_owned()),
         (503, r.http_body().replace("tooManyConnections", "tooMany")),
         (503, r.http_body().replace(" ms", " s")),
         (503, String::new()),
@@ -210,7 +210,7 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
     let header = r.http_header();
     for (status, header) in [
         (502, header.clone()),
-        (503, "draining".to_owned()),
+        (503, DRAINING_REFUSAL.to_owned()),
         (503, header.replace("scope=", "scopes=")),
         (503, header.replace("reason=", "why=")),
         (503, header.replace("overloaded", "refused")),
@@ -251,7 +251,7 @@ fn an_upstream_answer_is_a_refusal_or_draining_never_both() {
         for h in headers {
             for b in bodies {
                 let refusal = Rejection::from_http(status, h, b).is_some();
-                let draining = is_draining(status, h, b);
+                let draining = is_draining_answer(status, h, b);
                 assert!(!(refusal && draining), "{status} {h:?} {b:?}");
                 seen.0 += usize::from(refusal);
                 seen.1 += usize::from(draining);

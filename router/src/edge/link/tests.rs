@@ -1,0 +1,97 @@
+use super::*;
+use crate::admission::{DRAINING_BODY, DRAINING_REFUSAL};
+
+fn refused(status: u16, refusal: Option<&str>, body: &str) -> LinkError {
+    LinkError::refused(
+        "n1".into(),
+        status,
+        None,
+        refusal.map(Box::from),
+        body.into(),
+    )
+}
+
+/// A node's refusal at its tenant's connection cap.
+fn tenant_cap() -> Rejection {
+    Rejection::cap(
+        Scope::Tenant,
+        Reason::TooManyConnections,
+        Duration::from_secs(3),
+    )
+}
+
+#[test]
+fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body() {
+    let r = tenant_cap();
+    let mut headers = http::HeaderMap::new();
+    assert_eq!(read_refusal_header(&headers), None);
+    for bytes in [&b"overloaded\xff"[..], b"draining\x80", b"\xfe"] {
+        headers.insert(
+            crate::admission::REFUSAL_HEADER,
+            HeaderValue::from_bytes(bytes).unwrap(),
+        );
+        let header = read_refusal_header(&headers);
+        assert!(header.is_some(), "{bytes:?}");
+        for body in [r.http_body(), DRAINING_BODY.to_owned()] {
+            let e = refused(503, header.as_deref(), &body);
+            assert!(
+                e.node_refusal().is_none() && !e.draining(),
+                "{bytes:?} {body}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_nodes_refusal_is_read_by_its_header_and_from_an_older_node_by_its_body() {
+    let r = tenant_cap();
+    let header = r.http_header();
+    // The header alone: a body that came in a later TLS record than the head is not needed.
+    for e in [
+        refused(503, Some(&header), ""),
+        refused(503, Some(&header), &r.http_body()),
+        refused(503, None, &r.http_body()),
+    ] {
+        let back = e.node_refusal().expect("a node's refusal");
+        assert_eq!(back.to_error_data(), r.to_error_data(), "{e:?}");
+        assert!(!e.draining(), "{e:?}");
+    }
+    // A newer node's reason this edge has no name for is still the node's refusal: its
+    // client waits as told, not reconnecting at once to the node that refuses it.
+    let newer = "overloaded; scope=tenant; reason=tenantMemoryLimit; retry-after-ms=700";
+    let e = refused(503, Some(newer), "");
+    let back = e.node_refusal().expect("a newer node's refusal");
+    assert_eq!(
+        (back.scope, back.reason, back.retry_after_ms_jittered()),
+        (Scope::Tenant, Reason::NodeOverloaded, 700)
+    );
+    assert!(!e.draining(), "{e:?}");
+    // Draining, by header, or by body from an older node; never read as an overload.
+    for e in [
+        refused(503, Some(DRAINING_REFUSAL), ""),
+        refused(503, Some(DRAINING_REFUSAL), "anything"),
+        // A newer node's fields after the word are not ours to judge.
+        refused(503, Some("draining; until=later"), ""),
+        refused(503, None, DRAINING_BODY),
+    ] {
+        assert!(e.draining(), "{e:?}");
+        assert!(e.node_refusal().is_none(), "{e:?}");
+    }
+    // Neither: a header that says otherwise wins over a body, other statuses, other errors.
+    for e in [
+        refused(503, Some("overloaded"), &r.http_body()),
+        refused(503, Some("something-else"), DRAINING_BODY),
+        refused(503, Some("drainingsoon"), DRAINING_BODY),
+        refused(429, Some(DRAINING_REFUSAL), ""),
+        refused(502, Some(&header), &r.http_body()),
+        refused(503, None, ""),
+        refused(404, None, "not found"),
+        LinkError::Unreachable {
+            node: "n1".into(),
+            reason: "refused".into(),
+        },
+    ] {
+        assert!(!e.draining(), "{e:?}");
+        assert!(e.node_refusal().is_none(), "{e:?}");
+    }
+}
