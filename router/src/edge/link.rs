@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use http::HeaderValue;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
@@ -37,11 +36,11 @@ pub enum LinkError {
         node: String,
         /// The status.
         status: u16,
-        /// Its `Retry-After`, when given.
-        retry_after: Option<HeaderValue>,
-        /// Its [`crate::admission::REFUSAL_HEADER`], when given (a codex-fleet node's refusal);
-        /// one that is not text, lossily (it then reads as no known answer).
-        refusal: Option<Box<str>>,
+        /// Its `Retry-After` and [`crate::admission::REFUSAL_HEADER`] (a codex-fleet node's
+        /// refusal), those it gave, as they came: a static edge passes them on byte for byte.
+        /// (Boxed: a rare answer, and it keeps [`LinkError`] within clippy's
+        /// `result_large_err` bound.)
+        headers: Box<http::HeaderMap>,
         /// Its body.
         body: String,
         /// What the status, header and body mean to this edge, read once with them
@@ -85,20 +84,23 @@ pub enum LinkError {
 }
 
 impl LinkError {
-    /// A node's HTTP answer to the upgrade, with what it means read once ([`NodeAnswer::read`]).
-    fn refused(
-        node: String,
-        status: u16,
-        retry_after: Option<HeaderValue>,
-        refusal: Option<Box<str>>,
-        body: String,
-    ) -> LinkError {
-        let answer = NodeAnswer::read(status, refusal.as_deref(), &body);
+    /// A node's HTTP answer to the upgrade (its status, headers and body), with what it means
+    /// read once ([`NodeAnswer::read`]).
+    fn refused(node: String, status: u16, headers: &http::HeaderMap, body: String) -> LinkError {
+        let mut kept = http::HeaderMap::new();
+        for name in [
+            http::header::RETRY_AFTER,
+            http::HeaderName::from_static(crate::admission::REFUSAL_HEADER),
+        ] {
+            if let Some(v) = headers.get(&name) {
+                kept.insert(name, v.clone());
+            }
+        }
+        let answer = NodeAnswer::read(status, refusal_text(&kept).as_deref(), &body);
         LinkError::Refused {
             node,
             status,
-            retry_after,
-            refusal,
+            headers: Box::new(kept),
             body,
             answer,
         }
@@ -122,16 +124,16 @@ impl LinkError {
             LinkError::Refused {
                 answer: NodeAnswer::Overloaded(r),
                 ..
-            } => Some(r.as_ref()),
+            } => Some(r),
             _ => None,
         }
     }
 
     /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as it said it, when it
     /// refused with one.
-    pub(super) fn refusal_header(&self) -> Option<&str> {
+    pub(super) fn refusal_header(&self) -> Option<std::borrow::Cow<'_, str>> {
         match self {
-            LinkError::Refused { refusal, .. } => refusal.as_deref(),
+            LinkError::Refused { headers, .. } => refusal_text(headers),
             _ => None,
         }
     }
@@ -153,9 +155,8 @@ impl LinkError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeAnswer {
     /// The node refused the session under its own limits (its caps and rates):
-    /// [`Rejection::from_http`]. (Boxed: a rare answer, and it keeps [`LinkError`] within
-    /// clippy's `result_large_err` bound.)
-    Overloaded(Box<Rejection>),
+    /// [`Rejection::from_http`].
+    Overloaded(Rejection),
     /// The node is draining (its process exits: idle, or its pod is being deleted):
     /// [`crate::admission::is_draining_answer`].
     Draining,
@@ -169,7 +170,7 @@ impl NodeAnswer {
     /// its `body`.
     pub fn read(status: u16, header: Option<&str>, body: &str) -> NodeAnswer {
         if let Some(r) = Rejection::from_http(status, header, body) {
-            NodeAnswer::Overloaded(Box::new(r))
+            NodeAnswer::Overloaded(r)
         } else if crate::admission::is_draining_answer(status, header, body) {
             NodeAnswer::Draining
         } else {
@@ -412,8 +413,7 @@ impl Edge {
                 Err(LinkError::refused(
                     node.clone(),
                     resp.status().as_u16(),
-                    resp.headers().get(http::header::RETRY_AFTER).cloned(),
-                    read_refusal_header(resp.headers()),
+                    resp.headers(),
                     body,
                 ))
             }
@@ -475,12 +475,12 @@ impl Edge {
     }
 }
 
-/// A node's [`crate::admission::REFUSAL_HEADER`]. One present but not text is still present:
-/// it fails to parse, and the body is not read instead.
-fn read_refusal_header(headers: &http::HeaderMap) -> Option<Box<str>> {
+/// A node's [`crate::admission::REFUSAL_HEADER`] as text, lossily: one that is not text is
+/// still present (it fails to parse, and the body is not read instead).
+fn refusal_text(headers: &http::HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
     headers
         .get(crate::admission::REFUSAL_HEADER)
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).into())
+        .map(|v| String::from_utf8_lossy(v.as_bytes()))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use serde_json::json;
@@ -74,21 +74,15 @@ impl Edge {
             Err(LinkError::Refused {
                 node,
                 status,
-                retry_after,
-                refusal,
+                headers,
                 body,
                 answer: _,
             }) => {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                 let mut r = door.plain(status, "node_refused", &body);
-                let h = r.headers_mut();
-                if let Some(v) = retry_after {
-                    h.insert(header::RETRY_AFTER, v);
-                }
-                if let Some(v) = refusal.and_then(|v| HeaderValue::from_str(&v).ok()) {
-                    h.insert(crate::admission::REFUSAL_HEADER, v);
-                }
+                // Its `Retry-After` and refusal header, as they came.
+                r.headers_mut().extend(*headers);
                 return r;
             }
             Err(e) => {
@@ -184,7 +178,7 @@ impl Edge {
                     // What the node said, as it said it: a newer node's reason this edge reads
                     // as `nodeOverloaded` is named here.
                     let said = e.refusal_header().unwrap_or_default();
-                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = %crate::untrusted::Untrusted::text(said), "session refused by its node's limits");
+                    tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = %crate::untrusted::Untrusted::text(&said), "session refused by its node's limits");
                     let answer = |id: &RequestId| r.to_error_response(id);
                     return relay
                         .refuse(
