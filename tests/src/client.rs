@@ -81,15 +81,8 @@ impl Unfinished {
         )
         .await
         .context("TLS handshake timed out")??;
-        tls.write_all(
-            format!(
-                "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-                 Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
-                 Authorization: Bearer {token}\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await?;
+        tls.write_all(upgrade_request("/", token).as_bytes())
+            .await?;
         let mut head = Vec::new();
         while !head.ends_with(b"\r\n\r\n") {
             let mut b = [0u8; 1];
@@ -743,6 +736,16 @@ pub fn client_tls(ca: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
             .with_root_certificates(roots)
             .with_no_client_auth(),
     ))
+}
+
+/// A WebSocket upgrade request for `path` with `token` as its bearer token, as raw HTTP/1.1
+/// text (the fixed key of RFC 6455's example), for tests that read or break the answer's head.
+pub fn upgrade_request(path: &str, token: &str) -> String {
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Authorization: Bearer {token}\r\n\r\n"
+    )
 }
 
 /// Sends `request` (raw HTTP/1.1 text) over TLS to `addr` (trusting `ca`, SNI `localhost`) and

@@ -27,8 +27,8 @@ pub mod tmux;
 pub mod wait;
 
 pub use client::{
-    agent_text, bad_frames, client_tls, codex_exec_remote, http_get, https_raw, read_all, Client,
-    Unfinished, Upgrade,
+    agent_text, bad_frames, client_tls, codex_exec_remote, http_get, https_raw, read_all,
+    upgrade_request, Client, Unfinished, Upgrade,
 };
 pub use fleet::{
     init_tracing, pools_ready, read_addresses, ready_workers, Fleet, FleetBuilder, FleetFiles,

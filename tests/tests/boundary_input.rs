@@ -46,15 +46,6 @@ async fn tls_connect(
     Ok(connector.connect(name, tcp).await?)
 }
 
-/// A WebSocket upgrade request with `token` as its bearer token.
-fn upgrade_request(token: &str) -> String {
-    format!(
-        "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
-         Authorization: Bearer {token}\r\n\r\n"
-    )
-}
-
 /// One HTTP answer (head and `Content-Length` body); `None` when the connection ends with
 /// nothing received. Fails when the connection stays open and silent for `within`.
 async fn read_answer(
@@ -356,7 +347,7 @@ async fn a_refused_upgrade_closes_its_connection() -> anyhow::Result<()> {
     let fleet = FleetBuilder::new().tenant("acme").start().await?;
     let tcp = TcpStream::connect(fleet.addr).await?;
     let mut tls = tls_connect(tcp, &fleet.files.ca).await?;
-    tls.write_all(upgrade_request("not-a-token").as_bytes())
+    tls.write_all(testkit::upgrade_request("/", "not-a-token").as_bytes())
         .await?;
     let first = read_answer(&mut tls, Duration::from_secs(10))
         .await?
@@ -370,7 +361,7 @@ async fn a_refused_upgrade_closes_its_connection() -> anyhow::Result<()> {
     );
     // A second try on the same connection: not answered, the connection is gone.
     let _written = tls
-        .write_all(upgrade_request(&fleet.files.token("acme")).as_bytes())
+        .write_all(testkit::upgrade_request("/", &fleet.files.token("acme")).as_bytes())
         .await;
     let second = read_answer(&mut tls, Duration::from_secs(10)).await?;
     assert_eq!(second, None, "a second request after a 401 got an answer");
@@ -396,7 +387,7 @@ async fn a_first_frame_sent_with_the_upgrade_request_is_not_lost() -> anyhow::Re
     let tcp = TcpStream::connect(fleet.addr).await?;
     let mut tls = tls_connect(tcp, &fleet.files.ca).await?;
     let init = r#"{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"clientInfo":{"name":"eager","version":"1"}}}"#;
-    let mut bytes = upgrade_request(&fleet.files.token("acme")).into_bytes();
+    let mut bytes = testkit::upgrade_request("/", &fleet.files.token("acme")).into_bytes();
     bytes.extend(client_text_frame(init));
     tls.write_all(&bytes).await?;
     tls.flush().await?;
@@ -461,7 +452,7 @@ async fn one_deadline_covers_tls_and_the_request() -> anyhow::Result<()> {
         .await
         .context("the TLS handshake fits in the deadline")?;
     let handshaken = Instant::now();
-    let req = upgrade_request("not-a-token");
+    let req = testkit::upgrade_request("/", "not-a-token");
     let (body, last) = req.as_bytes().split_at(req.len() - 1);
     let mut pieces = body.chunks(body.len() / 10 + 1);
     let past = deadline + Duration::from_millis(500);

@@ -37,16 +37,7 @@ async fn raw_upgrade(
     ca: &std::path::Path,
     token: &str,
 ) -> anyhow::Result<Answer> {
-    let text = https_raw(
-        addr,
-        ca,
-        &format!(
-            "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
-             Authorization: Bearer {token}\r\n\r\n"
-        ),
-    )
-    .await?;
+    let text = https_raw(addr, ca, &testkit::upgrade_request("/", token)).await?;
     let (head, body) = text
         .split_once("\r\n\r\n")
         .with_context(|| format!("no HTTP answer: {text:?}"))?;

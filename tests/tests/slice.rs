@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use testkit::{agent_text, reply_text, Client, FleetBuilder};
+use testkit::{agent_text, reply_text, upgrade_request, Client, FleetBuilder};
 
 fn methods(msgs: &[Value]) -> Vec<String> {
     msgs.iter()
@@ -185,15 +185,6 @@ async fn requests_before_initialize_and_bad_json_get_answers() -> anyhow::Result
     assert_eq!(again["error"]["message"], "Already initialized", "{again}");
     c.request("thread/loaded/list", json!({})).await?;
     fleet.stop().await
-}
-
-/// An upgrade request for `path`, with the tenant's token.
-fn upgrade_request(path: &str, token: &str) -> String {
-    format!(
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n\
-         Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
-         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -429,16 +429,8 @@ async fn sigterm_lets_running_turns_finish_then_closes_with_1001() -> anyhow::Re
         testkit::Upgrade::Open(_) => panic!("a connection after the settle period is refused"),
     }
     // The same answer by its head, as an edge's link reads it (and looks for the next node).
-    let raw = testkit::https_raw(
-        proc.addr,
-        &files.ca,
-        &format!(
-            "GET / HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n\
-             Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
-             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
-        ),
-    )
-    .await?;
+    let raw =
+        testkit::https_raw(proc.addr, &files.ca, &testkit::upgrade_request("/", &token)).await?;
     assert!(
         raw.starts_with("HTTP/1.1 503")
             && raw

@@ -320,9 +320,8 @@ fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
     if refusal_kind(h) != OVERLOADED_REFUSAL {
         return None;
     }
-    let fields = h.split(';').skip(1);
     let (mut scope, mut reason, mut ms) = (None, None, None);
-    for field in fields {
+    for field in h.split(';').skip(1) {
         match field.trim().split_once('=') {
             Some(("scope", v)) => scope = Some(v),
             Some(("reason", v)) => reason = Some(v),
