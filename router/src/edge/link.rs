@@ -168,7 +168,7 @@ pub enum NodeAnswer {
 impl NodeAnswer {
     /// Reads a node's `status`, its [`crate::admission::REFUSAL_HEADER`] when it sent one, and
     /// its `body`.
-    pub fn read(status: u16, header: Option<&str>, body: &str) -> NodeAnswer {
+    pub(super) fn read(status: u16, header: Option<&str>, body: &str) -> NodeAnswer {
         if let Some(r) = Rejection::from_http(status, header, body) {
             NodeAnswer::Overloaded(r)
         } else if crate::admission::is_draining_answer(status, header, body) {

@@ -374,7 +374,7 @@ async fn main() -> anyhow::Result<()> {
             &pooled(&runs, 0),
             all_cpu,
         );
-        rows.push(("all".to_owned(), a));
+        rows.push(("all, pooled at one level".to_owned(), a));
     }
     table(&rows);
     Ok(())

@@ -263,3 +263,10 @@ fn an_upstream_answer_is_a_refusal_or_draining_never_both() {
     // the body alone (1). So neither check above is vacuous.
     assert_eq!(seen, (14, 10));
 }
+
+#[test]
+fn the_draining_words_are_what_older_edges_and_nodes_read() {
+    // Wire text: the tests above read these through the constants, so they are pinned here.
+    assert_eq!(DRAINING_REFUSAL, "draining");
+    assert_eq!(DRAINING_BODY, "codex-fleet is shutting down");
+}
