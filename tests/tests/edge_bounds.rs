@@ -1016,3 +1016,123 @@ async fn a_worker_that_stops_reading_holds_its_session_through_an_edge_as_serve_
     );
     Ok(())
 }
+
+/// A node that answers every upgrade with `answers` in turn, as a hostile (or broken) node would:
+/// on `port`, behind the link's node certificate, checking the edge's as a node does.
+async fn answering_node(
+    link: &Path,
+    port: u16,
+    answers: Vec<Vec<u8>>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (config, _watched) = router::tls::server_config_mutual(
+        &link.join("node.crt"),
+        &link.join("node.key"),
+        &link.join("ca.pem"),
+    )?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    Ok(tokio::spawn(async move {
+        let mut answers = answers.iter().cycle();
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            // The edge's upgrade request, to its end; then the next answer, and the end. (The
+            // edge's prober only shakes hands: it sends no request and takes no answer.)
+            let mut head = Vec::new();
+            let mut buf = [0_u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match tls.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            if !head.starts_with(b"GET ") {
+                continue;
+            }
+            let answer = answers.next().expect("a cycle");
+            let _ = tls.write_all(answer).await;
+            let _ = tls.shutdown().await;
+        }
+    }))
+}
+
+/// A tenant's node is on the far side of a boundary from the edge every tenant shares (on
+/// Kubernetes it runs in the tenant's own pod): whatever its answer to an upgrade says, a static
+/// edge passes on no wait longer than an hour, one `Retry-After` and one refusal header (the
+/// first), none of the node's other headers, and a node that sends headers without end gets the
+/// edge's own refusal. Meanwhile another tenant is served through the same edge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_once(
+) -> anyhow::Result<()> {
+    let mut s = Split::start(&[("acme", "n1"), ("calm", "n2")], 1, "").await?;
+    // acme's node is replaced by one that answers as no codex-fleet node does.
+    let mut n1 = s.nodes[0].process.take().context("n1")?;
+    n1.child.kill().await?;
+    let absurd = "HTTP/1.1 503 Service Unavailable\r\n\
+                  Retry-After: 99999999999999999999\r\n\
+                  Retry-After: 1\r\n\
+                  codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
+                  retry-after-ms=99999999999; since=1\r\n\
+                  codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
+                  retry-after-ms=1\r\n\
+                  X-Node-Secret: the node's own\r\n\
+                  Content-Length: 12\r\nConnection: close\r\n\r\nnode is full";
+    let endless = format!(
+        "HTTP/1.1 503 Service Unavailable\r\n{}\r\n",
+        "X-Pad: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\r\n"
+            .repeat(16 * 1024)
+    );
+    let _node = answering_node(
+        &s.link,
+        s.nodes[0].port,
+        vec![absurd.as_bytes().to_vec(), endless.into_bytes()],
+    )
+    .await?;
+    let edge = &s.edges[0];
+    let mut calm = s.client(0, "calm").await?;
+    let upgrade = testkit::upgrade_request("/", &s.token("acme"));
+
+    let text = testkit::https_raw(edge.addr, &s.files.ca, &upgrade).await?;
+    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP answer")?;
+    let mut lines = head.lines();
+    assert!(lines.next().is_some_and(|l| l.contains(" 503 ")), "{text}");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let all = |name: &str| -> Vec<&str> {
+        headers
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    };
+    assert_eq!(all("retry-after"), ["3600"], "{text}");
+    assert_eq!(
+        all("codex-fleet-refusal"),
+        ["overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000; since=1"],
+        "{text}"
+    );
+    assert!(all("x-node-secret").is_empty(), "{text}");
+    assert_eq!(body.trim(), "node is full");
+    // The other tenant, through the same edge.
+    let listed = calm.request("thread/list", json!({})).await?;
+    assert!(listed.get("data").is_some(), "{listed}");
+
+    // Headers without end: the edge reads a bounded amount and refuses with its own answer.
+    let text = testkit::https_raw(edge.addr, &s.files.ca, &upgrade).await?;
+    let head = text.split_once("\r\n\r\n").context("no HTTP answer")?.0;
+    assert!(head.starts_with("HTTP/1.1 503 "), "{head}");
+    assert!(
+        head.contains("scope=worker; reason=nodeUnavailable") && !head.contains("x-pad"),
+        "{head}"
+    );
+    let listed = calm.request("thread/list", json!({})).await?;
+    assert!(listed.get("data").is_some(), "{listed}");
+    Ok(())
+}

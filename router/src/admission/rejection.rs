@@ -325,7 +325,7 @@ fn parse_refusal_header(h: &str) -> Option<(&str, &str, u64)> {
         match field.trim().split_once('=') {
             Some(("scope", v)) => scope = Some(v),
             Some(("reason", v)) => reason = Some(v),
-            Some(("retry-after-ms", v)) => ms = Some(v.parse().ok()?),
+            Some(("retry-after-ms", v)) => ms = Some(wait_ms(v)?),
             _ => {}
         }
     }
@@ -339,8 +339,58 @@ fn parse_refusal_body(body: &str) -> Option<(&str, &str, u64)> {
         .strip_prefix(" (scope ")?;
     let (scope, rest) = rest.split_once(", reason ")?;
     let (reason, rest) = rest.split_once("); retry after ")?;
-    let ms = rest.strip_suffix(" ms")?.parse().ok()?;
+    let ms = wait_ms(rest.strip_suffix(" ms")?)?;
     Some((scope, reason, ms))
+}
+
+/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client: as it
+/// came, except that a `retry-after-ms` field over an hour says an hour, the longest wait
+/// [`Rejection::from_http`] reads from an upstream. Every other field, known or not, keeps its
+/// place and its text. `None` when nothing needed bounding (pass the header on as it came).
+pub fn bounded_refusal_header(h: &str) -> Option<String> {
+    let mut bounded = false;
+    let fields: Vec<std::borrow::Cow<'_, str>> = h
+        .split(';')
+        .map(|field| match field.trim().split_once('=') {
+            Some(("retry-after-ms", v)) if longer_than(v, MAX_UPSTREAM_RETRY_MS) => {
+                bounded = true;
+                let space = &field[..field.len() - field.trim_start().len()];
+                format!("{space}retry-after-ms={MAX_UPSTREAM_RETRY_MS}").into()
+            }
+            _ => field.into(),
+        })
+        .collect();
+    bounded.then(|| fields.join(";"))
+}
+
+/// A codex-fleet upstream's `Retry-After` as an edge passes it on to its client: its seconds,
+/// at most an hour (as [`bounded_refusal_header`] bounds the milliseconds). `None` for anything
+/// that is not a number of seconds (an HTTP date: a codex-fleet node never sends one), which the
+/// edge leaves out.
+pub fn bounded_retry_after(value: &[u8]) -> Option<u64> {
+    let max = MAX_UPSTREAM_RETRY_MS / 1000;
+    let text = std::str::from_utf8(value).ok()?;
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // Digits too many for a `u64` are a wait past the bound too.
+    Some(text.parse().map_or(max, |secs: u64| secs.min(max)))
+}
+
+/// An upstream's wait in milliseconds; digits too many for a `u64` are the longest wait there is
+/// (bounded by its reader, as every wait).
+fn wait_ms(v: &str) -> Option<u64> {
+    v.parse()
+        .ok()
+        .or_else(|| longer_than(v, u64::MAX).then_some(u64::MAX))
+}
+
+/// Whether `digits` is a whole number (ASCII digits only) greater than `max`, however many
+/// digits it has.
+fn longer_than(digits: &str, max: u64) -> bool {
+    !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && digits.parse::<u64>().map_or(true, |n| n > max)
 }
 
 /// Whole milliseconds, rounded up and at least 1, plus up to a quarter more at random.

@@ -15,7 +15,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Error as WsError;
 
 use super::{headers, Admitted, Backend, Edge, Link, Target};
-use crate::admission::{Reason, Rejection, Scope};
+use crate::admission::{bounded_refusal_header, bounded_retry_after, Reason, Rejection, Scope};
 
 /// Why a link could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +37,9 @@ pub enum LinkError {
         /// The status.
         status: u16,
         /// Its `Retry-After` and [`crate::admission::REFUSAL_HEADER`] (a codex-fleet node's
-        /// refusal), those it gave, as they came: a static edge passes them on byte for byte.
+        /// refusal), those it gave, the first of each, as they came but for a wait over an
+        /// hour ([`crate::admission::bounded_retry_after`],
+        /// [`crate::admission::bounded_refusal_header`]): a static edge passes them on.
         /// (Boxed: a rare answer, and it keeps [`LinkError`] within clippy's
         /// `result_large_err` bound.)
         headers: Box<http::HeaderMap>,
@@ -87,14 +89,21 @@ impl LinkError {
     /// A node's HTTP answer to the upgrade (its status, headers and body), with what it means
     /// read once ([`NodeAnswer::read`]).
     fn refused(node: String, status: u16, headers: &http::HeaderMap, body: String) -> LinkError {
+        // The first of each (a node sends one), as it came, but no longer a wait than an hour:
+        // a static edge passes them on, and whatever a node says, its clients are told no
+        // longer a wait than a refusal the edge reads itself (`Rejection::from_http`) gives.
         let mut kept = http::HeaderMap::new();
-        for name in [
-            http::header::RETRY_AFTER,
-            http::HeaderName::from_static(crate::admission::REFUSAL_HEADER),
-        ] {
-            if let Some(v) = headers.get(&name) {
-                kept.insert(name, v.clone());
-            }
+        let retry_after = headers.get(http::header::RETRY_AFTER);
+        if let Some(secs) = retry_after.and_then(|v| bounded_retry_after(v.as_bytes())) {
+            kept.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+        }
+        if let Some(v) = headers.get(crate::admission::REFUSAL_HEADER) {
+            // A header that is not text is kept as it came: nothing reads a wait from it.
+            let bounded = v.to_str().ok().and_then(bounded_refusal_header);
+            let v = bounded
+                .and_then(|h| http::HeaderValue::from_str(&h).ok())
+                .unwrap_or_else(|| v.clone());
+            kept.insert(crate::admission::REFUSAL_HEADER, v);
         }
         let answer = NodeAnswer::read(status, refusal_text(&kept).as_deref(), &body);
         LinkError::Refused {

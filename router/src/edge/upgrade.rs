@@ -81,7 +81,7 @@ impl Edge {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                 let mut r = door.plain(status, "node_refused", &body);
-                // Its `Retry-After` and refusal header, as they came.
+                // Its `Retry-After` and refusal header, as they came (waits bounded).
                 r.headers_mut().extend(*headers);
                 return r;
             }

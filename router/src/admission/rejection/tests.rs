@@ -137,15 +137,19 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
             }
         }
     }
-    // A wait past an hour is passed on as an hour, by header or by body.
-    let long = format!(
-        "{OVERLOADED_MESSAGE} (scope tenant, reason tooManyConnections); retry after 99999999999 ms"
-    );
-    let back = Rejection::from_http(503, None, &long).unwrap();
-    assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
-    let long = "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=99999999999";
-    let back = Rejection::from_http(503, Some(long), "").unwrap();
-    assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
+    // A wait past an hour is passed on as an hour, by header or by body, however many digits
+    // it has.
+    for ms in ["99999999999", "99999999999999999999999999"] {
+        let long = format!(
+            "{OVERLOADED_MESSAGE} (scope tenant, reason tooManyConnections); retry after {ms} ms"
+        );
+        let back = Rejection::from_http(503, None, &long).unwrap();
+        assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
+        let long =
+            format!("overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms={ms}");
+        let back = Rejection::from_http(503, Some(&long), "").unwrap();
+        assert_eq!(back.retry_after_ms_jittered(), 3_600_000);
+    }
     // Anything else is not one: another status, another body, a reason we do not know (a body
     // comes alone only from a node older than the header, which names none).
     let r = Rejection::cap(
@@ -269,4 +273,72 @@ fn the_draining_words_are_what_older_edges_and_nodes_read() {
     // Wire text: the tests above read these through the constants, so they are pinned here.
     assert_eq!(DRAINING_REFUSAL, "draining");
     assert_eq!(DRAINING_BODY, "codex-fleet is shutting down");
+}
+
+#[test]
+fn an_upstreams_waits_are_passed_on_bounded_at_an_hour_and_the_rest_as_it_came() {
+    // Within the bound, or not a wait: passed on as it came.
+    let within = Rejection::cap(
+        Scope::Tenant,
+        Reason::TooManyConnections,
+        Duration::from_secs(5),
+    );
+    for h in [
+        within.http_header().as_str(),
+        "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000",
+        "overloaded; scope=tenant; reason=x; retry-after-ms=soon",
+        "overloaded; scope=tenant; reason=x; retry-after-ms=",
+        "overloaded; scope=tenant; reason=x; retry-after-ms=-99999999999",
+        DRAINING_REFUSAL,
+        "draining; until=99999999999",
+    ] {
+        assert_eq!(bounded_refusal_header(h), None, "{h}");
+    }
+    // Over it, however many digits: an hour, every other field where and as it was, known or
+    // not, spaces included.
+    for (h, bounded) in [
+        (
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600001",
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000",
+        ),
+        (
+            "overloaded;since=12;retry-after-ms=99999999999999999999999999;  scope=region ;reason=new",
+            "overloaded;since=12;retry-after-ms=3600000;  scope=region ;reason=new",
+        ),
+        (
+            "overloaded; retry-after-ms=99999999999; scope=tenant; retry-after-ms=4000000",
+            "overloaded; retry-after-ms=3600000; scope=tenant; retry-after-ms=3600000",
+        ),
+    ] {
+        assert_eq!(bounded_refusal_header(h).as_deref(), Some(bounded), "{h}");
+        // What an edge reads from it is what it reads from the header as it came.
+        assert_eq!(
+            Rejection::from_http(503, Some(bounded), "").map(|r| r.retry_after_ms_jittered()),
+            Rejection::from_http(503, Some(h), "").map(|r| r.retry_after_ms_jittered()),
+            "{h}"
+        );
+    }
+    // Seconds: as they came up to an hour, an hour beyond; anything but seconds is left out.
+    for (v, secs) in [
+        (&b"0"[..], Some(0)),
+        (b"3", Some(3)),
+        (b"007", Some(7)),
+        (b"3600", Some(3600)),
+        (b"3601", Some(3600)),
+        (b"99999999999999999999999999", Some(3600)),
+        (b"", None),
+        (b"+5", None),
+        (b"-1", None),
+        (b"1.5", None),
+        (b" 5", None),
+        (b"Wed, 21 Oct 2065 07:28:00 GMT", None),
+        (b"5\xff", None),
+    ] {
+        assert_eq!(
+            bounded_retry_after(v),
+            secs,
+            "{:?}",
+            String::from_utf8_lossy(v)
+        );
+    }
 }

@@ -104,3 +104,56 @@ fn a_nodes_refusal_is_read_by_its_header_and_from_an_older_node_by_its_body() {
         assert!(e.node_refusal().is_none(), "{e:?}");
     }
 }
+
+#[test]
+fn a_nodes_absurd_or_doubled_waits_are_kept_once_and_bounded_at_an_hour() {
+    let mut headers = http::HeaderMap::new();
+    for (name, value) in [
+        ("retry-after", "99999999999999999999"),
+        ("retry-after", "1"),
+        (
+            crate::admission::REFUSAL_HEADER,
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=99999999999; since=1",
+        ),
+        (
+            crate::admission::REFUSAL_HEADER,
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=1",
+        ),
+        ("server", "node"),
+    ] {
+        headers.append(name, HeaderValue::from_static(value));
+    }
+    let e = LinkError::refused("n1".into(), 503, &headers, String::new());
+    let LinkError::Refused { headers: kept, .. } = &e else {
+        panic!("{e:?}");
+    };
+    let kept: Vec<_> = kept
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+        .collect();
+    // The first of each, bounded; nothing else.
+    assert_eq!(
+        kept,
+        [
+            ("retry-after", "3600"),
+            (
+                crate::admission::REFUSAL_HEADER,
+                "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000; since=1"
+            ),
+        ]
+    );
+    let r = e.node_refusal().expect("the node's refusal");
+    assert_eq!(r.retry_after_ms_jittered(), 3_600_000);
+    // A date (a codex-fleet node sends none) is left out; the refusal still says its wait.
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::RETRY_AFTER,
+        HeaderValue::from_static("Wed, 21 Oct 2065 07:28:00 GMT"),
+    );
+    let e = LinkError::refused("n1".into(), 503, &headers, tenant_cap().http_body());
+    let LinkError::Refused { headers: kept, .. } = &e else {
+        panic!("{e:?}");
+    };
+    assert!(kept.is_empty(), "{kept:?}");
+    assert!(e.node_refusal().is_some());
+}
