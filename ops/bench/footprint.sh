@@ -50,7 +50,8 @@ fi
 fleet="${fleet:-$PWD/target/release/codex-fleet}"
 floor="${floor:-$PWD/target/release/floor-relay}"
 # FOOTPRINT_KEEP=DIR keeps callgrind's outputs there (per function: callgrind_annotate on the
-# 1,200-round and the 200-round output, the difference over 1,000); else they are removed.
+# 1,200-round and the 200-round output, the difference over 1,000; whose code each line is:
+# `python3 ops/bench/footprint_by_source.py DIR`); else they are removed.
 if [ -n "${FOOTPRINT_KEEP:-}" ]; then
     work="$(realpath -m "$FOOTPRINT_KEEP")"
     rm -rf "$work" && mkdir -p "$work"
