@@ -16,7 +16,9 @@ pub use proto::error::OVERLOADED_MESSAGE;
 use proto::error::codes;
 use proto::rpc::{Frame, RequestId};
 
-/// The longest wait an upstream's refusal is passed on with ([`Rejection::from_http`]).
+/// The longest wait an upstream's refusal is passed on with: as the edge reads it
+/// ([`Rejection::from_http`]), and as a static edge passes its headers on
+/// ([`bounded_refusal_header`], [`bounded_retry_after`]).
 const MAX_UPSTREAM_RETRY_MS: u64 = 3_600_000;
 
 /// The header on every codex-fleet refusal at the upgrade that says what it is, for an edge to
@@ -343,19 +345,26 @@ fn parse_refusal_body(body: &str) -> Option<(&str, &str, u64)> {
     Some((scope, reason, ms))
 }
 
-/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client: as it
-/// came, except that a `retry-after-ms` field over an hour says an hour, the longest wait
-/// [`Rejection::from_http`] reads from an upstream. Every other field, known or not, keeps its
-/// place and its text. `None` when nothing needed bounding (pass the header on as it came).
+/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client, from its
+/// text as the edge reads it (lossily, when it is not text): as it came, except that a
+/// `retry-after-ms` field over an hour says an hour, the longest wait [`Rejection::from_http`]
+/// reads from an upstream. The first word and every other field, known or not, keep their place
+/// and their text, spaces included. `None` when nothing needed bounding (pass the header on as
+/// it came).
 pub fn bounded_refusal_header(h: &str) -> Option<String> {
     let mut bounded = false;
     let fields: Vec<std::borrow::Cow<'_, str>> = h
         .split(';')
-        .map(|field| match field.trim().split_once('=') {
-            Some(("retry-after-ms", v)) if longer_than(v, MAX_UPSTREAM_RETRY_MS) => {
+        .enumerate()
+        .map(|(i, field)| match field.trim().split_once('=') {
+            // Read as `parse_refusal_header` reads it: after the first word, trimmed.
+            Some(("retry-after-ms", v))
+                if i > 0 && wait_ms(v).is_some_and(|ms| ms > MAX_UPSTREAM_RETRY_MS) =>
+            {
                 bounded = true;
-                let space = &field[..field.len() - field.trim_start().len()];
-                format!("{space}retry-after-ms={MAX_UPSTREAM_RETRY_MS}").into()
+                let lead = &field[..field.len() - field.trim_start().len()];
+                let trail = &field[field.trim_end().len()..];
+                format!("{lead}retry-after-ms={MAX_UPSTREAM_RETRY_MS}{trail}").into()
             }
             _ => field.into(),
         })
@@ -365,32 +374,27 @@ pub fn bounded_refusal_header(h: &str) -> Option<String> {
 
 /// A codex-fleet upstream's `Retry-After` as an edge passes it on to its client: its seconds,
 /// at most an hour (as [`bounded_refusal_header`] bounds the milliseconds). `None` for anything
-/// that is not a number of seconds (an HTTP date: a codex-fleet node never sends one), which the
-/// edge leaves out.
+/// that is not a number of seconds (HTTP's digits alone; an HTTP date, which a codex-fleet node
+/// never sends), which the edge leaves out.
 pub fn bounded_retry_after(value: &[u8]) -> Option<u64> {
     let max = MAX_UPSTREAM_RETRY_MS / 1000;
-    let text = std::str::from_utf8(value).ok()?;
-    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
         return None;
     }
     // Digits too many for a `u64` are a wait past the bound too.
-    Some(text.parse().map_or(max, |secs: u64| secs.min(max)))
+    let secs = std::str::from_utf8(value).ok()?.parse().unwrap_or(u64::MAX);
+    Some(max.min(secs))
 }
 
-/// An upstream's wait in milliseconds; digits too many for a `u64` are the longest wait there is
-/// (bounded by its reader, as every wait).
+/// An upstream's wait in milliseconds, as `u64` reads one (digits, after an optional `+`), but
+/// digits too many for a `u64` are the longest wait there is (bounded by its reader, as every
+/// wait). `None` if it is not a number.
 fn wait_ms(v: &str) -> Option<u64> {
-    v.parse()
-        .ok()
-        .or_else(|| longer_than(v, u64::MAX).then_some(u64::MAX))
-}
-
-/// Whether `digits` is a whole number (ASCII digits only) greater than `max`, however many
-/// digits it has.
-fn longer_than(digits: &str, max: u64) -> bool {
-    !digits.is_empty()
-        && digits.bytes().all(|b| b.is_ascii_digit())
-        && digits.parse::<u64>().map_or(true, |n| n > max)
+    let digits = v.strip_prefix('+').unwrap_or(v);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(digits.parse().unwrap_or(u64::MAX))
 }
 
 /// Whole milliseconds, rounded up and at least 1, plus up to a quarter more at random.

@@ -98,12 +98,16 @@ impl LinkError {
             kept.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         if let Some(v) = headers.get(crate::admission::REFUSAL_HEADER) {
-            // A header that is not text is kept as it came: nothing reads a wait from it.
-            let bounded = v.to_str().ok().and_then(bounded_refusal_header);
-            let v = bounded
-                .and_then(|h| http::HeaderValue::from_str(&h).ok())
-                .unwrap_or_else(|| v.clone());
-            kept.insert(crate::admission::REFUSAL_HEADER, v);
+            // Bounded as the edge reads it: as text, lossily when it is not.
+            let v = match bounded_refusal_header(&String::from_utf8_lossy(v.as_bytes())) {
+                None => Some(v.clone()),
+                // What a header held, and the bound's digits, make a header again; were it
+                // not so, no header would go rather than one unbounded.
+                Some(bounded) => http::HeaderValue::from_bytes(bounded.as_bytes()).ok(),
+            };
+            if let Some(v) = v {
+                kept.insert(crate::admission::REFUSAL_HEADER, v);
+            }
         }
         let answer = NodeAnswer::read(status, refusal_text(&kept).as_deref(), &body);
         LinkError::Refused {
@@ -138,8 +142,8 @@ impl LinkError {
         }
     }
 
-    /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as it said it, when it
-    /// refused with one.
+    /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as text, when it refused with
+    /// one: as the link keeps it ([`LinkError::refused`]: a wait over an hour says an hour).
     pub(super) fn refusal_header(&self) -> Option<std::borrow::Cow<'_, str>> {
         match self {
             LinkError::Refused { headers, .. } => refusal_text(headers),

@@ -139,7 +139,11 @@ fn an_upstream_refusal_reads_back_as_the_same_rejection() {
     }
     // A wait past an hour is passed on as an hour, by header or by body, however many digits
     // it has.
-    for ms in ["99999999999", "99999999999999999999999999"] {
+    for ms in [
+        "99999999999",
+        "99999999999999999999999999",
+        "+99999999999999999999999999",
+    ] {
         let long = format!(
             "{OVERLOADED_MESSAGE} (scope tenant, reason tooManyConnections); retry after {ms} ms"
         );
@@ -289,6 +293,9 @@ fn an_upstreams_waits_are_passed_on_bounded_at_an_hour_and_the_rest_as_it_came()
         "overloaded; scope=tenant; reason=x; retry-after-ms=soon",
         "overloaded; scope=tenant; reason=x; retry-after-ms=",
         "overloaded; scope=tenant; reason=x; retry-after-ms=-99999999999",
+        "overloaded; scope=tenant; reason=x; retry-after-ms=++99999999999",
+        // The first word is what the answer is, never a field.
+        "retry-after-ms=99999999999; scope=tenant; reason=x; retry-after-ms=5",
         DRAINING_REFUSAL,
         "draining; until=99999999999",
     ] {
@@ -302,21 +309,41 @@ fn an_upstreams_waits_are_passed_on_bounded_at_an_hour_and_the_rest_as_it_came()
             "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000",
         ),
         (
-            "overloaded;since=12;retry-after-ms=99999999999999999999999999;  scope=region ;reason=new",
-            "overloaded;since=12;retry-after-ms=3600000;  scope=region ;reason=new",
+            concat!(
+                "overloaded;since=12;retry-after-ms=99999999999999999999999999 ;",
+                "  scope=region ;reason=new"
+            ),
+            "overloaded;since=12;retry-after-ms=3600000 ;  scope=region ;reason=new",
         ),
         (
-            "overloaded; retry-after-ms=99999999999; scope=tenant; retry-after-ms=4000000",
-            "overloaded; retry-after-ms=3600000; scope=tenant; retry-after-ms=3600000",
+            concat!(
+                "overloaded; retry-after-ms=99999999999; scope=tenant; reason=x; ",
+                "retry-after-ms=4000000"
+            ),
+            concat!(
+                "overloaded; retry-after-ms=3600000; scope=tenant; reason=x; ",
+                "retry-after-ms=3600000"
+            ),
+        ),
+        // A `+` as `u64` reads it, and as the edge does.
+        (
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=+99999999999",
+            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000",
+        ),
+        (
+            "overloaded; scope=worker; reason=x; retry-after-ms=+99999999999999999999999999",
+            "overloaded; scope=worker; reason=x; retry-after-ms=3600000",
         ),
     ] {
         assert_eq!(bounded_refusal_header(h).as_deref(), Some(bounded), "{h}");
-        // What an edge reads from it is what it reads from the header as it came.
-        assert_eq!(
-            Rejection::from_http(503, Some(bounded), "").map(|r| r.retry_after_ms_jittered()),
-            Rejection::from_http(503, Some(h), "").map(|r| r.retry_after_ms_jittered()),
-            "{h}"
+        // What an edge reads from it is what it reads from the header as it came: a refusal,
+        // its scope, reason and an hour's wait.
+        let (read, as_came) = (
+            Rejection::from_http(503, Some(bounded), "").expect(bounded),
+            Rejection::from_http(503, Some(h), "").expect(h),
         );
+        assert_eq!(read.to_error_data(), as_came.to_error_data(), "{h}");
+        assert_eq!(read.retry_after_ms_jittered(), 3_600_000, "{h}");
     }
     // Seconds: as they came up to an hour, an hour beyond; anything but seconds is left out.
     for (v, secs) in [

@@ -37,7 +37,8 @@ fn a_refusal_header_that_is_not_text_is_not_passed_over_for_the_body_and_is_kept
                 e.node_refusal().is_none() && !e.draining(),
                 "{bytes:?} {body}"
             );
-            // Logged as text, lossily; kept byte for byte for a static edge to pass on.
+            // Logged as text, lossily; kept byte for byte (it says no wait to bound) for a
+            // static edge to pass on.
             assert!(e.refusal_header().is_some_and(|t| t.contains('\u{fffd}')));
             let LinkError::Refused { headers: kept, .. } = &e else {
                 panic!("{e:?}");
@@ -113,7 +114,10 @@ fn a_nodes_absurd_or_doubled_waits_are_kept_once_and_bounded_at_an_hour() {
         ("retry-after", "1"),
         (
             crate::admission::REFUSAL_HEADER,
-            "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=99999999999; since=1",
+            concat!(
+                "overloaded; scope=tenant; reason=tooManyConnections; ",
+                "retry-after-ms=99999999999; since=1"
+            ),
         ),
         (
             crate::admission::REFUSAL_HEADER,
@@ -138,12 +142,38 @@ fn a_nodes_absurd_or_doubled_waits_are_kept_once_and_bounded_at_an_hour() {
             ("retry-after", "3600"),
             (
                 crate::admission::REFUSAL_HEADER,
-                "overloaded; scope=tenant; reason=tooManyConnections; retry-after-ms=3600000; since=1"
+                concat!(
+                    "overloaded; scope=tenant; reason=tooManyConnections; ",
+                    "retry-after-ms=3600000; since=1"
+                )
             ),
         ]
     );
     let r = e.node_refusal().expect("the node's refusal");
     assert_eq!(r.retry_after_ms_jittered(), 3_600_000);
+    // A header that is not text is bounded as the edge reads it, lossily: a client is never
+    // told a longer wait than the edge read.
+    let not_text = [
+        &b"overloaded; scope=tenant; reason=x; "[..],
+        b"retry-after-ms=99999999999; by=\xc3\xa9\xff",
+    ]
+    .concat();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        crate::admission::REFUSAL_HEADER,
+        HeaderValue::from_bytes(&not_text).unwrap(),
+    );
+    let e = LinkError::refused("n1".into(), 503, &headers, String::new());
+    let r = e.node_refusal().expect("the node's refusal");
+    assert_eq!(r.retry_after_ms_jittered(), 3_600_000);
+    let LinkError::Refused { headers: kept, .. } = &e else {
+        panic!("{e:?}");
+    };
+    let kept = kept.get(crate::admission::REFUSAL_HEADER).unwrap();
+    assert_eq!(
+        kept.as_bytes(),
+        "overloaded; scope=tenant; reason=x; retry-after-ms=3600000; by=\u{e9}\u{fffd}".as_bytes()
+    );
     // A date (a codex-fleet node sends none) is left out; the refusal still says its wait.
     let mut headers = http::HeaderMap::new();
     headers.insert(
