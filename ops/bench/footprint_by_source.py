@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
-"""Whose code a cold round trip's code lines are (BENCHMARKS.md, bench 1, "Whose code
-the gap is").
+"""Whose code a cold round trip's code lines are (BENCHMARKS.md, bench 1, "Whose code the gap
+is").
 
-`footprint.sh` counts the distinct code lines (last-level instruction misses) a round trip
-touches; this reads the callgrind outputs it keeps (`FOOTPRINT_KEEP=DIR bash
-ops/bench/footprint.sh`) and charges each miss to the function it happened in, as the difference
-of the 1,200-round and the 200-round runs over 1,000: one round trip's. Code inlined into a
-function counts as that function's (a `HashMap` lookup inlined into the session is the
-session's), and calls' inclusive costs are not counted, so each miss counts once.
+`footprint.sh` counts the code lines (last-level instruction misses) a round trip fetches; this
+reads the callgrind outputs it keeps (`FOOTPRINT_KEEP=DIR bash ops/bench/footprint.sh`) and
+charges each miss to the function it happened in and the source line it was charged to, as the
+difference of the 1,200-round and the 200-round runs over 1,000: one round trip's. Code inlined
+into a function counts as that function's (a `HashMap` lookup inlined into the session is the
+session's), and a call's inclusive cost is not counted, so each miss counts once.
 
-Usage: python3 ops/bench/footprint_by_source.py DIR            codex-fleet against the routing
-                                                                floor, by crate of the function
-       python3 ops/bench/footprint_by_source.py DIR PATTERN    the functions whose name contains
-                                                                PATTERN, one by one
+Usage:
+  python3 ops/bench/footprint_by_source.py DIR                codex-fleet against the routing
+                                                               floor, by crate of the function
+  python3 ops/bench/footprint_by_source.py DIR fn PATTERN     the functions whose name contains
+                                                               PATTERN, one by one
+  python3 ops/bench/footprint_by_source.py DIR line PATTERN   the source lines of the files whose
+                                                               path contains PATTERN, one by one
 """
 
 import collections
 import glob
 import re
+import signal
 import sys
 
 # The event counted: last-level instruction read misses (code lines, in footprint.sh's table).
@@ -39,8 +43,9 @@ GROUPS = {
     "futures_util": "futures",
     "futures_core": "futures",
     "futures_task": "futures",
-    "serde_json": "serde_json",
-    "serde_core": "serde_json",
+    "serde": "serde and serde_json",
+    "serde_json": "serde and serde_json",
+    "serde_core": "serde and serde_json",
     "hashbrown": "hash maps",
     "foldhash": "hash maps",
     "parking_lot": "locks (parking_lot)",
@@ -48,47 +53,45 @@ GROUPS = {
     "core": "core and std (not inlined)",
     "std": "core and std (not inlined)",
     "alloc": "core and std (not inlined)",
-    "libc": "libc (malloc, memcpy)",
+    "libc": "libc (malloc, memcpy, ...)",
 }
 
+# A table row smaller than this (code lines, either side) is summed into "others".
+ROW = 3
 
-def crate(function):
-    """The crate of a symbol as callgrind names it (a symbol without a path: ring's assembly, or
-    libc)."""
-    m = re.match(r"(?:core::ptr::drop_in_place<)?<*([A-Za-z_0-9]+)(::|$| as )", function)
-    if m and "::" in function:
+
+def crate(function, obj):
+    """The crate of a function as callgrind names it: the first path segment of the symbol, of
+    its type in `<T as Trait>::f` (behind `&`, `&mut`, `*const`, `[`, `(`); libc's by its object;
+    a symbol without a path in codex-fleet's binary is ring's assembly."""
+    if "libc.so" in obj or "ld-linux" in obj:
+        return "libc"
+    symbol = re.sub(r"^core::ptr::drop_in_place<", "", function)
+    symbol = re.sub(r"^(<|&|mut |\*const |\*mut |dyn |\[|\()+", "", symbol)
+    m = re.match(r"([A-Za-z_0-9]+)::", symbol)
+    if m:
         return m.group(1)
-    if re.match(r"_?aesni|ring_core|_?gcm|ChaCha|_?x25519", function):
-        return "ring"
-    return "libc"
+    return "ring" if re.match(r"_?(aesni|ring_core|gcm|ChaCha|x25519)", function) else "other"
 
 
 def parse(path):
-    """Self cost of EVENT per (source file, line, function) in one callgrind output."""
-    names = {}
+    """Self cost of EVENT per (source file, line, function, object) in one callgrind output."""
     cost = collections.Counter()
     index = None
-    file = inlined = function = None
+    obj = file = inlined = function = None
     last = 0
     skip_next = False
+    # Callgrind names objects, files and functions by number after their first mention, each
+    # kind in a table of its own.
+    objects, files, functions = {}, {}, {}
 
-    def name(value):
+    def named(table, value):
         m = re.match(r"\((\d+)\)(?: (.*))?$", value)
         if not m:
             return value
         if m.group(2) is not None:
-            names[m.group(1)] = m.group(2)
-        return names.get(m.group(1), "?")
-
-    fn_names = {}
-
-    def fn_name(value):
-        m = re.match(r"\((\d+)\)(?: (.*))?$", value)
-        if not m:
-            return value
-        if m.group(2) is not None:
-            fn_names[m.group(1)] = m.group(2)
-        return fn_names.get(m.group(1), "?")
+            table[m.group(1)] = m.group(2)
+        return table.get(m.group(1), "?")
 
     with open(path) as f:
         for line in f:
@@ -106,61 +109,82 @@ def parse(path):
                     continue
                 values = parts[1:]
                 if index < len(values) and values[index] != "*":
-                    cost[(inlined or file, pos, function)] += int(values[index])
+                    cost[(inlined or file, pos, function, obj)] += int(values[index])
                 continue
             key, _, value = line.partition("=")
             if line.startswith("events:"):
                 index = line.split()[1:].index(EVENT)
+            elif key == "ob":
+                obj = named(objects, value)
+            elif key == "cob":
+                named(objects, value)
             elif key == "fl":
-                file, inlined = name(value), None
+                file, inlined = named(files, value), None
             elif key in ("fi", "fe"):
-                inlined = name(value)
+                inlined = named(files, value)
             elif key in ("cfl", "cfi"):
-                name(value)
+                named(files, value)
             elif key == "fn":
-                function = fn_name(value)
+                function = named(functions, value)
             elif key == "cfn":
-                fn_name(value)
+                named(functions, value)
             elif key == "calls":
                 skip_next = True
     return cost
 
 
 def per_round_trip(work, who):
-    short = parse(glob.glob(f"{work}/{who}.200.*.out")[0])
-    long = parse(glob.glob(f"{work}/{who}.1200.*.out")[0])
-    return {k: (v - short.get(k, 0)) / 1000 for k, v in long.items()}
+    [short] = glob.glob(f"{work}/{who}.200.*.out")
+    [long] = glob.glob(f"{work}/{who}.1200.*.out")
+    short, long = parse(short), parse(long)
+    return {k: (long.get(k, 0) - short.get(k, 0)) / 1000 for k in set(short) | set(long)}
+
+
+def listing(fleet, route, key):
+    """Each key's code lines in codex-fleet and the routing floor, largest first."""
+    by = [collections.Counter(), collections.Counter()]
+    for counter, costs in zip(by, [fleet, route]):
+        for k, v in costs.items():
+            shown = key(k)
+            if shown is not None:
+                counter[shown] += v
+    f, r = by
+    for shown in sorted(set(f) | set(r), key=lambda k: -(f[k] + r[k])):
+        if abs(f[shown]) >= 0.5 or abs(r[shown]) >= 0.5:
+            print(f"{f[shown]:6.1f} {r[shown]:6.1f}  {shown}")
 
 
 def main():
-    if len(sys.argv) < 2:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that stops early (`| head`) ends it
+    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] not in ("fn", "line")):
         sys.exit(__doc__)
     work = sys.argv[1]
     fleet = per_round_trip(work, "fleet")
     route = per_round_trip(work, "floor-route")
-    if len(sys.argv) > 2:
-        pattern = sys.argv[2]
-        by = [collections.Counter(), collections.Counter()]
-        for counter, costs in zip(by, [fleet, route]):
-            for (_, _, function), v in costs.items():
-                if pattern in (function or ""):
-                    counter[function] += v
-        f, r = by
-        for function in sorted(set(f) | set(r), key=lambda k: -(f[k] + r[k])):
-            if abs(f[function]) >= 0.5 or abs(r[function]) >= 0.5:
-                print(f"{f[function]:6.1f} {r[function]:6.1f}  {function[:160]}")
+    if len(sys.argv) == 4:
+        pattern = sys.argv[3]
+        if sys.argv[2] == "fn":
+            listing(fleet, route, lambda k: k[2][:160] if pattern in (k[2] or "") else None)
+        else:
+            listing(fleet, route, lambda k: f"{k[0]}:{k[1]}" if pattern in (k[0] or "") else None)
         return
     by = [collections.Counter(), collections.Counter()]
     for counter, costs in zip(by, [fleet, route]):
-        for (_, _, function), v in costs.items():
-            name = crate(function or "?")
-            counter[GROUPS.get(name, name)] += v
+        for (_, _, function, obj), v in costs.items():
+            c = crate(function or "?", obj or "")
+            counter[GROUPS.get(c, c)] += v
     f, r = by
     print("| whose code (code lines per round trip) | codex-fleet | routing floor | difference |")
     print("|---|---|---|---|")
+    others = [0.0, 0.0]
     for label in sorted(set(f) | set(r), key=lambda k: -(f[k] - r[k])):
-        if abs(f[label]) >= 3 or abs(r[label]) >= 3:
+        if abs(f[label]) >= ROW or abs(r[label]) >= ROW:
             print(f"| {label} | {f[label]:.0f} | {r[label]:.0f} | {f[label] - r[label]:+.0f} |")
+        else:
+            others[0] += f[label]
+            others[1] += r[label]
+    a, b = others
+    print(f"| others, each under {ROW} | {a:.0f} | {b:.0f} | {a - b:+.0f} |")
     tf, tr = sum(f.values()), sum(r.values())
     print(f"| all | {tf:.0f} | {tr:.0f} | {tf - tr:+.0f} |")
 
