@@ -63,8 +63,9 @@ pub use leg_bytes::{LegBudget, TenantLegBytes};
 pub use clock::TokioClock;
 pub use queue_bytes::QueueBytes;
 pub use rejection::{
-    bounded_refusal_header, bounded_retry_after, is_draining_answer, rewrite_worker_overload,
-    Reason, Rejection, Scope, DRAINING_BODY, DRAINING_REFUSAL, OVERLOADED_MESSAGE, REFUSAL_HEADER,
+    bounded_refusal_body, bounded_refusal_header, bounded_retry_after, is_draining_answer,
+    rewrite_worker_overload, Reason, Rejection, Scope, DRAINING_BODY, DRAINING_REFUSAL,
+    OVERLOADED_MESSAGE, REFUSAL_HEADER,
 };
 
 /// A limiter keyed by `K`, on tokio's clock.

@@ -1063,9 +1063,10 @@ async fn answering_node(
 
 /// A tenant's node is on the far side of a boundary from the edge every tenant shares (on
 /// Kubernetes it runs in the tenant's own pod): whatever its answer to an upgrade says, a static
-/// edge passes on no wait longer than an hour, one `Retry-After` and one refusal header (the
-/// first), none of the node's other headers, and a node that sends headers without end gets the
-/// edge's own refusal. Meanwhile another tenant is served through the same edge.
+/// edge passes on no wait longer than an hour (in `Retry-After`, the refusal header or the body),
+/// one `Retry-After` and one refusal header (the first), none of the node's other headers, and a
+/// node that sends headers without end gets the edge's own refusal. Meanwhile another tenant is
+/// served through the same edge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_once(
 ) -> anyhow::Result<()> {
@@ -1073,15 +1074,22 @@ async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_o
     // acme's node is replaced by one that answers as no codex-fleet node does.
     let mut n1 = s.nodes[0].process.take().context("n1")?;
     n1.child.kill().await?;
-    let absurd = "HTTP/1.1 503 Service Unavailable\r\n\
-                  Retry-After: 99999999999999999999\r\n\
-                  Retry-After: 1\r\n\
-                  codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
-                  retry-after-ms=99999999999; since=1\r\n\
-                  codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
-                  retry-after-ms=1\r\n\
-                  X-Node-Secret: the node's own\r\n\
-                  Content-Length: 12\r\nConnection: close\r\n\r\nnode is full";
+    let body = format!(
+        "{} (scope tenant, reason tooManyConnections); retry after 99999999999 ms",
+        router::admission::OVERLOADED_MESSAGE
+    );
+    let absurd = format!(
+        "HTTP/1.1 503 Service Unavailable\r\n\
+         Retry-After: 99999999999999999999\r\n\
+         Retry-After: 1\r\n\
+         codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
+         retry-after-ms=99999999999; since=1\r\n\
+         codex-fleet-refusal: overloaded; scope=tenant; reason=tooManyConnections; \
+         retry-after-ms=1\r\n\
+         X-Node-Secret: the node's own\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
     let endless = format!(
         "HTTP/1.1 503 Service Unavailable\r\n{}\r\n",
         "X-Pad: xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\r\n"
@@ -1090,7 +1098,7 @@ async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_o
     let _node = answering_node(
         &s.link,
         s.nodes[0].port,
-        vec![absurd.as_bytes().to_vec(), endless.into_bytes()],
+        vec![absurd.into_bytes(), endless.into_bytes()],
     )
     .await?;
     let edge = &s.edges[0];
@@ -1098,7 +1106,7 @@ async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_o
     let upgrade = testkit::upgrade_request("/", &s.token("acme"));
 
     let text = testkit::https_raw(edge.addr, &s.files.ca, &upgrade).await?;
-    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP answer")?;
+    let (head, passed) = text.split_once("\r\n\r\n").context("no HTTP answer")?;
     let mut lines = head.lines();
     assert!(lines.next().is_some_and(|l| l.contains(" 503 ")), "{text}");
     let headers: Vec<(String, String)> = lines
@@ -1119,7 +1127,7 @@ async fn a_nodes_refusal_reaches_the_client_with_its_waits_bounded_and_headers_o
         "{text}"
     );
     assert!(all("x-node-secret").is_empty(), "{text}");
-    assert_eq!(body.trim(), "node is full");
+    assert_eq!(passed.trim(), body.replace("99999999999", "3600000"));
     // The other tenant, through the same edge.
     let listed = calm.request("thread/list", json!({})).await?;
     assert!(listed.get("data").is_some(), "{listed}");

@@ -17,8 +17,8 @@ use proto::error::codes;
 use proto::rpc::{Frame, RequestId};
 
 /// The longest wait an upstream's refusal is passed on with: as the edge reads it
-/// ([`Rejection::from_http`]), and as a static edge passes its headers on
-/// ([`bounded_refusal_header`], [`bounded_retry_after`]).
+/// ([`Rejection::from_http`]), and as a static edge passes it on ([`bounded_refusal_header`],
+/// [`bounded_retry_after`], [`bounded_refusal_body`]).
 const MAX_UPSTREAM_RETRY_MS: u64 = 3_600_000;
 
 /// The header on every codex-fleet refusal at the upgrade that says what it is, for an edge to
@@ -345,31 +345,52 @@ fn parse_refusal_body(body: &str) -> Option<(&str, &str, u64)> {
     Some((scope, reason, ms))
 }
 
-/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client, from its
-/// text as the edge reads it (lossily, when it is not text): as it came, except that a
-/// `retry-after-ms` field over an hour says an hour, the longest wait [`Rejection::from_http`]
-/// reads from an upstream. The first word and every other field, known or not, keep their place
-/// and their text, spaces included. `None` when nothing needed bounding (pass the header on as
-/// it came).
+/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client, whoever
+/// reads it: every `retry-after-ms` field (whatever its case and the spaces around its `=`) a
+/// wait of at most an hour, the longest [`Rejection::from_http`] reads from an upstream. One
+/// over the hour says an hour (its name as it came); one that is not a number of milliseconds is
+/// left out. Every other field, the first word included, keeps its place and its text, spaces
+/// included. `None` when
+/// nothing needed bounding (pass the header on as it came).
 pub fn bounded_refusal_header(h: &str) -> Option<String> {
-    let mut bounded = false;
+    let mut changed = false;
     let fields: Vec<std::borrow::Cow<'_, str>> = h
         .split(';')
-        .enumerate()
-        .map(|(i, field)| match field.trim().split_once('=') {
-            // Read as `parse_refusal_header` reads it: after the first word, trimmed.
-            Some(("retry-after-ms", v))
-                if i > 0 && wait_ms(v).is_some_and(|ms| ms > MAX_UPSTREAM_RETRY_MS) =>
-            {
-                bounded = true;
-                let lead = &field[..field.len() - field.trim_start().len()];
-                let trail = &field[field.trim_end().len()..];
-                format!("{lead}retry-after-ms={MAX_UPSTREAM_RETRY_MS}{trail}").into()
+        .filter_map(|field| {
+            let Some((key, value)) = field.split_once('=') else {
+                return Some(field.into());
+            };
+            if !key.trim().eq_ignore_ascii_case("retry-after-ms") {
+                return Some(field.into());
             }
-            _ => field.into(),
+            match wait_ms(value.trim()) {
+                Some(ms) if ms <= MAX_UPSTREAM_RETRY_MS => Some(field.into()),
+                Some(_) => {
+                    changed = true;
+                    let trail = &value[value.trim_end().len()..];
+                    Some(format!("{key}={MAX_UPSTREAM_RETRY_MS}{trail}").into())
+                }
+                None => {
+                    changed = true;
+                    None
+                }
+            }
         })
         .collect();
-    bounded.then(|| fields.join(";"))
+    changed.then(|| fields.join(";"))
+}
+
+/// The body of a codex-fleet upstream's refusal ([`Rejection::http_body`]) as an edge passes it
+/// on to its client: its wait at most an hour, as [`bounded_refusal_header`] bounds the header's.
+/// `None` when it needed no bounding or is not such a body (pass it on as it came).
+pub fn bounded_refusal_body(body: &str) -> Option<String> {
+    let (scope, reason, ms) = parse_refusal_body(body)?;
+    (ms > MAX_UPSTREAM_RETRY_MS).then(|| {
+        format!(
+            "{OVERLOADED_MESSAGE} (scope {scope}, reason {reason}); retry after \
+             {MAX_UPSTREAM_RETRY_MS} ms"
+        )
+    })
 }
 
 /// A codex-fleet upstream's `Retry-After` as an edge passes it on to its client: its seconds,

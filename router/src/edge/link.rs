@@ -37,9 +37,8 @@ pub enum LinkError {
         /// The status.
         status: u16,
         /// Its `Retry-After` and [`crate::admission::REFUSAL_HEADER`] (a codex-fleet node's
-        /// refusal), those it gave, the first of each, as they came but for a wait over an
-        /// hour ([`crate::admission::bounded_retry_after`],
-        /// [`crate::admission::bounded_refusal_header`]): a static edge passes them on.
+        /// refusal), those it gave, the first of each, as they came: a static edge passes them
+        /// on bounded ([`passed_on`]).
         /// (Boxed: a rare answer, and it keeps [`LinkError`] within clippy's
         /// `result_large_err` bound.)
         headers: Box<http::HeaderMap>,
@@ -89,24 +88,15 @@ impl LinkError {
     /// A node's HTTP answer to the upgrade (its status, headers and body), with what it means
     /// read once ([`NodeAnswer::read`]).
     fn refused(node: String, status: u16, headers: &http::HeaderMap, body: String) -> LinkError {
-        // The first of each (a node sends one), as it came, but no longer a wait than an hour:
-        // a static edge passes them on, and whatever a node says, its clients are told no
-        // longer a wait than a refusal the edge reads itself (`Rejection::from_http`) gives.
+        // The first of each (a node sends one), as it came: what the node said, read here and
+        // logged; a static edge passes them on bounded ([`passed_on`]).
         let mut kept = http::HeaderMap::new();
-        let retry_after = headers.get(http::header::RETRY_AFTER);
-        if let Some(secs) = retry_after.and_then(|v| bounded_retry_after(v.as_bytes())) {
-            kept.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
-        }
-        if let Some(v) = headers.get(crate::admission::REFUSAL_HEADER) {
-            // Bounded as the edge reads it: as text, lossily when it is not.
-            let v = match bounded_refusal_header(&String::from_utf8_lossy(v.as_bytes())) {
-                None => Some(v.clone()),
-                // What a header held, and the bound's digits, make a header again; were it
-                // not so, no header would go rather than one unbounded.
-                Some(bounded) => http::HeaderValue::from_bytes(bounded.as_bytes()).ok(),
-            };
-            if let Some(v) = v {
-                kept.insert(crate::admission::REFUSAL_HEADER, v);
+        for name in [
+            http::header::RETRY_AFTER,
+            http::HeaderName::from_static(crate::admission::REFUSAL_HEADER),
+        ] {
+            if let Some(v) = headers.get(&name) {
+                kept.insert(name, v.clone());
             }
         }
         let answer = NodeAnswer::read(status, refusal_text(&kept).as_deref(), &body);
@@ -142,8 +132,8 @@ impl LinkError {
         }
     }
 
-    /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as text, when it refused with
-    /// one: as the link keeps it ([`LinkError::refused`]: a wait over an hour says an hour).
+    /// What the node's [`crate::admission::REFUSAL_HEADER`] said, as it said it (as text,
+    /// lossily), when it refused with one.
     pub(super) fn refusal_header(&self) -> Option<std::borrow::Cow<'_, str>> {
         match self {
             LinkError::Refused { headers, .. } => refusal_text(headers),
@@ -486,6 +476,33 @@ impl Edge {
             }
         }))
     }
+}
+
+/// What a static edge passes on to its client of a node's refusal headers (those
+/// [`LinkError::refused`] kept): no wait longer than an hour, the longest a refusal the edge reads
+/// itself gives ([`crate::admission::Rejection::from_http`]), whatever the node said and however
+/// its client reads it. Its `Retry-After` as whole seconds, at most an hour, or none when it is
+/// not seconds ([`bounded_retry_after`]); its refusal header only when it is visible ASCII, as
+/// codex-fleet's always is (other bytes are read differently by different readers), with its
+/// waits bounded ([`bounded_refusal_header`]).
+pub(super) fn passed_on(headers: &http::HeaderMap) -> http::HeaderMap {
+    let mut out = http::HeaderMap::new();
+    let retry_after = headers.get(http::header::RETRY_AFTER);
+    if let Some(secs) = retry_after.and_then(|v| bounded_retry_after(v.as_bytes())) {
+        out.insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+    }
+    let refusal = headers.get(crate::admission::REFUSAL_HEADER);
+    if let Some((v, text)) = refusal.and_then(|v| Some((v, v.to_str().ok()?))) {
+        let v = match bounded_refusal_header(text) {
+            None => Some(v.clone()),
+            // Visible ASCII in, visible ASCII out: always a header again.
+            Some(bounded) => http::HeaderValue::from_str(&bounded).ok(),
+        };
+        if let Some(v) = v {
+            out.insert(crate::admission::REFUSAL_HEADER, v);
+        }
+    }
+    out
 }
 
 /// A node's [`crate::admission::REFUSAL_HEADER`] as text, lossily: one that is not text is

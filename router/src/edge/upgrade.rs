@@ -80,9 +80,10 @@ impl Edge {
             }) => {
                 tracing::info!(tenant = %who.tenant, %node, status, "the node refused the session");
                 let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                // Its body, `Retry-After` and refusal header, with no wait over an hour.
+                let body = crate::admission::bounded_refusal_body(&body).unwrap_or(body);
                 let mut r = door.plain(status, "node_refused", &body);
-                // Its `Retry-After` and refusal header, as they came (waits bounded).
-                r.headers_mut().extend(*headers);
+                r.headers_mut().extend(super::link::passed_on(&headers));
                 return r;
             }
             Err(e) => {
