@@ -62,8 +62,8 @@ ROW = 3
 
 def crate(function, obj):
     """The crate of a function as callgrind names it: the first path segment of the symbol, of
-    its type in `<T as Trait>::f` (behind `&`, `&mut`, `*const`, `[`, `(`); libc's by its object;
-    a symbol without a path in codex-fleet's binary is ring's assembly."""
+    its type in `<T as Trait>::f` (behind `&`, `&mut`, `*const`, `[`, `(`), of the dropped type
+    in drop glue; libc's by its object; ring's assembly by its names."""
     if "libc.so" in obj or "ld-linux" in obj:
         return "libc"
     symbol = re.sub(r"^core::ptr::drop_in_place<", "", function)
@@ -71,7 +71,9 @@ def crate(function, obj):
     m = re.match(r"([A-Za-z_0-9]+)::", symbol)
     if m:
         return m.group(1)
-    return "ring" if re.match(r"_?(aesni|ring_core|gcm|ChaCha|x25519)", function) else "other"
+    if re.match(r"_?(aesni|ring_core|gcm|ChaCha|x25519)", function):
+        return "ring"
+    return "symbols without a crate (impls on primitives, unnamed code)"
 
 
 def parse(path):
@@ -134,8 +136,10 @@ def parse(path):
 
 
 def per_round_trip(work, who):
-    [short] = glob.glob(f"{work}/{who}.200.*.out")
-    [long] = glob.glob(f"{work}/{who}.1200.*.out")
+    runs = [glob.glob(f"{work}/{who}.{rounds}.*.out") for rounds in (200, 1200)]
+    if any(len(found) != 1 for found in runs):
+        sys.exit(f"{work}: not one {who}.200.*.out and one {who}.1200.*.out (FOOTPRINT_KEEP's)")
+    [[short], [long]] = runs
     short, long = parse(short), parse(long)
     return {k: (long.get(k, 0) - short.get(k, 0)) / 1000 for k in set(short) | set(long)}
 
@@ -152,6 +156,11 @@ def listing(fleet, route, key):
     for shown in sorted(set(f) | set(r), key=lambda k: -(f[k] + r[k])):
         if abs(f[shown]) >= 0.5 or abs(r[shown]) >= 0.5:
             print(f"{f[shown]:6.1f} {r[shown]:6.1f}  {shown}")
+
+
+def signed(x):
+    """A difference as the table shows it: `+8`, `-16`, `0` (never `-0`)."""
+    return f"{x:+.0f}" if round(x) else "0"
 
 
 def main():
@@ -179,14 +188,14 @@ def main():
     others = [0.0, 0.0]
     for label in sorted(set(f) | set(r), key=lambda k: -(f[k] - r[k])):
         if abs(f[label]) >= ROW or abs(r[label]) >= ROW:
-            print(f"| {label} | {f[label]:.0f} | {r[label]:.0f} | {f[label] - r[label]:+.0f} |")
+            print(f"| {label} | {f[label]:.0f} | {r[label]:.0f} | {signed(f[label] - r[label])} |")
         else:
             others[0] += f[label]
             others[1] += r[label]
     a, b = others
-    print(f"| others, each under {ROW} | {a:.0f} | {b:.0f} | {a - b:+.0f} |")
+    print(f"| others, each under {ROW} | {a:.0f} | {b:.0f} | {signed(a - b)} |")
     tf, tr = sum(f.values()), sum(r.values())
-    print(f"| all | {tf:.0f} | {tr:.0f} | {tf - tr:+.0f} |")
+    print(f"| all | {tf:.0f} | {tr:.0f} | {signed(tf - tr)} |")
 
 
 if __name__ == "__main__":
