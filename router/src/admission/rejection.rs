@@ -345,34 +345,34 @@ fn parse_refusal_body(body: &str) -> Option<(&str, &str, u64)> {
     Some((scope, reason, ms))
 }
 
-/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client, whoever
-/// reads it: every `retry-after-ms` field (whatever its case and the spaces around its `=`) a
-/// wait of at most an hour, the longest [`Rejection::from_http`] reads from an upstream. One
-/// over the hour says an hour (its name as it came); one that is not a number of milliseconds is
-/// left out. Every other field, the first word included, keeps its place and its text, spaces
-/// included. `None` when
-/// nothing needed bounding (pass the header on as it came).
+/// A codex-fleet upstream's [`REFUSAL_HEADER`] as an edge passes it on to its client: every
+/// `retry-after-ms=` field (whatever its case and the spaces about its `=`) a wait of at most an
+/// hour, the longest [`Rejection::from_http`] reads from an upstream. One over the hour says an
+/// hour; one that is not a number of milliseconds is emptied (`retry-after-ms=`), so that every
+/// field keeps its place and the header reads as it came to this edge, as a refusal or not, as
+/// draining or not. Every other field, the first word included, keeps its text, spaces included.
+/// `None` when nothing needed bounding (pass the header on as it came).
 pub fn bounded_refusal_header(h: &str) -> Option<String> {
     let mut changed = false;
     let fields: Vec<std::borrow::Cow<'_, str>> = h
         .split(';')
-        .filter_map(|field| {
+        .map(|field| {
             let Some((key, value)) = field.split_once('=') else {
-                return Some(field.into());
+                return field.into();
             };
-            if !key.trim().eq_ignore_ascii_case("retry-after-ms") {
-                return Some(field.into());
+            if !key.trim().eq_ignore_ascii_case("retry-after-ms") || value.trim().is_empty() {
+                return field.into();
             }
+            let trail = &value[value.trim_end().len()..];
             match wait_ms(value.trim()) {
-                Some(ms) if ms <= MAX_UPSTREAM_RETRY_MS => Some(field.into()),
+                Some(ms) if ms <= MAX_UPSTREAM_RETRY_MS => field.into(),
                 Some(_) => {
                     changed = true;
-                    let trail = &value[value.trim_end().len()..];
-                    Some(format!("{key}={MAX_UPSTREAM_RETRY_MS}{trail}").into())
+                    format!("{key}={MAX_UPSTREAM_RETRY_MS}{trail}").into()
                 }
                 None => {
                     changed = true;
-                    None
+                    format!("{key}={trail}").into()
                 }
             }
         })

@@ -38,7 +38,7 @@ pub enum LinkError {
         status: u16,
         /// Its `Retry-After` and [`crate::admission::REFUSAL_HEADER`] (a codex-fleet node's
         /// refusal), those it gave, the first of each, as they came: a static edge passes them
-        /// on bounded ([`passed_on`]).
+        /// on bounded (`passed_on`).
         /// (Boxed: a rare answer, and it keeps [`LinkError`] within clippy's
         /// `result_large_err` bound.)
         headers: Box<http::HeaderMap>,
@@ -89,7 +89,7 @@ impl LinkError {
     /// read once ([`NodeAnswer::read`]).
     fn refused(node: String, status: u16, headers: &http::HeaderMap, body: String) -> LinkError {
         // The first of each (a node sends one), as it came: what the node said, read here and
-        // logged; a static edge passes them on bounded ([`passed_on`]).
+        // logged; a static edge passes them on bounded (`passed_on`).
         let mut kept = http::HeaderMap::new();
         for name in [
             http::header::RETRY_AFTER,
@@ -480,11 +480,11 @@ impl Edge {
 
 /// What a static edge passes on to its client of a node's refusal headers (those
 /// [`LinkError::refused`] kept): no wait longer than an hour, the longest a refusal the edge reads
-/// itself gives ([`crate::admission::Rejection::from_http`]), whatever the node said and however
-/// its client reads it. Its `Retry-After` as whole seconds, at most an hour, or none when it is
-/// not seconds ([`bounded_retry_after`]); its refusal header only when it is visible ASCII, as
-/// codex-fleet's always is (other bytes are read differently by different readers), with its
-/// waits bounded ([`bounded_refusal_header`]).
+/// itself gives ([`crate::admission::Rejection::from_http`]), in the fields codex-fleet writes
+/// waits in, whatever the node wrote there. Its `Retry-After` as whole seconds, at most an hour,
+/// or none when it is not seconds ([`bounded_retry_after`]); its refusal header only when it is
+/// visible ASCII, as codex-fleet's always is (readers differ on what other bytes say), with its
+/// `retry-after-ms` fields bounded ([`bounded_refusal_header`]).
 pub(super) fn passed_on(headers: &http::HeaderMap) -> http::HeaderMap {
     let mut out = http::HeaderMap::new();
     let retry_after = headers.get(http::header::RETRY_AFTER);

@@ -176,8 +176,8 @@ impl Edge {
                 // over every edge in front of it): the client learns the node's refusal, as
                 // `serve`'s client would, not that the node went away.
                 if let Some(r) = e.node_refusal() {
-                    // What the node said (a wait over an hour bounded, as the link keeps it): a
-                    // newer node's reason this edge reads as `nodeOverloaded` is named here.
+                    // What the node said, as it said it: a newer node's reason this edge reads
+                    // as `nodeOverloaded` is named here.
                     let said = e.refusal_header().unwrap_or_default();
                     tracing::info!(tenant = %who.tenant, scope = r.scope.as_str(), reason = r.reason.as_str(), node_said = %crate::untrusted::Untrusted::text(&said), "session refused by its node's limits");
                     let answer = |id: &RequestId| r.to_error_response(id);
