@@ -21,6 +21,8 @@ fi
 # minutes, before anything is installed or any worker starts.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
+# Doc links resolve, and public docs link only to what they show.
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps
 # Then every unit test (in-memory sessions, the config, the fake legs): needs no worker.
 cargo test --locked --workspace --exclude codex-fleet-testkit --lib --bins
 CODEX_BIN="$(bash ops/install-codex.sh)"

@@ -557,7 +557,7 @@ impl FakeKube {
     }
 
     /// Deletes a pod as `kubectl delete pod` does: gracefully, with the pod's own
-    /// `terminationGracePeriodSeconds` (see [`delete`]).
+    /// `terminationGracePeriodSeconds` (see `delete`).
     pub fn delete_pod(&self, name: &str) -> bool {
         delete(&self.inner, Kind::Pod, &full(NAMESPACE, name), None, None).status()
             == StatusCode::OK

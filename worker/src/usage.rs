@@ -155,7 +155,7 @@ fn scan_groups() -> HashMap<i64, GroupTicks> {
 static TABLE: ProcTable = ProcTable::new(SCAN_MAX_AGE);
 
 /// Samples the process group led by `pgid` (the worker runs in its own group), from a scan of
-/// `/proc` at most [`SCAN_MAX_AGE`] old.
+/// `/proc` at most `SCAN_MAX_AGE` old.
 pub fn group_usage(pgid: u32) -> Usage {
     TABLE.usage(pgid, Instant::now())
 }

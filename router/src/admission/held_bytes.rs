@@ -106,8 +106,8 @@ impl ReadMeter {
     /// The socket read `n` more bytes. False when the unfinished message they belong to
     /// would take the tenant over its bound (remembered: [`ReadMeter::refused`]).
     ///
-    /// Counted with [`UNFINISHED_SLACK`] free (a read may also hold a frame head and the start
-    /// of the next frame), and charged in [`CHARGE_STEP`]s: the tenant's account is touched once
+    /// Counted with `UNFINISHED_SLACK` free (a read may also hold a frame head and the start
+    /// of the next frame), and charged in `CHARGE_STEP`s: the tenant's account is touched once
     /// per step of a large message's arrival, not once per read.
     #[inline]
     pub fn read(&self, n: usize) -> bool {

@@ -45,7 +45,7 @@ pub enum LinkError {
         /// Its body.
         body: String,
         /// What the status, header and body mean to this edge, read once with them
-        /// ([`LinkError::refused`]).
+        /// (`LinkError::refused`).
         answer: NodeAnswer,
     },
     /// The session's identity cannot be carried on the link ([`headers::HeaderError`]): the
@@ -154,7 +154,7 @@ impl LinkError {
 }
 
 /// What a node's HTTP answer to the upgrade means to the edge's link, read once where the link
-/// reads the answer ([`NodeAnswer::read`]).
+/// reads the answer (`NodeAnswer::read`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeAnswer {
     /// The node refused the session under its own limits (its caps and rates):
@@ -293,7 +293,7 @@ impl Edge {
     /// Opens a session's link to its tenant's node. On Kubernetes, a pod that cannot be reached
     /// because it has just gone (a force delete kills its node before the watch tells this edge),
     /// or that answers it is draining, is looked for again, so the session waits for the tenant's
-    /// next pod instead of being refused; at most [`REDIALS`] times, and only once the watch says
+    /// next pod instead of being refused; at most `REDIALS` times, and only once the watch says
     /// that pod went.
     pub async fn connect(&self, who: &Admitted, client: SocketAddr) -> Result<Link, LinkError> {
         let mut redials = 0;

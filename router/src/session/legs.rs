@@ -229,7 +229,7 @@ impl Leg {
 
     /// Queues a frame the session read from its client: shared with the client's read buffer
     /// (a reference count) while the leg's queue is short, as frames for the client are
-    /// ([`super::writer::shared_below`]), so a worker that stops reading pins at most that many
+    /// (`writer::shared_below`), so a worker that stops reading pins at most that many
     /// of the client's buffers; a copy beyond. False if the leg broke.
     pub fn send_shared(&mut self, text: &Utf8Bytes) -> bool {
         self.writer.send_shared(text)
@@ -245,7 +245,9 @@ impl Leg {
         self.writer.full()
     }
 
-    /// See [`Writer::poll_write`].
+    /// Hands what is queued to the socket while it takes it (a batch at most), then flushes and
+    /// gives the bytes back to the budget. Ready once it made progress, or the leg broke;
+    /// cancel-safe.
     pub fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         self.writer.poll_write(cx)
     }

@@ -75,7 +75,7 @@ fn check_against(cfg: &Config, known: &BTreeMap<String, u32>, path: &Path) -> an
 
 /// Refuses a configured tenant `uid`, or its gid (`gid`, else the uid), that belongs to one of
 /// this host's login users (a passwd entry whose shell lets someone log in, see
-/// [`login_ids`]). The tenant's workers would get that person's files — a home directory, its
+/// `login_ids`). The tenant's workers would get that person's files — a home directory, its
 /// keys — and the sweep after the tenant's last worker would stop that person's processes.
 /// uids and gids with a passwd entry but no login shell (an operator naming tenant uids for
 /// `ps`) are left alone; allocated uids never have a passwd entry. Reads `/etc/passwd`; a host

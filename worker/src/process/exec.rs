@@ -11,7 +11,7 @@
 //! still names it when the file was replaced), with [`SHIM_ARG`] and the steps as arguments. With
 //! no `pre_exec` hook, std starts it with `posix_spawn` (a `vfork`: nothing is copied, the
 //! supervisor waits only for the `exec`). The shim, a fresh process of a few pages, applies the
-//! same steps ([`Hygiene::apply`]) and executes the worker in its place: same pid, same process
+//! same steps (`Hygiene::apply`) and executes the worker in its place: same pid, same process
 //! group, same pipes. Whatever fails there is written to stderr (the worker's stderr, which the
 //! supervisor logs and reports as the start's failure) and the shim exits with [`SHIM_FAILED`].
 //!

@@ -57,8 +57,8 @@ pub struct PoolConfig {
     pub restart_backoff_initial: Duration,
     /// Largest restart backoff (before jitter).
     pub restart_backoff_max: Duration,
-    /// Grace between SIGTERM and SIGKILL for callers of [`Pool::shutdown`], the idle stop and the
-    /// memory guard.
+    /// Grace between SIGTERM and SIGKILL for callers of
+    /// [`Pool::shutdown`](super::Pool::shutdown), the idle stop and the memory guard.
     pub stop_grace: Duration,
     /// Active turns per worker at or above which placement starts another worker (caps allowing).
     pub load_mark: usize,
@@ -114,7 +114,8 @@ impl Default for PoolConfig {
 // === impl PoolConfig ===
 
 impl PoolConfig {
-    /// Checks the configuration; [`Pool::new`] refuses to start workers for an invalid one.
+    /// Checks the configuration; [`Pool::new`](super::Pool::new) refuses to start workers for an
+    /// invalid one.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !valid_tenant(&self.tenant) {
             return Err(ConfigError::InvalidTenant(self.tenant.clone()));
