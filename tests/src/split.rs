@@ -55,8 +55,30 @@ pub fn write_link_pki(dir: &Path, node_names: &[&str]) -> anyhow::Result<PathBuf
     Ok(link)
 }
 
-/// A loopback port free right now.
+/// A loopback port free right now, for a process started next to listen on. Taken below the
+/// kernel's ephemeral range (`ip_local_port_range`) when there is room: a port from that range
+/// (`bind` to port 0) can be handed to any outgoing connection on the machine before the process
+/// binds it, which failed a node's start with "Address already in use" once in CI.
 pub fn free_port() -> anyhow::Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    // Ports [low - SPAN, low): none the kernel hands out by itself.
+    const SPAN: u16 = 10_000;
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if low > SPAN + 1024 {
+        for _ in 0..100 {
+            // A random start, so runs do not all try the same ports first.
+            let pick = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            let port = low - 1 - u16::try_from(pick % u64::from(SPAN))?;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
