@@ -748,6 +748,25 @@ pub fn upgrade_request(path: &str, token: &str) -> String {
     )
 }
 
+/// Reads an HTTP request's head from `stream`, a test server's side of a connection: up to and
+/// including its blank line. `None` if the stream ends or fails first (a client that only shook
+/// hands, or went away).
+pub async fn read_request_head<S>(stream: &mut S) -> Option<Vec<u8>>
+where
+    S: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0_u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(head)
+}
+
 /// Sends `request` (raw HTTP/1.1 text) over TLS to `addr` (trusting `ca`, SNI `localhost`) and
 /// returns everything the server sent until it closed, as text.
 pub async fn https_raw(addr: SocketAddr, ca: &Path, request: &str) -> anyhow::Result<String> {

@@ -28,7 +28,7 @@ pub mod wait;
 
 pub use client::{
     agent_text, bad_frames, client_tls, codex_exec_remote, http_get, https_raw, read_all,
-    upgrade_request, Client, Unfinished, Upgrade,
+    read_request_head, upgrade_request, Client, Unfinished, Upgrade,
 };
 pub use fleet::{
     init_tracing, pools_ready, read_addresses, ready_workers, Fleet, FleetBuilder, FleetFiles,

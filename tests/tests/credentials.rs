@@ -1015,7 +1015,7 @@ impl JwksServer {
 
     async fn start(jwks: String) -> anyhow::Result<JwksServer> {
         use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let dir = tempfile::tempdir()?;
         let pki = router::cli::dev::generate_pki(&["localhost", "127.0.0.1"])?;
         let (ca, cert, key) = (
@@ -1043,13 +1043,8 @@ impl JwksServer {
                     let Ok(mut tls) = acceptor.accept(tcp).await else {
                         return;
                     };
-                    let mut req = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match tls.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => req.extend_from_slice(&buf[..n]),
-                        }
+                    if testkit::read_request_head(&mut tls).await.is_none() {
+                        return;
                     }
                     *at.lock().expect("last fetch") = Some(tokio::time::Instant::now());
                     f.fetch_add(1, Ordering::SeqCst);

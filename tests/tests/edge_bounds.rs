@@ -1024,7 +1024,7 @@ async fn answering_node(
     port: u16,
     answers: Vec<Vec<u8>>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let (config, _watched) = router::tls::server_config_mutual(
         &link.join("node.crt"),
         &link.join("node.key"),
@@ -1043,15 +1043,8 @@ async fn answering_node(
             };
             // The edge's upgrade request, to its end; then the next answer, and the end. (The
             // edge's prober only shakes hands: it sends no request and takes no answer.)
-            let mut head = Vec::new();
-            let mut buf = [0_u8; 4096];
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                match tls.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => head.extend_from_slice(&buf[..n]),
-                }
-            }
-            if !head.starts_with(b"GET ") {
+            let head = testkit::read_request_head(&mut tls).await;
+            if !head.is_some_and(|h| h.starts_with(b"GET ")) {
                 continue;
             }
             let answer = answers.next().expect("a cycle");

@@ -398,18 +398,16 @@ pub fn bounded_refusal_body(body: &str) -> Option<String> {
 /// that is not a number of seconds (HTTP's digits alone; an HTTP date, which a codex-fleet node
 /// never sends), which the edge leaves out.
 pub fn bounded_retry_after(value: &[u8]) -> Option<u64> {
-    let max = MAX_UPSTREAM_RETRY_MS / 1000;
-    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+    let text = std::str::from_utf8(value).ok()?;
+    if text.starts_with('+') {
         return None;
     }
-    // Digits too many for a `u64` are a wait past the bound too.
-    let secs = std::str::from_utf8(value).ok()?.parse().unwrap_or(u64::MAX);
-    Some(max.min(secs))
+    wait_ms(text).map(|secs| secs.min(MAX_UPSTREAM_RETRY_MS / 1000))
 }
 
-/// An upstream's wait in milliseconds, as `u64` reads one (digits, after an optional `+`), but
-/// digits too many for a `u64` are the longest wait there is (bounded by its reader, as every
-/// wait). `None` if it is not a number.
+/// An upstream's wait (milliseconds, or a `Retry-After`'s seconds), as `u64` reads one (digits,
+/// after an optional `+`), but digits too many for a `u64` are the longest wait there is (bounded
+/// by its reader, as every wait). `None` if it is not a number.
 fn wait_ms(v: &str) -> Option<u64> {
     let digits = v.strip_prefix('+').unwrap_or(v);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
